@@ -1,0 +1,122 @@
+"""Reference softmax attention ops in plain jnp (no parameters).
+
+Layout follows flash-linear-attention: q ``[B, T, H, D]``, k/v ``[B, T, K, D]`` with ``H % K == 0``
+(GQA). ``positions`` are ``[B, T]`` original token positions *in the order the tokens are given*.
+
+The windowed mask used everywhere in this project (SWA, stochastic attention, kernels): with i, j the
+indices of query and key in the given order, key j is visible iff
+
+    i - window < j <= i   and   positions[j] <= positions[i].
+
+With the identity order this is causal sliding-window attention (``local_window_size=(w-1, 0)``);
+with a permuted order it is stochastic attention (causal by *original* position). ``window``
+counts the query itself; ``window >= T`` means plain causal attention.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+_NEG = -1e30  # finite "minus infinity": keeps fully-masked padding rows NaN-free
+
+
+def _check_shapes(q, k, v):
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError(f"expected [B, T, H, D] inputs, got q{q.shape} k{k.shape} v{v.shape}")
+    if k.shape != v.shape[:3] + (k.shape[3],) or k.shape[:2] != q.shape[:2]:
+        raise ValueError(f"k/v must be [B, T, K, D] matching q in B, T: q{q.shape} k{k.shape} v{v.shape}")
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(f"query heads {q.shape[2]} must be a multiple of kv heads {k.shape[2]}")
+    if q.shape[3] != k.shape[3]:
+        raise ValueError(f"q and k head dims differ: {q.shape[3]} vs {k.shape[3]}")
+
+
+def default_positions(batch: int, length: int) -> jax.Array:
+    return jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+
+
+def dense_attention(q, k, v, *, window: int | None = None, positions=None, scale: float | None = None):
+    """O(T^2) masked attention. Test oracle only: it materialises the full score matrix."""
+    _check_shapes(q, k, v)
+    B, T, H, D = q.shape
+    KV = k.shape[2]
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    pos = default_positions(B, T) if positions is None else positions
+    qg = q.reshape(B, T, KV, H // KV, D)
+    s = jnp.einsum("bqkgd,blkd->bkgql", qg.astype(jnp.float32), k.astype(jnp.float32)) * scale
+    idx = jnp.arange(T)
+    band = idx[None, :] <= idx[:, None]
+    if window is not None:
+        band &= idx[None, :] > idx[:, None] - window
+    mask = band[None] & (pos[:, None, :] <= pos[:, :, None])  # [B, Tq, Tk]
+    s = jnp.where(mask[:, None, None], s, _NEG)
+    p = jax.nn.softmax(s, axis=-1)
+    o = jnp.einsum("bkgql,blkd->bqkgd", p, v.astype(jnp.float32))
+    return o.reshape(B, T, H, v.shape[3]).astype(q.dtype)
+
+
+def _default_block(window: int, length: int) -> int:
+    b = 16
+    while b < min(window, 512):
+        b *= 2
+    return min(b, max(16, length))
+
+
+def windowed_attention(q, k, v, window: int, *, positions=None, scale: float | None = None,
+                       block_size: int | None = None):
+    """Blocked windowed attention in O(T * (block + window)) time and memory.
+
+    Queries are cut into blocks of ``block_size``; block b attends to the key span
+    ``[b*block - window + 1, (b+1)*block)`` only, with the mask in the module docstring.
+    """
+    _check_shapes(q, k, v)
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    B, T, H, D = q.shape
+    KV, Dv = k.shape[2], v.shape[3]
+    G = H // KV
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    pos = default_positions(B, T) if positions is None else positions.astype(jnp.int32)
+
+    bq = block_size or _default_block(window, T)
+    nb = -(-T // bq)
+    Tp = nb * bq
+    w = min(window, Tp)  # every valid key is inside the band once w >= T
+    P = w - 1  # left padding so block b's key span starts at padded index b*bq
+    L = bq + P
+
+    def pad_t(x, left, right, value=0):
+        widths = [(0, 0)] * x.ndim
+        widths[1] = (left, right)
+        return jnp.pad(x, widths, constant_values=value)
+
+    qb = pad_t(q, 0, Tp - T).reshape(B, nb, bq, KV, G, D)
+    kp, vp = pad_t(k, P, Tp - T), pad_t(v, P, Tp - T)
+    posq = pad_t(pos, 0, Tp - T).reshape(B, nb, bq)
+    posk = pad_t(pos, P, Tp - T)
+
+    key_idx = jnp.arange(nb)[:, None] * bq + jnp.arange(L)[None, :]  # padded coordinates [nb, L]
+    kb = jnp.take(kp, key_idx, axis=1)  # [B, nb, L, KV, D]
+    vb = jnp.take(vp, key_idx, axis=1)
+    pkb = jnp.take(posk, key_idx, axis=1)  # [B, nb, L]
+
+    qi = jnp.arange(nb)[:, None] * bq + jnp.arange(bq)[None, :]  # original index [nb, bq]
+    kj = key_idx - P  # original index [nb, L]
+    band = (kj[:, None, :] <= qi[:, :, None]) & (kj[:, None, :] > qi[:, :, None] - w)
+    band &= (kj[:, None, :] >= 0) & (kj[:, None, :] < T)
+    mask = band[None] & (pkb[:, :, None, :] <= posq[:, :, :, None])  # [B, nb, bq, L]
+
+    s = jnp.einsum("bnqkgd,bnlkd->bnkgql", qb.astype(jnp.float32), kb.astype(jnp.float32)) * scale
+    s = jnp.where(mask[:, :, None, None], s, _NEG)
+    p = jax.nn.softmax(s, axis=-1)
+    o = jnp.einsum("bnkgql,bnlkd->bnqkgd", p, vb.astype(jnp.float32))
+    return o.reshape(B, Tp, H, Dv)[:, :T].astype(q.dtype)
+
+
+def causal_attention(q, k, v, *, scale: float | None = None, implementation: str | None = None):
+    """Full causal attention through ``jax.nn.dot_product_attention`` (XLA or cuDNN)."""
+    _check_shapes(q, k, v)
+    return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True, implementation=implementation)
