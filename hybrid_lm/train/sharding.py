@@ -1,0 +1,73 @@
+"""Device mesh and logical-axis sharding rules.
+
+Mesh axes are ``data``, ``fsdp`` and ``tensor`` (``AxisType.Auto``, made explicit). Every parameter
+names its logical axes; ``MeshConfig.rules`` maps each logical axis to a mesh axis (or None).
+A dimension that a mesh axis does not divide is replicated instead.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+from hybrid_lm.config import ConfigError, MeshConfig
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+
+def make_mesh(mc: MeshConfig, devices=None) -> jax.sharding.Mesh:
+    devices = list(devices if devices is not None else jax.devices())
+    sizes = [mc.data, mc.fsdp, mc.tensor]
+    if sizes.count(-1) > 1:
+        raise ConfigError("at most one MeshConfig axis may be -1")
+    fixed = int(np.prod([s for s in sizes if s != -1]))
+    if -1 in sizes:
+        if len(devices) % fixed:
+            raise ConfigError(f"{len(devices)} devices cannot be split into mesh axes {sizes}")
+        sizes[sizes.index(-1)] = len(devices) // fixed
+    if int(np.prod(sizes)) != len(devices):
+        raise ConfigError(f"mesh {dict(zip(MESH_AXES, sizes))} needs {int(np.prod(sizes))} devices, have {len(devices)}")
+    return jax.make_mesh(tuple(sizes), MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
+
+
+def _mesh_axes_for(logical: str | None, rules: dict):
+    if logical is None:
+        return None
+    if logical not in rules:
+        raise ConfigError(f"logical axis {logical!r} has no rule in MeshConfig.rules")
+    return rules[logical]
+
+
+def logical_to_spec(axes: tuple, shape: tuple, mesh, rules) -> P:
+    """PartitionSpec for a parameter with logical ``axes`` and ``shape`` under ``rules``."""
+    rules = dict(rules)
+    used: set[str] = set()
+    spec = []
+    for name, dim in zip(axes, shape):
+        target = _mesh_axes_for(name, rules)
+        names = (target,) if isinstance(target, str) else tuple(target or ())
+        names = tuple(n for n in names if n not in used and mesh.shape[n] > 1)
+        size = int(np.prod([mesh.shape[n] for n in names])) if names else 1
+        if not names or dim % size:
+            spec.append(None)
+            continue
+        used.update(names)
+        spec.append(names[0] if len(names) == 1 else names)
+    return P(*spec)
+
+
+def tree_shardings(axes_tree, abstract_tree, mesh, rules):
+    """NamedShardings for a tree of parameters given a parallel tree of logical axes."""
+    return jax.tree.map(lambda axes, leaf: NamedSharding(mesh, logical_to_spec(axes, leaf.shape, mesh, rules)),
+                        axes_tree, abstract_tree, is_leaf=lambda x: isinstance(x, tuple))
+
+
+def batch_sharding(mesh, rules) -> NamedSharding:
+    target = dict(rules).get("batch", ("data", "fsdp"))
+    names = (target,) if isinstance(target, str) else tuple(target or ())
+    return NamedSharding(mesh, P(names or None, None))
+
+
+def replicated(mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())

@@ -1,0 +1,446 @@
+"""Windowed attention with a position-id mask: Pallas (Triton lowering) forward and backward.
+
+One kernel serves sliding-window attention (SWA, identity order) and stochastic/permuted attention
+(SA, tokens given in a permuted order, causal by *original* position). With i, j the indices of
+query and key in the given order and ``pos`` the original positions, key j is visible iff
+
+    i - window < j <= i   and   pos[j] <= pos[i]
+
+``window`` counts the query itself; ``window >= T`` is causal attention. Layout ``[B, T, H, D]`` for
+q and ``[B, T, K, D]`` for k/v with ``H % K == 0`` (GQA). Softmax statistics and accumulators are
+fp32; the output has q's dtype.
+
+Block skipping: a query block ``[q0, q0 + bq)`` only visits key blocks that intersect the band
+``[q0 - window + 1, q0 + bq - 1]``; a key block only visits the query blocks of
+``[k0, k0 + bk - 1 + window - 1]``. Work and memory are O(T * window). With ``positions=None``
+(SWA) tiles that lie wholly inside the band run without any mask; with positions, every tile is
+masked elementwise (the permuted causal part cannot be known per tile in advance).
+
+Backward: ``delta = rowsum(o * do)`` in XLA, then two kernels: dK/dV (one program per key block
+and KV head, looping over the GQA group's query heads and the band's query blocks) and dQ (one
+program per query block and head, looping over the band's key blocks). Both are deterministic.
+
+This module does not import ``hybrid_lm``. ``interpret=True`` runs the same kernels on the CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+LOG2E = math.log2(math.e)
+# Finite "minus infinity": masked logits never make inf - inf = NaN in the running max.
+MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Tile sizes (powers of two, >= 16) and Triton launch parameters.
+
+    Forward: ``block_q`` query rows per program, ``block_k`` key rows per inner step.
+    dK/dV kernel: ``block_k_dkv`` key rows per program, ``block_q_dkv`` query rows per inner step.
+    dQ kernel: ``block_q_dq`` query rows per program, ``block_k_dq`` key rows per inner step.
+    """
+
+    block_q: int = 64
+    block_k: int = 64
+    block_q_dkv: int = 64
+    block_k_dkv: int = 64
+    block_q_dq: int = 64
+    block_k_dq: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+    num_warps_bwd: int = 4
+    num_stages_bwd: int = 2
+
+    def all_blocks(self) -> tuple[int, ...]:
+        return (self.block_q, self.block_k, self.block_q_dkv, self.block_k_dkv,
+                self.block_q_dq, self.block_k_dq)
+
+    def shrink_to(self, length: int) -> "BlockSizes":
+        """Caps every block at the next power of two >= length (at least 16)."""
+        cap = max(16, _next_pow2(length))
+        return dataclasses.replace(self, **{
+            f.name: min(getattr(self, f.name), cap)
+            for f in dataclasses.fields(self) if f.name.startswith("block_")})
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _cdiv(a, b):
+    return lax.div(a + b - 1, b)
+
+
+def _clamp(x, lo, hi):
+    return jnp.minimum(jnp.maximum(x, lo), hi)
+
+
+# ------------------------------------------------------------------------------------------------
+# Band arithmetic (all operands non-negative int32 scalars, so lax.div is floor division)
+# ------------------------------------------------------------------------------------------------
+
+def _key_range(q0, bq, bk, window, n_kb):
+    """Key blocks a query block [q0, q0+bq) needs, split as [lo, f_lo) edge, [f_lo, f_hi) interior
+    (every pair visible in the band), [f_hi, hi) diagonal edge."""
+    lo = lax.div(jnp.maximum(q0 - window + 1, 0), bk)
+    hi = jnp.minimum(_cdiv(q0 + bq, bk), n_kb)
+    # interior block kb: kb*bk >= q0 + bq - window and kb*bk + bk - 1 <= q0
+    f_lo = _clamp(_cdiv(jnp.maximum(q0 + bq - window, 0), bk), lo, hi)
+    f_hi = _clamp(lax.div(q0 + 1, bk), f_lo, hi)
+    return lo, f_lo, f_hi, hi
+
+
+def _query_range(k0, bq, bk, window, n_qb):
+    """Query blocks a key block [k0, k0+bk) is seen from, split like `_key_range`: [lo, f_lo)
+    diagonal edge, [f_lo, f_hi) interior, [f_hi, hi) window edge."""
+    lo = lax.div(k0, bq)
+    hi = jnp.minimum(_cdiv(k0 + bk - 1 + window, bq), n_qb)
+    # interior block qb: qb*bq >= k0 + bk - 1 and qb*bq + bq - 1 <= k0 + window - 1
+    f_lo = _clamp(_cdiv(k0 + bk - 1, bq), lo, hi)
+    f_hi = _clamp(lax.div(k0 + window, bq), f_lo, hi)
+    return lo, f_lo, f_hi, hi
+
+
+def _tile_mask(q0, k0, bq, bk, window, posq, posk):
+    qi = q0 + jnp.arange(bq, dtype=jnp.int32)[:, None]
+    kj = k0 + jnp.arange(bk, dtype=jnp.int32)[None, :]
+    mask = (kj <= qi) & (kj > qi - window)
+    if posq is not None:
+        mask = mask & (posk[None, :] <= posq[:, None])
+    return mask
+
+
+def _run_segments(segments, body, carry, has_pos):
+    """Runs `body(idx, carry, masked)` over [a, b) segments; interior ones unmasked for SWA."""
+    for (a, b), interior in segments:
+        masked = has_pos or not interior
+        carry = lax.fori_loop(a, b, functools.partial(body, masked=masked), carry)
+    return carry
+
+
+# ------------------------------------------------------------------------------------------------
+# Forward kernel
+# ------------------------------------------------------------------------------------------------
+
+def _fwd_kernel(q_ref, k_ref, v_ref, *rest, bq, bk, window, qk_scale, has_pos, precision):
+    if has_pos:
+        pq_ref, pk_ref, o_ref, lse_ref = rest
+    else:
+        o_ref, lse_ref = rest
+    n_kb = k_ref.shape[0] // bk
+    q0 = pl.program_id(0) * bq
+    q = q_ref[...]
+    posq = pq_ref[...] if has_pos else None
+    d = q.shape[-1]
+
+    def body(kb, carry, masked):
+        acc, m_prev, l_prev = carry
+        k0 = kb * bk
+        k = k_ref[pl.ds(k0, bk), :]
+        s = pltriton.dot(q, k, trans_b=True, precision=precision) * qk_scale  # [bq, bk], log2 units
+        if masked:
+            posk = pk_ref[pl.ds(k0, bk)] if has_pos else None
+            s = jnp.where(_tile_mask(q0, k0, bq, bk, window, posq, posk), s, MASK_VALUE)
+        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
+        corr = jnp.exp2(m_prev - m_next)
+        p = jnp.exp2(s - m_next[:, None])
+        l_next = l_prev * corr + jnp.sum(p, axis=1)
+        v = v_ref[pl.ds(k0, bk), :]
+        acc = acc * corr[:, None] + pltriton.dot(p.astype(v.dtype), v, precision=precision)
+        return acc, m_next, l_next
+
+    lo, f_lo, f_hi, hi = _key_range(q0, bq, bk, window, n_kb)
+    carry = (jnp.zeros((bq, d), jnp.float32),
+             jnp.full((bq,), MASK_VALUE, jnp.float32),
+             jnp.zeros((bq,), jnp.float32))
+    acc, m, l = _run_segments(
+        [((lo, f_lo), False), ((f_lo, f_hi), True), ((f_hi, hi), False)], body, carry, has_pos)
+    o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
+    lse_ref[...] = m + jnp.log2(l)
+
+
+def _fwd_call(q, k, v, pos, *, window, scale, blocks: BlockSizes, interpret):
+    B, T, H, D = q.shape
+    K = k.shape[2]
+    G = H // K
+    bq, bk = blocks.block_q, blocks.block_k
+    has_pos = pos is not None
+    precision = _precision(q.dtype)
+    kernel = functools.partial(_fwd_kernel, bq=bq, bk=bk, window=window,
+                               qk_scale=scale * LOG2E, has_pos=has_pos, precision=precision)
+    in_specs = [
+        pl.BlockSpec((None, bq, None, D), lambda i, b, h: (b, i, h, 0)),
+        pl.BlockSpec((None, T, None, D), lambda i, b, h: (b, 0, h // G, 0)),
+        pl.BlockSpec((None, T, None, D), lambda i, b, h: (b, 0, h // G, 0)),
+    ]
+    args = [q, k, v]
+    if has_pos:
+        in_specs += [pl.BlockSpec((None, bq), lambda i, b, h: (b, i)),
+                     pl.BlockSpec((None, T), lambda i, b, h: (b, 0))]
+        args += [pos, pos]
+    o, lse = pl.pallas_call(
+        kernel,
+        grid=(T // bq, B, H),
+        in_specs=in_specs,
+        out_specs=[pl.BlockSpec((None, bq, None, D), lambda i, b, h: (b, i, h, 0)),
+                   pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))],
+        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
+                   jax.ShapeDtypeStruct((B, H, T), jnp.float32)],
+        compiler_params=pltriton.CompilerParams(num_warps=blocks.num_warps,
+                                                num_stages=blocks.num_stages),
+        interpret=interpret,
+        name="windowed_attention_fwd",
+    )(*args)
+    return o, lse
+
+
+# ------------------------------------------------------------------------------------------------
+# Backward kernels
+# ------------------------------------------------------------------------------------------------
+
+def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, bq, bk, window, scale,
+                qk_scale, has_pos, precision, group):
+    if has_pos:
+        pq_ref, pk_ref, dk_ref, dv_ref = rest
+    else:
+        dk_ref, dv_ref = rest
+    n_qb = q_ref.shape[0] // bq
+    k0 = pl.program_id(0) * bk
+    k = k_ref[...]
+    v = v_ref[...]
+    posk = pk_ref[...] if has_pos else None
+    d = k.shape[-1]
+    lo, f_lo, f_hi, hi = _query_range(k0, bq, bk, window, n_qb)
+
+    def head_body(g, carry):
+        def body(qb, carry, masked):
+            dk, dv = carry
+            q0 = qb * bq
+            q = q_ref[pl.ds(q0, bq), g, :]
+            do = do_ref[pl.ds(q0, bq), g, :]
+            lse = lse_ref[g, pl.ds(q0, bq)]
+            delta = delta_ref[g, pl.ds(q0, bq)]
+            s = pltriton.dot(q, k, trans_b=True, precision=precision) * qk_scale  # [bq, bk]
+            if masked:
+                posq = pq_ref[pl.ds(q0, bq)] if has_pos else None
+                s = jnp.where(_tile_mask(q0, k0, bq, bk, window, posq, posk), s, MASK_VALUE)
+            p = jnp.exp2(s - lse[:, None])
+            dv = dv + pltriton.dot(p.astype(do.dtype), do, trans_a=True, precision=precision)
+            dp = pltriton.dot(do, v, trans_b=True, precision=precision)
+            ds = p * (dp - delta[:, None])
+            dk = dk + pltriton.dot(ds.astype(q.dtype), q, trans_a=True, precision=precision)
+            return dk, dv
+
+        return _run_segments(
+            [((lo, f_lo), False), ((f_lo, f_hi), True), ((f_hi, hi), False)], body, carry,
+            has_pos)
+
+    zeros = jnp.zeros((bk, d), jnp.float32)
+    dk, dv = lax.fori_loop(0, group, head_body, (zeros, zeros))
+    dk_ref[...] = (dk * scale).astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, bq, bk, window, scale,
+               qk_scale, has_pos, precision):
+    if has_pos:
+        pq_ref, pk_ref, dq_ref = rest
+    else:
+        (dq_ref,) = rest
+    n_kb = k_ref.shape[0] // bk
+    q0 = pl.program_id(0) * bq
+    q = q_ref[...]
+    do = do_ref[...]
+    lse = lse_ref[...]
+    delta = delta_ref[...]
+    posq = pq_ref[...] if has_pos else None
+    d = q.shape[-1]
+
+    def body(kb, dq, masked):
+        k0 = kb * bk
+        k = k_ref[pl.ds(k0, bk), :]
+        v = v_ref[pl.ds(k0, bk), :]
+        s = pltriton.dot(q, k, trans_b=True, precision=precision) * qk_scale
+        if masked:
+            posk = pk_ref[pl.ds(k0, bk)] if has_pos else None
+            s = jnp.where(_tile_mask(q0, k0, bq, bk, window, posq, posk), s, MASK_VALUE)
+        p = jnp.exp2(s - lse[:, None])
+        dp = pltriton.dot(do, v, trans_b=True, precision=precision)
+        ds = p * (dp - delta[:, None])
+        return dq + pltriton.dot(ds.astype(k.dtype), k, precision=precision)
+
+    lo, f_lo, f_hi, hi = _key_range(q0, bq, bk, window, n_kb)
+    dq = _run_segments([((lo, f_lo), False), ((f_lo, f_hi), True), ((f_hi, hi), False)], body,
+                       jnp.zeros((bq, d), jnp.float32), has_pos)
+    dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
+
+
+def _bwd_call(q, k, v, pos, o, lse, do, *, window, scale, blocks: BlockSizes, interpret):
+    B, T, H, D = q.shape
+    K = k.shape[2]
+    G = H // K
+    has_pos = pos is not None
+    precision = _precision(q.dtype)
+    params = pltriton.CompilerParams(num_warps=blocks.num_warps_bwd,
+                                     num_stages=blocks.num_stages_bwd)
+    delta = jnp.einsum("bthd,bthd->bht", o.astype(jnp.float32), do.astype(jnp.float32))
+
+    # dK / dV: one program per (key block, batch, kv head); loops over the group's query heads.
+    bq, bk = blocks.block_q_dkv, blocks.block_k_dkv
+    q5 = q.reshape(B, T, K, G, D)
+    do5 = do.reshape(B, T, K, G, D)
+    lse4 = lse.reshape(B, K, G, T)
+    delta4 = delta.reshape(B, K, G, T)
+    in_specs = [
+        pl.BlockSpec((None, T, None, G, D), lambda i, b, h: (b, 0, h, 0, 0)),
+        pl.BlockSpec((None, bk, None, D), lambda i, b, h: (b, i, h, 0)),
+        pl.BlockSpec((None, bk, None, D), lambda i, b, h: (b, i, h, 0)),
+        pl.BlockSpec((None, T, None, G, D), lambda i, b, h: (b, 0, h, 0, 0)),
+        pl.BlockSpec((None, None, G, T), lambda i, b, h: (b, h, 0, 0)),
+        pl.BlockSpec((None, None, G, T), lambda i, b, h: (b, h, 0, 0)),
+    ]
+    args = [q5, k, v, do5, lse4, delta4]
+    if has_pos:
+        in_specs += [pl.BlockSpec((None, T), lambda i, b, h: (b, 0)),
+                     pl.BlockSpec((None, bk), lambda i, b, h: (b, i))]
+        args += [pos, pos]
+    dk, dv = pl.pallas_call(
+        functools.partial(_dkv_kernel, bq=bq, bk=bk, window=window, scale=scale,
+                          qk_scale=scale * LOG2E, has_pos=has_pos, precision=precision, group=G),
+        grid=(T // bk, B, K),
+        in_specs=in_specs,
+        out_specs=[pl.BlockSpec((None, bk, None, D), lambda i, b, h: (b, i, h, 0)),
+                   pl.BlockSpec((None, bk, None, D), lambda i, b, h: (b, i, h, 0))],
+        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype),
+                   jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        compiler_params=params,
+        interpret=interpret,
+        name="windowed_attention_dkv",
+    )(*args)
+
+    # dQ: one program per (query block, batch, head).
+    bq, bk = blocks.block_q_dq, blocks.block_k_dq
+    in_specs = [
+        pl.BlockSpec((None, bq, None, D), lambda i, b, h: (b, i, h, 0)),
+        pl.BlockSpec((None, T, None, D), lambda i, b, h: (b, 0, h // G, 0)),
+        pl.BlockSpec((None, T, None, D), lambda i, b, h: (b, 0, h // G, 0)),
+        pl.BlockSpec((None, bq, None, D), lambda i, b, h: (b, i, h, 0)),
+        pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i)),
+        pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i)),
+    ]
+    args = [q, k, v, do, lse, delta]
+    if has_pos:
+        in_specs += [pl.BlockSpec((None, bq), lambda i, b, h: (b, i)),
+                     pl.BlockSpec((None, T), lambda i, b, h: (b, 0))]
+        args += [pos, pos]
+    dq = pl.pallas_call(
+        functools.partial(_dq_kernel, bq=bq, bk=bk, window=window, scale=scale,
+                          qk_scale=scale * LOG2E, has_pos=has_pos, precision=precision),
+        grid=(T // bq, B, H),
+        in_specs=in_specs,
+        out_specs=pl.BlockSpec((None, bq, None, D), lambda i, b, h: (b, i, h, 0)),
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        compiler_params=params,
+        interpret=interpret,
+        name="windowed_attention_dq",
+    )(*args)
+    return dq, dk, dv
+
+
+def _precision(dtype):
+    # fp32 inputs: full-precision dots (Triton would otherwise use tf32); bf16/fp16: default.
+    return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+
+
+# ------------------------------------------------------------------------------------------------
+# custom_vjp core (T a multiple of every block, D a power of two >= 16)
+# ------------------------------------------------------------------------------------------------
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _core(q, k, v, pos, window, scale, blocks, interpret):
+    o, _ = _fwd_call(q, k, v, pos, window=window, scale=scale, blocks=blocks, interpret=interpret)
+    return o
+
+
+def _core_fwd(q, k, v, pos, window, scale, blocks, interpret):
+    o, lse = _fwd_call(q, k, v, pos, window=window, scale=scale, blocks=blocks,
+                       interpret=interpret)
+    return o, (q, k, v, pos, o, lse)
+
+
+def _core_bwd(window, scale, blocks, interpret, res, do):
+    q, k, v, pos, o, lse = res
+    dq, dk, dv = _bwd_call(q, k, v, pos, o, lse, do, window=window, scale=scale, blocks=blocks,
+                           interpret=interpret)
+    return dq, dk, dv, None
+
+
+_core.defvjp(_core_fwd, _core_bwd)
+
+
+# ------------------------------------------------------------------------------------------------
+# Public entry point
+# ------------------------------------------------------------------------------------------------
+
+def windowed_attention(q, k, v, positions=None, window: int = 128, *, scale: float | None = None,
+                       interpret: bool = False, block_sizes: BlockSizes | None = None):
+    """Windowed attention with a position mask (Pallas, Triton lowering), differentiable.
+
+    Args:
+      q: ``[B, T, H, D]``; k, v: ``[B, T, K, D]`` with ``H % K == 0``.
+      positions: ``[B, T]`` int original positions in the given order, or ``None`` for the
+        identity order (plain sliding-window attention; enables unmasked interior tiles).
+      window: visible keys per query including itself (static); ``window >= T`` is causal.
+      scale: logit scale, default ``1/sqrt(D)``.
+      interpret: run the Pallas kernels in interpret mode (CPU).
+      block_sizes: tiles and launch parameters (see `BlockSizes`).
+    Returns:
+      ``[B, T, H, D]`` in q's dtype.
+    """
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError(f"expected [B, T, H, D] inputs, got q{q.shape} k{k.shape} v{v.shape}")
+    B, T, H, D = q.shape
+    if k.shape != v.shape or k.shape[:2] != (B, T) or k.shape[3] != D:
+        raise ValueError(f"k/v must be [B, T, K, D] matching q: q{q.shape} k{k.shape} v{v.shape}")
+    if H % k.shape[2]:
+        raise ValueError(f"query heads {H} must be a multiple of kv heads {k.shape[2]}")
+    window = int(window)
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    blocks = (block_sizes or BlockSizes()).shrink_to(T)
+    for b in blocks.all_blocks():
+        if b < 16 or b & (b - 1):
+            raise ValueError(f"block sizes must be powers of two >= 16, got {blocks}")
+
+    step = max(blocks.all_blocks())
+    Tp = -(-T // step) * step
+    Dp = max(16, _next_pow2(D))
+    window = min(window, Tp)
+    if positions is not None:
+        positions = jnp.asarray(positions).astype(jnp.int32)
+        if positions.shape != (B, T):
+            raise ValueError(f"positions must be [B, T] = {(B, T)}, got {positions.shape}")
+    if Tp != T or Dp != D:
+        # Padded keys (j >= T) are only in the band of padded queries (i >= j); padded head dims
+        # are zeros in q, k (no effect on logits) and v (sliced off).
+        def pad(x):
+            return jnp.pad(x, ((0, 0), (0, Tp - T), (0, 0), (0, Dp - D)))
+        q, k, v = pad(q), pad(k), pad(v)
+        if positions is not None:
+            extra = jnp.broadcast_to(jnp.arange(T, Tp, dtype=jnp.int32), (B, Tp - T))
+            positions = jnp.concatenate([positions, extra], axis=1)
+    o = _core(q, k, v, positions, window, scale, blocks, interpret)
+    return o[:, :T, :, :D]
