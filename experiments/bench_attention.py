@@ -90,21 +90,28 @@ INTERPRET = False  # --interpret: CPU smoke test of this script (Pallas interpre
 BS = K.BlockSizes
 FWD_CONFIGS = {
     "f64": dict(block_q=64, block_k=64, num_warps=4, num_stages=2),
-    "f128x64": dict(block_q=128, block_k=64, num_warps=8, num_stages=2),
-    "f128x128": dict(block_q=128, block_k=128, num_warps=8, num_stages=2),
+    "f64s3": dict(block_q=64, block_k=64, num_warps=4, num_stages=3),
+    "f64x128": dict(block_q=64, block_k=128, num_warps=4, num_stages=2),
+    "f128": dict(block_q=128, block_k=128, num_warps=8, num_stages=2),
+    "f128s3": dict(block_q=128, block_k=128, num_warps=8, num_stages=3),
 }
-BWD_CONFIGS = {
-    "b64": dict(block_q_dkv=64, block_k_dkv=64, block_q_dq=64, block_k_dq=64, num_warps_bwd=4,
-                num_stages_bwd=2),
-    "b32": dict(block_q_dkv=32, block_k_dkv=64, block_q_dq=64, block_k_dq=32, num_warps_bwd=4,
-                num_stages_bwd=3),
-    "b128w8": dict(block_q_dkv=64, block_k_dkv=128, block_q_dq=128, block_k_dq=64,
-                   num_warps_bwd=8, num_stages_bwd=2),
+DKV_CONFIGS = {  # key rows per program (k), query rows per step (q)
+    "k64": dict(block_k_dkv=64, block_q_dkv=64, num_warps_dkv=4, num_stages_dkv=2),
+    "k64s3": dict(block_k_dkv=64, block_q_dkv=64, num_warps_dkv=4, num_stages_dkv=3),
+    "k64q32": dict(block_k_dkv=64, block_q_dkv=32, num_warps_dkv=4, num_stages_dkv=3),
+    "k128w8": dict(block_k_dkv=128, block_q_dkv=64, num_warps_dkv=8, num_stages_dkv=2),
 }
+DQ_CONFIGS = {  # query rows per program (q), key rows per step (k)
+    "q64": dict(block_q_dq=64, block_k_dq=64, num_warps_dq=4, num_stages_dq=2),
+    "q64s3": dict(block_q_dq=64, block_k_dq=64, num_warps_dq=4, num_stages_dq=3),
+    "q64k32": dict(block_q_dq=64, block_k_dq=32, num_warps_dq=4, num_stages_dq=3),
+    "q128w8": dict(block_q_dq=128, block_k_dq=64, num_warps_dq=8, num_stages_dq=2),
+}
+DEFAULT_CFG = ("f64", "k64", "q64")
 
 
-def make_blocks(fwd: str, bwd: str):
-    return BS(**FWD_CONFIGS[fwd], **BWD_CONFIGS[bwd])
+def make_blocks(fwd: str, dkv: str, dq: str):
+    return BS(**FWD_CONFIGS[fwd], **DKV_CONFIGS[dkv], **DQ_CONFIGS[dq])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -277,32 +284,45 @@ def measure(name, T, B, w, blocks, args, jla, reps, inner, modes=("fwd", "fwd_bw
 
 
 def run_sweep(args, results, jla):
+    """Per window: best forward tiles (forward time), then best dK/dV tiles with the default dQ,
+    then best dQ tiles (both by forward+backward time)."""
     T, B = args.sweep_shape
     H, D = 16, 128
     best = {}
     print(f"\n== sweep: tile configs at T={T}, B={B}, H={H}, D={D} (ms, SWA) ==")
     inputs = rand_inputs(1, B, T, H, H, D, jnp.bfloat16)
+
+    def pick(times, default):
+        valid = {n: t for n, t in times.items() if t is not None}
+        return min(valid, key=valid.get) if valid else default
+
     for w in args.windows:
-        fwd_t = {}
-        for fname in FWD_CONFIGS:
-            r = measure("pallas_swa", T, B, w, make_blocks(fname, "b64"), inputs, jla,
+        fwd_t, dkv_t, dq_t = {}, {}, {}
+        for name in FWD_CONFIGS:
+            r = measure("pallas_swa", T, B, w, make_blocks(name, *DEFAULT_CFG[1:]), inputs, jla,
                         args.reps, args.inner, modes=("fwd",))
-            fwd_t[fname] = r["fwd"]
-            print(f"  w={w} fwd {fname}: {r['fwd']}")
-        valid = {n: t for n, t in fwd_t.items() if t is not None}
-        fbest = min(valid, key=valid.get) if valid else "f64"
-        fb_t = {}
-        for bname in BWD_CONFIGS:
-            r = measure("pallas_swa", T, B, w, make_blocks(fbest, bname), inputs, jla,
+            fwd_t[name] = r["fwd"]
+            print(f"  w={w} fwd {name}: {r['fwd']}", flush=True)
+        fbest = pick(fwd_t, DEFAULT_CFG[0])
+        for name in DKV_CONFIGS:
+            r = measure("pallas_swa", T, B, w, make_blocks(fbest, name, DEFAULT_CFG[2]), inputs,
+                        jla, args.reps, args.inner, modes=("fwd_bwd",))
+            dkv_t[name] = r["fwd_bwd"]
+            print(f"  w={w} fwd+bwd {fbest}+{name}+{DEFAULT_CFG[2]}: {r['fwd_bwd']}", flush=True)
+        kbest = pick(dkv_t, DEFAULT_CFG[1])
+        dq_t[DEFAULT_CFG[2]] = dkv_t[kbest]
+        for name in DQ_CONFIGS:
+            if name == DEFAULT_CFG[2]:
+                continue
+            r = measure("pallas_swa", T, B, w, make_blocks(fbest, kbest, name), inputs, jla,
                         args.reps, args.inner, modes=("fwd_bwd",))
-            fb_t[bname] = r["fwd_bwd"]
-            print(f"  w={w} fwd+bwd {fbest}+{bname}: {r['fwd_bwd']}")
-        valid = {n: t for n, t in fb_t.items() if t is not None}
-        bbest = min(valid, key=valid.get) if valid else "b64"
-        best[w] = (fbest, bbest)
-        results["sweep"].append(dict(T=T, B=B, w=w, fwd=fwd_t, fwd_bwd=fb_t,
-                                     best=[fbest, bbest]))
-        print(f"  w={w}: best {fbest}+{bbest}")
+            dq_t[name] = r["fwd_bwd"]
+            print(f"  w={w} fwd+bwd {fbest}+{kbest}+{name}: {r['fwd_bwd']}", flush=True)
+        qbest = pick(dq_t, DEFAULT_CFG[2])
+        best[w] = (fbest, kbest, qbest)
+        results["sweep"].append(dict(T=T, B=B, w=w, fwd=fwd_t, fwd_bwd_dkv=dkv_t,
+                                     fwd_bwd_dq=dq_t, best=list(best[w])))
+        print(f"  w={w}: best {'+'.join(best[w])}")
     del inputs
     return best
 
@@ -320,7 +340,7 @@ def main():
     p.add_argument("--check-only", action="store_true")
     p.add_argument("--sweep", action="store_true", help="pick tiles per window by a sweep")
     p.add_argument("--sweep-shape", type=int, nargs=2, default=(16384, 2), metavar=("T", "B"))
-    p.add_argument("--config", default=None, help="FWD+BWD config names, e.g. f64+b64")
+    p.add_argument("--config", default=None, help="FWD+DKV+DQ config names, e.g. f64+k64+q64")
     p.add_argument("--shapes", default="4096x8,16384x2,65536x1", help="TxB list")
     p.add_argument("--windows", type=int, nargs="+", default=[128, 512, 2048])
     p.add_argument("--impls", default="cudnn,pallas_swa,pallas_sa,jla")
@@ -346,7 +366,7 @@ def main():
             Path(args.out).write_text(json.dumps(results, indent=1))
 
     jla = load_jla() if "jla" in args.impls else None
-    default_cfg = tuple(args.config.split("+")) if args.config else ("f64", "b64")
+    default_cfg = tuple(args.config.split("+")) if args.config else DEFAULT_CFG
     if args.check or args.check_only:
         run_check(make_blocks(*default_cfg), results)
         dump()

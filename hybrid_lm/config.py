@@ -219,7 +219,7 @@ def load_config(gin_files: list[str] | tuple[str, ...] = (), gin_params: list[st
         eff = MixerConfig()
     full = dataclasses.replace(full, kind=full.kind or "attention")
     if eff.kind is None:
-        eff = dataclasses.replace(eff, kind="swa", window=eff.window or 128)
+        eff = dataclasses.replace(eff, kind="swa", window=128 if eff.window is None else eff.window)
     cfg = Config(model=ModelConfig(full=full, efficient=eff), data=DataConfig(), optim=OptimConfig(),
                  train=TrainConfig(), checkpoint=CheckpointConfig(), mesh=MeshConfig())
     if validate:

@@ -16,9 +16,10 @@ Block skipping: a query block ``[q0, q0 + bq)`` only visits key blocks that inte
 (SWA) tiles that lie wholly inside the band run without any mask; with positions, every tile is
 masked elementwise (the permuted causal part cannot be known per tile in advance).
 
-Backward: ``delta = rowsum(o * do)`` in XLA, then two kernels: dK/dV (one program per key block
-and KV head, looping over the GQA group's query heads and the band's query blocks) and dQ (one
-program per query block and head, looping over the band's key blocks). Both are deterministic.
+Backward: two kernels, both deterministic. dQ (one program per query block and head, looping over
+the band's key blocks) runs first and also computes ``delta = rowsum(o * do)`` for its rows; dK/dV
+(one program per key block and KV head, looping over the GQA group's query heads and the band's
+query blocks) reads that delta.
 
 This module does not import ``hybrid_lm``. ``interpret=True`` runs the same kernels on the CPU.
 """
@@ -58,8 +59,10 @@ class BlockSizes:
     block_k_dq: int = 64
     num_warps: int = 4
     num_stages: int = 2
-    num_warps_bwd: int = 4
-    num_stages_bwd: int = 2
+    num_warps_dkv: int = 4
+    num_stages_dkv: int = 2
+    num_warps_dq: int = 4
+    num_stages_dq: int = 2
 
     def all_blocks(self) -> tuple[int, ...]:
         return (self.block_q, self.block_k, self.block_q_dkv, self.block_k_dkv,
@@ -251,18 +254,20 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, bq, bk, 
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, bq, bk, window, scale,
+def _dq_kernel(q_ref, k_ref, v_ref, o_ref, do_ref, lse_ref, *rest, bq, bk, window, scale,
                qk_scale, has_pos, precision):
     if has_pos:
-        pq_ref, pk_ref, dq_ref = rest
+        pq_ref, pk_ref, dq_ref, delta_ref = rest
     else:
-        (dq_ref,) = rest
+        dq_ref, delta_ref = rest
     n_kb = k_ref.shape[0] // bk
     q0 = pl.program_id(0) * bq
     q = q_ref[...]
     do = do_ref[...]
     lse = lse_ref[...]
-    delta = delta_ref[...]
+    # delta_i = sum_d o_id * do_id (= sum_j p_ij dp_ij); also written out for the dK/dV kernel
+    delta = jnp.sum(o_ref[...].astype(jnp.float32) * do.astype(jnp.float32), axis=1)
+    delta_ref[...] = delta
     posq = pq_ref[...] if has_pos else None
     d = q.shape[-1]
 
@@ -291,9 +296,37 @@ def _bwd_call(q, k, v, pos, o, lse, do, *, window, scale, blocks: BlockSizes, in
     G = H // K
     has_pos = pos is not None
     precision = _precision(q.dtype)
-    params = pltriton.CompilerParams(num_warps=blocks.num_warps_bwd,
-                                     num_stages=blocks.num_stages_bwd)
-    delta = jnp.einsum("bthd,bthd->bht", o.astype(jnp.float32), do.astype(jnp.float32))
+
+    # dQ first: one program per (query block, batch, head). It also computes
+    # delta = rowsum(o * do) for its rows and writes it for the dK/dV kernel.
+    bq, bk = blocks.block_q_dq, blocks.block_k_dq
+    in_specs = [
+        pl.BlockSpec((None, bq, None, D), lambda i, b, h: (b, i, h, 0)),
+        pl.BlockSpec((None, T, None, D), lambda i, b, h: (b, 0, h // G, 0)),
+        pl.BlockSpec((None, T, None, D), lambda i, b, h: (b, 0, h // G, 0)),
+        pl.BlockSpec((None, bq, None, D), lambda i, b, h: (b, i, h, 0)),
+        pl.BlockSpec((None, bq, None, D), lambda i, b, h: (b, i, h, 0)),
+        pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i)),
+    ]
+    args = [q, k, v, o, do, lse]
+    if has_pos:
+        in_specs += [pl.BlockSpec((None, bq), lambda i, b, h: (b, i)),
+                     pl.BlockSpec((None, T), lambda i, b, h: (b, 0))]
+        args += [pos, pos]
+    dq, delta = pl.pallas_call(
+        functools.partial(_dq_kernel, bq=bq, bk=bk, window=window, scale=scale,
+                          qk_scale=scale * LOG2E, has_pos=has_pos, precision=precision),
+        grid=(T // bq, B, H),
+        in_specs=in_specs,
+        out_specs=[pl.BlockSpec((None, bq, None, D), lambda i, b, h: (b, i, h, 0)),
+                   pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))],
+        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
+                   jax.ShapeDtypeStruct((B, H, T), jnp.float32)],
+        compiler_params=pltriton.CompilerParams(num_warps=blocks.num_warps_dq,
+                                                num_stages=blocks.num_stages_dq),
+        interpret=interpret,
+        name="windowed_attention_dq",
+    )(*args)
 
     # dK / dV: one program per (key block, batch, kv head); loops over the group's query heads.
     bq, bk = blocks.block_q_dkv, blocks.block_k_dkv
@@ -323,36 +356,10 @@ def _bwd_call(q, k, v, pos, o, lse, do, *, window, scale, blocks: BlockSizes, in
                    pl.BlockSpec((None, bk, None, D), lambda i, b, h: (b, i, h, 0))],
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype),
                    jax.ShapeDtypeStruct(v.shape, v.dtype)],
-        compiler_params=params,
+        compiler_params=pltriton.CompilerParams(num_warps=blocks.num_warps_dkv,
+                                                num_stages=blocks.num_stages_dkv),
         interpret=interpret,
         name="windowed_attention_dkv",
-    )(*args)
-
-    # dQ: one program per (query block, batch, head).
-    bq, bk = blocks.block_q_dq, blocks.block_k_dq
-    in_specs = [
-        pl.BlockSpec((None, bq, None, D), lambda i, b, h: (b, i, h, 0)),
-        pl.BlockSpec((None, T, None, D), lambda i, b, h: (b, 0, h // G, 0)),
-        pl.BlockSpec((None, T, None, D), lambda i, b, h: (b, 0, h // G, 0)),
-        pl.BlockSpec((None, bq, None, D), lambda i, b, h: (b, i, h, 0)),
-        pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i)),
-        pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i)),
-    ]
-    args = [q, k, v, do, lse, delta]
-    if has_pos:
-        in_specs += [pl.BlockSpec((None, bq), lambda i, b, h: (b, i)),
-                     pl.BlockSpec((None, T), lambda i, b, h: (b, 0))]
-        args += [pos, pos]
-    dq = pl.pallas_call(
-        functools.partial(_dq_kernel, bq=bq, bk=bk, window=window, scale=scale,
-                          qk_scale=scale * LOG2E, has_pos=has_pos, precision=precision),
-        grid=(T // bq, B, H),
-        in_specs=in_specs,
-        out_specs=pl.BlockSpec((None, bq, None, D), lambda i, b, h: (b, i, h, 0)),
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        compiler_params=params,
-        interpret=interpret,
-        name="windowed_attention_dq",
     )(*args)
     return dq, dk, dv
 

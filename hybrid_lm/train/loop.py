@@ -190,13 +190,13 @@ def train(cfg: Config, workdir: Path | str | None = None, *, force: bool = False
                     ckpt.save(done, state, {"step": done, "data_position": done, "tokens_seen": done * tokens_per_step,
                                             "run_id": cfg.run_id()})
                 bar.update(1)
+            if final_eval is None:  # nothing left to train: report the restored model
+                final_eval = run_eval(int(jax.device_get(state["step"])))
         finally:
             bar.close()
             ckpt.close()
             metrics.close()
 
-        if final_eval is None:  # nothing left to train: report the restored model
-            final_eval = run_eval(int(jax.device_get(state["step"])))
         plot_loss_curve(workdir / "metrics.jsonl", workdir / "loss_curve.png",
                         title=f"{workdir.name}: {counts['non_embedding']:,} non-embedding params")
     return TrainResult(workdir=workdir, step=int(jax.device_get(state["step"])), final_eval=final_eval,
