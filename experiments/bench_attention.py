@@ -6,6 +6,8 @@ Times, in one process and one run, bf16 with H=16, D=128:
     local_window_size=(w-1, 0))`` (the anchor; every ratio is against it, same run),
   * our Pallas kernel (``hybrid_lm_kernels.windowed_attention``) for SWA (positions=None) and for
     SA (random permutation positions, same band: cuDNN cannot express this mask),
+  * the naive SA route (``pallas_sa_gather``: gather q, k, v by the permutation, kernel, scatter
+    the output back), to show what the gathers cost,
   * jax-linear-attention's Mosaic GPU ``flash_attention(sliding_window=w)`` where importable,
 forward and forward+backward (``jax.vjp`` then the pullback of a random cotangent, in one jit), for
 (T, B) in {(4096, 8), (16384, 2), (65536, 1)} and w in {128, 512, 2048}.
@@ -257,6 +259,16 @@ def impl_fns(name, w, blocks, perm, jla):
         def attn(q, k, v):
             return K.windowed_attention(q, k, v, perm, w, block_sizes=blocks,
                                         interpret=INTERPRET)
+    elif name == "pallas_sa_gather":
+        # naive SA route for scale: gather q, k, v into the permuted order, run the kernel with
+        # the permutation as positions, scatter the output back to the original order
+        inv = jnp.argsort(perm, axis=1)
+
+        def attn(q, k, v):
+            g = lambda x, idx: jnp.take_along_axis(x, idx[:, :, None, None], axis=1)
+            o = K.windowed_attention(g(q, perm), g(k, perm), g(v, perm), perm, w,
+                                     block_sizes=blocks, interpret=INTERPRET)
+            return g(o, inv)
     elif name == "jla":
         def attn(q, k, v):
             return jla(q, k, v, sliding_window=w)
@@ -343,7 +355,7 @@ def main():
     p.add_argument("--config", default=None, help="FWD+DKV+DQ config names, e.g. f64+k64+q64")
     p.add_argument("--shapes", default="4096x8,16384x2,65536x1", help="TxB list")
     p.add_argument("--windows", type=int, nargs="+", default=[128, 512, 2048])
-    p.add_argument("--impls", default="cudnn,pallas_swa,pallas_sa,jla")
+    p.add_argument("--impls", default="cudnn,pallas_swa,pallas_sa,pallas_sa_gather,jla")
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--inner", type=int, default=10)
     p.add_argument("--out", default=None, help="JSON output path")
