@@ -121,6 +121,7 @@ class TrainConfig:
     eval_every: int = _nid(200)
     eval_batches: int = _nid(4)
     progress: bool = _nid(True)
+    tensorboard: bool = _nid(False)  # mirror metrics to <workdir>/tb (needs the [tb] extra)
 
 
 @gin.configurable

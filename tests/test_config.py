@@ -73,3 +73,15 @@ def test_resume_refuses_a_different_experiment(tmp_path):
         prepare_run_dir(changed, tmp_path)
     prepare_run_dir(changed, tmp_path, force=True)
     assert json.loads((tmp_path / "config.json").read_text())["optim"]["lr"] == 1e-4
+
+
+def test_optional_import_names_the_extra(monkeypatch):
+    import importlib
+
+    from hybrid_lm.optional import optional_import
+
+    def missing(name, *a, **k):
+        raise ImportError(f"No module named {name!r}")
+    monkeypatch.setattr(importlib, "import_module", missing)
+    with pytest.raises(ImportError, match=r"pip install -e '\.\[tb\]'"):
+        optional_import("tensorboardX")

@@ -61,8 +61,11 @@ class ModelFns:
         cfg = self.cfg
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
         B, T = inputs.shape
+        # global example index of each row: independent of how the batch is sharded
+        example_ids = step * cfg.train.global_batch + jnp.arange(B, dtype=jnp.int32)
         ctx = MixerContext(positions=jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T)),
-                           attention_impl=cfg.model.attention_impl, step=step, seed=cfg.train.seed, train=train)
+                           attention_impl=cfg.model.attention_impl, step=step, seed=cfg.train.seed,
+                           example_ids=example_ids, train=train)
         logits = self.model(params)(inputs, ctx)
         return cross_entropy(logits, targets, cfg.optim.z_loss if train else 0.0)
 
@@ -139,7 +142,7 @@ def train(cfg: Config, workdir: Path | str | None = None, *, force: bool = False
         flops = flops_per_token(cfg.model, cfg.data.seq_len)
         tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
         on_gpu = jax.default_backend() == "gpu"
-        metrics = MetricsWriter(workdir / "metrics.jsonl")
+        metrics = MetricsWriter(workdir / "metrics.jsonl", tensorboard=cfg.train.tensorboard)
         entropy0 = data.meta.get("val_order0_entropy_bits")
 
         def run_eval(step: int) -> dict:
