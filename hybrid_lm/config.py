@@ -148,6 +148,12 @@ class MeshConfig:
         ("kv_heads", None),
         ("head_dim", None),
         ("norm", None),
+        ("bias", None),
+        ("ssm_heads", None),  # per-head scalars of recurrent mixers: A_log, dt_bias, D
+        ("conv_kernel", None),  # short causal conv taps
+        ("conv_dim", "tensor"),  # short conv channels
+        ("state", None),
+        ("lowrank", None),
     ))
 
 

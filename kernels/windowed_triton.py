@@ -63,6 +63,9 @@ class BlockSizes:
     num_stages_dkv: int = 2
     num_warps_dq: int = 4
     num_stages_dq: int = 2
+    # fused_bwd: one backward kernel (dK/dV programs also add dQ partials into an fp32 buffer with
+    # atomics: 5 matmuls per tile instead of 7, but dQ is not bitwise reproducible)
+    fused_bwd: bool = False
 
     def all_blocks(self) -> tuple[int, ...]:
         return (self.block_q, self.block_k, self.block_q_dkv, self.block_k_dkv,
@@ -212,9 +215,13 @@ def _fwd_call(q, k, v, pos, *, window, scale, blocks: BlockSizes, interpret):
 # ------------------------------------------------------------------------------------------------
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, bq, bk, window, scale,
-                qk_scale, has_pos, precision, group):
-    if has_pos:
-        pq_ref, pk_ref, dk_ref, dv_ref = rest
+                qk_scale, has_pos, precision, group, fused):
+    rest = list(rest)
+    pq_ref, pk_ref = (rest.pop(0), rest.pop(0)) if has_pos else (None, None)
+    dq_in_ref = rest.pop(0) if fused else None  # aliased with the dq output below
+    del dq_in_ref
+    if fused:
+        dk_ref, dv_ref, dq_ref = rest
     else:
         dk_ref, dv_ref = rest
     n_qb = q_ref.shape[0] // bq
@@ -241,7 +248,11 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, bq, bk, 
             dv = dv + pltriton.dot(p.astype(do.dtype), do, trans_a=True, precision=precision)
             dp = pltriton.dot(do, v, trans_b=True, precision=precision)
             ds = p * (dp - delta[:, None])
-            dk = dk + pltriton.dot(ds.astype(q.dtype), q, trans_a=True, precision=precision)
+            ds16 = ds.astype(q.dtype)
+            dk = dk + pltriton.dot(ds16, q, trans_a=True, precision=precision)
+            if fused:  # unscaled fp32 partial of dq for these rows (scaled in the cast pass)
+                pltriton.atomic_add(dq_ref, (pl.ds(q0, bq), g, slice(None)),
+                                    pltriton.dot(ds16, k, precision=precision))
             return dk, dv
 
         return _run_segments(
@@ -296,6 +307,13 @@ def _bwd_call(q, k, v, pos, o, lse, do, *, window, scale, blocks: BlockSizes, in
     G = H // K
     has_pos = pos is not None
     precision = _precision(q.dtype)
+    if blocks.fused_bwd:
+        delta = jnp.einsum("bthd,bthd->bht", o.astype(jnp.float32), do.astype(jnp.float32))
+        dq_acc = jnp.zeros((B, T, K, G, D), jnp.float32)
+        dk, dv, dq_acc = _dkv_call(q, k, v, pos, do, lse, delta, dq_acc, window=window,
+                                   scale=scale, blocks=blocks, interpret=interpret)
+        dq = (dq_acc.reshape(B, T, H, D) * scale).astype(q.dtype)
+        return dq, dk, dv
 
     # dQ first: one program per (query block, batch, head). It also computes
     # delta = rowsum(o * do) for its rows and writes it for the dK/dV kernel.
@@ -328,7 +346,21 @@ def _bwd_call(q, k, v, pos, o, lse, do, *, window, scale, blocks: BlockSizes, in
         name="windowed_attention_dq",
     )(*args)
 
-    # dK / dV: one program per (key block, batch, kv head); loops over the group's query heads.
+    dk, dv = _dkv_call(q, k, v, pos, do, lse, delta, None, window=window, scale=scale,
+                       blocks=blocks, interpret=interpret)
+    return dq, dk, dv
+
+
+def _dkv_call(q, k, v, pos, do, lse, delta, dq_acc, *, window, scale, blocks: BlockSizes,
+              interpret):
+    """dK / dV: one program per (key block, batch, kv head); loops over the group's query heads.
+    With ``dq_acc`` ([B, T, K, G, D] fp32 zeros) it also accumulates dq/scale there."""
+    B, T, H, D = q.shape
+    K = k.shape[2]
+    G = H // K
+    has_pos = pos is not None
+    precision = _precision(q.dtype)
+    fused = dq_acc is not None
     bq, bk = blocks.block_q_dkv, blocks.block_k_dkv
     q5 = q.reshape(B, T, K, G, D)
     do5 = do.reshape(B, T, K, G, D)
@@ -347,21 +379,31 @@ def _bwd_call(q, k, v, pos, o, lse, do, *, window, scale, blocks: BlockSizes, in
         in_specs += [pl.BlockSpec((None, T), lambda i, b, h: (b, 0)),
                      pl.BlockSpec((None, bk), lambda i, b, h: (b, i))]
         args += [pos, pos]
-    dk, dv = pl.pallas_call(
+    out_specs = [pl.BlockSpec((None, bk, None, D), lambda i, b, h: (b, i, h, 0)),
+                 pl.BlockSpec((None, bk, None, D), lambda i, b, h: (b, i, h, 0))]
+    out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
+    aliases = {}
+    if fused:
+        dq_spec = pl.BlockSpec((None, T, None, G, D), lambda i, b, h: (b, 0, h, 0, 0))
+        in_specs.append(dq_spec)
+        out_specs.append(dq_spec)
+        out_shape.append(jax.ShapeDtypeStruct(dq_acc.shape, dq_acc.dtype))
+        aliases = {len(args): 2}
+        args.append(dq_acc)
+    return pl.pallas_call(
         functools.partial(_dkv_kernel, bq=bq, bk=bk, window=window, scale=scale,
-                          qk_scale=scale * LOG2E, has_pos=has_pos, precision=precision, group=G),
+                          qk_scale=scale * LOG2E, has_pos=has_pos, precision=precision, group=G,
+                          fused=fused),
         grid=(T // bk, B, K),
         in_specs=in_specs,
-        out_specs=[pl.BlockSpec((None, bk, None, D), lambda i, b, h: (b, i, h, 0)),
-                   pl.BlockSpec((None, bk, None, D), lambda i, b, h: (b, i, h, 0))],
-        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype),
-                   jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        out_specs=out_specs,
+        out_shape=out_shape,
+        input_output_aliases=aliases,
         compiler_params=pltriton.CompilerParams(num_warps=blocks.num_warps_dkv,
                                                 num_stages=blocks.num_stages_dkv),
         interpret=interpret,
         name="windowed_attention_dkv",
     )(*args)
-    return dq, dk, dv
 
 
 def _precision(dtype):

@@ -9,6 +9,8 @@ the full GPU check is ``experiments/bench_attention.py --check``.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -87,6 +89,12 @@ def test_bf16_w128_gqa3_default_blocks():
     # power of two), w=128 spanning three key blocks.
     _check(B=1, T=300, H=3, K=1, D=32, w=128, dtype=jnp.bfloat16, permuted=True,
            blocks=BlockSizes(), seed=2)
+
+
+def test_fp32_fused_backward_atomics():
+    # the single-kernel backward (dq partials added with atomics), GQA groups of 3
+    _check(B=1, T=120, H=6, K=2, D=16, w=64, dtype=jnp.float32, permuted=True,
+           blocks=dataclasses.replace(SMALL, fused_bwd=True), seed=6)
 
 
 def test_fp32_odd_head_dim_and_window_one_block():

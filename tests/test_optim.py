@@ -21,3 +21,8 @@ def test_wsd_schedule_phases(shape):
 def test_no_weight_decay_on_norms():
     mask = decay_mask({"norm": {"scale": ("norm",)}, "w": ("embed", "mlp")})
     assert mask == {"norm": {"scale": False}, "w": True}
+
+
+def test_no_weight_decay_on_recurrent_scalars_and_biases():
+    mask = decay_mask({"A_log": ("ssm_heads",), "b": ("embed", "bias"), "conv": ("conv_kernel", "conv_dim")})
+    assert mask == {"A_log": False, "b": False, "conv": True}

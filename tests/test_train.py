@@ -22,7 +22,7 @@ def test_loss_decreases_and_run_dir_is_complete(tiny_params, tmp_path):
     assert rows[0]["loss"] > rows[-1]["loss"] + 0.5, [r["loss"] for r in rows]
     assert rows[0]["loss"] == pytest.approx(math.log(256), abs=0.3)  # starts near uniform
     ev = read_metrics(tmp_path / "metrics.jsonl", "eval")
-    assert [r["step"] for r in ev] == [20, 40] and ev[-1]["bpb"] < ev[0]["bpb"]
+    assert [r["step"] for r in ev] == [0, 20, 40] and ev[-1]["bpb"] < ev[0]["bpb"]
     assert {"step", "tokens", "loss", "lr", "grad_norm", "tokens_per_sec"} <= set(rows[-1])
     assert rows[-1]["tokens"] == 40 * 4 * 32
     for f in ("config.json", "operative.gin", "provenance.json", "metrics.jsonl", "loss_curve.png"):

@@ -164,6 +164,8 @@ def train(cfg: Config, workdir: Path | str | None = None, *, force: bool = False
         final_eval = None
         bar = tqdm(total=cfg.train.steps, initial=min(start, cfg.train.steps), desc=f"train {workdir.name}",
                    disable=not cfg.train.progress, dynamic_ncols=True)
+        if start == 0:
+            run_eval(0)  # the curve starts at the untrained model
         t_last, step_last = time.time(), start
         try:
             for step in range(start, cfg.train.steps):

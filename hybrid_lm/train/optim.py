@@ -8,7 +8,9 @@ import optax
 
 from hybrid_lm.config import OptimConfig
 
-NO_DECAY_AXES = {("norm",)}  # norms (and, later, biases / gates / A_log / dt_bias / D) get no weight decay
+# A parameter with any of these logical axes gets no weight decay: norms, biases, and the per-head
+# scalars of recurrent mixers (A_log, dt_bias, D use the "ssm_heads" axis).
+NO_DECAY_AXIS_NAMES = {"norm", "bias", "ssm_heads"}
 
 
 def wsd_schedule(o: OptimConfig, total_steps: int):
@@ -33,7 +35,7 @@ def wsd_schedule(o: OptimConfig, total_steps: int):
 
 
 def decay_mask(axes_tree):
-    return jax.tree.map(lambda axes: tuple(axes) not in NO_DECAY_AXES, axes_tree,
+    return jax.tree.map(lambda axes: not (set(axes) & NO_DECAY_AXIS_NAMES), axes_tree,
                         is_leaf=lambda x: isinstance(x, tuple))
 
 

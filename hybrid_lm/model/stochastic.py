@@ -1,0 +1,233 @@
+"""Stochastic attention (``sa``) and gated SA + SWA (``sa_swa``); design notes in docs/STOCHASTIC_ATTENTION.md.
+
+SA (Jin & Sui, arXiv 2604.00754) permutes the tokens at random, runs causal sliding-window attention
+of window w in the permuted order and restores the order. Causality stays by *original* position:
+with i, j permuted slots, key j is visible iff ``i - w < j <= i`` and ``pos[j] <= pos[i]`` (the mask
+of ``hybrid_lm/ops/attention.py``). RoPE uses the original positions.
+
+Every op before and after the attention is token-wise, so the permutation commutes with it: the
+``sa`` mixer gathers the residual input ``x`` once (``[B, T, d]``), projects it with RoPE at the
+permuted original positions, attends in permuted order and un-permutes the projected output with the
+inverse permutation (exact: gathers copy values).
+
+Permutations: one per layer, per step and per example (or per batch), from
+``fold_in(key(seed), step, layer, global example id)`` (``hybrid_lm/ops/permutation.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from hybrid_lm.config import ConfigError, MixerConfig, ModelConfig
+from hybrid_lm.model.attention import Attention, attend, attention_projection_flops, mean_keys_per_query
+from hybrid_lm.model.layers import apply_rope, param
+from hybrid_lm.model.registry import MixerContext, register_mixer
+from hybrid_lm.ops import permutation as P
+
+
+# ----------------------------------------------------------------------------- options
+
+@dataclass(frozen=True)
+class SAOptions:
+    """Options of ``sa`` (``efficient/MixerConfig.options``); reasons in docs/STOCHASTIC_ATTENTION.md."""
+
+    per_example: bool = True  # one permutation per example; False: one per batch (shared by all rows)
+    eval_draws: int = 1  # eval: 1 = one fixed draw; k > 1 = mean of the layer output over k draws
+    eval_seed: int | None = None  # eval permutations' seed; None = the run's seed (own stream, see ops)
+
+    def validate(self) -> None:
+        if not isinstance(self.eval_draws, int) or self.eval_draws < 1:
+            raise ConfigError(f"sa option eval_draws={self.eval_draws!r} must be an int >= 1")
+        if not isinstance(self.per_example, bool):
+            raise ConfigError(f"sa option per_example={self.per_example!r} must be a bool")
+
+
+@dataclass(frozen=True)
+class SASWAOptions(SAOptions):
+    """Options of ``sa_swa``: those of ``sa`` plus the gate granularity and projection sharing."""
+
+    gate: str = "head"  # head: one sigmoid per (token, head); channel: one per (token, head, channel)
+    shared_qkv: bool = True  # SA and SWA branches share wq/wk/wv (wo is always shared)
+
+    def validate(self) -> None:
+        super().validate()
+        if self.gate not in ("head", "channel"):
+            raise ConfigError(f"sa_swa option gate={self.gate!r}: choose 'head' or 'channel'")
+        if not isinstance(self.shared_qkv, bool):
+            raise ConfigError(f"sa_swa option shared_qkv={self.shared_qkv!r} must be a bool")
+
+
+# ----------------------------------------------------------------------------- permutations
+
+def sa_permutations(opts: SAOptions, ctx: MixerContext, layer: int, batch: int, length: int):
+    """``[(perm, inv), ...]``: one pair when training, ``eval_draws`` pairs at eval.
+
+    Training draws from ``(ctx.seed, ctx.step)``; eval from ``(eval_seed, EVAL_STREAM + draw)`` so
+    that every checkpoint is evaluated under the same permutations. ``ctx.example_ids`` are global
+    example indices; without them (a caller outside the trainer) the global row index is used.
+    """
+    ids = ctx.example_ids if ctx.example_ids is not None else jnp.arange(batch, dtype=jnp.int32)
+    if ctx.train:
+        streams = [(ctx.seed, ctx.step)]
+    else:
+        seed = ctx.seed if opts.eval_seed is None else opts.eval_seed
+        streams = [(seed, P.EVAL_STREAM + d) for d in range(opts.eval_draws)]
+    out = []
+    for seed, step in streams:
+        perm = P.draw_permutations(seed, step, layer, ids, length, per_example=opts.per_example)
+        out.append((perm, P.invert(perm)))
+    return out
+
+
+def permute_positions(positions, perm):
+    """Original positions in permuted order (integers: no gradient, plain gather)."""
+    return jnp.take_along_axis(positions, perm, axis=1)
+
+
+def _mean(ys):
+    return ys[0] if len(ys) == 1 else sum(ys[1:], ys[0]) / len(ys)
+
+
+# ----------------------------------------------------------------------------- FLOPs
+
+def sa_mean_visible_keys(seq_len: int, window: int, position: float | None = None) -> float:
+    """Exact expected number of visible keys (the query included) under a uniform permutation.
+
+    A token at original position p sits in a uniformly random slot s and shares the window with
+    ``min(w, s+1) - 1`` other slots, each holding a uniformly random other token, visible iff its
+    position is < p (probability p / (T-1)). So ``E[keys | p] = 1 + (m - 1) p / (T - 1)`` with m
+    the mean causal-band size of SWA (``mean_keys_per_query``); ``~ w p / T`` for w << T. Averaged
+    over p (``position=None``): ``1 + (m - 1) / 2``.
+    """
+    T = seq_len
+    m = mean_keys_per_query(T, window)
+    if T == 1:
+        return 1.0
+    frac = 0.5 if position is None else position / (T - 1)
+    return 1.0 + (m - 1.0) * frac
+
+
+def _mixing(cfg: ModelConfig, keys: float) -> float:
+    return 4.0 * cfg.n_heads * cfg.resolved_head_dim * keys  # QK^T and PV, 2 FLOPs per MAC
+
+
+def sa_flops(cfg: ModelConfig, mc: MixerConfig, seq_len: int) -> dict:
+    """Counts the band a kernel computes (m keys per query, as SWA), not the ~half that is visible.
+
+    The masked half of the band is scattered at random inside every tile (causality by original
+    position in a permuted order), so no kernel can skip it: counting visible pairs would rate SA at
+    half the cost of SWA when it costs the same. ``mixing_visible`` reports the useful part.
+    """
+    band = mean_keys_per_query(seq_len, mc.window)
+    return {"matmul": attention_projection_flops(cfg), "mixing": _mixing(cfg, band),
+            "mixing_visible": _mixing(cfg, sa_mean_visible_keys(seq_len, mc.window))}
+
+
+def sa_swa_flops(cfg: ModelConfig, mc: MixerConfig, seq_len: int) -> dict:
+    opts = SASWAOptions(**mc.options)
+    d, H, K, Dh = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.resolved_head_dim
+    matmul = attention_projection_flops(cfg)
+    if not opts.shared_qkv:
+        matmul += 2.0 * d * (H + 2 * K) * Dh  # the SA branch's own q/k/v projections
+    matmul += 2 * 2.0 * d * H * (Dh if opts.gate == "channel" else 1)  # two gate projections
+    band = mean_keys_per_query(seq_len, mc.window)
+    return {"matmul": matmul, "mixing": 2 * _mixing(cfg, band),
+            "mixing_visible": _mixing(cfg, band) + _mixing(cfg, sa_mean_visible_keys(seq_len, mc.window))}
+
+
+# ----------------------------------------------------------------------------- sa
+
+@register_mixer("sa", flops=sa_flops, options=SAOptions, needs_window=True,
+                description="stochastic attention: windowed attention in a random token order, causal by "
+                            "original position, RoPE at original positions")
+class StochasticAttention(Attention):
+    def __init__(self, cfg: ModelConfig, mc: MixerConfig, layer_idx: int, *, rngs: nnx.Rngs):
+        super().__init__(cfg, mc, layer_idx, rngs=rngs, window=mc.window)
+        self.opts = SAOptions(**mc.options)
+
+    def attend_permuted(self, x, positions, perm, inv, impl: str):
+        """SA of ``x [B, T, d]`` under the given permutations; output in the original order."""
+        xp = P.permute(x, perm, inv)  # the one gather of the residual input
+        pp = permute_positions(positions, perm)
+        q, k, v = self.project_qkv(xp, pp)  # RoPE at the permuted ORIGINAL positions
+        o = attend(q, k, v, window=self.window, positions=pp, impl=impl, permuted=True)
+        return P.unpermute(self.project_out(o), perm, inv)
+
+    def __call__(self, x, ctx: MixerContext):
+        B, T = x.shape[:2]
+        draws = sa_permutations(self.opts, ctx, self.layer_idx, B, T)
+        return _mean([self.attend_permuted(x, ctx.positions, p, i, ctx.attention_impl) for p, i in draws])
+
+
+# ----------------------------------------------------------------------------- sa_swa
+
+class QKVProjection(nnx.Module):
+    """Separate q/k/v projections (the SA branch's own, when ``shared_qkv=False``)."""
+
+    def __init__(self, cfg: ModelConfig, mc: MixerConfig, *, rngs: nnx.Rngs):
+        d, H, K, Dh = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.resolved_head_dim
+        self.wq = param(rngs, (d, H, Dh), ("embed", "heads", "head_dim"), cfg.init_std)
+        self.wk = param(rngs, (d, K, Dh), ("embed", "kv_heads", "head_dim"), cfg.init_std)
+        self.wv = param(rngs, (d, K, Dh), ("embed", "kv_heads", "head_dim"), cfg.init_std)
+        self.rope, self.rope_theta = mc.rope, mc.rope_theta
+
+    def __call__(self, x, positions):
+        dt = x.dtype
+        q = jnp.einsum("btd,dhk->bthk", x, self.wq[...].astype(dt))
+        k = jnp.einsum("btd,dhk->bthk", x, self.wk[...].astype(dt))
+        v = jnp.einsum("btd,dhk->bthk", x, self.wv[...].astype(dt))
+        if self.rope:
+            q, k = apply_rope(q, positions, self.rope_theta), apply_rope(k, positions, self.rope_theta)
+        return q, k, v
+
+
+@register_mixer("sa_swa", flops=sa_swa_flops, options=SASWAOptions, needs_window=True,
+                description="gated SA + SWA: sigmoid(x W_sa) * Y_sa + sigmoid(x W_swa) * Y_swa per head")
+class GatedSASWA(Attention):
+    """``Y = Wo[sigmoid(x W_sa) ⊙ O_sa + sigmoid(x W_swa) ⊙ O_swa]`` on the per-head outputs O.
+
+    Two independent sigmoid gates computed from the mixer input x (as SSA's ``g_proj``: no bias, so
+    both start near 0.5). The gates act on the head outputs before the shared output projection;
+    with ``shared_qkv`` the SA branch reuses SWA's q/k/v and adds only the gate parameters.
+    """
+
+    def __init__(self, cfg: ModelConfig, mc: MixerConfig, layer_idx: int, *, rngs: nnx.Rngs):
+        super().__init__(cfg, mc, layer_idx, rngs=rngs, window=mc.window)
+        self.opts = SASWAOptions(**mc.options)
+        d, H, Dh = cfg.d_model, cfg.n_heads, cfg.resolved_head_dim
+        shape, axes = ((d, H, Dh), ("embed", "heads", "head_dim")) if self.opts.gate == "channel" else \
+            ((d, H), ("embed", "heads"))
+        self.w_gate_sa = param(rngs, shape, axes, cfg.init_std)
+        self.w_gate_swa = param(rngs, shape, axes, cfg.init_std)
+        self.sa_qkv = None if self.opts.shared_qkv else QKVProjection(cfg, mc, rngs=rngs)
+
+    def gate(self, x, w):
+        g = jax.nn.sigmoid(jnp.einsum("btd,d...->bt...", x, w[...].astype(x.dtype)))
+        return g if self.opts.gate == "channel" else g[..., None]  # broadcast over head_dim
+
+    def sa_heads(self, x, qkv, positions, perm, inv, impl: str):
+        """SA head outputs ``[B, T, H, Dh]`` in original order.
+
+        Shared projections: gather the RoPE'd q, k, v (RoPE at original positions commutes with the
+        gather). Separate projections: gather x once and project it, as in ``sa``.
+        """
+        pp = permute_positions(positions, perm)
+        if self.sa_qkv is None:
+            q, k, v = (P.permute(t, perm, inv) for t in qkv)
+        else:
+            q, k, v = self.sa_qkv(P.permute(x, perm, inv), pp)
+        o = attend(q, k, v, window=self.window, positions=pp, impl=impl, permuted=True)
+        return P.unpermute(o, perm, inv)
+
+    def __call__(self, x, ctx: MixerContext):
+        B, T = x.shape[:2]
+        qkv = self.project_qkv(x, ctx.positions)
+        o_swa = attend(*qkv, window=self.window, positions=ctx.positions, impl=ctx.attention_impl)
+        draws = sa_permutations(self.opts, ctx, self.layer_idx, B, T)
+        o_sa = _mean([self.sa_heads(x, qkv, ctx.positions, p, i, ctx.attention_impl) for p, i in draws])
+        o = self.gate(x, self.w_gate_sa) * o_sa + self.gate(x, self.w_gate_swa) * o_swa
+        return self.project_out(o)

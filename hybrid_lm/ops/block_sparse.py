@@ -1,0 +1,188 @@
+"""MoBA-style block-sparse causal attention: pure-jnp reference (no parameters), O(T * top_k * block).
+
+Keys are cut into blocks of ``block_size`` tokens (the last one may be partial). Every query token
+selects ``top_k`` blocks, *counting its own block*, which is always selected and causally masked
+inside; the other ``top_k - 1`` are the best-scoring complete past blocks (all of them if fewer).
+The query then runs softmax attention over the tokens of its selected blocks only. Selection is per
+query token (as in both reference implementations) and carries no gradient (integer indices).
+
+Two gates score the past blocks, both against block-mean keys (after RoPE when the model uses it):
+
+- ``gate="moba"``, official MoBA (``MoonshotAI/MoBA`` ``moba_naive.py``): raw ``q . mean(k_block)``
+  in fp32, no softmax and no 1/sqrt(D), **per query head** (K/V are repeat-interleaved to the query
+  heads, so each query head selects on its own).
+- ``gate="ssa"``, SSA/NSA (``zhenyi4/ssa`` via ``fla-org/native-sparse-attention``
+  ``parallel_nsa_kernel_topk``): per query head the softmax probability
+  ``exp(scale * q . mean(k_c) - lse)``, with lse taken over the *complete* blocks
+  ``c < (t + 1) // block``; the probabilities are **summed over the query heads of a GQA group**, so
+  the group shares one selection; the current block is forced. SSA runs it at block 16, top-16.
+
+Causality is by token index (as both references); positions only enter through RoPE, upstream.
+Slots left empty when fewer than ``top_k`` blocks exist are index -1 (as NSA) and are skipped.
+
+Cost: the gate scores every query against every complete past block mean (``T * T / block`` dot
+products, as MoBA's gate), and the attention gathers ``top_k * block`` keys per query and selection
+head. Queries are processed in chunks under ``lax.map`` + ``jax.checkpoint`` so memory stays bounded
+in the forward and the backward; no T x T array is ever built.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+_NEG = -1e30  # finite "minus infinity" for masked scores (keeps padded query rows NaN-free)
+GATES = ("moba", "ssa")
+_CHUNK_ELEMENTS = 1 << 23  # rough per-chunk budget of gathered key elements (32 MiB in fp32)
+
+
+def _check(q, k, v, block_size: int, top_k: int, gate: str):
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4 or k.shape[:3] != v.shape[:3] or q.shape[:2] != k.shape[:2]:
+        raise ValueError(f"expected q [B,T,H,D], k/v [B,T,K,D]: q{q.shape} k{k.shape} v{v.shape}")
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(f"query heads {q.shape[2]} must be a multiple of kv heads {k.shape[2]}")
+    if block_size < 1 or top_k < 1:
+        raise ValueError(f"block_size={block_size} and top_k={top_k} must be >= 1")
+    if gate not in GATES:
+        raise ValueError(f"gate={gate!r}: choose one of {GATES}")
+
+
+def num_blocks(length: int, block_size: int) -> int:
+    return -(-length // block_size)
+
+
+def selection_heads(gate: str, n_heads: int, n_kv_heads: int) -> int:
+    """Heads with their own selection: every query head (moba) or every KV group (ssa)."""
+    return n_heads if gate == "moba" else n_kv_heads
+
+
+def block_means(k, block_size: int):
+    """Mean key of each block ``[B, nb, K, D]`` (fp32), over the tokens the block really holds."""
+    B, T, K, D = k.shape
+    nb = num_blocks(T, block_size)
+    kp = jnp.pad(k.astype(jnp.float32), ((0, 0), (0, nb * block_size - T), (0, 0), (0, 0)))
+    counts = jnp.minimum(block_size, T - jnp.arange(nb) * block_size).astype(jnp.float32)
+    return kp.reshape(B, nb, block_size, K, D).sum(2) / counts[None, :, None, None]
+
+
+def block_importance(q, kbar, t, *, block_size: int, gate: str, scale: float):
+    """Selection scores ``[B, Q, Hs, nb]`` of queries ``q [B, Q, H, D]`` at token indices ``t [Q]``.
+
+    ``+inf`` for the query's own block, ``-inf`` for blocks it may not select (its own or later
+    ones are never scored), the gate's score for complete past blocks ``c < t // block``.
+    """
+    B, Q, H, D = q.shape
+    nb, K = kbar.shape[1], kbar.shape[2]
+    G = H // K
+    qg = q.astype(jnp.float32).reshape(B, Q, K, G, D)
+    s = jnp.einsum("bqkgd,bckd->bqkgc", qg, kbar)  # [B, Q, K, G, nb]
+    c = jnp.arange(nb)
+    cur = (t // block_size)[:, None]  # [Q, 1]
+    past = (c[None, :] < cur)[None, :, None, None, :]
+    if gate == "moba":
+        imp = jnp.where(past, s, -jnp.inf).reshape(B, Q, H, nb)
+    else:
+        s = s * scale
+        complete = (c[None, :] < ((t + 1) // block_size)[:, None])[None, :, None, None, :]
+        lse = jax.nn.logsumexp(jnp.where(complete, s, -jnp.inf), axis=-1, keepdims=True)
+        lse = jnp.where(jnp.isfinite(lse), lse, 0.0)  # no complete block yet (NSA stores 0)
+        p = jnp.where(past, jnp.exp(jnp.where(past, s, 0.0) - lse), 0.0)
+        imp = jnp.where(past[:, :, :, 0], p.sum(3), -jnp.inf)  # sum over the GQA group: [B, Q, K, nb]
+    own = (c[None, :] == cur)[None, :, None, :]
+    return jnp.where(own, jnp.inf, imp)
+
+
+def _top_blocks(imp, top_k: int):
+    """Indices ``[..., min(top_k, nb)]`` of the best blocks; -1 where nothing selectable is left."""
+    vals, idx = jax.lax.top_k(imp, min(top_k, imp.shape[-1]))
+    return jnp.where(vals > -jnp.inf, idx, -1).astype(jnp.int32)
+
+
+def select_blocks(q, k, *, block_size: int, top_k: int, gate: str = "moba", scale: float | None = None):
+    """Selected blocks ``[B, T, Hs, min(top_k, nb)]`` (int32, -1 = empty slot) for every query token."""
+    _check(q, k, k, block_size, top_k, gate)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    q, k = jax.lax.stop_gradient(q), jax.lax.stop_gradient(k)
+    imp = block_importance(q, block_means(k, block_size), jnp.arange(q.shape[1]), block_size=block_size,
+                           gate=gate, scale=scale)
+    return _top_blocks(imp, top_k)
+
+
+def _attend_selected(q, t, kh, vh, idx, *, block_size: int, scale: float):
+    """Attention of queries ``q [B, Q, H, D]`` at ``t [Q]`` over their selected blocks.
+
+    ``kh, vh [B, Hs, T, D]``: keys/values per selection head; ``idx [B, Q, Hs, S]``.
+    """
+    B, Q, H, D = q.shape
+    Hs, T = kh.shape[1], kh.shape[2]
+    S = idx.shape[-1]
+    tok = idx[..., None] * block_size + jnp.arange(block_size)  # [B, Q, Hs, S, bs]
+    valid = (idx[..., None] >= 0) & (tok <= t[None, :, None, None, None]) & (tok < T)
+    tok = jnp.clip(tok, 0, T - 1)
+    flat = tok.transpose(0, 2, 1, 3, 4).reshape(B, Hs, Q * S * block_size, 1)
+    kg = jnp.take_along_axis(kh, flat, axis=2).reshape(B, Hs, Q, S * block_size, D)
+    vg = jnp.take_along_axis(vh, flat, axis=2).reshape(B, Hs, Q, S * block_size, vh.shape[-1])
+    qg = q.astype(jnp.float32).reshape(B, Q, Hs, H // Hs, D)
+    s = jnp.einsum("bqhgd,bhqld->bqhgl", qg, kg.astype(jnp.float32)) * scale
+    mask = valid.reshape(B, Q, Hs, 1, S * block_size)
+    p = jax.nn.softmax(jnp.where(mask, s, _NEG), axis=-1)
+    o = jnp.einsum("bqhgl,bhqld->bqhgd", p, vg.astype(jnp.float32))
+    return o.reshape(B, Q, H, vh.shape[-1])
+
+
+def _per_selection_head(x, Hs: int):
+    """``[B, T, K, D]`` -> ``[B, Hs, T, D]``: selection head h reads KV head h // (Hs / K)."""
+    K = x.shape[2]
+    return jnp.repeat(x.transpose(0, 2, 1, 3), Hs // K, axis=1)
+
+
+def block_sparse_attention(q, k, v, block_idx, *, block_size: int, scale: float | None = None):
+    """Causal attention over given per-token blocks ``block_idx [B, T, Hs, S]`` (-1 = empty).
+
+    ``Hs`` is the number of selection heads: a multiple of the KV heads dividing the query heads.
+    Unchunked: memory O(T * Hs * S * block * D). Use :func:`moba_attention` for long sequences.
+    """
+    B, T, H, D = q.shape
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    Hs = block_idx.shape[2]
+    o = _attend_selected(q, jnp.arange(T), _per_selection_head(k, Hs), _per_selection_head(v, Hs), block_idx,
+                         block_size=block_size, scale=scale)
+    return o.astype(q.dtype)
+
+
+def moba_attention(q, k, v, *, block_size: int, top_k: int, gate: str = "moba", scale: float | None = None,
+                   query_chunk: int | None = None):
+    """MoBA block-sparse causal attention (selection + attention), chunked over queries.
+
+    q ``[B, T, H, D]``, k/v ``[B, T, K, D]`` (GQA). ``top_k`` counts the query's own block;
+    ``top_k >= ceil(T / block_size)`` is exactly causal full attention. ``query_chunk`` queries are
+    processed at a time (default: as many as fit ``_CHUNK_ELEMENTS`` gathered keys).
+    """
+    _check(q, k, v, block_size, top_k, gate)
+    B, T, H, D = q.shape
+    K = k.shape[2]
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    nb = num_blocks(T, block_size)
+    S = min(top_k, nb)
+    Hs = selection_heads(gate, H, K)
+    kbar = jax.lax.stop_gradient(block_means(k, block_size))
+    kh, vh = _per_selection_head(k, Hs), _per_selection_head(v, Hs)
+
+    def chunk(qc, tc, kh, vh, kbar):
+        imp = block_importance(jax.lax.stop_gradient(qc), kbar, tc, block_size=block_size, gate=gate, scale=scale)
+        idx = _top_blocks(imp, S)
+        return _attend_selected(qc, tc, kh, vh, idx, block_size=block_size, scale=scale)
+
+    per_query = Hs * S * block_size * max(D, v.shape[-1]) + H * nb
+    Qc = query_chunk or max(1, _CHUNK_ELEMENTS // max(1, B * per_query))
+    Qc = min(Qc, T)
+    n = -(-T // Qc)
+    if n == 1:
+        return chunk(q, jnp.arange(T), kh, vh, kbar).astype(q.dtype)
+    qp = jnp.pad(q, ((0, 0), (0, n * Qc - T), (0, 0), (0, 0))).reshape(B, n, Qc, H, D).swapaxes(0, 1)
+    tp = jnp.arange(n * Qc).reshape(n, Qc)
+    body = jax.checkpoint(chunk)  # recompute each chunk's gathers in the backward pass
+    o = jax.lax.map(lambda xs: body(xs[0], xs[1], kh, vh, kbar), (qp, tp))  # [n, B, Qc, H, Dv]
+    return o.swapaxes(0, 1).reshape(B, n * Qc, H, -1)[:, :T].astype(q.dtype)
