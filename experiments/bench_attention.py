@@ -111,7 +111,7 @@ DQ_CONFIGS = {  # query rows per program (q), key rows per step (k)
     # no dQ kernel: the dK/dV kernel adds dQ partials with fp32 atomics (not bitwise reproducible)
     "fused": dict(fused_bwd=True),
 }
-DEFAULT_CFG = ("f64", "k64", "q64")
+DEFAULT_CFG = ("f64", "k64", "q64")  # baseline of the sweep
 
 
 def make_blocks(fwd: str, dkv: str, dq: str):
@@ -187,6 +187,11 @@ def run_check(blocks, results):
              ref="blocked"),
         dict(B=1, T=4096, H=4, KV=4, D=128, w=512, dtype="bfloat16", permuted=False,
              ref="blocked"),
+        # the kernel's default tiles for large windows (128x128 forward, 8 warps, 3 stages)
+        dict(B=1, T=4096, H=4, KV=2, D=128, w=2048, dtype="bfloat16", permuted=True,
+             ref="blocked", default_blocks=True),
+        dict(B=2, T=3000, H=4, KV=4, D=128, w=2048, dtype="bfloat16", permuted=False,
+             ref="blocked", default_blocks=True),
         dict(B=2, T=1000, H=8, KV=2, D=128, w=128, dtype="bfloat16", permuted=True,
              ref="dense", fused=True),
         dict(B=1, T=4096, H=4, KV=4, D=128, w=2048, dtype="bfloat16", permuted=False,
@@ -199,7 +204,8 @@ def run_check(blocks, results):
         pos = perm if c["permuted"] else None
         w = c["w"]
         fused = c.get("fused", False)
-        cblocks = dataclasses.replace(blocks, fused_bwd=fused)
+        cblocks = (None if c.get("default_blocks") else
+                   dataclasses.replace(blocks, fused_bwd=fused))
         try:
             ours = jax.jit(fwd_bwd(lambda q, k, v: K.windowed_attention(
                 q, k, v, pos, w, block_sizes=cblocks, interpret=INTERPRET)))
@@ -227,7 +233,7 @@ def run_check(blocks, results):
         results["check"].append(c)
         print(f"  {'PASS' if ok else 'FAIL'} B={c['B']} T={c['T']} H={c['H']} K={c['KV']} "
               f"D={c['D']} w={w} {c['dtype']} {'SA' if c['permuted'] else 'SWA'} ref={c['ref']}"
-              f"{' fused-bwd' if fused else ''}: "
+              f"{' fused-bwd' if fused else ''}{' default-tiles' if cblocks is None else ''}: "
               + " ".join(f"{n}={e:.2e}" for n, e in zip(("o", "dq", "dk", "dv"), errs))
               + f" same_bits={same_bits}")
     # cuDNN against the same reference once, so the comparison itself is checked
@@ -388,9 +394,10 @@ def main():
             Path(args.out).write_text(json.dumps(results, indent=1))
 
     jla = load_jla() if "jla" in args.impls else None
-    default_cfg = tuple(args.config.split("+")) if args.config else DEFAULT_CFG
+    # without --config / --sweep the kernel's own default_block_sizes(window) is used
+    default_cfg = tuple(args.config.split("+")) if args.config else None
     if args.check or args.check_only:
-        run_check(make_blocks(*default_cfg), results)
+        run_check(make_blocks(*(default_cfg or DEFAULT_CFG)), results)
         dump()
         if args.check_only:
             return
@@ -412,8 +419,9 @@ def main():
         inputs = rand_inputs(T + B, B, T, H, H, D, jnp.bfloat16)
         for w in args.windows:
             cfg = best.get(w, default_cfg)
-            blocks = make_blocks(*cfg)
-            row = dict(T=T, B=B, w=w, config="+".join(cfg), flops_fwd=useful_flops(B, T, H, D, w))
+            blocks = make_blocks(*cfg) if cfg else None
+            row = dict(T=T, B=B, w=w, config="+".join(cfg) if cfg else "default",
+                       flops_fwd=useful_flops(B, T, H, D, w))
             for impl in impls:
                 row[impl] = measure(impl, T, B, w, blocks, inputs, jla, args.reps, args.inner)
                 r = row[impl]

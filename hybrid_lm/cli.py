@@ -22,6 +22,10 @@ def cmd_train(args) -> int:
 
     cfg = load_config(args.config, args.gin_param)
     res = train(cfg, args.workdir, force=args.force)
+    if res.preempted:
+        print(f"\n{res.preempted}: saved a checkpoint at step {res.step} in {res.workdir} and stopped; "
+              "run the same command to resume")
+        return 0
     ev = res.final_eval or {}
     print(f"\nrun dir: {res.workdir}   step {res.step}   wall {res.wall_seconds:.1f} s"
           + (f"   (resumed from step {res.resumed_from})" if res.resumed_from is not None else ""))

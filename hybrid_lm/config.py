@@ -97,7 +97,7 @@ class DataConfig:
 @gin.configurable
 @dataclass(frozen=True)
 class OptimConfig:
-    name: str = "adamw"
+    name: str = "adamw"  # adamw | muon (Muon for hidden matrices, AdamW for the rest; see train/optim.py)
     lr: float = 3e-3
     b1: float = 0.9
     b2: float = 0.95
@@ -109,6 +109,7 @@ class OptimConfig:
     decay_shape: str = "linear"  # linear | cosine | 1-sqrt
     min_lr_ratio: float = 0.0
     z_loss: float = 0.0
+    muon_beta: float = 0.95
 
 
 @gin.configurable
@@ -122,13 +123,21 @@ class TrainConfig:
     eval_batches: int = _nid(4)
     progress: bool = _nid(True)
     tensorboard: bool = _nid(False)  # mirror metrics to <workdir>/tb (needs the [tb] extra)
+    # Gradient accumulation: the global batch is split into this many equal micro-batches. It is an
+    # execution detail (same math as the large batch), so it is not part of the run id.
+    microbatches: int = _nid(1)
+    nan_policy: str = _nid("stop")  # stop | skip: a non-finite loss/gradient never reaches the state
+    profile_start: int = _nid(-1)  # trace steps [profile_start, profile_start + profile_steps) (-1: off)
+    profile_steps: int = _nid(5)
 
 
 @gin.configurable
 @dataclass(frozen=True)
 class CheckpointConfig:
-    every_steps: int = _nid(200)
+    every_steps: int = _nid(200)  # rolling saves, the newest `keep` are kept
     keep: int = _nid(3)
+    permanent_every: int = _nid(0)  # steps divisible by this are never deleted (0: off)
+    interval_minutes: float = _nid(0.0)  # extra temporary saves on a wall-clock interval (0: off)
     async_save: bool = _nid(True)
 
 
@@ -280,11 +289,17 @@ def validate_config(cfg: Config) -> None:
         raise ConfigError(f"decay_shape={o.decay_shape!r}: choose linear, cosine or 1-sqrt")
     if not 0.0 <= o.decay_fraction <= 1.0:
         raise ConfigError(f"decay_fraction={o.decay_fraction} must be in [0, 1]")
+    if o.name not in ("adamw", "muon"):
+        raise ConfigError(f"OptimConfig.name={o.name!r}: choose adamw or muon")
     if o.lr <= 0:
         raise ConfigError(f"lr={o.lr} must be > 0")
     t = cfg.train
     if t.steps < 1 or t.global_batch < 1:
         raise ConfigError("train steps and global_batch must be >= 1")
+    if t.microbatches < 1 or t.global_batch % t.microbatches:
+        raise ConfigError(f"microbatches={t.microbatches} must divide global_batch={t.global_batch}")
+    if t.nan_policy not in ("stop", "skip"):
+        raise ConfigError(f"nan_policy={t.nan_policy!r}: choose stop or skip")
     if cfg.data.seq_len < 2:
         raise ConfigError(f"seq_len={cfg.data.seq_len} must be >= 2")
 

@@ -4,6 +4,6 @@
   backward (custom VJP), Pallas with the Triton lowering; ``interpret=True`` runs it on the CPU.
 """
 
-from .windowed_triton import BlockSizes, windowed_attention
+from .windowed_triton import BlockSizes, default_block_sizes, windowed_attention
 
-__all__ = ["BlockSizes", "windowed_attention"]
+__all__ = ["BlockSizes", "default_block_sizes", "windowed_attention"]

@@ -47,7 +47,7 @@ def test_save_restore_round_trip_is_identical(tiny_params, tmp_path):
     train(cfg, tmp_path)
     ck = Checkpointer(tmp_path / "checkpoints", cfg.checkpoint)
     assert ck.latest_step() == 7
-    from hybrid_lm.train.loop import ModelFns
+    from hybrid_lm.train.step import ModelFns
     from hybrid_lm.train.optim import make_optimizer
     fns = ModelFns(cfg)
     tx, _ = make_optimizer(cfg.optim, cfg.train.steps, fns.axes)

@@ -6,3 +6,6 @@ A new family is one file in ``hybrid_lm/model/`` plus one import line here.
 from hybrid_lm.model import attention  # noqa: F401  (attention, swa)
 from hybrid_lm.model import stochastic  # noqa: F401  (sa, sa_swa)
 from hybrid_lm.model import moba  # noqa: F401  (moba)
+from hybrid_lm.model import lightning  # noqa: F401  (lightning)
+from hybrid_lm.model import mamba2  # noqa: F401  (mamba2)
+from hybrid_lm.model import gated_deltanet  # noqa: F401  (gdn)

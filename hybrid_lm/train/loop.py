@@ -1,14 +1,15 @@
-"""Single-host training loop on a device mesh (``data`` axis by default).
+"""The training loop: any number of local devices or processes, one mesh, exact resume.
 
-The step is functional: the model is ``nnx.split`` once; parameters and optimizer state travel as
-plain pytrees through ``jax.jit`` with explicit in/out shardings, and ``nnx.merge`` happens inside.
-Order per step (Kauldron's rule): run step s, then save "after step s" before pulling batch s+1.
+Order per step (Kauldron's rule): dispatch step s, fetch the *previous* step's metrics (so the host
+never blocks dispatch), then evaluate / save "after step s" before pulling batch s+1. SIGTERM saves
+and exits cleanly; SIGUSR1 (SLURM ``--signal``) saves, requeues and exits.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,58 +17,21 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from tqdm.auto import tqdm
 
 from hybrid_lm.config import Config
 from hybrid_lm.data.corpus import bits_per_byte
 from hybrid_lm.data.pipeline import DataStreams
 from hybrid_lm.model.accounting import PEAK_FLOPS_H200_BF16, count_params, flops_per_token
-from hybrid_lm.model.registry import MixerContext
-from hybrid_lm.model.transformer import HybridLM, cross_entropy
+from hybrid_lm.train import distributed
 from hybrid_lm.train import sharding as shd
 from hybrid_lm.train.checkpoint import Checkpointer, abstract_with_shardings
 from hybrid_lm.train.metrics import MetricsWriter, plot_loss_curve
 from hybrid_lm.train.optim import make_optimizer
 from hybrid_lm.train.rundir import prepare_run_dir
+from hybrid_lm.train.step import ModelFns, make_eval_step, make_train_step
 
 log = logging.getLogger(__name__)
-
-
-class ModelFns:
-    """Pure functions around one model definition: init, apply and the logical-axes tree."""
-
-    def __init__(self, cfg: Config):
-        self.cfg = cfg
-        abstract = nnx.eval_shape(lambda: HybridLM(cfg.model, rngs=nnx.Rngs(0)))
-        self.graphdef, abstract_state = nnx.split(abstract, nnx.Param)
-        self._abstract_state = abstract_state
-        self.abstract_params = nnx.to_pure_dict(abstract_state)
-        axes = jax.tree.map(lambda v: v.get_metadata()["logical_axes"], abstract_state,
-                            is_leaf=lambda x: isinstance(x, nnx.Variable))
-        self.axes = nnx.to_pure_dict(axes)
-
-    def init(self, seed: int):
-        model = HybridLM(self.cfg.model, rngs=nnx.Rngs(params=seed))
-        return nnx.to_pure_dict(nnx.state(model, nnx.Param))
-
-    def model(self, params) -> HybridLM:
-        state = jax.tree.map(lambda x: x, self._abstract_state)  # fresh copy, then fill in
-        nnx.replace_by_pure_dict(state, params)
-        return nnx.merge(self.graphdef, state)
-
-    def loss(self, params, tokens, step, *, train: bool = True):
-        """Mean cross-entropy of next-token prediction on ``tokens [B, T+1]``."""
-        cfg = self.cfg
-        inputs, targets = tokens[:, :-1], tokens[:, 1:]
-        B, T = inputs.shape
-        # global example index of each row: independent of how the batch is sharded
-        example_ids = step * cfg.train.global_batch + jnp.arange(B, dtype=jnp.int32)
-        ctx = MixerContext(positions=jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T)),
-                           attention_impl=cfg.model.attention_impl, step=step, seed=cfg.train.seed,
-                           example_ids=example_ids, train=train)
-        logits = self.model(params)(inputs, ctx)
-        return cross_entropy(logits, targets, cfg.optim.z_loss if train else 0.0)
 
 
 @dataclass
@@ -77,22 +41,51 @@ class TrainResult:
     final_eval: dict | None
     wall_seconds: float
     resumed_from: int | None
+    preempted: str | None = None  # "SIGTERM" / "SIGUSR1" when stopped by a signal
+    skipped_steps: int = 0
+
+
+def _local_rows(sharding, global_shape) -> slice:
+    """The contiguous rows of a batch-sharded global array that this process feeds."""
+    idx = sharding.addressable_devices_indices_map(global_shape).values()
+    starts = [(i[0].start or 0) for i in idx]
+    stops = [(i[0].stop if i[0].stop is not None else global_shape[0]) for i in idx]
+    return slice(min(starts), max(stops))
+
+
+def _put_batch(batch: np.ndarray, sharding):
+    rows = _local_rows(sharding, batch.shape)
+    return jax.make_array_from_process_local_data(sharding, batch[rows], batch.shape)
+
+
+def _any_process(flag: bool) -> bool:
+    if jax.process_count() == 1:
+        return flag
+    from jax.experimental import multihost_utils
+    return bool(np.any(multihost_utils.process_allgather(np.asarray(flag))))
 
 
 def train(cfg: Config, workdir: Path | str | None = None, *, force: bool = False, devices=None) -> TrainResult:
     t_start = time.time()
+    distributed.maybe_initialize()
+    main = jax.process_index() == 0
     workdir = Path(workdir) if workdir else Path("runs") / cfg.run_id()
-    prepare_run_dir(cfg, workdir, force=force)
+    if main:
+        prepare_run_dir(cfg, workdir, force=force)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices("run dir ready")
+
     mesh = shd.make_mesh(cfg.mesh, devices)
     rules = cfg.mesh.rules
     data = DataStreams(cfg)
     fns = ModelFns(cfg)
     tx, schedule = make_optimizer(cfg.optim, cfg.train.steps, fns.axes)
-
-    n_dev = mesh.devices.size
-    if cfg.train.global_batch % (mesh.shape["data"] * mesh.shape["fsdp"]):
-        raise ValueError(f"global_batch={cfg.train.global_batch} is not divisible by the batch mesh axes "
-                         f"{mesh.shape['data']}x{mesh.shape['fsdp']}")
+    n_batch_shards = mesh.shape["data"] * mesh.shape["fsdp"]
+    micro = cfg.train.global_batch // cfg.train.microbatches
+    if micro % n_batch_shards:
+        raise ValueError(f"micro-batch of {micro} sequences (global_batch {cfg.train.global_batch} / "
+                         f"{cfg.train.microbatches}) is not divisible by the batch mesh axes ({n_batch_shards})")
 
     # ---- shardings; parameters are created directly in their sharded layout (never whole on one device)
     p_shard = shd.tree_shardings(fns.axes, fns.abstract_params, mesh, rules)
@@ -107,30 +100,18 @@ def train(cfg: Config, workdir: Path | str | None = None, *, force: bool = False
         params = fns.init(cfg.train.seed)
         return {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32)}
 
-    def train_step(state, tokens):
-        (loss, ce), grads = jax.value_and_grad(lambda p: fns.loss(p, tokens, state["step"]), has_aux=True)(
-            state["params"])
-        updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
-        params = jax.tree.map(lambda p, u: p + u, state["params"], updates)
-        stats = {"loss": ce, "objective": loss, "grad_norm": _global_norm(grads), "lr": schedule(state["step"])}
-        return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, stats
-
-    def eval_loss(params, tokens):
-        return fns.loss(params, tokens, jnp.zeros((), jnp.int32), train=False)[1]
-
     with jax.set_mesh(mesh):
         init_fn = jax.jit(init_state, out_shardings=state_shard)
-        step_fn = jax.jit(train_step, in_shardings=(state_shard, batch_shard), out_shardings=(state_shard, repl),
-                          donate_argnums=0)
-        eval_fn = jax.jit(eval_loss, in_shardings=(p_shard, batch_shard), out_shardings=repl)
+        step_fn = jax.jit(make_train_step(fns, tx, schedule), in_shardings=(state_shard, batch_shard),
+                          out_shardings=(state_shard, repl), donate_argnums=0)
+        eval_fn = jax.jit(make_eval_step(fns), in_shardings=(p_shard, batch_shard), out_shardings=repl)
 
         ckpt = Checkpointer(workdir / "checkpoints", cfg.checkpoint)
         abstract_state = abstract_with_shardings(jax.eval_shape(init_state), state_shard)
         restored = ckpt.restore_latest(abstract_state)
         if restored is not None:
             state, meta = restored
-            start = int(meta["step"])
-            resumed_from = start
+            start = resumed_from = int(meta["step"])
             if meta.get("run_id") != cfg.run_id():
                 log.warning("resuming a checkpoint of run %s under run id %s (forced)", meta.get("run_id"),
                             cfg.run_id())
@@ -142,74 +123,119 @@ def train(cfg: Config, workdir: Path | str | None = None, *, force: bool = False
         flops = flops_per_token(cfg.model, cfg.data.seq_len)
         tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
         on_gpu = jax.default_backend() == "gpu"
-        metrics = MetricsWriter(workdir / "metrics.jsonl", tensorboard=cfg.train.tensorboard)
+        n_dev = mesh.devices.size
+        metrics = MetricsWriter(workdir / "metrics.jsonl", tensorboard=cfg.train.tensorboard) if main else None
         entropy0 = data.meta.get("val_order0_entropy_bits")
 
+        def write(row):
+            if metrics is not None:
+                metrics.write(row)
+
         def run_eval(step: int) -> dict:
-            losses = []
             eb = data.eval_batch
-            per = max(1, min(cfg.train.global_batch, eb.shape[0]))
-            per -= per % (mesh.shape["data"] * mesh.shape["fsdp"]) or 0
-            per = max(per, mesh.shape["data"] * mesh.shape["fsdp"])
+            per = max(n_batch_shards, (min(cfg.train.global_batch, eb.shape[0]) // n_batch_shards) * n_batch_shards)
             n = (eb.shape[0] // per) * per
-            for i in range(0, n, per):
-                losses.append(float(eval_fn(state["params"], jax.device_put(eb[i:i + per], batch_shard))))
+            losses = [float(eval_fn(state["params"], _put_batch(eb[i:i + per], batch_shard))) for i in range(0, n, per)]
             ce = float(np.mean(losses))
             row = {"kind": "eval", "step": step, "tokens": step * tokens_per_step, "loss": ce,
                    "bpb": bits_per_byte(ce, data.bytes_per_token), "order0_entropy_bits": entropy0,
                    "eval_windows": n}
-            metrics.write(row)
+            write(row)
             return row
 
-        final_eval = None
+        final_eval, preempted, skipped = None, None, 0
+        window = {"t": time.time(), "step": start}
         bar = tqdm(total=cfg.train.steps, initial=min(start, cfg.train.steps), desc=f"train {workdir.name}",
-                   disable=not cfg.train.progress, dynamic_ncols=True)
-        if start == 0:
-            run_eval(0)  # the curve starts at the untrained model
-        t_last, step_last = time.time(), start
+                   disable=not (cfg.train.progress and main), dynamic_ncols=True)
+
+        def handle_stats(done: int, stats) -> None:
+            """Host-side bookkeeping of a finished step (called one step late)."""
+            nonlocal skipped
+            stats = jax.device_get(stats)
+            loss = float(stats["loss"])
+            if not bool(stats["finite"]):
+                if cfg.train.nan_policy == "stop":
+                    raise FloatingPointError(
+                        f"non-finite loss or gradient at step {done} (loss={loss}, grad_norm="
+                        f"{float(stats['grad_norm'])}); the state was not updated by that step. "
+                        "Set TrainConfig.nan_policy='skip' to skip such steps instead.")
+                skipped += 1
+                log.warning("step %d: non-finite loss/gradient, update skipped (%d so far)", done, skipped)
+            if done % cfg.train.log_every == 0 or done == cfg.train.steps or not bool(stats["finite"]):
+                now = time.time()
+                n_steps = max(done - window["step"], 1)
+                step_time = (now - window["t"]) / n_steps
+                tps = tokens_per_step / max(step_time, 1e-9)
+                window.update(t=now, step=done)
+                row = {"kind": "train", "step": done, "tokens": done * tokens_per_step, "loss": loss,
+                       "objective": float(stats["objective"]), "lr": float(stats["lr"]),
+                       "grad_norm": float(stats["grad_norm"]), "param_norm": float(stats["param_norm"]),
+                       "update_norm": float(stats["update_norm"]), "step_time": step_time,
+                       "tokens_per_sec": tps, "skipped": not bool(stats["finite"]), "skipped_total": skipped,
+                       "attention_impl": cfg.model.attention_impl}
+                if on_gpu:
+                    row["mfu"] = tps * flops["train"] / (PEAK_FLOPS_H200_BF16 * n_dev)
+                write(row)
+                bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tps:,.0f}")
+
+        pending = None
+        profiling = False
         try:
-            for step in range(start, cfg.train.steps):
-                tokens = jax.device_put(data.batch(step), batch_shard)
-                state, stats = step_fn(state, tokens)
-                done = step + 1
-                if done % cfg.train.log_every == 0 or done == cfg.train.steps:
-                    stats = jax.device_get(stats)
-                    now = time.time()
-                    tps = (done - step_last) * tokens_per_step / max(now - t_last, 1e-9)
-                    t_last, step_last = now, done
-                    loss = float(stats["loss"])
-                    if not math.isfinite(loss):
-                        raise FloatingPointError(f"non-finite loss {loss} at step {done}")
-                    row = {"kind": "train", "step": done, "tokens": done * tokens_per_step, "loss": loss,
-                           "lr": float(stats["lr"]), "grad_norm": float(stats["grad_norm"]),
-                           "tokens_per_sec": tps, "attention_impl": cfg.model.attention_impl}
-                    if on_gpu:
-                        row["mfu"] = tps * flops["train"] / (PEAK_FLOPS_H200_BF16 * n_dev)
-                    metrics.write(row)
-                    bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tps:,.0f}")
-                if done % cfg.train.eval_every == 0 or done == cfg.train.steps:
-                    final_eval = run_eval(done)
-                    bar.write(f"step {done}: val loss {final_eval['loss']:.4f} nats, "
-                              f"{final_eval['bpb']:.3f} bits/byte")
-                if ckpt.should_save(done) or done == cfg.train.steps:
-                    ckpt.save(done, state, {"step": done, "data_position": done, "tokens_seen": done * tokens_per_step,
-                                            "run_id": cfg.run_id()})
-                bar.update(1)
-            if final_eval is None:  # nothing left to train: report the restored model
-                final_eval = run_eval(int(jax.device_get(state["step"])))
+            with distributed.PreemptionFlag() as flag:
+                if start == 0:
+                    run_eval(0)  # the curve starts at the untrained model
+                window["t"] = time.time()
+                for step in range(start, cfg.train.steps):
+                    if step == cfg.train.profile_start and main:
+                        jax.profiler.start_trace(str(workdir / "profile"))
+                        profiling = True
+                    tokens = _put_batch(data.batch(step), batch_shard)
+                    state, stats = step_fn(state, tokens)
+                    done = step + 1
+                    if pending is not None:
+                        handle_stats(*pending)
+                    pending = (done, stats)
+                    if profiling and done >= cfg.train.profile_start + cfg.train.profile_steps:
+                        jax.block_until_ready(state)
+                        jax.profiler.stop_trace()
+                        profiling = False
+                    if done % cfg.train.eval_every == 0 or done == cfg.train.steps:
+                        handle_stats(*pending)
+                        pending = None
+                        final_eval = run_eval(done)
+                        if main:
+                            bar.write(f"step {done}: val loss {final_eval['loss']:.4f} nats, "
+                                      f"{final_eval['bpb']:.3f} bits/byte")
+                    stop = _any_process(flag.requested)
+                    if stop or ckpt.should_save(done) or done == cfg.train.steps:
+                        ckpt.save(done, state, {"step": done, "data_position": done,
+                                                "tokens_seen": done * tokens_per_step, "run_id": cfg.run_id()},
+                                  force=stop)
+                    bar.update(1)
+                    if stop:
+                        preempted = signal.Signals(flag.signal).name if flag.signal else "signal"
+                        break
+                if pending is not None:
+                    handle_stats(*pending)
+                    pending = None
+                if final_eval is None and preempted is None:  # nothing left to train: report the model
+                    final_eval = run_eval(int(jax.device_get(state["step"])))
         finally:
+            if profiling:
+                jax.profiler.stop_trace()
             bar.close()
             ckpt.close()
-            metrics.close()
+            if metrics is not None:
+                metrics.close()
 
-        plot_loss_curve(workdir / "metrics.jsonl", workdir / "loss_curve.png",
-                        title=f"{workdir.name}: {counts['non_embedding']:,} non-embedding params")
+        if preempted == "SIGUSR1":
+            distributed.requeue_if_slurm()
+        if main and preempted is None:
+            plot_loss_curve(workdir / "metrics.jsonl", workdir / "loss_curve.png",
+                            title=f"{workdir.name}: {counts['non_embedding']:,} non-embedding params")
     return TrainResult(workdir=workdir, step=int(jax.device_get(state["step"])), final_eval=final_eval,
-                       wall_seconds=time.time() - t_start, resumed_from=resumed_from)
-
-
-def _global_norm(tree):
-    return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)))
+                       wall_seconds=time.time() - t_start, resumed_from=resumed_from, preempted=preempted,
+                       skipped_steps=skipped)
 
 
 def _match_opt_shardings(abstract_opt, abstract_params, p_shard, default):

@@ -1,16 +1,37 @@
-"""Optimizer and learning-rate schedule: AdamW with a WSD (warmup-stable-decay) schedule."""
+"""Optimizers (AdamW; Muon for hidden matrices) and the WSD learning-rate schedule.
+
+Routing is decided by each parameter's logical axes, never by its ndim:
+
+- **Muon** (``optax.contrib.muon``) for hidden weight matrices: parameters whose axes are all
+  "hidden" axes (embed, mlp, heads, kv_heads, head_dim, conv_dim, state, lowrank) and that have an
+  ``embed`` axis on one side. ``[d, H, Dh]`` kernels are orthogonalised as ``[d, H*Dh]`` and
+  ``[H, Dh, d]`` as ``[H*Dh, d]`` (``MuonDimensionNumbers``).
+- **AdamW** for everything else: embeddings and LM head (``vocab`` axis), norms, biases, gates with
+  a per-head/per-channel vector shape, short-conv taps (``conv_kernel``), ``A_log``/``dt_bias``/``D``
+  (``ssm_heads``).
+
+Muon learning-rate rule: updates are rescaled to AdamW's RMS (``consistent_rms=0.2``, Moonlight,
+arXiv 2502.16982), so Muon and AdamW share one peak LR and one schedule.
+
+Weight decay 0.1 by default; none on parameters with a ``norm``, ``bias`` or ``ssm_heads`` axis.
+"""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 import optax
+from optax.contrib import MuonDimensionNumbers
 
 from hybrid_lm.config import OptimConfig
 
-# A parameter with any of these logical axes gets no weight decay: norms, biases, and the per-head
-# scalars of recurrent mixers (A_log, dt_bias, D use the "ssm_heads" axis).
 NO_DECAY_AXIS_NAMES = {"norm", "bias", "ssm_heads"}
+_HIDDEN_AXES = {"embed", "mlp", "heads", "kv_heads", "head_dim", "conv_dim", "state", "lowrank"}
+MUON_RMS = 0.2
+
+
+def _is_axes(x) -> bool:
+    return isinstance(x, tuple) and all(isinstance(a, (str, type(None))) for a in x)
 
 
 def wsd_schedule(o: OptimConfig, total_steps: int):
@@ -35,17 +56,52 @@ def wsd_schedule(o: OptimConfig, total_steps: int):
 
 
 def decay_mask(axes_tree):
-    return jax.tree.map(lambda axes: not (set(axes) & NO_DECAY_AXIS_NAMES), axes_tree,
-                        is_leaf=lambda x: isinstance(x, tuple))
+    return jax.tree.map(lambda axes: not (set(axes) & NO_DECAY_AXIS_NAMES), axes_tree, is_leaf=_is_axes)
+
+
+def muon_dims(axes: tuple) -> MuonDimensionNumbers | None:
+    """How Muon sees a parameter with these logical axes, or None to route it to AdamW."""
+    if len(axes) < 2 or not set(axes) <= _HIDDEN_AXES or "embed" not in axes:
+        return None
+    if axes[0] == "embed":  # input projection: embed -> everything else
+        return MuonDimensionNumbers(reduction_axis=0, output_axis=tuple(range(1, len(axes))))
+    if axes[-1] == "embed":  # output projection: everything else -> embed
+        return MuonDimensionNumbers(reduction_axis=tuple(range(len(axes) - 1)), output_axis=len(axes) - 1)
+    return None
+
+
+def muon_routing(axes_tree):
+    return jax.tree.map(muon_dims, axes_tree, is_leaf=_is_axes)
+
+
+def decoupled_weight_decay(schedule, weight_decay: float, mask) -> optax.GradientTransformation:
+    """``u <- u - lr(step) * wd * p`` on masked parameters (AdamW-style decoupled decay)."""
+
+    def init(params):
+        del params
+        return optax.ScaleByScheduleState(count=jnp.zeros((), jnp.int32))
+
+    def update(updates, state, params):
+        lr = schedule(state.count)
+        updates = jax.tree.map(lambda u, p, m: u - lr * weight_decay * p if m else u, updates, params, mask)
+        return updates, optax.ScaleByScheduleState(count=state.count + 1)
+
+    return optax.GradientTransformation(init, update)
 
 
 def make_optimizer(o: OptimConfig, total_steps: int, axes_tree):
-    if o.name != "adamw":
-        raise ValueError(f"optimizer {o.name!r} is not available yet (adamw only)")
     schedule = wsd_schedule(o, total_steps)
-    tx = optax.chain(
-        optax.clip_by_global_norm(o.grad_clip) if o.grad_clip > 0 else optax.identity(),
-        optax.adamw(schedule, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay,
-                    mask=decay_mask(axes_tree)),
-    )
-    return tx, schedule
+    clip = optax.clip_by_global_norm(o.grad_clip) if o.grad_clip > 0 else optax.identity()
+    mask = decay_mask(axes_tree)
+    if o.name == "adamw":
+        tx = optax.adamw(schedule, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=mask)
+    elif o.name == "muon":
+        # optax's muon applies its Adam branch's decay unmasked, so decay is applied here instead
+        tx = optax.chain(
+            optax.contrib.muon(schedule, beta=o.muon_beta, eps=o.eps, adam_b1=o.b1, adam_b2=o.b2,
+                               muon_weight_dimension_numbers=muon_routing(axes_tree), consistent_rms=MUON_RMS),
+            decoupled_weight_decay(schedule, o.weight_decay, mask),
+        )
+    else:
+        raise ValueError(f"optimizer {o.name!r}: choose adamw or muon")
+    return optax.chain(clip, tx), schedule

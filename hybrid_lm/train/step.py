@@ -1,0 +1,112 @@
+"""The functional train and eval steps.
+
+The model is ``nnx.split`` once; parameters and optimizer state travel as plain pytrees through
+``jax.jit`` and ``nnx.merge`` happens inside, so the hot loop has no NNX Python overhead.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from hybrid_lm.config import Config
+from hybrid_lm.model.registry import MixerContext
+from hybrid_lm.model.transformer import HybridLM, cross_entropy
+
+
+class ModelFns:
+    """Pure functions around one model definition: init, apply, loss and the logical-axes tree."""
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        abstract = nnx.eval_shape(lambda: HybridLM(cfg.model, rngs=nnx.Rngs(0)))
+        self.graphdef, self._abstract_state = nnx.split(abstract, nnx.Param)
+        self.abstract_params = nnx.to_pure_dict(self._abstract_state)
+        axes = jax.tree.map(lambda v: v.get_metadata()["logical_axes"], self._abstract_state,
+                            is_leaf=lambda x: isinstance(x, nnx.Variable))
+        self.axes = nnx.to_pure_dict(axes)
+
+    def init(self, seed: int):
+        model = HybridLM(self.cfg.model, rngs=nnx.Rngs(params=seed))
+        return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+
+    def model(self, params) -> HybridLM:
+        state = jax.tree.map(lambda x: x, self._abstract_state)  # fresh copy, then fill in
+        nnx.replace_by_pure_dict(state, params)
+        return nnx.merge(self.graphdef, state)
+
+    def loss(self, params, tokens, step, example_ids, *, train: bool = True):
+        """(objective, cross-entropy) of next-token prediction on ``tokens [B, T+1]``.
+
+        ``example_ids [B]`` are global example indices: per-example randomness (SA permutations)
+        depends on them, never on a row's device-local position.
+        """
+        cfg = self.cfg
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        B, T = inputs.shape
+        ctx = MixerContext(positions=jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T)),
+                           attention_impl=cfg.model.attention_impl, step=step, seed=cfg.train.seed,
+                           example_ids=example_ids, train=train)
+        logits = self.model(params)(inputs, ctx)
+        return cross_entropy(logits, targets, cfg.optim.z_loss if train else 0.0)
+
+
+def global_norm(tree):
+    return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)))
+
+
+def make_train_step(fns: ModelFns, tx, schedule):
+    """``step(state, tokens) -> (state, stats)`` with gradient accumulation and a non-finite guard.
+
+    The global batch is split into ``TrainConfig.microbatches`` equal parts whose gradients are
+    averaged in fp32 (equal to the large batch up to float rounding). A step whose loss or gradient
+    is not finite leaves parameters and optimizer state unchanged (``stats['finite'] = False``);
+    the host then skips it or stops, per ``TrainConfig.nan_policy``.
+    """
+    cfg = fns.cfg
+    M = cfg.train.microbatches
+    B = cfg.train.global_batch
+
+    def grads_of(params, tokens, step, example_ids):
+        (obj, ce), g = jax.value_and_grad(lambda p: fns.loss(p, tokens, step, example_ids), has_aux=True)(params)
+        return obj, ce, g
+
+    def train_step(state, tokens):
+        params, step = state["params"], state["step"]
+        ids = step * B + jnp.arange(B, dtype=jnp.int32)
+        if M == 1:
+            obj, ce, grads = grads_of(params, tokens, step, ids)
+        else:
+            mb = tokens.reshape(M, B // M, tokens.shape[-1])
+            mids = ids.reshape(M, B // M)
+
+            def body(carry, xs):
+                g_acc, o_acc, c_acc = carry
+                o, c, g = grads_of(params, xs[0], step, xs[1])
+                g_acc = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), g_acc, g)
+                return (g_acc, o_acc + o, c_acc + c), None
+
+            zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+            (gsum, osum, csum), _ = jax.lax.scan(body, (zeros, 0.0, 0.0), (mb, mids))
+            grads = jax.tree.map(lambda g: g / M, gsum)
+            obj, ce = osum / M, csum / M
+        gnorm = global_norm(grads)
+        finite = jnp.isfinite(obj) & jnp.isfinite(gnorm)
+        updates, opt_state = tx.update(grads, state["opt_state"], params)
+        new_params = jax.tree.map(lambda p, u: p + u, params, updates)
+        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
+        new_state = {"params": keep(new_params, params), "opt_state": keep(opt_state, state["opt_state"]),
+                     "step": step + 1}
+        stats = {"loss": ce, "objective": obj, "grad_norm": gnorm, "param_norm": global_norm(params),
+                 "update_norm": global_norm(updates), "lr": schedule(step), "finite": finite}
+        return new_state, stats
+
+    return train_step
+
+
+def make_eval_step(fns: ModelFns):
+    def eval_loss(params, tokens):
+        B = tokens.shape[0]
+        return fns.loss(params, tokens, jnp.zeros((), jnp.int32), jnp.arange(B, dtype=jnp.int32), train=False)[1]
+    return eval_loss

@@ -1,0 +1,326 @@
+"""Stochastic attention (sa) and gated SA + SWA (sa_swa): permutations, masks, gradients, training."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from hybrid_lm.config import ConfigError, MixerConfig, ModelConfig, load_config
+from hybrid_lm.model.accounting import count_params, flops_per_token
+from hybrid_lm.model.attention import FullAttention, SlidingWindowAttention, attend, mean_keys_per_query
+from hybrid_lm.model.registry import MixerContext
+from hybrid_lm.model.stochastic import (GatedSASWA, StochasticAttention, sa_flops, sa_mean_visible_keys,
+                                        sa_permutations)
+from hybrid_lm.model.transformer import HybridLM
+from hybrid_lm.ops import permutation as P
+from hybrid_lm.train.loop import train
+from hybrid_lm.train.metrics import read_metrics
+
+B, T, D_MODEL, H, K, DH = 2, 19, 32, 4, 2, 8
+
+
+def _cfg(**kw):
+    return ModelConfig(d_model=D_MODEL, n_heads=H, n_kv_heads=K, head_dim=DH, n_layers=2, compute_dtype="float32",
+                       **kw)
+
+
+def _randomize(module, seed=0, std=0.35):
+    """Large random weights: the default 0.02 init makes attention nearly uniform and tests weak."""
+    graphdef, state = nnx.split(module)
+    leaves, tree = jax.tree.flatten(state)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    new = [std * jax.random.normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves)]
+    return nnx.merge(graphdef, jax.tree.unflatten(tree, new))
+
+
+def _mixer(cls, window, layer=0, seed=0, **options):
+    return _randomize(cls(_cfg(), MixerConfig(kind="x", window=window, options=options), layer, rngs=nnx.Rngs(0)), seed)
+
+
+def _x(seed=1, b=B, t=T):
+    return jax.random.normal(jax.random.key(seed), (b, t, D_MODEL), jnp.float32)
+
+
+def _pos(b=B, t=T):
+    return jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+
+
+def _rand_perm(seed, b=B, t=T):
+    perm = jnp.stack([jax.random.permutation(jax.random.key(seed + i), t) for i in range(b)]).astype(jnp.int32)
+    return perm, P.invert(perm)
+
+
+def _sa_mask(inv, window, positions):
+    """Dense [B, Tq, Tk] SA mask in ORIGINAL order: slots inv[i], inv[j] in the band, causal by position."""
+    si, sj = inv[:, :, None], inv[:, None, :]
+    return (sj <= si) & (sj > si - window) & (positions[:, None, :] <= positions[:, :, None])
+
+
+def _dense(q, k, v, mask):
+    """O(T^2) masked GQA softmax attention, the oracle."""
+    b, t, h, d = q.shape
+    kv = k.shape[2]
+    qg = q.reshape(b, t, kv, h // kv, d)
+    s = jnp.einsum("bqkgd,blkd->bkgql", qg, k) / np.sqrt(d)
+    s = jnp.where(mask[:, None, None], s, -jnp.inf)
+    o = jnp.einsum("bkgql,blkd->bqkgd", jax.nn.softmax(s, -1), v)
+    return o.reshape(b, t, h, d)
+
+
+def _grads(f, module, x, cot):
+    """Gradients of <f(module, x), cot> w.r.t. the module's parameters and x."""
+    graphdef, state = nnx.split(module)
+    return jax.grad(lambda s, x: jnp.sum(f(nnx.merge(graphdef, s), x) * cot), argnums=(0, 1))(state, x)
+
+
+def _assert_trees_close(a, b, tol):
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    assert len(la) == len(lb) > 0
+    for u, w in zip(la, lb):
+        np.testing.assert_allclose(np.asarray(u), np.asarray(w), rtol=tol, atol=tol)
+
+
+def _ctx(step=3, ids=None, train=True, b=B, t=T, seed=0):
+    ids = jnp.arange(b, dtype=jnp.int32) + 100 if ids is None else jnp.asarray(ids, jnp.int32)
+    return MixerContext(positions=_pos(b, t), attention_impl="xla", step=jnp.int32(step), seed=seed,
+                        example_ids=ids, train=train)
+
+
+# ----------------------------------------------------------------------------- permutations
+
+def test_permute_round_trip_is_exact_and_vjp_is_the_inverse_gather():
+    x = _x(2)
+    perm, inv = _rand_perm(5)
+    xp = P.permute(x, perm, inv)
+    np.testing.assert_array_equal(xp, np.take_along_axis(np.asarray(x), np.asarray(perm)[:, :, None], 1))
+    np.testing.assert_array_equal(P.unpermute(xp, perm, inv), x)  # bitwise
+    np.testing.assert_array_equal(P.invert(inv), perm)
+    cot = _x(3)
+    g = jax.grad(lambda x: jnp.sum(P.permute(x, perm, inv) * cot))(x)
+    g_ref = jax.grad(lambda x: jnp.sum(jax.vmap(lambda a, p: a[p])(x, perm) * cot))(x)  # autodiff scatter-add
+    np.testing.assert_array_equal(g, g_ref)
+
+
+def test_permutations_are_keyed_by_seed_step_layer_and_global_example_id():
+    ids = jnp.array([7, 3, 9, 1000003], jnp.int32)
+    p = P.draw_permutations(0, jnp.int32(5), 2, ids, 64)
+    assert p.shape == (4, 64) and p.dtype == jnp.int32
+    np.testing.assert_array_equal(np.sort(p, axis=1), np.broadcast_to(np.arange(64), (4, 64)))
+    np.testing.assert_array_equal(p, P.draw_permutations(0, 5, 2, ids, 64))  # same key, same draw
+    jitted = jax.jit(lambda s, e: P.draw_permutations(0, s, 2, e, 64))(jnp.int32(5), ids)  # traced step and ids
+    np.testing.assert_array_equal(p, jitted)
+    for other in (P.draw_permutations(0, 6, 2, ids, 64), P.draw_permutations(0, 5, 3, ids, 64),
+                  P.draw_permutations(1, 5, 2, ids, 64)):
+        assert all(not np.array_equal(p[i], other[i]) for i in range(4))
+    assert len({tuple(r) for r in np.asarray(p)}) == 4  # one permutation per example
+    # sharding independence: a row's permutation depends on its global id, not on its row or batch
+    sub = P.draw_permutations(0, 5, 2, ids[jnp.array([2, 0])], 64)
+    np.testing.assert_array_equal(sub, p[jnp.array([2, 0])])
+    shared = P.draw_permutations(0, 5, 2, ids, 64, per_example=False)
+    assert (shared == shared[0]).all()
+    np.testing.assert_array_equal(shared[:2], P.draw_permutations(0, 5, 2, jnp.array([1, 2]), 64, per_example=False))
+
+
+# ----------------------------------------------------------------------------- SA against the dense oracle
+
+@pytest.mark.parametrize("window", [1, 4, T, 3 * T])
+def test_sa_mixer_matches_dense_oracle_forward_and_gradients(window):
+    """Permute x -> project with RoPE at permuted original positions -> attend -> un-permute equals
+    projecting in the original order and attending with the SA mask (the two orders commute)."""
+    m = _mixer(StochasticAttention, window)
+    x, pos, cot = _x(), _pos(), _x(9)
+    perm, inv = _rand_perm(11)
+
+    def sa(m, x):
+        return m.attend_permuted(x, pos, perm, inv, "xla")
+
+    def oracle(m, x):
+        q, k, v = m.project_qkv(x, pos)
+        return m.project_out(_dense(q, k, v, _sa_mask(inv, window, pos)))
+
+    np.testing.assert_allclose(sa(m, x), oracle(m, x), rtol=2e-5, atol=2e-5)
+    _assert_trees_close(_grads(sa, m, x, cot), _grads(oracle, m, x, cot), 1e-4)
+
+
+def test_sa_gradients_reach_exactly_the_visible_keys():
+    """d out_i / d v_j != 0 iff j is visible to i; d out_i / d k_j != 0 iff visible and i sees >= 2 keys."""
+    t, w = 24, 4
+    kq, kk, kv = jax.random.split(jax.random.key(3), 3)
+    q = jax.random.normal(kq, (1, t, 2, 8))
+    k = jax.random.normal(kk, (1, t, 1, 8))
+    v = jax.random.normal(kv, (1, t, 1, 8))
+    pos = _pos(1, t)
+    perm, inv = _rand_perm(21, 1, t)
+
+    def sa(q, k, v):  # the mixer's composition, on q/k/v directly
+        pp = jnp.take_along_axis(pos, perm, 1)
+        qp, kp, vp = (P.permute(a, perm, inv) for a in (q, k, v))
+        return P.unpermute(attend(qp, kp, vp, window=w, positions=pp, impl="xla", permuted=True), perm, inv)
+
+    mask = np.asarray(_sa_mask(inv, w, pos)[0])  # [Tq, Tk]
+    jk = jax.jacrev(sa, argnums=1)(q, k, v)  # [1, t, 2, 8, 1, t, 1, 8]
+    jv = jax.jacrev(sa, argnums=2)(q, k, v)
+    reach_k = np.abs(np.asarray(jk)).sum(axis=(0, 2, 3, 4, 6, 7)) > 0  # [Tq, Tk]
+    reach_v = np.abs(np.asarray(jv)).sum(axis=(0, 2, 3, 4, 6, 7)) > 0
+    np.testing.assert_array_equal(reach_v, mask)
+    np.testing.assert_array_equal(reach_k, mask & (mask.sum(1, keepdims=True) >= 2))
+    i, j = np.nonzero(mask)
+    assert (j < i - w).any()  # SA reaches keys far outside the original-order window
+    assert (~mask[np.tril_indices(t)]).any()  # and misses some causal keys inside it
+
+
+def test_sa_identity_permutation_is_swa_and_full_window_identity_is_causal_attention():
+    x, pos, cot = _x(4), _pos(), _x(5)
+    ident = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    for window, ref_cls in ((5, SlidingWindowAttention), (T, FullAttention), (4 * T, FullAttention)):
+        sa = _mixer(StochasticAttention, window, seed=2)
+        ref = _randomize(ref_cls(_cfg(), MixerConfig(kind="x", window=window), 0, rngs=nnx.Rngs(0)), 2)
+        f_sa = lambda m, x: m.attend_permuted(x, pos, ident, ident, "xla")  # noqa: E731
+        f_ref = lambda m, x: m(x, _ctx())  # noqa: E731
+        np.testing.assert_allclose(f_sa(sa, x), f_ref(ref, x), rtol=1e-5, atol=1e-5)
+        _assert_trees_close(_grads(f_sa, sa, x, cot), _grads(f_ref, ref, x, cot), 1e-4)
+
+
+def test_sa_window_covering_the_sequence_sees_keys_before_it_in_both_orders():
+    """With w >= T the band is no restriction, but a query still sees only the keys that precede it in
+    the permuted order: about half its causal past, so SA(w >= T) is NOT full causal attention."""
+    x = _x(6)
+    perm, inv = _rand_perm(8)
+    a = _mixer(StochasticAttention, T).attend_permuted(x, _pos(), perm, inv, "xla")
+    b = _mixer(StochasticAttention, 5 * T).attend_permuted(x, _pos(), perm, inv, "xla")
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+    full = _randomize(FullAttention(_cfg(), MixerConfig(kind="x"), 0, rngs=nnx.Rngs(0)), 0)(x, _ctx())
+    assert np.abs(np.asarray(a - full)).max() > 1e-2
+
+
+# ----------------------------------------------------------------------------- randomness through the mixer
+
+def test_sa_mixer_randomness_is_per_step_layer_and_global_example():
+    m = _mixer(StochasticAttention, 4)
+    x = _x(7, b=3)
+    y = m(x, _ctx(step=3, ids=[10, 11, 12], b=3))
+    np.testing.assert_array_equal(y, m(x, _ctx(step=3, ids=[10, 11, 12], b=3)))  # deterministic
+    assert all(np.abs(np.asarray(y - m(x, _ctx(step=4, ids=[10, 11, 12], b=3))))[r].max() > 1e-3 for r in range(3))
+    other_layer = _mixer(StochasticAttention, 4, layer=1)  # same weights (same seed), different layer
+    assert np.abs(np.asarray(y - other_layer(x, _ctx(step=3, ids=[10, 11, 12], b=3)))).max() > 1e-3
+    # a row's output depends on its global example id, not on its row in the (sharded) batch
+    sub = m(x[jnp.array([2, 0])], _ctx(step=3, ids=[12, 10], b=2))
+    np.testing.assert_allclose(sub, y[jnp.array([2, 0])], rtol=1e-5, atol=1e-5)
+    same_rows = jnp.broadcast_to(x[:1], x.shape)
+    per_ex = m(same_rows, _ctx(ids=[10, 11, 12], b=3))
+    assert np.abs(np.asarray(per_ex[0] - per_ex[1])).max() > 1e-3
+    shared = _mixer(StochasticAttention, 4, per_example=False)(same_rows, _ctx(ids=[10, 11, 12], b=3))
+    np.testing.assert_allclose(shared[0], shared[1], rtol=1e-6, atol=1e-6)
+
+
+def test_sa_eval_uses_fixed_draws_independent_of_the_step_and_can_average():
+    x = _x(8)
+    m1 = _mixer(StochasticAttention, 4)
+    e = m1(x, _ctx(step=0, train=False))
+    np.testing.assert_array_equal(e, m1(x, _ctx(step=777, train=False)))  # same for every checkpoint
+    assert np.abs(np.asarray(e - m1(x, _ctx(step=0)))).max() > 1e-3  # its own stream, not step 0's
+    assert np.abs(np.asarray(e - _mixer(StochasticAttention, 4, eval_seed=99)(x, _ctx(train=False)))).max() > 1e-3
+    m3 = _mixer(StochasticAttention, 4, eval_draws=3)
+    draws = sa_permutations(m3.opts, _ctx(train=False), 0, B, T)
+    assert len(draws) == 3 and len({tuple(np.asarray(p[0]).tolist()) for p, _ in draws}) == 3
+    manual = sum(m3.attend_permuted(x, _pos(), p, i, "xla") for p, i in draws) / 3
+    np.testing.assert_allclose(m3(x, _ctx(train=False)), manual, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(m3(x, _ctx(train=False))[:, :1], e[:, :1], rtol=1e-6, atol=1e-6)  # query 0: self only
+
+
+def test_mean_visible_keys_formula_matches_sampled_permutations():
+    t, w, n = 64, 8, 3000
+    rng = np.random.default_rng(0)
+    perms = np.argsort(rng.random((n, t)), axis=1)
+    inv = np.argsort(perms, axis=1)
+    si, sj = inv[:, :, None], inv[:, None, :]
+    idx = np.arange(t)
+    visible = (sj <= si) & (sj > si - w) & (idx[None, None, :] <= idx[None, :, None])
+    per_pos = visible.sum(2).mean(0)  # [t], the query included
+    expected = np.array([sa_mean_visible_keys(t, w, p) for p in range(t)])
+    np.testing.assert_allclose(per_pos, expected, atol=0.12)
+    assert per_pos[-1] == pytest.approx(mean_keys_per_query(t, w), abs=0.12)  # the last token sees ~w
+    assert sa_mean_visible_keys(t, w) == pytest.approx(expected.mean())
+    assert sa_mean_visible_keys(t, 10 * t, t - 1) == pytest.approx(1 + (t - 1) / 2)  # w >= T: half the past
+
+
+# ----------------------------------------------------------------------------- gated SA + SWA
+
+@pytest.mark.parametrize("gate,shared", [("head", True), ("channel", True), ("head", False)])
+def test_sa_swa_matches_manual_gated_combination(gate, shared):
+    w = 4
+    m = _mixer(GatedSASWA, w, gate=gate, shared_qkv=shared)
+    x, pos, cot, ctx = _x(10), _pos(), _x(11), _ctx(step=9)
+    (perm, inv), = sa_permutations(m.opts, ctx, 0, B, T)
+
+    def manual(m, x):
+        q, k, v = m.project_qkv(x, pos)
+        o_swa = _dense(q, k, v, _sa_mask(jnp.broadcast_to(jnp.arange(T), (B, T)), w, pos))
+        if not shared:
+            q, k, v = m.sa_qkv(x, pos)
+        o_sa = _dense(q, k, v, _sa_mask(inv, w, pos))
+        g_sa = jax.nn.sigmoid(jnp.einsum("btd,d...->bt...", x, m.w_gate_sa[...]))
+        g_swa = jax.nn.sigmoid(jnp.einsum("btd,d...->bt...", x, m.w_gate_swa[...]))
+        if gate == "head":
+            g_sa, g_swa = g_sa[..., None], g_swa[..., None]
+        return m.project_out(g_sa * o_sa + g_swa * o_swa)
+
+    mixer = lambda m, x: m(x, ctx)  # noqa: E731
+    np.testing.assert_allclose(mixer(m, x), manual(m, x), rtol=2e-5, atol=2e-5)
+    g_mixer, g_manual = _grads(mixer, m, x, cot), _grads(manual, m, x, cot)
+    _assert_trees_close(g_mixer, g_manual, 1e-4)
+    assert float(jnp.abs(g_mixer[0]["w_gate_sa"][...]).max()) > 0 and float(jnp.abs(g_mixer[0]["w_gate_swa"][...]).max()) > 0
+
+
+def test_params_logical_axes_and_flops(tiny_params):
+    base = tiny_params + ["ModelConfig.n_heads = 4", "ModelConfig.n_kv_heads = 2"]
+    counts = {}
+    for name, extra in (("swa", []), ("sa", []), ("sa_swa", []),
+                        ("ch", ["efficient/MixerConfig.options = {'gate': 'channel'}"]),
+                        ("sep", ["efficient/MixerConfig.options = {'shared_qkv': False}"])):
+        kind = {"ch": "sa_swa", "sep": "sa_swa"}.get(name, name)
+        cfg = load_config([], base + [f"efficient/MixerConfig.kind = '{kind}'"] + extra)
+        counts[name] = count_params(cfg.model)["non_embedding"]
+        model = nnx.eval_shape(lambda: HybridLM(cfg.model, rngs=nnx.Rngs(0)))
+        for path, var in nnx.iter_graph(model):
+            if isinstance(var, nnx.Param):
+                assert len(var.get_metadata()["logical_axes"]) == var.get_value().ndim, path
+    d, h, kv, dh = 32, 4, 2, 8
+    assert counts["sa"] == counts["swa"]  # SA is parameter-free over SWA
+    assert counts["sa_swa"] - counts["swa"] == 2 * d * h  # two per-head gates, one efficient layer
+    assert counts["ch"] - counts["swa"] == 2 * d * h * dh
+    assert counts["sep"] - counts["sa_swa"] == d * (h + 2 * kv) * dh
+    cfg = load_config(["scale/s1.gin", "arch/sa.gin"])
+    f = flops_per_token(cfg.model, 16384)["per_layer_type"]
+    swa = load_config(["scale/s1.gin"]).model
+    f_swa = flops_per_token(swa, 16384)["per_layer_type"]
+    assert f["E:sa"]["mixing"] == f_swa["E:swa"]["mixing"]  # the computed band, as SWA
+    f_sa = sa_flops(cfg.model, cfg.model.efficient, 16384)
+    assert f_sa["mixing_visible"] == pytest.approx(4 * 3 * 128 * sa_mean_visible_keys(16384, 128))
+    assert f_sa["mixing_visible"] < 0.51 * f_sa["mixing"]
+    g = flops_per_token(load_config(["scale/s1.gin", "arch/sa_swa.gin"]).model, 16384)["per_layer_type"]["E:sa_swa"]
+    assert g["mixing"] == 2 * f["E:sa"]["mixing"] and g["mixer_matmul"] == f["E:sa"]["mixer_matmul"] + 4 * 384 * 3
+
+
+def test_options_are_validated(tiny_params):
+    for kind, opts in (("sa", "{'eval_draws': 0}"), ("sa", "{'per_sample': True}"), ("sa_swa", "{'gate': 'token'}"),
+                       ("sa_swa", "{'shared_qkv': 'yes'}")):
+        with pytest.raises(ConfigError):
+            load_config([], tiny_params + [f"efficient/MixerConfig.kind = '{kind}'",
+                                           f"efficient/MixerConfig.options = {opts}"])
+    with pytest.raises(ConfigError):
+        load_config([], tiny_params + ["efficient/MixerConfig.kind = 'sa'", "efficient/MixerConfig.window = None"])
+
+
+# ----------------------------------------------------------------------------- training
+
+def test_tiny_hybrid_with_sa_and_sa_swa_trains(tiny_params, tmp_path):
+    """Both mixers in one tiny hybrid (sa_swa in the full slot, sa in the efficient slot): one compile."""
+    cfg = load_config([], tiny_params + ["full/MixerConfig.kind = 'sa_swa'", "full/MixerConfig.window = 8",
+                                         "efficient/MixerConfig.kind = 'sa'", "TrainConfig.steps = 25",
+                                         "TrainConfig.eval_every = 25"])
+    res = train(cfg, tmp_path)
+    rows = read_metrics(tmp_path / "metrics.jsonl", "train")
+    assert rows[0]["loss"] > rows[-1]["loss"] + 0.3, [r["loss"] for r in rows]
+    assert np.isfinite(res.final_eval["loss"]) and res.final_eval["loss"] < rows[0]["loss"]
