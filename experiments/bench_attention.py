@@ -22,11 +22,16 @@ positions, bf16 and fp32, T not a multiple of the blocks, GQA, w in {1, 64, 128,
 checks that two runs give identical bits (no race).
 
 ``--sweep`` times a few tile configurations at T=16384, B=2 and uses the fastest per window
-for the table (``--config NAME`` fixes one instead).
+for the table; ``--config FWD+DKV+DQ`` (names below) fixes one; otherwise the kernel's own
+``default_block_sizes(window)`` is used.
 
-Usage (device machine): ``PYTHONPATH=$PWD python3 experiments/bench_attention.py --check --sweep
---out $OUT/bench.json``. Works without installing the repo: ``kernels/`` is loaded as
-``hybrid_lm_kernels`` and the reference module by path.
+Usage (device machine, repo root; jla optional, carried as a wheel in ``.whl/``)::
+
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+    PYTHONPATH=/tmp/site python3 experiments/bench_attention.py --check --sweep --out $OUT/bench.json
+
+Works without installing the repo: ``kernels/`` is loaded as ``hybrid_lm_kernels`` and the
+reference module by path. ``--interpret`` runs a tiny CPU smoke test of the script itself.
 """
 
 from __future__ import annotations

@@ -12,14 +12,15 @@ fp32; the output has q's dtype.
 
 Block skipping: a query block ``[q0, q0 + bq)`` only visits key blocks that intersect the band
 ``[q0 - window + 1, q0 + bq - 1]``; a key block only visits the query blocks of
-``[k0, k0 + bk - 1 + window - 1]``. Work and memory are O(T * window). With ``positions=None``
+``[k0, k0 + bk - 1 + window - 1]``. Work is O(T * window), memory O(T). With ``positions=None``
 (SWA) tiles that lie wholly inside the band run without any mask; with positions, every tile is
 masked elementwise (the permuted causal part cannot be known per tile in advance).
 
 Backward: two kernels, both deterministic. dQ (one program per query block and head, looping over
 the band's key blocks) runs first and also computes ``delta = rowsum(o * do)`` for its rows; dK/dV
 (one program per key block and KV head, looping over the GQA group's query heads and the band's
-query blocks) reads that delta.
+query blocks) reads that delta. ``BlockSizes(fused_bwd=True)`` instead adds dQ partials from the
+dK/dV kernel with atomics (correct, but 3.5-4.5x slower on an H200: see docs/KERNELS.md).
 
 This module does not import ``hybrid_lm``. ``interpret=True`` runs the same kernels on the CPU.
 """
@@ -64,7 +65,8 @@ class BlockSizes:
     num_warps_dq: int = 4
     num_stages_dq: int = 2
     # fused_bwd: one backward kernel (dK/dV programs also add dQ partials into an fp32 buffer with
-    # atomics: 5 matmuls per tile instead of 7, but dQ is not bitwise reproducible)
+    # atomics: 5 matmuls per tile instead of 7, but dQ is not bitwise reproducible, and on an
+    # H200 it measured 3.5-4.5x slower: the tile add lowers to element-wise acq_rel atomics)
     fused_bwd: bool = False
 
     def all_blocks(self) -> tuple[int, ...]:

@@ -68,7 +68,7 @@ def _randomize(module, seed):
         elif "bias" in axes:
             x = 0.3 * noise
         else:  # matrices and conv taps: unit-scale activations
-            fan_in = x.shape[0] if "conv_kernel" not in axes else x.shape[0]
+            fan_in = int(np.prod(x.shape[:-1])) if axes[-1] == "embed" else x.shape[0]  # out-proj: H*D
             x = noise / math.sqrt(fan_in)
         new.append((path, var.replace(x)))
     return nnx.merge(graphdef, nnx.from_flat_state(new))
@@ -220,11 +220,18 @@ ORACLES = {"lightning": _lightning_np, "lightning_fla_rms_full": _lightning_np, 
            "gdn": _gdn_np, "gdn_nogate_convbias": _gdn_np}
 
 
+def _jit(m, fn):
+    """``fn(module, *args)`` jitted over the module's state (one compile; eager NNX is slow on CPU)."""
+    graphdef, state = nnx.split(m)
+    f = jax.jit(lambda st, *a: fn(nnx.merge(graphdef, st), *a))
+    return lambda *a: f(state, *a)
+
+
 @pytest.mark.parametrize("name", list(LAYERS))
 def test_layer_matches_float64_reference_loop(name):
     m = _layer(name, seed=1)
     x = _x(2)
-    y = m(x, _ctx())
+    y = _jit(m, lambda mm, x: mm(x, _ctx()))(x)
     ref = ORACLES[name](m, x)
     assert np.abs(ref).mean() > 1e-2  # the oracle's output is not trivially small
     assert _rel(y, ref) < 2e-5, _rel(y, ref)
@@ -232,43 +239,48 @@ def test_layer_matches_float64_reference_loop(name):
 
 # ----------------------------------------------------------------------------- decode == chunked
 
-@pytest.mark.parametrize("name", list(LAYERS))
-def test_decode_steps_equal_chunked_forward_values_states_and_gradients(name):
-    m = _layer(name, seed=3)
-    prefix, x, cot = _x(4, t=11), _x(5), _x(6)
+SPLITS = (1, 9, 13)
+
+
+def _decode_and_chunked(m, prefix, x, cot):
+    """Everything the decode test compares, in one traced function."""
     _, state0 = m.forward(prefix)  # a real carried state: conv tail + recurrent state
-    assert all(float(jnp.abs(s).max()) > 0 for s in jax.tree.leaves(state0))
-
-    y_chunk, s_chunk = m.forward(x, state0)
-    y_step, s_step = _scan_steps(m, x, state0)
-    assert jax.tree.structure(s_chunk) == jax.tree.structure(s_step) == jax.tree.structure(m.init_state(B))
-    _assert_close_tree(y_chunk, y_step, 2e-5)
-    _assert_close_tree(s_chunk, s_step, 2e-5)
-
-    # splitting the sequence anywhere and carrying the state equals one pass
-    y_full, s_full = m.forward(jnp.concatenate([prefix, x], 1))
-    for t1 in (1, 9, 13):
-        xa, xb = x[:, :t1], x[:, t1:]
-        ya, sa = m.forward(xa, state0)
-        yb, sb = m.forward(xb, sa)
-        _assert_close_tree(jnp.concatenate([ya, yb], 1), y_full[:, 11:], 2e-5)
-        _assert_close_tree(sb, s_full, 2e-5)
-
-    # gradients through the chunked form equal those through the step recurrence (params, x, state)
+    out = {"state0": state0, "chunk": m.forward(x, state0), "step": _scan_steps(m, x, state0),
+           "full": m.forward(jnp.concatenate([prefix, x], 1))}
+    for t1 in SPLITS:  # carry the state across an arbitrary split
+        ya, sa = m.forward(x[:, :t1], state0)
+        yb, sb = m.forward(x[:, t1:], sa)
+        out[f"split{t1}"] = (jnp.concatenate([ya, yb], 1), sb)
     graphdef, params = nnx.split(m)
 
     def loss(fn, p, x, s0):
         y, s = fn(nnx.merge(graphdef, p), x, s0)
         return jnp.sum(y * cot) + sum(jnp.sum(jnp.sin(leaf)) for leaf in jax.tree.leaves(s))
 
-    g_chunk = jax.grad(lambda p, x, s: loss(lambda mm, x, s: mm.forward(x, s), p, x, s), argnums=(0, 1, 2))(
-        params, x, state0)
-    g_step = jax.grad(lambda p, x, s: loss(_scan_steps, p, x, s), argnums=(0, 1, 2))(params, x, state0)
-    _assert_close_tree(g_chunk, g_step, 1e-4)
-    leaves = jax.tree.leaves(g_chunk)
-    assert all(bool(jnp.isfinite(g).all()) for g in leaves)
-    # every parameter receives gradient (nothing is dead or disconnected)
-    for path, var in nnx.to_flat_state(g_chunk[0]):
+    grad = lambda fn: jax.grad(lambda p, x, s: loss(fn, p, x, s), argnums=(0, 1, 2))(params, x, state0)  # noqa: E731
+    out["g_chunk"] = grad(lambda mm, x, s: mm.forward(x, s))
+    out["g_step"] = grad(_scan_steps)
+    return out
+
+
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_decode_steps_equal_chunked_forward_values_states_and_gradients(name):
+    m = _layer(name, seed=3)
+    prefix, x, cot = _x(4, t=11), _x(5), _x(6)
+    r = jax.jit(_decode_and_chunked)(m, prefix, x, cot)
+    assert all(float(jnp.abs(s).max()) > 0 for s in jax.tree.leaves(r["state0"]))
+    (y_chunk, s_chunk), (y_step, s_step) = r["chunk"], r["step"]
+    assert jax.tree.structure(s_chunk) == jax.tree.structure(s_step) == jax.tree.structure(m.init_state(B))
+    _assert_close_tree(y_chunk, y_step, 2e-5)
+    _assert_close_tree(s_chunk, s_step, 2e-5)
+    y_full, s_full = r["full"]
+    for t1 in SPLITS:  # splitting the sequence anywhere and carrying the state equals one pass
+        _assert_close_tree(r[f"split{t1}"][0], y_full[:, 11:], 2e-5)
+        _assert_close_tree(r[f"split{t1}"][1], s_full, 2e-5)
+    # gradients through the chunked form equal those through the step recurrence (params, x, state)
+    _assert_close_tree(r["g_chunk"], r["g_step"], 1e-4)
+    assert all(bool(jnp.isfinite(g).all()) for g in jax.tree.leaves(r["g_chunk"]))
+    for path, var in nnx.to_flat_state(r["g_chunk"][0]):  # every parameter receives gradient
         assert float(jnp.abs(var.get_value()).max()) > 0, path
 
 
@@ -277,12 +289,11 @@ def test_bf16_forward_is_finite_and_close_to_fp32(name):
     m32 = _layer(name, seed=7)
     m16 = _layer(name, seed=7, dtype="bfloat16")  # same parameters, bf16 compute
     x = _x(8, t=64)
-    y32 = m32(x, _ctx(t=64))
-    y16 = m16(x.astype(jnp.bfloat16), _ctx(t=64))
+    y32 = _jit(m32, lambda mm, x: mm(x, _ctx(t=64)))(x)
+    y16, s16 = _jit(m16, lambda mm, x: (mm(x, _ctx(t=64)), mm.forward(x)[1]))(x.astype(jnp.bfloat16))
     assert y16.dtype == jnp.bfloat16
     assert bool(jnp.isfinite(y16.astype(jnp.float32)).all())
     assert _rel(y16.astype(jnp.float32), y32) < 5e-2
-    _, s16 = m16.forward(x.astype(jnp.bfloat16))
     assert all(s.dtype == jnp.float32 for s in jax.tree.leaves(s16))  # fp32 states
     for _, var in nnx.to_flat_state(nnx.state(m16, nnx.Param)):
         assert var.get_value().dtype == jnp.float32  # fp32 parameters
@@ -324,14 +335,13 @@ def test_options_are_validated(tiny_params):
 def test_no_weight_decay_on_recurrent_scalars_norms_and_biases(tiny_params):
     from hybrid_lm.train.loop import ModelFns
     for kind in ("lightning", "mamba2", "gdn"):
+        opts = "{'chunk_size': 8, 'conv_bias': True}" if kind == "gdn" else "{'chunk_size': 8}"
         cfg = load_config([], tiny_params + [f"efficient/MixerConfig.kind = '{kind}'",
                                              "efficient/MixerConfig.window = None",
-                                             "efficient/MixerConfig.options = {'chunk_size': 8}"]
-                          + (["efficient/MixerConfig.options = {'conv_bias': True}"] if kind == "gdn" else []))
+                                             f"efficient/MixerConfig.options = {opts}"])
         fns = ModelFns(cfg)
         mask = decay_mask(fns.axes)["blocks"][1]["mixer"]
-        flat = {"/".join(map(str, p)): v for p, v in jax.tree_util.tree_flatten_with_path(mask)[0]}
-        flat = {k.replace("['", "").replace("']", "/").strip("/"): v for k, v in flat.items()}
+        flat = {"/".join(str(k.key) for k in p): v for p, v in jax.tree_util.tree_flatten_with_path(mask)[0]}
         no_decay = {k for k, v in flat.items() if not v}
         expected = {"lightning": {"norm_scale", "norm_bias"},
                     "mamba2": {"A_log", "dt_bias", "D", "conv/bias", "norm/scale"},
@@ -386,8 +396,8 @@ def test_flops_formula_counts_the_executed_matmuls(kind, opts):
     params = nnx.to_flat_state(nnx.state(m, nnx.Param))
     conv = sum(v.get_value().size for p, v in params if "conv_kernel" in v.get_metadata()["logical_axes"])
     proj = sum(v.get_value().size for p, v in params
-               if v.get_value().ndim >= 2 and "conv_kernel" not in v.get_metadata()["logical_axes"]
-               and "norm" not in v.get_metadata()["logical_axes"])
+               if v.get_value().ndim >= 2
+               and not {"conv_kernel", "norm", "bias"} & set(v.get_metadata()["logical_axes"]))
     assert f["matmul"] == 2.0 * proj  # every projection weight is used once per token
     scan_flops = f["mixing"] - 2.0 * conv  # the short convs are K multiply-adds per channel
     if kind == "mamba2" and opts["n_groups"] < cfg.d_model * 2 // opts["head_dim"]:
@@ -400,9 +410,10 @@ def test_flops_formula_counts_the_executed_matmuls(kind, opts):
 def test_info_counts_match_the_real_parameter_arrays(kind, capsys):
     from hybrid_lm.cli import main
     arch = f"arch/{kind}.gin"
-    cfg = load_config(["base.gin", arch], ["ModelConfig.d_model = 64", "ModelConfig.n_heads = 2",
-                                           "ModelConfig.head_dim = 32", "ModelConfig.n_layers = 4",
-                                           "ModelConfig.d_ff = 96", "ModelConfig.vocab_size = 256"])
+    small = ["ModelConfig.d_model = 64", "ModelConfig.n_heads = 2", "ModelConfig.head_dim = 32",
+             "ModelConfig.n_layers = 4", "ModelConfig.d_ff = 96", "ModelConfig.vocab_size = 256",
+             "DataConfig.seq_len = 16384"]
+    cfg = load_config(["base.gin", arch], small)
     counts = count_params(cfg.model)
     model = HybridLM(cfg.model, rngs=nnx.Rngs(0))
     real = {"F": 0, "E": 0}
@@ -412,10 +423,8 @@ def test_info_counts_match_the_real_parameter_arrays(kind, capsys):
     assert per[f"E:{kind}"]["mixer"] == real["E"] and per["F:attention"]["mixer"] == real["F"]
     total = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     assert counts["total"] == total
-    assert main(["info", "configs/base.gin", f"configs/{arch}", "--json",
-                 "--gin_param", "ModelConfig.d_model = 64", "--gin_param", "ModelConfig.n_heads = 2",
-                 "--gin_param", "ModelConfig.head_dim = 32", "--gin_param", "ModelConfig.n_layers = 4",
-                 "--gin_param", "ModelConfig.d_ff = 96", "--gin_param", "ModelConfig.vocab_size = 256"]) == 0
+    assert main(["info", "configs/base.gin", f"configs/{arch}", "--json"]
+                + [a for b in small for a in ("--gin_param", b)]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["params"]["total"] == total and info["params"]["per_layer_type"] == per
     f = info["flops_per_token"]["per_layer_type"][f"E:{kind}"]

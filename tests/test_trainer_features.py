@@ -1,0 +1,92 @@
+import jax
+import numpy as np
+import pytest
+
+from hybrid_lm.config import load_config
+from hybrid_lm.train.checkpoint import Checkpointer
+from hybrid_lm.train.loop import train
+from hybrid_lm.train.metrics import read_metrics
+from hybrid_lm.train.optim import make_optimizer, muon_routing
+from hybrid_lm.train.resume_check import final_state
+from hybrid_lm.train.step import ModelFns, make_train_step
+
+
+def test_gradient_accumulation_equals_the_large_batch(tiny_params):
+    cfg1 = load_config([], tiny_params + ["TrainConfig.global_batch = 8"])
+    cfg4 = load_config([], tiny_params + ["TrainConfig.global_batch = 8", "TrainConfig.microbatches = 4"])
+    outs = []
+    for cfg in (cfg1, cfg4):
+        fns = ModelFns(cfg)
+        tx, sched = make_optimizer(cfg.optim, 10, fns.axes)
+        params = fns.init(0)
+        state = {"params": params, "opt_state": tx.init(params), "step": jax.numpy.zeros((), jax.numpy.int32)}
+        tokens = jax.random.randint(jax.random.key(3), (8, 33), 0, 256)
+        step = jax.jit(make_train_step(fns, tx, sched))
+        for _ in range(3):
+            state, stats = step(state, tokens)
+        outs.append((state, stats))
+    (s1, st1), (s4, st4) = outs
+    assert float(st1["loss"]) == pytest.approx(float(st4["loss"]), rel=1e-5)
+    assert float(st1["grad_norm"]) == pytest.approx(float(st4["grad_norm"]), rel=1e-4)
+    for a, b in zip(jax.tree.leaves(s1["params"]), jax.tree.leaves(s4["params"])):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-5)  # Adam amplifies fp rounding
+
+
+def test_muon_routes_by_logical_axes_and_trains(tiny_params, tmp_path):
+    cfg = load_config([], tiny_params + ["OptimConfig.name = 'muon'", "ModelConfig.tie_embeddings = False",
+                                         "TrainConfig.steps = 25", "OptimConfig.lr = 0.01"])
+    routing = muon_routing(ModelFns(cfg).axes)
+    blk = routing["blocks"][0]
+    assert blk["mixer"]["wq"].output_axis == (1, 2) and blk["mixer"]["wq"].reduction_axis == 0  # [d,H,Dh] as [d,H*Dh]
+    assert blk["mixer"]["wo"].reduction_axis == (0, 1) and blk["mixer"]["wo"].output_axis == 2
+    assert blk["mlp"]["w_up"] is not None and blk["mixer_norm"]["scale"] is None
+    assert routing["embed"]["table"] is None and routing["lm_head"] is None  # vocab axes -> AdamW
+    train(cfg, tmp_path)
+    rows = read_metrics(tmp_path / "metrics.jsonl", "train")
+    assert rows[-1]["loss"] < rows[0]["loss"] - 0.5
+
+
+@pytest.mark.parametrize("policy", ["stop", "skip"])
+def test_non_finite_loss_policy(tiny_params, tmp_path, policy):
+    cfg = load_config([], tiny_params + ["OptimConfig.lr = 1e30", "OptimConfig.grad_clip = 0.0",
+                                         "OptimConfig.warmup_steps = 1", "TrainConfig.steps = 12",
+                                         f"TrainConfig.nan_policy = '{policy}'"])
+    if policy == "stop":
+        with pytest.raises(FloatingPointError, match=r"non-finite loss or gradient at step \d+"):
+            train(cfg, tmp_path)
+        return
+    res = train(cfg, tmp_path)
+    assert res.skipped_steps > 0 and res.step == 12
+    state = final_state(tmp_path)
+    assert all(np.all(np.isfinite(v)) for v in state.values() if v.dtype.kind == "f")
+
+
+def test_retention_keeps_newest_and_permanent(tiny_params, tmp_path):
+    cfg = load_config([], tiny_params + ["TrainConfig.steps = 24", "CheckpointConfig.every_steps = 2",
+                                         "CheckpointConfig.keep = 2", "CheckpointConfig.permanent_every = 10"])
+    train(cfg, tmp_path)
+    steps = Checkpointer(tmp_path / "checkpoints", cfg.checkpoint).all_steps()
+    assert steps == [10, 20, 22, 24], steps
+
+
+def test_remat_gives_the_same_loss_and_gradients(tiny_params):
+    losses = []
+    for remat in ("none", "full", "dots"):
+        cfg = load_config([], tiny_params + [f"ModelConfig.remat = '{remat}'"])
+        fns = ModelFns(cfg)
+        params = fns.init(0)
+        tokens = jax.random.randint(jax.random.key(3), (2, 33), 0, 256)
+        ids = jax.numpy.arange(2)
+        (loss, _), g = jax.value_and_grad(lambda p: fns.loss(p, tokens, 0, ids), has_aux=True)(params)
+        losses.append((float(loss), g))
+    for loss, g in losses[1:]:
+        assert loss == pytest.approx(losses[0][0], rel=1e-6)
+        for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(losses[0][1])):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_profiler_traces_a_window(tiny_params, tmp_path):
+    cfg = load_config([], tiny_params + ["TrainConfig.steps = 6", "TrainConfig.profile_start = 2",
+                                         "TrainConfig.profile_steps = 2"])
+    train(cfg, tmp_path)
+    assert any((tmp_path / "profile").rglob("*.xplane.pb"))
