@@ -68,3 +68,21 @@ def test_rope_is_relative_and_nope_is_position_free():
     assert score(9, 4, 0) == pytest.approx(score(9, 4, 1000), rel=1e-4, abs=1e-4)  # only the offset matters
     assert abs(score(9, 4, 0) - score(9, 2, 0)) > 1e-3  # and the offset does matter
     np.testing.assert_allclose(jnp.linalg.norm(apply_rope(q, jnp.array([[77]]))), jnp.linalg.norm(q), rtol=1e-5)
+
+
+def test_dispatch_pallas_matches_xla_in_interpret_mode(monkeypatch):
+    """attention_impl='pallas' routes SWA and permuted attention to our kernel (interpreted on CPU)."""
+    import functools
+
+    import hybrid_lm_kernels
+
+    from hybrid_lm.model.attention import attend
+    monkeypatch.setattr(hybrid_lm_kernels, "windowed_attention",
+                        functools.partial(hybrid_lm_kernels.windowed_attention, interpret=True))
+    q, k, v = _inputs(jax.random.key(5), 2, 40, 4, 2, 16)
+    perm = jax.vmap(lambda kk: jax.random.permutation(kk, 40))(jax.random.split(jax.random.key(6), 2))
+    for window, permuted, pos in [(8, False, None), (8, True, perm), (None, False, None)]:
+        positions = pos if pos is not None else jnp.broadcast_to(jnp.arange(40), (2, 40))
+        a = attend(q, k, v, window=window, positions=positions, impl="pallas", permuted=permuted)
+        b = attend(q, k, v, window=window, positions=positions, impl="xla", permuted=permuted)
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5)

@@ -1,5 +1,7 @@
 """MoBA block-sparse attention: reference op vs a dense masked oracle, both gates, gradients, mixer, training."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,11 +20,10 @@ from hybrid_lm.train.metrics import read_metrics
 
 
 def _qkv(seed, b, t, h, kv, d):
-    kq, kk, kv_ = jax.random.split(jax.random.key(seed), 3)
+    rng = np.random.default_rng(seed)
     # a shared offset in k makes block means informative (raw MoBA gates are otherwise near-random)
-    off = jax.random.normal(jax.random.fold_in(jax.random.key(seed), 9), (1, 1, kv, d))
-    return (jax.random.normal(kq, (b, t, h, d)), jax.random.normal(kk, (b, t, kv, d)) + off,
-            jax.random.normal(kv_, (b, t, kv, d)))
+    q, k, v, off = (rng.standard_normal(s, np.float32) for s in ((b, t, h, d), (b, t, kv, d), (b, t, kv, d), (kv, d)))
+    return jnp.asarray(q), jnp.asarray(k + off), jnp.asarray(v)
 
 
 def _oracle_selection(q, k, block, top_k, gate):
@@ -69,12 +70,21 @@ def _dense_masked(q, k, v, mask):
     return jnp.einsum("bhqk,bkhd->bqhd", p, vr)
 
 
-def _value_and_grads(f, q, k, v, cot):
-    """One jitted computation: f(q, k, v) and the gradients of <f, cot> w.r.t. q, k, v."""
-    def run(q, k, v, cot):
-        o, vjp = jax.vjp(f, q, k, v)
-        return o, vjp(cot)
-    return jax.jit(run)(q, k, v, cot)
+def _vjp(f, *args):
+    """f(q, k, v) and the gradients of <f, cot> w.r.t. q, k, v; ``args = (q, k, v, [mask,] cot)``."""
+    *inputs, cot = args
+    o, vjp = jax.vjp(f, *inputs)
+    return o, vjp(cot)[:3]
+
+
+@jax.jit
+def _oracle_vjp(q, k, v, mask, cot):
+    return _vjp(_dense_masked, q, k, v, mask, cot)
+
+
+@functools.partial(jax.jit, static_argnames=("block_size", "top_k", "gate", "query_chunk"))
+def _moba_vjp(q, k, v, cot, **kw):
+    return _vjp(lambda *a: bs.moba_attention(*a, **kw), q, k, v, cot)
 
 
 def _assert_close(a, b, tol=1e-5, gtol=1e-4):
@@ -103,8 +113,7 @@ def test_moba_matches_dense_oracle_forward_and_gradients(t, block, top_k, gate):
     np.testing.assert_array_equal(got.sum(-1), np.broadcast_to(count, got.shape[:3]))
     mask = jnp.asarray(_oracle_mask(sel, block, 4))
     cot = jax.random.normal(jax.random.key(1), q.shape)
-    f = lambda q, k, v: bs.moba_attention(q, k, v, block_size=block, top_k=top_k, gate=gate)  # noqa: E731
-    _assert_close(_value_and_grads(f, q, k, v, cot), _value_and_grads(lambda *a: _dense_masked(*a, mask), q, k, v, cot))
+    _assert_close(_moba_vjp(q, k, v, cot, block_size=block, top_k=top_k, gate=gate), _oracle_vjp(q, k, v, mask, cot))
 
 
 def test_the_two_gates_select_differently_and_ssa_shares_selection_per_group():
@@ -128,17 +137,18 @@ def test_large_blocks_and_chunked_queries():
         np.testing.assert_allclose(got, jax.jit(_dense_masked)(q, k, v, mask), rtol=1e-5, atol=1e-5)
     q, k, v = _qkv(6, 2, 37, 4, 2, 8)
     cot = jax.random.normal(jax.random.key(2), q.shape)
-    whole = lambda *a: bs.moba_attention(*a, block_size=4, top_k=3, gate="ssa")  # noqa: E731
-    chunked = lambda *a: bs.moba_attention(*a, block_size=4, top_k=3, gate="ssa", query_chunk=5)  # noqa: E731
-    _assert_close(_value_and_grads(chunked, q, k, v, cot), _value_and_grads(whole, q, k, v, cot))
+    _assert_close(_moba_vjp(q, k, v, cot, block_size=4, top_k=3, gate="ssa", query_chunk=5),
+                  _moba_vjp(q, k, v, cot, block_size=4, top_k=3, gate="ssa"))
 
 
 @pytest.mark.parametrize("t,block,gate", [(37, 4, "moba"), (37, 16, "ssa"), (40, 64, "moba")])
 def test_top_k_covering_all_blocks_is_causal_full_attention(t, block, gate):
     q, k, v = _qkv(t + block, 2, t, 4, 2, 8)
     cot = jax.random.normal(jax.random.key(3), q.shape)
-    f = lambda *a: bs.moba_attention(*a, block_size=block, top_k=-(-t // block), gate=gate)  # noqa: E731
-    _assert_close(_value_and_grads(f, q, k, v, cot), _value_and_grads(dense_attention, q, k, v, cot))
+    full = jnp.asarray(np.tril(np.ones((t, t), bool)))[None, None]
+    _assert_close(_moba_vjp(q, k, v, cot, block_size=block, top_k=-(-t // block), gate=gate),
+                  _oracle_vjp(q, k, v, full, cot))
+    np.testing.assert_allclose(_oracle_vjp(q, k, v, full, cot)[0], dense_attention(q, k, v), rtol=1e-5, atol=1e-5)
 
 
 def test_given_blocks_attention_and_top1_is_block_diagonal():

@@ -18,13 +18,20 @@ from hybrid_lm.ops import attention as ops
 
 # ----------------------------------------------------------------------------- dispatch
 
-def resolve_impl(impl: str, *, permuted: bool) -> str:
+# Measured on one H200 (docs/BENCHMARKS.md): our Pallas kernel beats cuDNN for plain SWA up to this
+# window and loses above it; SA's mask only our kernel (or the XLA reference) can express.
+PALLAS_SWA_MAX_WINDOW = 256
+
+
+def resolve_impl(impl: str, *, permuted: bool, window: int | None = None) -> str:
     """``auto`` -> the fastest correct backend for this platform and mask."""
     on_gpu = jax.default_backend() == "gpu"
     if impl == "auto":
         if not on_gpu:
             return "xla"
-        return "pallas" if permuted else "cudnn"
+        if permuted:
+            return "pallas"
+        return "pallas" if window is not None and window <= PALLAS_SWA_MAX_WINDOW else "cudnn"
     if impl == "cudnn" and permuted:
         raise ConfigError("attention_impl='cudnn' cannot express stochastic attention's mask "
                           "(causal by original position in a permuted order); use pallas or xla")
@@ -34,19 +41,19 @@ def resolve_impl(impl: str, *, permuted: bool) -> str:
 def attend(q, k, v, *, window: int | None, positions, impl: str, permuted: bool = False):
     """Causal attention with an optional window, dispatched to xla / cudnn / pallas.
 
-    q ``[B,T,H,D]``, k/v ``[B,T,K,D]``, ``positions [B,T]`` original positions in the given order.
+    q ``[B,T,H,D]``, k/v ``[B,T,K,D]``, ``positions [B,T]`` original positions in the given order
+    (only read when ``permuted``: otherwise the order is the identity).
     """
     T = q.shape[1]
     if window is not None and window >= T and not permuted:
         window = None  # a window covering the sequence is plain causal attention
-    impl = resolve_impl(impl, permuted=permuted)
+    impl = resolve_impl(impl, permuted=permuted, window=window)
     if impl == "pallas":
         try:
             import hybrid_lm_kernels as kernels
-            kernel = kernels.windowed_attention
-        except (ImportError, AttributeError) as e:
+        except ImportError as e:
             raise ConfigError(f"attention_impl='pallas' needs the Pallas kernels (hybrid_lm_kernels): {e}") from None
-        return kernel(q, k, v, positions, window if window is not None else T)
+        return kernels.windowed_attention(q, k, v, positions if permuted else None, window or T)
     if window is None and not permuted:
         return ops.causal_attention(q, k, v, implementation="cudnn" if impl == "cudnn" else "xla")
     if impl == "cudnn":
