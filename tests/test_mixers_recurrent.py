@@ -50,34 +50,34 @@ def _cfg(dtype="float32"):
                        compute_dtype=dtype)
 
 
-def _randomize(module, seed):
-    """Fresh random parameters around the init: matrices N(0, 1/fan_in), norms 1 + noise, biases noise;
-    A_log / dt_bias keep their init (a realistic decay range) plus noise."""
-    graphdef, state = nnx.split(module)
-    flat = nnx.to_flat_state(state)
-    keys = jax.random.split(jax.random.key(seed), len(flat))
-    new = []
-    for key, (path, var) in zip(keys, flat):
-        x = var.get_value()
-        name, axes = str(path[-1]), var.get_metadata()["logical_axes"]
-        noise = jax.random.normal(key, x.shape, x.dtype)
-        if name in ("A_log", "dt_bias"):
-            x = x + 0.2 * noise
-        elif "norm" in axes or name == "D":
-            x = 1.0 + 0.3 * noise
-        elif "bias" in axes:
-            x = 0.3 * noise
-        else:  # matrices and conv taps: unit-scale activations
-            fan_in = int(np.prod(x.shape[:-1])) if axes[-1] == "embed" else x.shape[0]  # out-proj: H*D
-            x = noise / math.sqrt(fan_in)
-        new.append((path, var.replace(x)))
-    return nnx.merge(graphdef, nnx.from_flat_state(new))
-
-
 def _layer(name, seed=0, layer_idx=1, dtype="float32"):
+    """A layer with fresh random parameters (numpy RNG: no per-shape compile of jax.random init).
+
+    Matrices N(0, 1/fan_in) (unit-scale activations), norm scales and D ``1 + noise``, biases noise;
+    ``A_log`` / ``dt_bias`` drawn from the reference init ranges (a realistic range of decays).
+    """
     cls, opts = LAYERS[name]
-    m = cls(_cfg(dtype), MixerConfig(kind="x", options=opts), layer_idx, rngs=nnx.Rngs(seed))
-    return _randomize(m, seed + 100)
+    abstract = nnx.eval_shape(lambda: cls(_cfg(dtype), MixerConfig(kind="x", options=opts), layer_idx,
+                                          rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    r = np.random.default_rng(seed)
+    new = []
+    for path, var in nnx.to_flat_state(state):
+        shape, key, axes = var.get_value().shape, str(path[-1]), var.get_metadata()["logical_axes"]
+        if key == "A_log":
+            x = np.log(r.uniform(1.0, 16.0, shape))
+        elif key == "dt_bias":
+            dt = np.exp(r.uniform(np.log(1e-3), np.log(0.1), shape))
+            x = dt + np.log(-np.expm1(-dt))
+        elif "norm" in axes or key == "D":
+            x = 1.0 + 0.3 * r.normal(size=shape)
+        elif "bias" in axes:
+            x = 0.3 * r.normal(size=shape)
+        else:  # matrices and conv taps
+            fan_in = int(np.prod(shape[:-1])) if axes[-1] == "embed" else shape[0]  # out-proj: H*D
+            x = r.normal(size=shape) / math.sqrt(fan_in)
+        new.append((path, var.replace(jnp.asarray(x, jnp.float32))))
+    return nnx.merge(graphdef, nnx.from_flat_state(new))
 
 
 def _x(seed, t=T, b=B):
@@ -239,7 +239,7 @@ def test_layer_matches_float64_reference_loop(name):
 
 # ----------------------------------------------------------------------------- decode == chunked
 
-SPLITS = (1, 9, 13)
+SPLIT = 1  # a second split inside x, at its first token (the forward over [prefix | x] splits at 11)
 
 
 def _decode_and_chunked(m, prefix, x, cot):
@@ -247,10 +247,9 @@ def _decode_and_chunked(m, prefix, x, cot):
     _, state0 = m.forward(prefix)  # a real carried state: conv tail + recurrent state
     out = {"state0": state0, "chunk": m.forward(x, state0), "step": _scan_steps(m, x, state0),
            "full": m.forward(jnp.concatenate([prefix, x], 1))}
-    for t1 in SPLITS:  # carry the state across an arbitrary split
-        ya, sa = m.forward(x[:, :t1], state0)
-        yb, sb = m.forward(x[:, t1:], sa)
-        out[f"split{t1}"] = (jnp.concatenate([ya, yb], 1), sb)
+    ya, sa = m.forward(x[:, :SPLIT], state0)
+    yb, sb = m.forward(x[:, SPLIT:], sa)
+    out["split"] = (jnp.concatenate([ya, yb], 1), sb)
     graphdef, params = nnx.split(m)
 
     def loss(fn, p, x, s0):
@@ -263,7 +262,7 @@ def _decode_and_chunked(m, prefix, x, cot):
     return out
 
 
-@pytest.mark.parametrize("name", list(LAYERS))
+@pytest.mark.parametrize("name", ["lightning", "lightning_fla_rms_full", "mamba2", "gdn"])
 def test_decode_steps_equal_chunked_forward_values_states_and_gradients(name):
     m = _layer(name, seed=3)
     prefix, x, cot = _x(4, t=11), _x(5), _x(6)
@@ -273,10 +272,10 @@ def test_decode_steps_equal_chunked_forward_values_states_and_gradients(name):
     assert jax.tree.structure(s_chunk) == jax.tree.structure(s_step) == jax.tree.structure(m.init_state(B))
     _assert_close_tree(y_chunk, y_step, 2e-5)
     _assert_close_tree(s_chunk, s_step, 2e-5)
-    y_full, s_full = r["full"]
-    for t1 in SPLITS:  # splitting the sequence anywhere and carrying the state equals one pass
-        _assert_close_tree(r[f"split{t1}"][0], y_full[:, 11:], 2e-5)
-        _assert_close_tree(r[f"split{t1}"][1], s_full, 2e-5)
+    y_full, s_full = r["full"]  # splitting the sequence and carrying the state equals one pass
+    for y, s in (r["chunk"], r["split"]):
+        _assert_close_tree(y, y_full[:, 11:], 2e-5)
+        _assert_close_tree(s, s_full, 2e-5)
     # gradients through the chunked form equal those through the step recurrence (params, x, state)
     _assert_close_tree(r["g_chunk"], r["g_step"], 1e-4)
     assert all(bool(jnp.isfinite(g).all()) for g in jax.tree.leaves(r["g_chunk"]))

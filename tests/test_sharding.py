@@ -32,6 +32,18 @@ MESHES_SCRIPT = textwrap.dedent("""
         state = final_state(res.workdir)
         np.savez(f"{out}/{name}.npz", **{k: v for k, v in state.items()})
         result[name] = [r["loss"] for r in read_metrics(res.workdir / "metrics.jsonl", "train")]
+    # cross-topology restore: the 8-device (2x2x2) checkpoint resumes on 1 device and on 4 (fsdp=4)
+    for name, mesh, devs in [("restore1", (1, 1, 1), jax.devices()[:1]), ("restore4", (1, 4, 1), jax.devices()[:4])]:
+        import shutil
+        shutil.copytree(f"{out}/mixed", f"{out}/{name}")
+        cfg = load_config([], params + [f"MeshConfig.data = {mesh[0]}", f"MeshConfig.fsdp = {mesh[1]}",
+                                        f"MeshConfig.tensor = {mesh[2]}", "TrainConfig.steps = 6"])
+        res = train(cfg, f"{out}/{name}", devices=devs)
+        assert res.resumed_from == 4 and res.step == 6, (res.resumed_from, res.step)
+        result[name] = [r["loss"] for r in read_metrics(res.workdir / "metrics.jsonl", "train")]
+    cfg = load_config([], params + ["TrainConfig.steps = 6"])
+    res = train(cfg, f"{out}/one6", devices=jax.devices()[:1])
+    result["one6"] = [r["loss"] for r in read_metrics(res.workdir / "metrics.jsonl", "train")]
     # the sharding of every parameter under the mixed mesh, for the golden table
     from hybrid_lm.train.step import ModelFns
     from hybrid_lm.train import sharding as shd
@@ -66,7 +78,7 @@ def _result(out):
     return json.loads(line[len("RESULT "):])
 
 
-def test_data_fsdp_tensor_parallel_match_one_device(tmp_path):
+def test_data_fsdp_tensor_parallel_match_one_device_and_restore_across_topologies(tmp_path):
     out = subprocess.run([sys.executable, "-c", MESHES_SCRIPT, json.dumps(PARAMS), str(tmp_path)], env=_env(8),
                          capture_output=True, text=True, timeout=900)
     res = _result(out)
@@ -77,6 +89,9 @@ def test_data_fsdp_tensor_parallel_match_one_device(tmp_path):
         assert set(other.files) == set(ref.files)
         for k in ref.files:
             np.testing.assert_allclose(other[k], ref[k], rtol=1e-4, atol=2e-6, err_msg=f"{name} {k}")
+    # a checkpoint saved on 8 devices resumes on 1 and on 4 and continues like an uninterrupted run
+    for name in ("restore1", "restore4"):
+        np.testing.assert_allclose(res[name], res["one6"], rtol=2e-5, err_msg=name)
     for path, spec in GOLDEN_MIXED.items():
         assert res["specs"][path] == spec, (path, res["specs"][path])
 
