@@ -178,7 +178,8 @@ def test_flops_terms_are_exact():
 def test_options_are_validated(tiny_params):
     for opts in ("{'block_size': 0}", "{'top_k': 0}", "{'gate': 'nsa'}", "{'chunk': 4}"):
         with pytest.raises(ConfigError):
-            load_config([], tiny_params + ["efficient/MixerConfig.kind = 'moba'", f"efficient/MixerConfig.options = {opts}"])
+            load_config([], tiny_params + ["efficient/MixerConfig.kind = 'moba'",
+                                           f"efficient/MixerConfig.options = {opts}"])
 
 
 def test_moba_mixer_with_all_blocks_equals_full_attention_mixer():

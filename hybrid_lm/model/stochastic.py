@@ -44,6 +44,8 @@ class SAOptions:
             raise ConfigError(f"sa option eval_draws={self.eval_draws!r} must be an int >= 1")
         if not isinstance(self.per_example, bool):
             raise ConfigError(f"sa option per_example={self.per_example!r} must be a bool")
+        if self.eval_seed is not None and not isinstance(self.eval_seed, int):
+            raise ConfigError(f"sa option eval_seed={self.eval_seed!r} must be an int or None")
 
 
 @dataclass(frozen=True)
