@@ -161,7 +161,8 @@ def train(cfg: Config, workdir: Path | str | None = None, *, force: bool = False
                         "Set TrainConfig.nan_policy='skip' to skip such steps instead.")
                 skipped += 1
                 log.warning("step %d: non-finite loss/gradient, update skipped (%d so far)", done, skipped)
-            if done % cfg.train.log_every == 0 or done == cfg.train.steps or not bool(stats["finite"]):
+            every_step = "ssa_sparse" in stats  # SSA: log the stream each step used
+            if done % cfg.train.log_every == 0 or done == cfg.train.steps or not bool(stats["finite"]) or every_step:
                 now = time.time()
                 n_steps = max(done - window["step"], 1)
                 step_time = (now - window["t"]) / n_steps
@@ -173,6 +174,7 @@ def train(cfg: Config, workdir: Path | str | None = None, *, force: bool = False
                        "update_norm": float(stats["update_norm"]), "step_time": step_time,
                        "tokens_per_sec": tps, "skipped": not bool(stats["finite"]), "skipped_total": skipped,
                        "attention_impl": cfg.model.attention_impl}
+                row.update({k: float(v) for k, v in stats.items() if k not in row and k != "finite"})
                 if on_gpu:
                     row["mfu"] = tps * flops["train"] / (PEAK_FLOPS_H200_BF16 * n_dev)
                 write(row)

@@ -36,20 +36,36 @@ class ModelFns:
         nnx.replace_by_pure_dict(state, params)
         return nnx.merge(self.graphdef, state)
 
-    def loss(self, params, tokens, step, example_ids, *, train: bool = True):
-        """(objective, cross-entropy) of next-token prediction on ``tokens [B, T+1]``.
+    def loss(self, params, tokens, step, example_ids, *, micro_index=0, train: bool = True):
+        """(objective, aux) of next-token prediction on ``tokens [B, T+1]``.
 
+        ``aux`` holds ``ce`` (mean cross-entropy, nats) and the sums over layers of values mixers sow
+        as ``nnx.Intermediate`` (e.g. SSA's ``ssa_align``); sown ``aux_loss`` terms join the objective.
         ``example_ids [B]`` are global example indices: per-example randomness (SA permutations)
-        depends on them, never on a row's device-local position.
+        depends on them, never on a row's device-local position. ``micro_index`` keys per-micro-batch
+        randomness (SSA's stream coin).
         """
+        from hybrid_lm.model.ssa import ssa_coin
+
         cfg = self.cfg
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
         B, T = inputs.shape
         ctx = MixerContext(positions=jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T)),
                            attention_impl=cfg.model.attention_impl, step=step, seed=cfg.train.seed,
-                           example_ids=example_ids, train=train)
-        logits = self.model(params)(inputs, ctx)
-        return cross_entropy(logits, targets, cfg.optim.z_loss if train else 0.0)
+                           example_ids=example_ids, train=train,
+                           ssa_sparse=ssa_coin(cfg.train.seed, step, micro_index) if train else None)
+        model = self.model(params)
+        logits, sown = nnx.capture(model, nnx.Intermediate)(inputs, ctx)
+        obj, ce = cross_entropy(logits, targets, cfg.optim.z_loss if train else 0.0)
+        aux = {"ce": ce}
+        totals: dict[str, jax.Array] = {}
+        for path, value in jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(sown)):
+            name = next(str(p.key) for p in reversed(path) if isinstance(getattr(p, "key", None), str))
+            totals[name] = totals.get(name, 0.0) + value
+        if "aux_loss" in totals:
+            obj = obj + totals.pop("aux_loss")
+        aux.update(totals)
+        return obj, aux
 
 
 def global_norm(tree):
@@ -68,29 +84,33 @@ def make_train_step(fns: ModelFns, tx, schedule):
     M = cfg.train.microbatches
     B = cfg.train.global_batch
 
-    def grads_of(params, tokens, step, example_ids):
-        (obj, ce), g = jax.value_and_grad(lambda p: fns.loss(p, tokens, step, example_ids), has_aux=True)(params)
-        return obj, ce, g
+    def grads_of(params, tokens, step, example_ids, micro_index):
+        (obj, aux), g = jax.value_and_grad(
+            lambda p: fns.loss(p, tokens, step, example_ids, micro_index=micro_index), has_aux=True)(params)
+        return obj, aux, g
 
     def train_step(state, tokens):
         params, step = state["params"], state["step"]
         ids = step * B + jnp.arange(B, dtype=jnp.int32)
         if M == 1:
-            obj, ce, grads = grads_of(params, tokens, step, ids)
+            obj, aux, grads = grads_of(params, tokens, step, ids, 0)
         else:
             mb = tokens.reshape(M, B // M, tokens.shape[-1])
             mids = ids.reshape(M, B // M)
+            aux_shape = jax.eval_shape(lambda: grads_of(params, mb[0], step, mids[0], 0)[1])
 
             def body(carry, xs):
-                g_acc, o_acc, c_acc = carry
-                o, c, g = grads_of(params, xs[0], step, xs[1])
-                g_acc = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), g_acc, g)
-                return (g_acc, o_acc + o, c_acc + c), None
+                g_acc, o_acc, a_acc = carry
+                o, a, g = grads_of(params, xs[0], step, xs[1], xs[2])
+                g_acc = jax.tree.map(lambda x, y: x + y.astype(jnp.float32), g_acc, g)
+                return (g_acc, o_acc + o, jax.tree.map(jnp.add, a_acc, a)), None
 
             zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-            (gsum, osum, csum), _ = jax.lax.scan(body, (zeros, 0.0, 0.0), (mb, mids))
+            aux0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), aux_shape)
+            (gsum, osum, asum), _ = jax.lax.scan(body, (zeros, 0.0, aux0), (mb, mids, jnp.arange(M)))
             grads = jax.tree.map(lambda g: g / M, gsum)
-            obj, ce = osum / M, csum / M
+            obj, aux = osum / M, jax.tree.map(lambda a: a / M, asum)
+        ce = aux.pop("ce")
         gnorm = global_norm(grads)
         finite = jnp.isfinite(obj) & jnp.isfinite(gnorm)
         updates, opt_state = tx.update(grads, state["opt_state"], params)
@@ -99,7 +119,7 @@ def make_train_step(fns: ModelFns, tx, schedule):
         new_state = {"params": keep(new_params, params), "opt_state": keep(opt_state, state["opt_state"]),
                      "step": step + 1}
         stats = {"loss": ce, "objective": obj, "grad_norm": gnorm, "param_norm": global_norm(params),
-                 "update_norm": global_norm(updates), "lr": schedule(step), "finite": finite}
+                 "update_norm": global_norm(updates), "lr": schedule(step), "finite": finite, **aux}
         return new_state, stats
 
     return train_step
@@ -108,5 +128,5 @@ def make_train_step(fns: ModelFns, tx, schedule):
 def make_eval_step(fns: ModelFns):
     def eval_loss(params, tokens):
         B = tokens.shape[0]
-        return fns.loss(params, tokens, jnp.zeros((), jnp.int32), jnp.arange(B, dtype=jnp.int32), train=False)[1]
+        return fns.loss(params, tokens, jnp.zeros((), jnp.int32), jnp.arange(B, dtype=jnp.int32), train=False)[1]["ce"]
     return eval_loss

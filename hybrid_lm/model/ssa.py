@@ -1,0 +1,112 @@
+"""SSA training mode (arXiv 2511.20102): every attention layer runs a full and a block-sparse stream.
+
+Per micro-batch a coin (p = 0.5, ``fold_in(seed, step, micro-batch index)``, one draw shared by all
+layers) picks the stream that feeds the output projection and the residual path. The other stream
+is used only by the bidirectional alignment loss, per layer, on the gated pre-``o_proj`` outputs::
+
+    SmoothL1(full, sg(sparse)) + SmoothL1(sg(full), sparse)      (beta = 1, mean over elements)
+
+averaged over the SSA layers and weighted by ``align_weight`` (10 in the released code). Both
+streams share q/k/v/o and one sigmoid gate per (token, head) (``g_slc``), as in the released code.
+The sparse stream is MoBA-like block selection with the NSA importance rule (block 16, top-16,
+RoPE'd block-mean keys, softmax importance summed over the GQA group, own block forced); see
+``hybrid_lm/ops/block_sparse.py``. At eval the stream is fixed by ``eval_stream``.
+
+Aux outputs are sown as ``nnx.Intermediate``: ``aux_loss`` (added to the objective by the train
+step) and ``ssa_align`` / ``ssa_sparse`` (logged).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from hybrid_lm.config import ConfigError, MixerConfig, ModelConfig
+from hybrid_lm.model.attention import Attention, attend, attention_projection_flops, mean_keys_per_query
+from hybrid_lm.model.layers import param
+from hybrid_lm.model.moba import moba_mean_keys
+from hybrid_lm.model.registry import MixerContext, register_mixer
+from hybrid_lm.ops import block_sparse
+
+
+@dataclass(frozen=True)
+class SSAOptions:
+    block_size: int = 16
+    top_k: int = 16  # counting the query's own block
+    gate: str = "ssa"  # block-selection rule: ssa (NSA importance over the GQA group) | moba
+    align_weight: float = 10.0  # alpha in loss = ce + alpha * mean_layers(align)
+    eval_stream: str = "full"  # stream used when not training: full | sparse
+
+    def validate(self) -> None:
+        if self.block_size < 1 or self.top_k < 1:
+            raise ConfigError("ssa options block_size and top_k must be >= 1")
+        if self.gate not in block_sparse.GATES:
+            raise ConfigError(f"ssa option gate={self.gate!r}: choose one of {block_sparse.GATES}")
+        if self.eval_stream not in ("full", "sparse"):
+            raise ConfigError(f"ssa option eval_stream={self.eval_stream!r}: choose full or sparse")
+        if self.align_weight < 0:
+            raise ConfigError("ssa option align_weight must be >= 0")
+
+
+def ssa_coin(seed: int, step, micro_index) -> jax.Array:
+    """True = sparse stream for this micro-batch (p = 0.5), shared by all layers."""
+    key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), step), micro_index)
+    return jax.random.bernoulli(key, 0.5)
+
+
+def smooth_l1(a, b):
+    d = jnp.abs(a - b)
+    return jnp.mean(jnp.where(d < 1.0, 0.5 * d * d, d - 0.5))
+
+
+def alignment_loss(full, sparse):
+    """Sparsity term (full -> sg(sparse)) + commitment term (sg(full) -> sparse), fp32."""
+    full, sparse = full.astype(jnp.float32), sparse.astype(jnp.float32)
+    return smooth_l1(full, jax.lax.stop_gradient(sparse)) + smooth_l1(jax.lax.stop_gradient(full), sparse)
+
+
+def _ssa_flops(cfg: ModelConfig, mc: MixerConfig, seq_len: int) -> dict:
+    o = SSAOptions(**mc.options)
+    per_key = 4.0 * cfg.n_heads * cfg.resolved_head_dim
+    # training runs both streams: full causal + block-sparse, plus the selection scores
+    gate_dots = 2.0 * cfg.n_heads * cfg.resolved_head_dim * seq_len / (2 * o.block_size)
+    return {"matmul": attention_projection_flops(cfg) + 2.0 * cfg.d_model * cfg.n_heads,
+            "mixing": per_key * (mean_keys_per_query(seq_len, None) + moba_mean_keys(seq_len, o.block_size, o.top_k))
+            + gate_dots}
+
+
+@register_mixer("ssa", flops=_ssa_flops, options=SSAOptions,
+                description="SSA: full + block-sparse streams, coin per micro-batch, alignment loss")
+class SSAAttention(Attention):
+    def __init__(self, cfg: ModelConfig, mc: MixerConfig, layer_idx: int, *, rngs: nnx.Rngs):
+        super().__init__(cfg, mc, layer_idx, rngs=rngs, window=None)
+        self.opts = SSAOptions(**mc.options)
+        self.w_gate = param(rngs, (cfg.d_model, cfg.n_heads), ("embed", "heads"), cfg.init_std)
+        self.n_ssa_layers = sum(cfg.mixer(t).kind == "ssa" for t in cfg.layer_types())
+
+    def _streams(self, x, ctx: MixerContext, want_full: bool, want_sparse: bool):
+        q, k, v = self.project_qkv(x, ctx.positions)
+        g = jax.nn.sigmoid(x @ self.w_gate[...].astype(x.dtype))[..., None]  # [B, T, H, 1]
+        full = sparse = None
+        if want_full:
+            full = attend(q, k, v, window=None, positions=ctx.positions, impl=ctx.attention_impl) * g
+        if want_sparse:
+            o = self.opts
+            sparse = block_sparse.moba_attention(q, k, v, block_size=o.block_size, top_k=o.top_k, gate=o.gate) * g
+        return full, sparse
+
+    def __call__(self, x, ctx: MixerContext):
+        if not ctx.train:
+            sparse_mode = self.opts.eval_stream == "sparse"
+            full, sparse = self._streams(x, ctx, not sparse_mode, sparse_mode)
+            return self.project_out(sparse if sparse_mode else full)
+        full, sparse = self._streams(x, ctx, True, True)
+        use_sparse = ctx.ssa_sparse if ctx.ssa_sparse is not None else jnp.asarray(False)
+        align = alignment_loss(full, sparse)
+        self.sow(nnx.Intermediate, "aux_loss", self.opts.align_weight * align / self.n_ssa_layers)
+        self.sow(nnx.Intermediate, "ssa_align", align / self.n_ssa_layers)
+        self.sow(nnx.Intermediate, "ssa_sparse", use_sparse.astype(jnp.float32) / self.n_ssa_layers)
+        return self.project_out(jnp.where(use_sparse, sparse, full))
