@@ -89,15 +89,32 @@ def _attention_flops(window_of):
 
 # ----------------------------------------------------------------------------- module
 
+def qkv_params(cfg: ModelConfig, rngs: nnx.Rngs):
+    """GQA projection kernels ``wq [d, H, Dh]``, ``wk``/``wv [d, K, Dh]``."""
+    d, H, K, Dh = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.resolved_head_dim
+    return (param(rngs, (d, H, Dh), ("embed", "heads", "head_dim"), cfg.init_std),
+            param(rngs, (d, K, Dh), ("embed", "kv_heads", "head_dim"), cfg.init_std),
+            param(rngs, (d, K, Dh), ("embed", "kv_heads", "head_dim"), cfg.init_std))
+
+
+def project_qkv(x, wq, wk, wv, positions, rope: bool, rope_theta: float):
+    """q, k, v ``[B, T, heads, Dh]`` in x's dtype, with RoPE at ``positions`` unless NoPE."""
+    dt = x.dtype
+    q = jnp.einsum("btd,dhk->bthk", x, wq[...].astype(dt))
+    k = jnp.einsum("btd,dhk->bthk", x, wk[...].astype(dt))
+    v = jnp.einsum("btd,dhk->bthk", x, wv[...].astype(dt))
+    if rope:
+        q, k = apply_rope(q, positions, rope_theta), apply_rope(k, positions, rope_theta)
+    return q, k, v
+
+
 class Attention(nnx.Module):
     """Multi-head causal attention with grouped KV heads; ``window=None`` means full attention."""
 
     def __init__(self, cfg: ModelConfig, mc: MixerConfig, layer_idx: int, *, rngs: nnx.Rngs,
                  window: int | None = None):
-        d, H, K, Dh = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.resolved_head_dim
-        self.wq = param(rngs, (d, H, Dh), ("embed", "heads", "head_dim"), cfg.init_std)
-        self.wk = param(rngs, (d, K, Dh), ("embed", "kv_heads", "head_dim"), cfg.init_std)
-        self.wv = param(rngs, (d, K, Dh), ("embed", "kv_heads", "head_dim"), cfg.init_std)
+        d, H, Dh = cfg.d_model, cfg.n_heads, cfg.resolved_head_dim
+        self.wq, self.wk, self.wv = qkv_params(cfg, rngs)
         self.wo = param(rngs, (H, Dh, d), ("heads", "head_dim", "embed"), out_proj_std(cfg))
         self.window = window
         self.rope = mc.rope
@@ -105,13 +122,7 @@ class Attention(nnx.Module):
         self.layer_idx = layer_idx
 
     def project_qkv(self, x, positions):
-        dt = x.dtype
-        q = jnp.einsum("btd,dhk->bthk", x, self.wq[...].astype(dt))
-        k = jnp.einsum("btd,dhk->bthk", x, self.wk[...].astype(dt))
-        v = jnp.einsum("btd,dhk->bthk", x, self.wv[...].astype(dt))
-        if self.rope:
-            q, k = apply_rope(q, positions, self.rope_theta), apply_rope(k, positions, self.rope_theta)
-        return q, k, v
+        return project_qkv(x, self.wq, self.wk, self.wv, positions, self.rope, self.rope_theta)
 
     def project_out(self, o):
         return jnp.einsum("bthk,hkd->btd", o, self.wo[...].astype(o.dtype))

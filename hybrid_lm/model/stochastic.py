@@ -23,8 +23,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from hybrid_lm.config import ConfigError, MixerConfig, ModelConfig
-from hybrid_lm.model.attention import Attention, attend, attention_projection_flops, mean_keys_per_query
-from hybrid_lm.model.layers import apply_rope, param
+from hybrid_lm.model.attention import (Attention, attend, attention_projection_flops, mean_keys_per_query,
+                                       project_qkv, qkv_params)
+from hybrid_lm.model.layers import param
 from hybrid_lm.model.registry import MixerContext, register_mixer
 from hybrid_lm.ops import permutation as P
 
@@ -171,20 +172,11 @@ class QKVProjection(nnx.Module):
     """Separate q/k/v projections (the SA branch's own, when ``shared_qkv=False``)."""
 
     def __init__(self, cfg: ModelConfig, mc: MixerConfig, *, rngs: nnx.Rngs):
-        d, H, K, Dh = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.resolved_head_dim
-        self.wq = param(rngs, (d, H, Dh), ("embed", "heads", "head_dim"), cfg.init_std)
-        self.wk = param(rngs, (d, K, Dh), ("embed", "kv_heads", "head_dim"), cfg.init_std)
-        self.wv = param(rngs, (d, K, Dh), ("embed", "kv_heads", "head_dim"), cfg.init_std)
+        self.wq, self.wk, self.wv = qkv_params(cfg, rngs)
         self.rope, self.rope_theta = mc.rope, mc.rope_theta
 
     def __call__(self, x, positions):
-        dt = x.dtype
-        q = jnp.einsum("btd,dhk->bthk", x, self.wq[...].astype(dt))
-        k = jnp.einsum("btd,dhk->bthk", x, self.wk[...].astype(dt))
-        v = jnp.einsum("btd,dhk->bthk", x, self.wv[...].astype(dt))
-        if self.rope:
-            q, k = apply_rope(q, positions, self.rope_theta), apply_rope(k, positions, self.rope_theta)
-        return q, k, v
+        return project_qkv(x, self.wq, self.wk, self.wv, positions, self.rope, self.rope_theta)
 
 
 @register_mixer("sa_swa", flops=sa_swa_flops, options=SASWAOptions, needs_window=True,
