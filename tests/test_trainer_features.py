@@ -41,6 +41,9 @@ def test_muon_routes_by_logical_axes_and_trains(tiny_params, tmp_path):
     assert blk["mixer"]["wo"].reduction_axis == (0, 1) and blk["mixer"]["wo"].output_axis == 2
     assert blk["mlp"]["w_up"] is not None and blk["mixer_norm"]["scale"] is None
     assert routing["embed"]["table"] is None and routing["lm_head"] is None  # vocab axes -> AdamW
+    from hybrid_lm.train.optim import muon_dims
+    assert muon_dims(("embed", "heads")) is None and muon_dims(("ssm_heads",)) is None  # gates, A_log
+    assert muon_dims(("embed", "conv_dim")) is not None and muon_dims(("conv_kernel", "conv_dim")) is None
     train(cfg, tmp_path)
     rows = read_metrics(tmp_path / "metrics.jsonl", "train")
     assert rows[-1]["loss"] < rows[0]["loss"] - 0.5

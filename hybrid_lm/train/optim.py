@@ -6,9 +6,9 @@ Routing is decided by each parameter's logical axes, never by its ndim:
   "hidden" axes (embed, mlp, heads, kv_heads, head_dim, conv_dim, state, lowrank) and that have an
   ``embed`` axis on one side. ``[d, H, Dh]`` kernels are orthogonalised as ``[d, H*Dh]`` and
   ``[H, Dh, d]`` as ``[H*Dh, d]`` (``MuonDimensionNumbers``).
-- **AdamW** for everything else: embeddings and LM head (``vocab`` axis), norms, biases, gates with
-  a per-head/per-channel vector shape, short-conv taps (``conv_kernel``), ``A_log``/``dt_bias``/``D``
-  (``ssm_heads``).
+- **AdamW** for everything else: embeddings and LM head (``vocab`` axis), norms, biases, ``[d, H]``
+  projections to per-head scalars (sigmoid gates, Mamba-2's dt, GDN's a and beta), short-conv taps
+  (``conv_kernel``), ``A_log``/``dt_bias``/``D`` (``ssm_heads``).
 
 Muon learning-rate rule: updates are rescaled to AdamW's RMS (``consistent_rms=0.2``, Moonlight,
 arXiv 2502.16982), so Muon and AdamW share one peak LR and one schedule.
@@ -63,6 +63,8 @@ def muon_dims(axes: tuple) -> MuonDimensionNumbers | None:
     """How Muon sees a parameter with these logical axes, or None to route it to AdamW."""
     if len(axes) < 2 or not set(axes) <= _HIDDEN_AXES or "embed" not in axes:
         return None
+    if set(axes) - {"embed"} <= {"heads", "kv_heads"}:
+        return None  # [d, H] projections to per-head scalars (gates, dt, beta): AdamW
     if axes[0] == "embed":  # input projection: embed -> everything else
         return MuonDimensionNumbers(reduction_axis=0, output_axis=tuple(range(1, len(axes))))
     if axes[-1] == "embed":  # output projection: everything else -> embed
