@@ -1,4 +1,4 @@
-"""Command line: ``hybrid-lm train|info|data``."""
+"""Command line: ``hybrid-lm train|info|data|eval|sweep|collect|fit|report``."""
 
 from __future__ import annotations
 
@@ -105,6 +105,9 @@ def main(argv=None) -> int:
     q.add_argument("--out", default=None)
     q.add_argument("--tokenizer", default="byte")
     q.set_defaults(fn=cmd_data)
+
+    from hybrid_lm.scaling.cli import add_scaling_commands
+    add_scaling_commands(sub)
 
     args = ap.parse_args(argv)
     try:

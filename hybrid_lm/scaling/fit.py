@@ -1,0 +1,955 @@
+"""Fit L(N, D) scaling laws: log-space Huber, multi-start from a grid, bootstrap CIs, hold-out checks.
+
+No JAX here: numpy + scipy in float64 (the objective is ~1e-3 with delta = 1e-3, float32 is not
+enough). The procedure follows Epoch AI's Chinchilla replication (Besiroglu et al. 2024,
+``data_analysis.ipynb``) and thunlp's ``fit_scaling.py`` (see ../shared/research/scaling_eval.md):
+
+* **Forms.** ``with-E``: ``log L = LSE(a - alpha log N, b - beta log D, e)``, i.e.
+  ``L = E + A/N^alpha + B/D^beta`` with ``A = e^a, B = e^b, E = e^e``. ``no-E``: the same without
+  ``e`` (``L = A/N^alpha + B/D^beta``, thunlp's ``no_constant``; used for log LongPPL).
+* **Objective.** ``sum_i Huber_delta(log L_hat_i - log L_i)`` with delta = 1e-3, **summed, never
+  averaged** (a mean makes the objective n times smaller and L-BFGS-B stops early).
+* **Multi-start.** Every point of a grid (Epoch's 4,500-point grid for ``with-E``, thunlp's
+  1,728-point grid for ``no-E``) is refined in one vectorised batch by a Levenberg-Marquardt /
+  IRLS iteration with exact gradients, with successive halving (the worse half of the starts is
+  dropped every few iterations until ``survivors`` remain, which then run to convergence). The best
+  ``lbfgsb_starts`` distinct minima are then refined by scipy L-BFGS-B (exact gradient, tight
+  tolerances ``ftol=1e-15, gtol=1e-12``), and the best is polished by a damped Newton iteration with
+  the exact Hessian until no step lowers the objective in float64. ``multistart="lbfgsb"`` instead
+  runs L-BFGS-B from *every* grid point (Epoch's literal procedure; minutes instead of seconds).
+* **Bounds** (optional, e.g. ``alpha in [0.2, 0.3]`` as thunlp used for log LongPPL) are honoured
+  by every stage (projected steps with an active set; L-BFGS-B bounds) and reported.
+* **Bootstrap.** Resample *runs* (clusters of rows sharing a ``run_id``) with replacement; refit each
+  resample from the point estimate and from the other distinct minima (mode switches), by the exact
+  Newton iteration run to float64 convergence (loose tolerances shrink bootstrap SEs 100-1000x; see
+  A.3 of the notes); resamples that do not converge are refitted by tight L-BFGS-B. Percentile CIs.
+* **Hold-out.** Refit (full multi-start) without the largest N and report the bias, RMSE, MAE and
+  worst error of the held-out predictions.
+* **Compute-optimal allocation.** ``N*(C) = G (C/k)^a``, ``D*(C) = G^-1 (C/k)^b`` with
+  ``a = beta/(alpha+beta)``, ``b = alpha/(alpha+beta)``, ``G = (alpha A / (beta B))^(1/(alpha+beta))``
+  and ``C = k N D`` (k = 6 by default, or measured from the table's FLOPs column).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import itertools
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from scipy.optimize import minimize
+from tqdm.auto import tqdm
+
+log = logging.getLogger(__name__)
+
+SCHEMA = "hybrid_lm.fit/1"
+DELTA = 1e-3
+PUBLIC = ("E", "A", "B", "alpha", "beta")
+DERIVED = ("N_opt_exponent", "D_opt_exponent", "G")
+
+
+class FitError(ValueError):
+    """Data or options that cannot be fitted; the message says why."""
+
+
+@dataclass(frozen=True)
+class Form:
+    name: str
+    theta: tuple[str, ...]  # internal parameters, in order
+    grid: dict  # default start grid, per internal parameter
+    description: str
+
+    @property
+    def has_e(self) -> bool:
+        return "e" in self.theta
+
+    def index(self, name: str) -> int:
+        return self.theta.index(name)
+
+
+FORMS = {
+    "with-E": Form(
+        "with-E", ("a", "b", "e", "alpha", "beta"),
+        # Epoch AI data_analysis.ipynb cell 18: 6 x 6 x 5 x 5 x 5 = 4,500 starts
+        {"a": (0, 5, 10, 15, 20, 25), "b": (0, 5, 10, 15, 20, 25), "e": (-1, -0.5, 0, 0.5, 1),
+         "alpha": (0, 0.5, 1, 1.5, 2), "beta": (0, 0.5, 1, 1.5, 2)},
+        "L = E + A / N^alpha + B / D^beta"),
+    "no-E": Form(
+        "no-E", ("a", "b", "alpha", "beta"),
+        # thunlp fit_scaling.py no_constant: 8 x 6 x 6 x 6 = 1,728 starts
+        {"a": (0, 1, 2, 4, 6, 8, 10, 12), "b": (0, 1, 2, 8, 10, 12),
+         "alpha": (0.1, 0.2, 0.5, 1, 1.5, 2), "beta": (0.1, 0.2, 0.5, 0.8, 1.0, 1.2)},
+        "L = A / N^alpha + B / D^beta"),
+}
+
+
+def get_form(name: str) -> Form:
+    key = {"with-e": "with-E", "no-e": "no-E", "withe": "with-E", "noe": "no-E", "default": "with-E",
+           "no_constant": "no-E"}.get(name.lower().replace(" ", ""), name)
+    if key not in FORMS:
+        raise FitError(f"unknown form {name!r}; choose with-E or no-E")
+    return FORMS[key]
+
+
+# ----------------------------------------------------------------------------- parameters
+
+def theta_to_public(form: Form, th) -> dict:
+    th = np.asarray(th, float)
+    p = {"E": float(math.exp(th[form.index("e")])) if form.has_e else None,
+         "A": float(math.exp(th[form.index("a")])), "B": float(math.exp(th[form.index("b")])),
+         "alpha": float(th[form.index("alpha")]), "beta": float(th[form.index("beta")])}
+    return p
+
+
+def public_array(form: Form, th: np.ndarray) -> dict[str, np.ndarray]:
+    """Public parameters and derived exponents for a batch ``th [P, k]``."""
+    al, be = th[:, form.index("alpha")], th[:, form.index("beta")]
+    a, b = th[:, form.index("a")], th[:, form.index("b")]
+    out = {"A": np.exp(a), "B": np.exp(b), "alpha": al, "beta": be}
+    if form.has_e:
+        out["E"] = np.exp(th[:, form.index("e")])
+    with np.errstate(all="ignore"):
+        s = al + be
+        out["N_opt_exponent"] = be / s
+        out["D_opt_exponent"] = al / s
+        out["G"] = np.exp((np.log(al) + a - np.log(be) - b) / s)
+    return out
+
+
+def parse_bounds(spec: dict | None, form: Form) -> tuple[np.ndarray, np.ndarray, dict]:
+    """Bounds on public (E, A, B, alpha, beta) or internal (a, b, e) names -> internal lo/hi arrays.
+
+    ``spec`` maps a name to ``(lo, hi)``, either end ``None`` for open. E, A and B bounds are on the
+    positive values (converted to logs).
+    """
+    k = len(form.theta)
+    lo, hi = np.full(k, -np.inf), np.full(k, np.inf)
+    clean: dict[str, list] = {}
+    for name, (b_lo, b_hi) in (spec or {}).items():
+        if name in ("E", "A", "B"):
+            internal = name.lower()
+            for v in (b_lo, b_hi):
+                if v is not None and v <= 0:
+                    raise FitError(f"bound on {name} must be > 0 (it is a positive coefficient), got {v}")
+            conv = (None if b_lo is None else math.log(b_lo), None if b_hi is None else math.log(b_hi))
+        elif name in ("a", "b", "e", "alpha", "beta"):
+            internal, conv = name, (b_lo, b_hi)
+        else:
+            raise FitError(f"unknown parameter {name!r} in bounds; use E, A, B, alpha, beta (or a, b, e)")
+        if internal not in form.theta:
+            raise FitError(f"form {form.name} has no parameter {name!r}")
+        if b_lo is not None and b_hi is not None and b_lo > b_hi:
+            raise FitError(f"bound on {name}: lower {b_lo} > upper {b_hi}")
+        j = form.index(internal)
+        if conv[0] is not None:
+            lo[j] = conv[0]
+        if conv[1] is not None:
+            hi[j] = conv[1]
+        clean[name] = [b_lo, b_hi]
+    return lo, hi, clean
+
+
+def parse_bound_args(items: list[str] | None) -> dict:
+    """``["alpha=0.2:0.3", "beta=0:"]`` -> ``{"alpha": (0.2, 0.3), "beta": (0.0, None)}``."""
+    out = {}
+    for it in items or []:
+        if "=" not in it or ":" not in it.split("=", 1)[1]:
+            raise FitError(f"bound {it!r}: write NAME=LO:HI, either side may be empty (alpha=0.2:0.3, beta=0:)")
+        name, rng = it.split("=", 1)
+        lo_s, hi_s = rng.split(":", 1)
+        try:
+            out[name.strip()] = (float(lo_s) if lo_s.strip() else None, float(hi_s) if hi_s.strip() else None)
+        except ValueError:
+            raise FitError(f"bound {it!r}: {lo_s!r} / {hi_s!r} are not numbers") from None
+    return out
+
+
+# ----------------------------------------------------------------------------- objective
+
+class HuberLogObjective:
+    """Summed Huber(delta) of ``log L_hat - log y`` over points, for batches of parameter vectors.
+
+    Weights ``W`` (``None``, ``[n]`` or ``[P, n]``) multiply each point's term: bootstrap resamples
+    are integer weights. All methods take ``th [P, k]``.
+    """
+
+    def __init__(self, form: Form, N, D, y, delta: float = DELTA):
+        N, D, y = (np.asarray(v, np.float64).ravel() for v in (N, D, y))
+        if not (N.shape == D.shape == y.shape):
+            raise FitError("N, D and the metric must have the same length")
+        for name, v in (("N", N), ("D", D), ("metric", y)):
+            if not np.all(np.isfinite(v)) or np.any(v <= 0):
+                raise FitError(f"{name} must be finite and > 0 for a log-space fit")
+        self.form, self.delta = form, float(delta)
+        self.lnN, self.lnD, self.ly = np.log(N), np.log(D), np.log(y)
+        self.n, self.k = len(y), len(form.theta)
+        self.ia, self.ib = form.index("a"), form.index("b")
+        self.ial, self.ibe = form.index("alpha"), form.index("beta")
+        self.ie = form.index("e") if form.has_e else None
+
+    # -- model
+    def log_predict(self, th, lnN=None, lnD=None) -> np.ndarray:
+        th = np.atleast_2d(th)
+        lnN = self.lnN if lnN is None else np.asarray(lnN, float)
+        lnD = self.lnD if lnD is None else np.asarray(lnD, float)
+        t = self._terms(th, lnN, lnD)
+        m = t.max(-1, keepdims=True)
+        return m[..., 0] + np.log(np.exp(t - m).sum(-1))
+
+    def _terms(self, th, lnN, lnD):
+        P = th.shape[0]
+        t1 = th[:, [self.ia]] - th[:, [self.ial]] * lnN
+        t2 = th[:, [self.ib]] - th[:, [self.ibe]] * lnD
+        parts = [t1, t2]
+        if self.ie is not None:
+            parts.append(np.broadcast_to(th[:, [self.ie]], (P, lnN.shape[-1])))
+        return np.stack(parts, -1)
+
+    def _huber(self, r):
+        ar = np.abs(r)
+        return np.where(ar <= self.delta, 0.5 * r * r, self.delta * (ar - 0.5 * self.delta))
+
+    def value(self, th, W=None) -> np.ndarray:
+        r = self.log_predict(th) - self.ly
+        h = self._huber(r)
+        return (h if W is None else W * h).sum(-1)
+
+    def derivatives(self, th, W=None, hessian: str | None = "exact"):
+        """(f [P], g [P, k], H [P, k, k]); ``hessian`` is ``exact``, ``irls`` (Gauss-Newton, PSD) or None."""
+        th = np.atleast_2d(th)
+        t = self._terms(th, self.lnN, self.lnD)
+        m = t.max(-1, keepdims=True)
+        ex = np.exp(t - m)
+        s = ex.sum(-1)
+        w = ex / s[..., None]
+        r = m[..., 0] + np.log(s) - self.ly
+        ar = np.abs(r)
+        inside = ar <= self.delta
+        h = np.where(inside, 0.5 * r * r, self.delta * (ar - 0.5 * self.delta))
+        psi = np.clip(r, -self.delta, self.delta)
+        Wb = 1.0 if W is None else W
+        f = (Wb * h).sum(-1)
+        psiw = Wb * psi
+        P = th.shape[0]
+        J = np.empty((P, self.n, self.k))
+        J[..., self.ia] = w[..., 0]
+        J[..., self.ib] = w[..., 1]
+        J[..., self.ial] = -w[..., 0] * self.lnN
+        J[..., self.ibe] = -w[..., 1] * self.lnD
+        if self.ie is not None:
+            J[..., self.ie] = w[..., 2]
+        g = np.einsum("pn,pnj->pj", psiw, J)
+        if hessian is None:
+            return f, g, None
+        if hessian == "irls":
+            omega = Wb * np.where(inside, 1.0, self.delta / np.maximum(ar, 1e-300))
+            H = np.einsum("pnj,pnl->pjl", J * omega[..., None], J)
+            return f, g, H
+        dpsi = Wb * inside
+        H = np.einsum("pnj,pnl->pjl", J * (dpsi - psiw)[..., None], J)
+        c1, c2 = psiw * w[..., 0], psiw * w[..., 1]
+        H[:, self.ia, self.ia] += c1.sum(-1)
+        x = -(c1 * self.lnN).sum(-1)
+        H[:, self.ia, self.ial] += x
+        H[:, self.ial, self.ia] += x
+        H[:, self.ial, self.ial] += (c1 * self.lnN ** 2).sum(-1)
+        H[:, self.ib, self.ib] += c2.sum(-1)
+        x = -(c2 * self.lnD).sum(-1)
+        H[:, self.ib, self.ibe] += x
+        H[:, self.ibe, self.ib] += x
+        H[:, self.ibe, self.ibe] += (c2 * self.lnD ** 2).sum(-1)
+        if self.ie is not None:
+            H[:, self.ie, self.ie] += (psiw * w[..., 2]).sum(-1)
+        return f, g, H
+
+    def scipy_fun(self, weights=None):
+        """``x -> (f, grad)`` for scipy.optimize.minimize(jac=True)."""
+        def fun(x):
+            f, g, _ = self.derivatives(x[None], None if weights is None else weights[None], hessian=None)
+            return float(f[0]), g[0]
+        return fun
+
+
+# ----------------------------------------------------------------------------- batched optimisers
+
+def _free_mask(th, g, lo, hi, eps=1e-12):
+    """Coordinates not held at a bound by an outward-pointing descent direction."""
+    at_lo = (th <= lo + eps) & (g > 0)
+    at_hi = (th >= hi - eps) & (g < 0)
+    return ~(at_lo | at_hi)
+
+
+def _reduce_system(H, g, free):
+    """Active-set reduction: fixed coordinates get an identity row/column and a zero gradient."""
+    Hr = H * free[:, :, None] * free[:, None, :]
+    k = H.shape[-1]
+    eye = np.eye(k)[None]
+    Hr = Hr + eye * (~free)[:, :, None]
+    return Hr, g * free
+
+
+def newton_batch(obj: HuberLogObjective, th0, W=None, lo=None, hi=None, max_iter: int = 200,
+                 max_halvings: int = 40):
+    """Damped Newton with the exact Hessian (|eigenvalues|, floored), Armijo backtracking, projection
+    onto bounds with an active set. Runs each problem until no step lowers its objective in float64.
+
+    Returns (theta [P, k], f [P], converged [P]); ``converged`` is False only at ``max_iter``.
+    """
+    th = np.array(th0, np.float64, copy=True)
+    P, k = th.shape
+    lo = np.full(k, -np.inf) if lo is None else lo
+    hi = np.full(k, np.inf) if hi is None else hi
+    th = np.clip(th, lo, hi)
+    Wfull = None if W is None else np.broadcast_to(W, (P, obj.n))
+    active = np.ones(P, bool)
+    f_out = obj.value(th, Wfull)
+    converged = np.zeros(P, bool)
+    for _ in range(max_iter):
+        idx = np.nonzero(active)[0]
+        if idx.size == 0:
+            break
+        Wi = None if Wfull is None else Wfull[idx]
+        f, g, H = obj.derivatives(th[idx], Wi, hessian="exact")
+        free = _free_mask(th[idx], g, lo, hi)
+        Hr, gr = _reduce_system(H, g, free)
+        lam, V = np.linalg.eigh(Hr)
+        lam_abs = np.abs(lam)
+        floor = 1e-12 * lam_abs.max(-1, keepdims=True) + 1e-300
+        lam_mod = np.maximum(lam_abs, floor)
+        p = -np.einsum("pij,pj,pj->pi", V, 1.0 / lam_mod, np.einsum("pij,pi->pj", V, gr))
+        p *= free
+        big = np.abs(p).max(-1)
+        p *= np.minimum(1.0, 10.0 / np.maximum(big, 1e-300))[:, None]  # no leap of more than 10 in a log
+        gp = (gr * p).sum(-1)
+        step = np.zeros(idx.size)
+        f_new = f.copy()
+        pending = np.ones(idx.size, bool)
+        s = 1.0
+        for _h in range(max_halvings):
+            sub = np.nonzero(pending)[0]
+            cand = np.clip(th[idx[sub]] + s * p[sub], lo, hi)
+            ft = obj.value(cand, None if Wi is None else Wi[sub])
+            ok = ft <= f[sub] + 1e-4 * s * np.minimum(gp[sub], 0.0)
+            ok &= ft < f[sub]
+            hit = sub[ok]
+            step[hit], f_new[hit] = s, ft[ok]
+            pending[hit] = False
+            if not pending.any():
+                break
+            s *= 0.5
+        moved = step > 0
+        th[idx[moved]] = np.clip(th[idx[moved]] + step[moved, None] * p[moved], lo, hi)
+        f_out[idx] = f_new
+        # converged: no step lowers f, or the decrease is at float64 resolution
+        done = (~moved) | ((f - f_new) <= 1e-15 * np.abs(f))
+        converged[idx[done]] = True
+        active[idx[done]] = False
+    return th, f_out, converged
+
+
+_CHUNK_ELEMS = 4e6  # starts x points x parameters per vectorised batch (~32 MB per float64 array)
+
+
+class _LMBatch:
+    """Levenberg-Marquardt on the IRLS (Gauss-Newton) Hessian for many starts at once."""
+
+    def __init__(self, obj: HuberLogObjective, th0, lo, hi):
+        self.obj, self.lo, self.hi = obj, lo, hi
+        self.th = np.clip(np.array(th0, np.float64, copy=True), lo, hi)
+        P = self.th.shape[0]
+        self.mu = np.full(P, 1e-3)
+        self.f = obj.value(self.th)
+        self.done = np.zeros(P, bool)
+
+    def run(self, idx: np.ndarray, iters: int, tol: float = 1e-13) -> None:
+        """``iters`` iterations for the starts ``idx``, in chunks that bound memory (starts x points x k)."""
+        chunk = max(8, int(_CHUNK_ELEMS // max(self.obj.n * self.obj.k, 1)))
+        for c0 in range(0, len(idx), chunk):
+            self._run(idx[c0:c0 + chunk], iters, tol)
+
+    def _run(self, idx: np.ndarray, iters: int, tol: float) -> None:
+        idx = idx[~self.done[idx]]
+        for _ in range(iters):
+            if idx.size == 0:
+                return
+            f, g, H = self.obj.derivatives(self.th[idx], hessian="irls")
+            free = _free_mask(self.th[idx], g, self.lo, self.hi)
+            Hr, gr = _reduce_system(H, g, free)
+            dg = np.einsum("pjj->pj", Hr)
+            A = Hr + (self.mu[idx, None] * (dg + 1e-12))[:, :, None] * np.eye(self.obj.k)[None]
+            try:
+                p = -np.linalg.solve(A, gr[..., None])[..., 0]
+            except np.linalg.LinAlgError:
+                p = -gr / np.maximum(dg, 1e-12)
+            p *= free
+            p *= np.minimum(1.0, 10.0 / np.maximum(np.abs(p).max(-1), 1e-300))[:, None]
+            cand = np.clip(self.th[idx] + p, self.lo, self.hi)
+            ft = self.obj.value(cand)
+            ok = np.isfinite(ft) & (ft < f)
+            self.th[idx[ok]] = cand[ok]
+            self.f[idx[ok]] = ft[ok]
+            self.mu[idx[ok]] = np.maximum(self.mu[idx[ok]] / 3.0, 1e-12)
+            self.mu[idx[~ok]] *= 4.0
+            rel = np.where(ok, (f - ft) / np.maximum(np.abs(f), 1e-300), 0.0)
+            stop = (ok & (rel < tol)) | (self.mu[idx] > 1e12)
+            self.done[idx[stop]] = True
+            idx = idx[~stop]
+
+
+def make_grid(form: Form, grid: dict | None, lo, hi) -> np.ndarray:
+    g = dict(form.grid)
+    for k, v in (grid or {}).items():
+        if k not in form.theta:
+            raise FitError(f"grid key {k!r} is not a parameter of form {form.name} ({', '.join(form.theta)})")
+        g[k] = tuple(v)
+    pts = np.array(list(itertools.product(*(g[name] for name in form.theta))), np.float64)
+    pts = np.clip(pts, lo, hi)
+    return np.unique(pts, axis=0)
+
+
+def _distinct(th: np.ndarray, f: np.ndarray, limit: int, tol: float = 1e-3) -> list[int]:
+    """Indices of the best ``limit`` distinct minima (sorted by f; distinct in parameter space)."""
+    order = np.argsort(f, kind="stable")
+    keep: list[int] = []
+    for i in order:
+        if not np.isfinite(f[i]):
+            continue
+        if all(np.max(np.abs(th[i] - th[j]) / (1.0 + np.abs(th[j]))) > tol for j in keep):
+            keep.append(int(i))
+        if len(keep) >= limit:
+            break
+    return keep
+
+
+@dataclass
+class PointFit:
+    theta: np.ndarray
+    objective: float
+    minima: list  # [(objective, theta)] distinct, best first
+    info: dict
+
+
+def fit_point(obj: HuberLogObjective, lo, hi, grid: dict | None = None, multistart: str = "lm",
+              survivors: int = 64, lbfgsb_starts: int = 8, round_iters: int = 10,
+              progress: bool = False, desc: str = "fit") -> PointFit:
+    """Multi-start fit of one data set (see the module docstring)."""
+    t0 = time.time()
+    starts = make_grid(obj.form, grid, lo, hi)
+    bounds = [(None if not np.isfinite(a) else a, None if not np.isfinite(b) else b) for a, b in zip(lo, hi)]
+    info = {"multistart": multistart, "grid_size": int(len(starts))}
+    if multistart == "lm":
+        lm = _LMBatch(obj, starts, lo, hi)
+        pool = np.arange(len(starts))
+        rounds = 0
+        with tqdm(total=len(starts), desc=f"{desc}: grid", disable=not progress, leave=False) as bar:
+            while True:
+                lm.run(pool, round_iters)
+                rounds += 1
+                if len(pool) <= survivors:
+                    break
+                keep = max(survivors, len(pool) // 2)
+                order = np.argsort(lm.f[pool], kind="stable")
+                bar.update(len(pool) - keep)
+                pool = pool[order[:keep]]
+            lm.run(pool, 1000)
+            bar.update(bar.total - bar.n)
+        cand = pool[_distinct(lm.th[pool], lm.f[pool], lbfgsb_starts)] if len(pool) else pool
+        cand_th = lm.th[cand]
+        info.update(survivors=int(len(pool)), halving_rounds=rounds)
+    elif multistart == "lbfgsb":
+        fun = obj.scipy_fun()
+        res_th, res_f = [], []
+        for x0 in tqdm(starts, desc=f"{desc}: L-BFGS-B from every grid point", disable=not progress, leave=False):
+            r = minimize(fun, x0, jac=True, method="L-BFGS-B", bounds=bounds)
+            res_th.append(r.x)
+            res_f.append(r.fun)
+        res_th, res_f = np.array(res_th), np.array(res_f)
+        cand_th = res_th[_distinct(res_th, res_f, lbfgsb_starts)]
+    else:
+        raise FitError(f"multistart={multistart!r}: choose lm or lbfgsb")
+    if len(cand_th) == 0:
+        raise FitError("no start gave a finite objective")
+    # L-BFGS-B from the best distinct candidates, tight tolerances
+    fun = obj.scipy_fun()
+    refined = []
+    for x0 in cand_th:
+        r = minimize(fun, x0, jac=True, method="L-BFGS-B", bounds=bounds,
+                     options={"ftol": 1e-15, "gtol": 1e-12, "maxiter": 20000, "maxfun": 50000})
+        refined.append(r.x)
+    refined = np.array(refined)
+    # exact-Hessian polish of every candidate, to float64 convergence
+    pol, pf, _ = newton_batch(obj, refined, lo=lo, hi=hi)
+    keep = _distinct(pol, pf, 5)
+    minima = [(float(pf[i]), pol[i].copy()) for i in keep]
+    best_f, best = minima[0]
+    info.update(lbfgsb_starts=int(len(cand_th)), tolerances={"ftol": 1e-15, "gtol": 1e-12},
+                seconds=round(time.time() - t0, 2))
+    return PointFit(theta=best, objective=best_f, minima=minima, info=info)
+
+
+# ----------------------------------------------------------------------------- bootstrap
+
+def cluster_weights(clusters: np.ndarray, n_boot: int, seed: int) -> np.ndarray:
+    """[n_boot, n] integer weights: each resample draws the clusters (runs) with replacement."""
+    uniq, inv = np.unique(clusters, return_inverse=True)
+    rng = np.random.default_rng(seed)
+    draws = rng.integers(0, len(uniq), size=(n_boot, len(uniq)))
+    counts = np.zeros((n_boot, len(uniq)))
+    np.add.at(counts, (np.arange(n_boot)[:, None], draws), 1.0)
+    return counts[:, inv]
+
+
+def bootstrap(obj: HuberLogObjective, point: PointFit, clusters, lo, hi, n_boot: int = 1000, seed: int = 0,
+              progress: bool = False, desc: str = "bootstrap", chunk: int | None = None) -> dict:
+    """Refit ``n_boot`` cluster resamples; returns thetas [n_boot, k] and bookkeeping."""
+    W = cluster_weights(np.asarray(clusters), n_boot, seed)
+    starts = [point.theta] + [th for _, th in point.minima[1:4]]
+    chunk = chunk or max(8, int(_CHUNK_ELEMS // max(obj.n * obj.k, 1)))
+    out = np.empty((n_boot, obj.k))
+    fout = np.full(n_boot, np.inf)
+    conv_all = np.zeros(n_boot, bool)
+    bounds = [(None if not np.isfinite(a) else a, None if not np.isfinite(b) else b) for a, b in zip(lo, hi)]
+    with tqdm(total=n_boot, desc=desc, disable=not progress, leave=False) as bar:
+        for c0 in range(0, n_boot, chunk):
+            sl = slice(c0, min(n_boot, c0 + chunk))
+            Wc = W[sl]
+            for s in starts:
+                th, f, conv = newton_batch(obj, np.repeat(s[None], len(Wc), 0), Wc, lo, hi)
+                better = f < fout[sl]
+                out[sl][better] = th[better]
+                fout[sl][better] = f[better]
+                conv_all[sl][better] = conv[better]
+            bar.update(len(Wc))
+    fallback = np.nonzero(~conv_all)[0]
+    for i in fallback:
+        r = minimize(obj.scipy_fun(W[i]), out[i], jac=True, method="L-BFGS-B", bounds=bounds,
+                     options={"ftol": 1e-15, "gtol": 1e-12, "maxiter": 20000, "maxfun": 50000})
+        if r.fun <= fout[i]:
+            out[i], fout[i] = r.x, r.fun
+    return {"theta": out, "objective": fout, "n_fallback": int(len(fallback)), "seed": seed,
+            "n_clusters": int(len(np.unique(clusters))), "n_boot": n_boot}
+
+
+def summarize_samples(samples: dict[str, np.ndarray], level: float = 0.95) -> dict:
+    q = 100 * (1 - level) / 2
+    out = {}
+    for k, v in samples.items():
+        v = np.asarray(v, float)
+        v = v[np.isfinite(v)]
+        if v.size < 2:
+            out[k] = None
+            continue
+        lo, med, hi = np.percentile(v, [q, 50, 100 - q])
+        out[k] = {"lo": float(lo), "hi": float(hi), "se": float(v.std(ddof=1)), "median": float(med)}
+    return out
+
+
+# ----------------------------------------------------------------------------- compute-optimal
+
+def compute_optimal(params: dict, C, k: float = 6.0) -> dict:
+    """N*(C), D*(C), L*(C) minimising L(N, D) subject to k N D = C (arrays follow C's shape)."""
+    al, be, A, B = params["alpha"], params["beta"], params["A"], params["B"]
+    C = np.asarray(C, float)
+    if not (al > 0 and be > 0):
+        return {"valid": False, "reason": f"alpha={al:.4g}, beta={be:.4g}: both must be > 0"}
+    s = al + be
+    G = (al * A / (be * B)) ** (1.0 / s)
+    a, b = be / s, al / s
+    N = G * (C / k) ** a
+    D = (C / k) ** b / G
+    L = A * N ** -al + B * D ** -be + (params.get("E") or 0.0)
+    return {"valid": True, "a": a, "b": b, "G": G, "N": N, "D": D, "L": L}
+
+
+def predict(params: dict, N, D):
+    N, D = np.asarray(N, float), np.asarray(D, float)
+    return params["A"] * N ** -params["alpha"] + params["B"] * D ** -params["beta"] + (params.get("E") or 0.0)
+
+
+# ----------------------------------------------------------------------------- one data set
+
+def _holdout_mask(N: np.ndarray, rule: str):
+    rule = (rule or "none").strip()
+    if rule in ("none", "off", ""):
+        return None, "none"
+    if rule in ("largest", "largest-N", "largest_N", "max"):
+        return N == N.max(), f"N == {N.max():.6g} (largest N)"
+    for op in (">=", ">"):
+        if rule.lower().startswith("n" + op):
+            thr = float(rule[1 + len(op):])
+            return (N >= thr if op == ">=" else N > thr), f"N {op} {thr:.6g}"
+    raise FitError(f"holdout rule {rule!r}: use largest, none, N>VALUE or N>=VALUE")
+
+
+def error_metrics(obs, pred) -> dict:
+    obs, pred = np.asarray(obs, float), np.asarray(pred, float)
+    r = np.log(obs) - np.log(pred)  # > 0: the fit under-predicts
+    rel = pred / obs - 1.0
+    ss_tot = float(((np.log(obs) - np.log(obs).mean()) ** 2).sum())
+    w = int(np.argmax(np.abs(rel)))
+    return {"n": int(obs.size), "bias_log": float(r.mean()), "rmse_log": float(np.sqrt((r ** 2).mean())),
+            "mae_log": float(np.abs(r).mean()), "max_abs_log": float(np.abs(r).max()),
+            "worst_rel_error": float(rel[w]), "worst_index": w,
+            "r2_log": float(1.0 - (r ** 2).sum() / ss_tot) if ss_tot > 0 else None}
+
+
+def fit_dataset(N, D, y, *, form: str | Form = "with-E", clusters=None, bounds: dict | None = None,
+                grid: dict | None = None, multistart: str = "lm", n_boot: int = 1000, seed: int = 0,
+                holdout: str = "largest", flops_per_nd: float = 6.0, compute_at=None, level: float = 0.95,
+                delta: float = DELTA, loso: bool = False, progress: bool = False, label: str = "fit") -> dict:
+    """Fit one data set (one architecture); returns the JSON-ready entry of fit.json (see SCALING.md)."""
+    form = get_form(form) if isinstance(form, str) else form
+    N, D, y = (np.asarray(v, np.float64) for v in (N, D, y))
+    clusters = np.arange(len(N)) if clusters is None else np.asarray(clusters)
+    n_min = len(form.theta) + 1
+    if len(N) < len(form.theta):
+        raise FitError(f"{label}: {len(N)} points cannot determine the {len(form.theta)} parameters of {form.name}")
+    lo, hi, bounds_clean = parse_bounds(bounds, form)
+    obj = HuberLogObjective(form, N, D, y, delta)
+    pt = fit_point(obj, lo, hi, grid, multistart, progress=progress, desc=label)
+    params = theta_to_public(form, pt.theta)
+    pred = np.exp(obj.log_predict(pt.theta)[0])
+    at_bound = [form.theta[j] for j in range(obj.k)
+                if (np.isfinite(lo[j]) and abs(pt.theta[j] - lo[j]) < 1e-9)
+                or (np.isfinite(hi[j]) and abs(pt.theta[j] - hi[j]) < 1e-9)]
+    entry = {
+        "form": form.name, "formula": form.description, "delta": delta,
+        "n_points": int(len(N)), "n_runs": int(len(np.unique(clusters))), "n_sizes": int(len(np.unique(N))),
+        "N_range": [float(N.min()), float(N.max())], "D_range": [float(D.min()), float(D.max())],
+        "params": params,
+        "log_params": {name: float(pt.theta[form.index(name)]) for name in form.theta if name in ("a", "b", "e")},
+        "objective": pt.objective,
+        "residuals": {k: v for k, v in error_metrics(y, pred).items() if k not in ("worst_index",)},
+        "bounds": bounds_clean, "at_bound": at_bound,
+        "optimizer": pt.info,
+        "minima": [{"objective": f, "params": theta_to_public(form, th)} for f, th in pt.minima],
+    }
+    if len(N) < n_min:
+        entry["warning"] = f"{len(N)} points for {len(form.theta)} parameters: the fit interpolates"
+
+    # compute-optimal allocation
+    Cdata = flops_per_nd * N * D
+    if compute_at is None:
+        cmax = float(Cdata.max())
+        compute_at = [float(Cdata.min()), cmax, 10 * cmax, 100 * cmax]
+    compute_at = [float(c) for c in compute_at]
+    co = compute_optimal(params, compute_at, flops_per_nd)
+    co_entry = {"flops_per_nd": flops_per_nd, "valid": co["valid"]}
+    if co["valid"]:
+        co_entry.update(N_opt_exponent=co["a"], D_opt_exponent=co["b"], G=co["G"], points=[
+            {"C": c, "N": float(n), "D": float(d), "D_over_N": float(d / n), "L": float(l)}
+            for c, n, d, l in zip(compute_at, co["N"], co["D"], co["L"])])
+    else:
+        co_entry["reason"] = co["reason"]
+    entry["compute_optimal"] = co_entry
+
+    # bootstrap
+    if n_boot and n_boot > 1:
+        bs = bootstrap(obj, pt, clusters, lo, hi, n_boot=n_boot, seed=seed, progress=progress,
+                       desc=f"{label}: bootstrap")
+        samples = public_array(form, bs["theta"])
+        for c in compute_at:
+            with np.errstate(all="ignore"):
+                samples[f"N_opt@{c:.3g}"] = samples["G"] * (c / flops_per_nd) ** samples["N_opt_exponent"]
+                samples[f"D_opt@{c:.3g}"] = (c / flops_per_nd) ** samples["D_opt_exponent"] / samples["G"]
+        ci = summarize_samples(samples, level)
+        entry["ci"] = {"level": level, "n_boot": n_boot, "seed": seed,
+                       "resample": "run" if len(np.unique(clusters)) < len(N) else "row",
+                       "n_clusters": bs["n_clusters"], "n_fallback": bs["n_fallback"], "params": ci}
+        if co["valid"]:
+            for j, p in enumerate(co_entry["points"]):
+                c = compute_at[j]
+                p["N_ci"] = ci.get(f"N_opt@{c:.3g}")
+                p["D_ci"] = ci.get(f"D_opt@{c:.3g}")
+    else:
+        entry["ci"] = None
+
+    # hold-out validation
+    entry["holdout"] = _holdout(N, D, y, clusters, form, bounds, grid, multistart, holdout, delta, label, progress)
+    if loso:
+        entry["leave_one_size_out"] = _loso(N, D, y, form, bounds, grid, multistart, delta, label, progress)
+    entry["predictions"] = {"fitted": pred.tolist()}
+    return entry
+
+
+def _holdout(N, D, y, clusters, form, bounds, grid, multistart, rule, delta, label, progress) -> dict:
+    mask, desc = _holdout_mask(N, rule)
+    if mask is None:
+        return {"skipped": "no hold-out requested", "rule": desc}
+    train = ~mask
+    if mask.sum() == 0:
+        return {"skipped": f"no point matches the hold-out rule ({desc})", "rule": desc}
+    if len(np.unique(N[train])) < 2:
+        return {"skipped": f"fewer than 2 distinct N remain after holding out {desc}", "rule": desc}
+    if train.sum() < len(form.theta):
+        return {"skipped": f"{int(train.sum())} training points < {len(form.theta)} parameters", "rule": desc}
+    lo, hi, _ = parse_bounds(bounds, form)
+    obj = HuberLogObjective(form, N[train], D[train], y[train], delta)
+    pt = fit_point(obj, lo, hi, grid, multistart, progress=progress, desc=f"{label}: hold-out")
+    params = theta_to_public(form, pt.theta)
+    pred = predict(params, N[mask], D[mask])
+    m = error_metrics(y[mask], pred)
+    w = int(np.nonzero(mask)[0][m.pop("worst_index")])
+    m["worst_point"] = {"N": float(N[w]), "D": float(D[w]), "observed": float(y[w]),
+                        "predicted": float(predict(params, N[w], D[w]))}
+    train_pred = predict(params, N[train], D[train])
+    return {"rule": desc, "n_train": int(train.sum()), "n_holdout": int(mask.sum()), "params": params,
+            "holdout": m, "train": {k: v for k, v in error_metrics(y[train], train_pred).items() if k != "worst_index"},
+            "held_out_index": np.nonzero(mask)[0].tolist(), "predicted": pred.tolist()}
+
+
+def _loso(N, D, y, form, bounds, grid, multistart, delta, label, progress) -> list[dict]:
+    out = []
+    lo, hi, _ = parse_bounds(bounds, form)
+    for n in tqdm(np.unique(N), desc=f"{label}: leave one size out", disable=not progress, leave=False):
+        mask = N == n
+        if len(np.unique(N[~mask])) < 2:
+            continue
+        obj = HuberLogObjective(form, N[~mask], D[~mask], y[~mask], delta)
+        pt = fit_point(obj, lo, hi, grid, multistart)
+        params = theta_to_public(form, pt.theta)
+        m = error_metrics(y[mask], predict(params, N[mask], D[mask]))
+        m.pop("worst_index")
+        out.append({"N": float(n), **m, "alpha": params["alpha"], "beta": params["beta"]})
+    return out
+
+
+# ----------------------------------------------------------------------------- tables -> fit.json
+
+def select_rows(rows: list[dict], metric: str, which: str = "final") -> tuple[list[dict], dict]:
+    """Rows usable for a fit of ``metric``; ``which`` = final (rows flagged final, the default) or all."""
+    if not rows:
+        raise FitError("the table is empty")
+    if metric not in set().union(*(r.keys() for r in rows)):
+        cols = sorted(set().union(*(r.keys() for r in rows)))
+        raise FitError(f"metric column {metric!r} is not in the table; columns: {', '.join(cols)}")
+    for col in ("N", "D"):
+        if not any(col in r for r in rows):
+            raise FitError(f"the table has no {col!r} column (N = parameters, D = tokens)")
+    dropped = {"not_final": 0, "missing_metric": 0, "nonpositive_N_or_D": 0}
+    out = []
+    for r in rows:
+        if which == "final" and "final" in r and not _truthy(r.get("final")):
+            dropped["not_final"] += 1
+            continue
+        if not all(isinstance(r.get(c), (int, float)) and r[c] > 0 for c in ("N", "D")):
+            dropped["nonpositive_N_or_D"] += 1
+            continue
+        v = r.get(metric)
+        if v is None or not isinstance(v, (int, float)) or not math.isfinite(v):
+            dropped["missing_metric"] += 1
+            continue
+        if v <= 0:
+            raise FitError(f"metric {metric!r} must be > 0 for a log-space fit; run {r.get('run_id')} has {v}")
+        out.append(r)
+    return out, dropped
+
+
+def _truthy(v) -> bool:
+    if isinstance(v, str):
+        return v.strip().lower() in ("1", "true", "yes")
+    return bool(v)
+
+
+def fit_table(rows: list[dict], *, metric: str = "loss", form: str = "with-E", out_dir: str | Path | None = None,
+              archs: list[str] | None = None, which: str = "final", bounds: dict | None = None,
+              n_boot: int = 1000, seed: int = 0, holdout: str = "largest", flops_per_nd: str | float = "auto",
+              compute_at=None, multistart: str = "lm", grid: dict | None = None, loso: bool = False,
+              table_path: str | None = None, plots: bool = True, progress: bool = True) -> dict:
+    """Fit every architecture of a table (rows grouped by ``arch``); writes fit.json (+ figures)."""
+    form_obj = get_form(form)
+    used, dropped = select_rows(rows, metric, which)
+    groups: dict[str, list[dict]] = {}
+    for r in used:
+        groups.setdefault(str(r.get("arch") or "all"), []).append(r)
+    if archs:
+        missing = [a for a in archs if a not in groups]
+        if missing:
+            raise FitError(f"arch(s) {missing} have no usable rows; present: {sorted(groups)}")
+        groups = {a: groups[a] for a in archs}
+    if not groups:
+        raise FitError(f"no row has a usable {metric!r} value (dropped: {dropped})")
+    # one compute grid shared by all archs, so frontiers compare at the same C
+    fits = {}
+    k_by_arch = {}
+    for a, rs in groups.items():
+        k_by_arch[a] = _flops_per_nd(rs, flops_per_nd)
+    if compute_at is None:
+        allC = [k_by_arch[a] * float(r["N"]) * float(r["D"]) for a, rs in groups.items() for r in rs]
+        cmax = max(allC)
+        compute_at = [min(allC), cmax, 10 * cmax, 100 * cmax]
+    for a, rs in groups.items():
+        N = np.array([float(r["N"]) for r in rs])
+        D = np.array([float(r["D"]) for r in rs])
+        y = np.array([float(r[metric]) for r in rs])
+        clusters = np.array([str(r.get("run_id", i)) for i, r in enumerate(rs)])
+        t0 = time.time()
+        entry = fit_dataset(N, D, y, form=form_obj, clusters=clusters, bounds=bounds, grid=grid,
+                            multistart=multistart, n_boot=n_boot, seed=seed, holdout=holdout,
+                            flops_per_nd=k_by_arch[a], compute_at=compute_at, loso=loso, progress=progress,
+                            label=a)
+        entry["arch"] = a
+        entry["flops_per_nd_source"] = _k_source(rs, flops_per_nd, k_by_arch[a])
+        entry["run_ids"] = [str(r.get("run_id", "")) for r in rs]
+        entry["seconds"] = round(time.time() - t0, 2)
+        fits[a] = entry
+    doc = {"schema": SCHEMA, "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+           "table": table_path, "metric": metric, "target": f"log({metric})", "form": form_obj.name,
+           "rows": which, "dropped_rows": dropped, "holdout_rule": holdout, "n_boot": n_boot, "seed": seed,
+           "compute_at": compute_at, "fits": fits, "figures": {}}
+    if out_dir is not None:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        if plots:
+            data = {a: _group_arrays(rs, metric) for a, rs in groups.items()}
+            doc["figures"]["fit"] = plot_fits(doc, data, out / "fit.png").name
+            doc["figures"]["frontier"] = plot_frontier(doc, data, out / "frontier.png").name
+        (out / "fit.json").write_text(json.dumps(doc, indent=2, default=_json_default))
+    return doc
+
+
+def _group_arrays(rs, metric):
+    return {"N": np.array([float(r["N"]) for r in rs]), "D": np.array([float(r["D"]) for r in rs]),
+            "y": np.array([float(r[metric]) for r in rs]),
+            "C": np.array([float(r["C"]) if isinstance(r.get("C"), (int, float)) else np.nan for r in rs])}
+
+
+def _flops_per_nd(rs, setting) -> float:
+    if setting not in ("auto", None):
+        return float(setting)
+    ks = [float(r["C"]) / (float(r["N"]) * float(r["D"])) for r in rs
+          if isinstance(r.get("C"), (int, float)) and r["C"] > 0]
+    return float(np.median(ks)) if ks else 6.0
+
+
+def _k_source(rs, setting, k) -> str:
+    if setting not in ("auto", None):
+        return "given"
+    has = any(isinstance(r.get("C"), (int, float)) for r in rs)
+    return f"median of C/(N D) over the rows = {k:.4g}" if has else "6 (no C column)"
+
+
+def _json_default(o):
+    if isinstance(o, np.generic):
+        return o.item()
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    raise TypeError(type(o))
+
+
+# ----------------------------------------------------------------------------- figures
+
+def _plt():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def plot_fits(doc: dict, data: dict, path: Path) -> Path:
+    """Metric against D, one colour per N, fitted curves; held-out points hollow, hold-out fit dashed."""
+    plt = _plt()
+    from matplotlib import cm, colors
+    archs = list(doc["fits"])
+    ncol = min(3, len(archs))
+    nrow = math.ceil(len(archs) / ncol)
+    fig, axes = plt.subplots(nrow, ncol, figsize=(5.2 * ncol + 1.0, 4.0 * nrow), squeeze=False,
+                             layout="constrained")
+    allN = np.concatenate([data[a]["N"] for a in archs])
+    norm = colors.LogNorm(vmin=allN.min(), vmax=max(allN.max(), allN.min() * 1.0001))
+    cmap = cm.viridis
+    for ax, a in zip(axes.flat, archs):
+        e, d = doc["fits"][a], data[a]
+        p = e["params"]
+        ho = e.get("holdout") or {}
+        held = set(ho.get("held_out_index", []))
+        for n in np.unique(d["N"]):
+            sel = d["N"] == n
+            c = cmap(norm(n))
+            Dg = np.geomspace(d["D"][sel].min() / 1.5, d["D"][sel].max() * 1.5, 100)
+            ax.plot(Dg, predict(p, n, Dg), color=c, lw=1.3)
+            idx = np.nonzero(sel)[0]
+            inn = [i for i in idx if i not in held]
+            out = [i for i in idx if i in held]
+            ax.scatter(d["D"][inn], d["y"][inn], color=c, s=18, zorder=3)
+            if out:
+                ax.scatter(d["D"][out], d["y"][out], facecolors="none", edgecolors=c, s=46, lw=1.5, zorder=4,
+                           label="held out" if n == max(d["N"][list(held)]) else None)
+                ax.plot(Dg, predict(ho["params"], n, Dg), color=c, lw=1.2, ls="--",
+                        label="hold-out fit" if n == max(d["N"][list(held)]) else None)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("D (tokens)")
+        ax.set_ylabel(doc["metric"])
+        t = f"{a}: α={p['alpha']:.3f} β={p['beta']:.3f}"
+        if p.get("E") is not None:
+            t += f" E={p['E']:.3g}"
+        ax.set_title(t, fontsize=9)
+        ax.grid(alpha=0.3, which="both")
+        if held:
+            ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(archs):]:
+        ax.axis("off")
+    sm = cm.ScalarMappable(norm=norm, cmap=cmap)
+    fig.colorbar(sm, ax=axes.ravel().tolist(), label="N (parameters)")
+    fig.suptitle(f"{doc['form']} fit of {doc['metric']}", fontsize=10)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_frontier(doc: dict, data: dict, path: Path) -> Path:
+    """Left: compute-optimal frontier L*(C) per architecture with the runs; right: iso-FLOP profiles."""
+    plt = _plt()
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    allC = []
+    for a in doc["fits"]:
+        k = doc["fits"][a]["compute_optimal"]["flops_per_nd"]
+        d = data[a]
+        allC.append(np.where(np.isfinite(d["C"]), d["C"], k * d["N"] * d["D"]))
+    allC = np.concatenate(allC)
+    Cg = np.geomspace(allC.min() / 3, allC.max() * 30, 120)
+    iso = np.geomspace(allC.min(), allC.max(), 3)
+    styles = ["-", "--", ":"]
+    for i, a in enumerate(doc["fits"]):
+        e, d, col = doc["fits"][a], data[a], colors[i % len(colors)]
+        p, k = e["params"], e["compute_optimal"]["flops_per_nd"]
+        C = np.where(np.isfinite(d["C"]), d["C"], k * d["N"] * d["D"])
+        ax1.scatter(C, d["y"], color=col, s=10, alpha=0.5)
+        co = compute_optimal(p, Cg, k)
+        if co["valid"]:
+            ax1.plot(Cg, co["L"], color=col, lw=1.5, label=f"{a} (a={co['a']:.2f})")
+        else:
+            ax1.plot([], [], color=col, label=f"{a} (no frontier: {co['reason']})")
+        for c, ls in zip(iso, styles):
+            co1 = compute_optimal(p, c, k)
+            lo_n, hi_n = d["N"].min() / 4, d["N"].max() * 4
+            if co1["valid"]:
+                lo_n, hi_n = min(lo_n, float(co1["N"]) / 3), max(hi_n, float(co1["N"]) * 3)
+            Ng = np.geomspace(lo_n, hi_n, 120)
+            ax2.plot(Ng, predict(p, Ng, c / (k * Ng)), color=col, ls=ls, lw=1.2,
+                     label=a if ls == "-" else None)
+            if co1["valid"]:
+                ax2.scatter([co1["N"]], [co1["L"]], color=col, s=16, zorder=3)
+    for ax in (ax1, ax2):
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.grid(alpha=0.3, which="both")
+        ax.set_ylabel(doc["metric"])
+    ax1.set_xlabel("C (training FLOPs)")
+    ax1.set_title("compute-optimal frontier L*(C) and the runs", fontsize=10)
+    ax1.legend(fontsize=7)
+    ax2.set_xlabel("N (parameters)")
+    ax2.set_title("iso-FLOP profiles, C = " + ", ".join(f"{c:.2g}" for c in iso)
+                  + "\n(solid, dashed, dotted); dot = N*(C)", fontsize=9)
+    ax2.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,478 @@
+"""Launch a sweep: locally (in sequence, or one job per local GPU) or through a SLURM job array.
+
+Idempotent by construction:
+
+* a run directory holds ``sweep_done.json`` once its job finished: such jobs are skipped;
+* any other job is (re)started through ``train()``, which resumes from the newest checkpoint in its
+  directory, so partial runs continue where they stopped;
+* a *stable* WSD run trains in segments that end at each branch point ``s_b`` (the constant-LR
+  schedule does not depend on the run length, so segments equal one long run), and right after each
+  segment seeds its branches: ``<branch>/checkpoints/<s_b>`` becomes a hard-linked copy of the
+  stable checkpoint (the small ``meta`` item is rewritten with the branch's run id and provenance),
+  and the stable run's metrics rows up to ``s_b`` are copied into the branch's ``metrics.jsonl``
+  (marked ``copied_from``). A branch runs once seeded; it only trains its decay phase.
+
+**SLURM.** ``--launch slurm`` writes ``<root>/slurm/phase1.sbatch`` (stable and independent runs) and
+``phase2.sbatch`` (branches), each a job array over a job list file, and ``submit.sh``, which submits
+phase 1 and then phase 2 with ``--dependency=afterany:<phase 1>``; each branch checks that it is
+seeded and fails with a clear message otherwise. Chosen over submitit: no extra dependency, the
+scripts are plain files that can be read, edited and resubmitted, and a resubmission lists only the
+unfinished jobs. ``--signal=B:USR1@<s>`` + ``--requeue`` let the trainer save and requeue itself
+before the time limit.
+
+Worker entry point (used by the local GPU pool and by the SLURM scripts)::
+
+    python -m hybrid_lm.scaling.launch --root ROOT --job NAME
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import fcntl
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+import traceback
+from contextlib import contextmanager
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from hybrid_lm.scaling.sweep import Job, Plan, SweepError, manifest_jobs, read_manifest, write_manifest
+
+DONE = "sweep_done.json"
+RUN_META = "sweep_run.json"
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+# ----------------------------------------------------------------------------- state of a run dir
+
+def checkpoint_steps(run_dir: Path) -> list[int]:
+    d = Path(run_dir) / "checkpoints"
+    if not d.is_dir():
+        return []
+    return sorted(int(p.name) for p in d.iterdir() if p.is_dir() and p.name.isdigit())
+
+
+def is_done(root: Path, job: Job, jobs: dict[str, Job] | None = None) -> bool:
+    """Finished: ``sweep_done.json`` exists; for a stable run, also none of its branches (when ``jobs`` is
+    given) still waits for a seed, e.g. because its directory was deleted after the stable run finished."""
+    if not (Path(root) / job.name / DONE).exists():
+        return False
+    if job.kind == "stable" and jobs is not None:
+        return all(job_state(root, jobs[b]) != "new" for b in job.branches if b in jobs)
+    return True
+
+
+def job_state(root: Path, job: Job) -> str:
+    """done | partial (checkpoints past the start) | seeded (a branch holding only its seed) | new."""
+    d = Path(root) / job.name
+    if (d / DONE).exists():
+        return "done"
+    steps = checkpoint_steps(d)
+    if job.kind == "branch":
+        if not steps:
+            return "new"
+        return "seeded" if steps == [job.branch_from["step"]] else "partial"
+    return "partial" if steps else "new"
+
+
+def is_ready(root: Path, job: Job) -> bool:
+    """A branch is ready once seeded (or already past its seed); other jobs always are."""
+    return job.kind != "branch" or job_state(root, job) != "new"
+
+
+def _atomic_json(path: Path, obj) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1, default=str))
+    tmp.replace(path)
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+# ----------------------------------------------------------------------------- running one job
+
+def _load(job: Job, extra: list[str] | None = None):
+    from hybrid_lm.config import load_config
+
+    cfg = load_config(job.gin_files, job.gin_params + list(extra or []))
+    if cfg.run_id() != job.config_run_id:
+        raise SweepError(
+            f"job {job.name}: its gin files now resolve to config {cfg.run_id()}, not {job.config_run_id} as when "
+            "the sweep was planned (a gin file changed?). Re-run `hybrid-lm sweep SPEC --launch ...` to re-plan; "
+            "the changed runs get new ids.")
+    return cfg
+
+
+def _link_or_copy(src, dst):
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def seed_branch(root: Path, stable: Job, branch: Job) -> bool:
+    """Copy the stable checkpoint at the branch step into the branch dir (hard links); False if already seeded."""
+    step = branch.branch_from["step"]
+    sdir, bdir = Path(root) / stable.name, Path(root) / branch.name
+    dst = bdir / "checkpoints" / str(step)
+    if dst.exists() or job_state(root, branch) in ("done", "partial"):
+        return False
+    src = sdir / "checkpoints" / str(step)
+    if not src.is_dir():
+        raise SweepError(f"cannot seed branch {branch.name}: the stable run {stable.name} has no checkpoint at "
+                         f"step {step} (has {checkpoint_steps(sdir)}). It was deleted by the retention policy; "
+                         f"delete {sdir}/checkpoints to retrain the stable run, or raise CheckpointConfig.keep.")
+    bdir.mkdir(parents=True, exist_ok=True)
+    tmp = bdir / f".seed-{step}.tmp"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    shutil.copytree(src, tmp, copy_function=_link_or_copy)
+    meta_file = tmp / "meta" / "metadata"
+    if meta_file.exists():  # rewrite (never edit a hard link in place: it is the stable run's file)
+        meta = json.loads(meta_file.read_text())
+        meta_file.unlink()
+        meta.update(run_id=branch.config_run_id,
+                    branched_from={"run": stable.name, "run_id": meta.get("run_id"), "step": step})
+        meta_file.write_text(json.dumps(meta))
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(tmp, dst)
+    # the stable phase of the loss curve, so the branch's metrics read like an independent run's
+    src_metrics, dst_metrics = sdir / "metrics.jsonl", bdir / "metrics.jsonl"
+    if src_metrics.exists() and not dst_metrics.exists():
+        from hybrid_lm.train.metrics import read_metrics
+
+        rows = [r for r in read_metrics(src_metrics) if r.get("step", 0) <= step]
+        with dst_metrics.open("w") as fh:
+            for r in rows:
+                fh.write(json.dumps({**r, "copied_from": stable.name}) + "\n")
+    _atomic_json(bdir / "branch.json", {"stable": stable.name, "step": step, "seeded_at": _now()})
+    return True
+
+
+def _write_run_meta(root: Path, job: Job) -> None:
+    d = Path(root) / job.name
+    d.mkdir(parents=True, exist_ok=True)
+    _atomic_json(d / RUN_META, {**job.to_dict(), "sweep_root": str(Path(root).resolve())})
+
+
+@contextmanager
+def job_lock(run_dir: Path):
+    """An exclusive ``flock`` on ``<run>/.sweep.lock`` (released by the OS if the process dies), so that
+    two launches of the same sweep never train one run twice at the same time."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    fh = (run_dir / ".sweep.lock").open("a+")
+    try:
+        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        fh.close()
+        raise SweepError(f"{run_dir.name} is being run by another process (holds {run_dir / '.sweep.lock'})") from None
+    try:
+        fh.seek(0)
+        fh.truncate()
+        fh.write(f"{os.uname().nodename} {os.getpid()} {_now()}\n")
+        fh.flush()
+        yield
+    finally:
+        fcntl.flock(fh, fcntl.LOCK_UN)
+        fh.close()
+
+
+def run_job(root: Path, job: Job, jobs: dict[str, Job] | None = None) -> dict:
+    """Run one job in this process (under its lock); returns {"status": done|skipped|preempted, ...}."""
+    root = Path(root)
+    if job.kind == "stable" and jobs is None:
+        jobs = {j.name: j for j in manifest_jobs(root)}
+    if is_done(root, job, jobs):
+        return {"status": "skipped", "job": job.name}
+    with job_lock(root / job.name):
+        if is_done(root, job, jobs):  # finished by another process meanwhile
+            return {"status": "skipped", "job": job.name}
+        return _run_job(root, job, jobs)
+
+
+def _run_job(root: Path, job: Job, jobs: dict[str, Job] | None) -> dict:
+    from hybrid_lm.train.loop import train
+
+    d = root / job.name
+    if job.kind == "branch" and job_state(root, job) == "new":
+        raise SweepError(f"branch {job.name} is not seeded: its stable run {job.branch_from['run']} has not reached "
+                         f"step {job.branch_from['step']} yet (run the stable job first; under SLURM, see phase 1's "
+                         "logs)")
+    _write_run_meta(root, job)
+    t0 = time.time()
+    if job.kind == "stable":
+        jobs = jobs or {j.name: j for j in manifest_jobs(root)}
+        branches = [jobs[n] for n in job.branches]
+        seeded, segments = [], []
+        for sb in job.branch_points:
+            targets = [b for b in branches if b.branch_from["step"] == sb and job_state(root, b) == "new"]
+            if not targets:
+                continue
+            have = checkpoint_steps(d)
+            if sb not in have:
+                if have and max(have) > sb:
+                    raise SweepError(f"stable run {job.name} is past step {sb} (checkpoints {have}) but has no "
+                                     f"checkpoint there to seed {[b.name for b in targets]}; delete {d}/checkpoints "
+                                     "to retrain it")
+                cfg = _load(job, [f"TrainConfig.steps = {sb}"])
+                res = train(cfg, d)
+                segments.append({"to_step": sb, "resumed_from": res.resumed_from, "wall_seconds": res.wall_seconds})
+                if res.preempted:
+                    return {"status": "preempted", "job": job.name, "step": res.step, "signal": res.preempted}
+            for b in targets:
+                if seed_branch(root, job, b):
+                    seeded.append(b.name)
+        (d / "sweep_error.txt").unlink(missing_ok=True)
+        _atomic_json(d / DONE, {"job": job.name, "kind": "stable", "finished_at": _now(), "seeded": seeded,
+                                "segments": segments, "wall_seconds": time.time() - t0})
+        return {"status": "done", "job": job.name, "seeded": seeded}
+    cfg = _load(job)
+    res = train(cfg, d)
+    if res.preempted:
+        return {"status": "preempted", "job": job.name, "step": res.step, "signal": res.preempted}
+    if res.step < job.steps:
+        raise SweepError(f"job {job.name} stopped at step {res.step} of {job.steps}")
+    (d / "sweep_error.txt").unlink(missing_ok=True)
+    _atomic_json(d / DONE, {"job": job.name, "kind": job.kind, "finished_at": _now(), "step": res.step,
+                            "final_eval": res.final_eval, "resumed_from": res.resumed_from,
+                            "wall_seconds": res.wall_seconds, "skipped_steps": res.skipped_steps})
+    return {"status": "done", "job": job.name, "resumed_from": res.resumed_from, "final_eval": res.final_eval}
+
+
+# ----------------------------------------------------------------------------- local launch
+
+def select_jobs(jobs: list[Job], only: str | None) -> list[Job]:
+    """Jobs whose name matches the regex ``only``, plus the stable runs that matched branches need."""
+    if not only:
+        return list(jobs)
+    import re
+
+    pat = re.compile(only)
+    names = {j.name for j in jobs if pat.search(j.name)}
+    for j in jobs:
+        if j.name in names and j.kind == "branch":
+            names.add(j.branch_from["run"])
+    sel = [j for j in jobs if j.name in names]
+    if not sel:
+        raise SweepError(f"--only {only!r} matches no job")
+    return sel
+
+
+def detect_gpus() -> list[str]:
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None:
+        return [g for g in env.split(",") if g.strip() != ""]
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [str(i) for i, line in enumerate(out.splitlines()) if line.startswith("GPU ")]
+
+
+def launch_local(plan: Plan, gpus: list[str] | None = None, only: str | None = None, progress: bool = True) -> dict:
+    """Run the plan's unfinished jobs: in this process one after another, or one subprocess per GPU."""
+    root = plan.root
+    write_manifest(plan)
+    jobs = select_jobs(plan.jobs, only)
+    by_name = {j.name: j for j in plan.jobs}
+    todo = [j for j in jobs if not is_done(root, j, by_name)]
+    summary = {"root": str(root), "jobs": len(jobs), "skipped": len(jobs) - len(todo), "launched": 0, "done": [],
+               "failed": {}, "blocked": [], "preempted": None}
+    if not todo:
+        return summary
+    if gpus and len(gpus) > 1:
+        return _gpu_pool(plan, todo, gpus, summary, progress)
+    bar = tqdm(total=len(todo), desc=f"sweep {plan.spec.name}", disable=not progress, dynamic_ncols=True)
+    try:
+        for j in todo:
+            if j.kind == "branch" and not is_ready(root, j):
+                summary["blocked"].append(j.name)
+                bar.update(1)
+                continue
+            bar.set_postfix_str(j.name)
+            summary["launched"] += 1
+            try:
+                r = run_job(root, j, by_name)
+            except Exception as e:  # one failed run must not stop the sweep; the traceback goes to the run dir
+                summary["failed"][j.name] = f"{type(e).__name__}: {e}"
+                (root / j.name).mkdir(parents=True, exist_ok=True)
+                (root / j.name / "sweep_error.txt").write_text(traceback.format_exc())
+                tqdm.write(f"FAILED {j.name}: {type(e).__name__}: {e} "
+                           f"(traceback in {root / j.name / 'sweep_error.txt'})")
+                bar.update(1)
+                continue
+            if r["status"] == "preempted":
+                summary["preempted"] = r
+                break
+            summary["done"].append(j.name)
+            bar.update(1)
+    finally:
+        bar.close()
+    return summary
+
+
+def _gpu_pool(plan: Plan, todo: list[Job], gpus: list[str], summary: dict, progress: bool) -> dict:
+    """One worker subprocess per GPU (CUDA_VISIBLE_DEVICES); branches start as soon as they are seeded."""
+    root = plan.root
+    logs = root / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    pending = list(todo)
+    running: dict[str, tuple] = {}  # gpu -> (Popen, job, log handle)
+    failed_stables: set[str] = set()
+    bar = tqdm(total=len(todo), desc=f"sweep {plan.spec.name} on GPUs {','.join(gpus)}", disable=not progress,
+               dynamic_ncols=True)
+    try:
+        while pending or running:
+            for g in gpus:
+                if g in running:
+                    continue
+                ready = next((j for j in pending if is_ready(root, j)), None)
+                if ready is None:
+                    break
+                pending.remove(ready)
+                fh = (logs / f"{ready.name}.log").open("a")
+                env = {**os.environ, "CUDA_VISIBLE_DEVICES": g}
+                cmd = [sys.executable, "-m", "hybrid_lm.scaling.launch", "--root", str(root), "--job", ready.name]
+                running[g] = (subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=os.getcwd()),
+                              ready, fh)
+                summary["launched"] += 1
+                bar.set_postfix_str(f"gpu{g}: {ready.name}")
+            for g, (proc, job, fh) in list(running.items()):
+                rc = proc.poll()
+                if rc is None:
+                    continue
+                fh.close()
+                del running[g]
+                if rc == 0 and (root / job.name / DONE).exists():
+                    summary["done"].append(job.name)
+                elif rc == 3:
+                    summary["preempted"] = {"job": job.name}
+                else:
+                    summary["failed"][job.name] = f"exit code {rc}; log: {logs / (job.name + '.log')}"
+                    tqdm.write(f"FAILED {job.name} (exit {rc}); see {logs / (job.name + '.log')}")
+                    if job.kind == "stable":
+                        failed_stables.add(job.name)
+                bar.update(1)
+            # branches whose stable run failed (or ended) without seeding them can never start
+            live_stables = {j.name for _, j, _ in running.values()} | {j.name for j in pending if j.kind == "stable"}
+            for j in list(pending):
+                if j.kind == "branch" and not is_ready(root, j) and j.branch_from["run"] not in live_stables:
+                    pending.remove(j)
+                    summary["blocked"].append(j.name)
+                    bar.update(1)
+            if summary["preempted"]:
+                for proc, _, _ in running.values():
+                    proc.wait()
+                break
+            time.sleep(0.5)
+    finally:
+        bar.close()
+    return summary
+
+
+# ----------------------------------------------------------------------------- SLURM
+
+def write_slurm(plan: Plan, only: str | None = None, submit: bool = True, python: str | None = None) -> dict:
+    """Write phase-1/phase-2 job-array scripts and submit.sh; submit them if asked and sbatch exists."""
+    root = plan.root.resolve()
+    write_manifest(plan)
+    by_name = {j.name: j for j in plan.jobs}
+    jobs = [j for j in select_jobs(plan.jobs, only) if not is_done(plan.root, j, by_name)]
+    p1 = [j.name for j in jobs if j.kind != "branch"]
+    p2 = [j.name for j in jobs if j.kind == "branch"]
+    sd = root / "slurm"
+    (sd / "logs").mkdir(parents=True, exist_ok=True)
+    s = plan.spec.slurm
+    py = python or s.get("python") or sys.executable
+    out = {"dir": str(sd), "phase1": len(p1), "phase2": len(p2), "scripts": [], "submitted": None}
+    for phase, names in (("phase1", p1), ("phase2", p2)):
+        lst = sd / f"{phase}.txt"
+        lst.write_text("".join(n + "\n" for n in names))
+        if not names:
+            continue
+        path = sd / f"{phase}.sbatch"
+        path.write_text(_sbatch_script(plan, phase, len(names), lst, py, root))
+        path.chmod(0o755)
+        out["scripts"].append(str(path))
+    submit_sh = sd / "submit.sh"
+    lines = ["#!/bin/bash", "# Generated by `hybrid-lm sweep --launch slurm`; safe to re-run after regenerating.",
+             "set -euo pipefail", f"cd {shlex.quote(str(sd))}"]
+    if p1 and p2:
+        lines += ["P1=$(sbatch --parsable phase1.sbatch)", "P1=${P1%%;*}",
+                  "P2=$(sbatch --parsable --dependency=afterany:${P1} phase2.sbatch)",
+                  'echo "phase1 ${P1}  phase2 ${P2}"']
+    elif p1:
+        lines += ["P1=$(sbatch --parsable phase1.sbatch)", 'echo "phase1 ${P1}"']
+    elif p2:
+        lines += ["P2=$(sbatch --parsable phase2.sbatch)", 'echo "phase2 ${P2}"']
+    else:
+        lines += ['echo "nothing to submit: every job is done"']
+    submit_sh.write_text("\n".join(lines) + "\n")
+    submit_sh.chmod(0o755)
+    out["submit_sh"] = str(submit_sh)
+    if submit and (p1 or p2):
+        if shutil.which("sbatch") is None:
+            out["submitted"] = False
+            out["note"] = f"sbatch is not on PATH: run {submit_sh} on the cluster's login node"
+        else:
+            r = subprocess.run(["bash", str(submit_sh)], capture_output=True, text=True)
+            if r.returncode != 0:
+                raise SweepError(f"sbatch failed ({r.returncode}): {r.stderr.strip() or r.stdout.strip()}")
+            out["submitted"] = True
+            out["sbatch_output"] = r.stdout.strip()
+    return out
+
+
+def _sbatch_script(plan: Plan, phase: str, n: int, job_list: Path, python: str, root: Path) -> str:
+    s = plan.spec.slurm
+    name = f"{plan.spec.name}-{phase}"
+    par = s.get("max_parallel")
+    arr = f"0-{n - 1}" + (f"%{par}" if par else "")
+    hdr = [f"#SBATCH --job-name={name}", f"#SBATCH --array={arr}",
+           f"#SBATCH --output={root}/slurm/logs/%x-%A_%a.out",
+           "#SBATCH --ntasks=1", f"#SBATCH --gpus-per-task={s.get('gpus_per_task', 1)}",
+           f"#SBATCH --signal=B:USR1@{s.get('signal_seconds', 120)}", "#SBATCH --requeue"]
+    for key, flag in (("cpus_per_task", "cpus-per-task"), ("time", "time"), ("mem", "mem"),
+                      ("partition", "partition"), ("account", "account"), ("qos", "qos")):
+        if s.get(key) is not None:
+            hdr.append(f"#SBATCH --{flag}={s[key]}")
+    hdr += [f"#SBATCH {x}" for x in s.get("sbatch", [])]
+    body = ["set -eo pipefail", f"cd {shlex.quote(str(REPO_ROOT))}", *s.get("setup", []),
+            f'NAME=$(sed -n "$((SLURM_ARRAY_TASK_ID + 1))p" {shlex.quote(str(job_list))})',
+            'echo "task ${SLURM_ARRAY_TASK_ID}: ${NAME} on $(hostname)"',
+            # exec: the trainer is the batch shell, so it receives USR1, saves and requeues itself
+            f'exec {shlex.quote(python)} -m hybrid_lm.scaling.launch --root {shlex.quote(str(root))} --job "$NAME"']
+    return "#!/bin/bash\n" + "\n".join(hdr) + "\n\n" + "\n".join(body) + "\n"
+
+
+# ----------------------------------------------------------------------------- worker entry point
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m hybrid_lm.scaling.launch", description="run one job of a sweep")
+    ap.add_argument("--root", required=True, help="sweep root (holds sweep.json)")
+    ap.add_argument("--job", required=True, help="job name (run id) from sweep.json")
+    args = ap.parse_args(argv)
+    read_manifest(args.root)
+    jobs = {j.name: j for j in manifest_jobs(args.root)}
+    if args.job not in jobs:
+        print(f"error: no job {args.job!r} in {args.root}/sweep.json", file=sys.stderr)
+        return 2
+    try:
+        r = run_job(Path(args.root), jobs[args.job], jobs)
+    except SweepError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(r, default=str))
+    return 3 if r["status"] == "preempted" else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

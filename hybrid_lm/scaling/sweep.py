@@ -1,0 +1,531 @@
+"""Sweep specs -> runs: scale x D/N x arch x seed, deterministic run ids, WSD branching, cost estimates.
+
+A spec is a TOML (or JSON) file, ``configs/sweeps/*.toml``; docs/SCALING.md documents every key.
+Each (scale, arch) resolves to gin files + bindings, applied in this order: the spec's ``gin``, the
+scale's ``gin``, the arch's ``gin``, the spec's ``params``, the scale's ``params``, the arch's
+``params``, extra ``--gin_param`` bindings from the command line, then the bindings the sweep computes
+(``ModelConfig.d_ff`` when parameter matching, ``TrainConfig.seed``, ``TrainConfig.steps``,
+``OptimConfig.decay_fraction``).
+
+**Budgets.** ``budgets`` are D/N ratios (tokens per parameter, N = non-embedding parameters by
+default, as in the Rethinking paper). A run trains ``steps = round(ratio N / tokens_per_step)``
+steps (at least one); its D is exactly ``steps * tokens_per_step``.
+
+**WSD branching** (``[wsd] branch = true``). A warmup-stable-decay run that decays over the last
+fraction ``f`` of its steps is, up to the start of its decay, the same computation for every length:
+warmup, then a constant learning rate, on the same step-indexed data. So one *stable* run per
+(scale, arch, seed) trains at constant LR (``decay_fraction = 0``) and a *branch* per budget starts
+from the stable run's checkpoint at ``s_b = steps - round(f * steps)`` and trains only the decay
+phase. The branch is a run directory whose ``checkpoints/`` is seeded with a copy (hard links) of
+the stable checkpoint at ``s_b``; the trainer then resumes it as if it had trained those steps
+itself. Cost: ``max_b s_b + sum_b (steps_b - s_b)`` steps instead of ``sum_b steps_b``.
+
+**Run ids** are ``<scale>-<arch>-dn<ratio>-seed<k>-<hash8>`` (``-stable-`` for stable runs); the hash
+covers the experiment-defining config (``Config.run_id()``), the run length, the run kind and the
+branch point, so a changed spec or gin file gives new ids and never reuses a run directory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+import tomllib
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from hybrid_lm.config import CONFIGS_DIR, ConfigError
+
+SCHEMA = "hybrid_lm.sweep/1"
+MFU_H200_MEASURED = 0.385  # ../shared/anchors/ANCHORS.md: 375M GPT at T=16K, 38.3% (full) / 39.0% (SWA-128)
+PEAK_FLOPS = 989e12  # H200 dense bf16, the MFU denominator used by the trainer
+
+_TOP_KEYS = {"name", "description", "root", "gin", "params", "seeds", "budgets", "n_definition", "mfu",
+             "peak_flops", "wsd", "param_match", "scales", "archs", "slurm"}
+_SCALE_KEYS = {"gin", "params", "budgets", "description"}
+_ARCH_KEYS = {"gin", "params", "mfu", "param_match", "description"}
+_WSD_KEYS = {"branch", "decay_fraction"}
+_PM_KEYS = {"enabled", "reference", "d_ff_multiple"}
+_SLURM_KEYS = {"partition", "account", "qos", "time", "gpus_per_task", "cpus_per_task", "mem", "max_parallel",
+               "setup", "sbatch", "python", "signal_seconds"}
+
+
+class SweepError(ConfigError):
+    """A sweep spec that cannot be expanded; the message names the key, scale or arch."""
+
+
+# ----------------------------------------------------------------------------- spec
+
+@dataclass
+class Spec:
+    name: str
+    path: str | None
+    raw: dict
+    gin: list
+    params: list
+    seeds: list
+    budgets: list
+    scales: dict  # name -> {"gin": [...], "params": [...], "budgets": [...] | None}
+    archs: dict  # name -> {"gin": [...], "params": [...], "mfu": float | None, "param_match": bool}
+    n_definition: str = "non_embedding"
+    mfu: float = MFU_H200_MEASURED
+    peak_flops: float = PEAK_FLOPS
+    branch: bool = True
+    decay_fraction: float | None = None
+    param_match: bool = False
+    reference_arch: str = "full"
+    d_ff_multiple: int = 1
+    slurm: dict = field(default_factory=dict)
+    root: str | None = None
+
+    def digest(self) -> str:
+        return hashlib.sha256(json.dumps(self.raw, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def _check_keys(d: dict, allowed: set, where: str) -> None:
+    unknown = set(d) - allowed
+    if unknown:
+        raise SweepError(f"{where}: unknown key(s) {sorted(unknown)}; allowed: {sorted(allowed)}")
+
+
+def _str_list(v, where: str) -> list[str]:
+    if v is None:
+        return []
+    if isinstance(v, str):
+        return [v]
+    if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+        raise SweepError(f"{where} must be a list of strings")
+    return list(v)
+
+
+def _num_list(v, where: str, positive: bool = True) -> list:
+    if not isinstance(v, list) or not v or not all(isinstance(x, (int, float)) for x in v):
+        raise SweepError(f"{where} must be a non-empty list of numbers")
+    if positive and any(x <= 0 for x in v):
+        raise SweepError(f"{where}: every value must be > 0")
+    return list(v)
+
+
+def load_spec(path: str | Path) -> Spec:
+    """Read and validate a sweep spec (``.toml`` or ``.json``)."""
+    p = Path(path)
+    if not p.exists():
+        cand = CONFIGS_DIR / "sweeps" / p.name
+        if p.parent == Path(".") and cand.exists():
+            p = cand
+        else:
+            raise SweepError(f"sweep spec {path} not found")
+    try:
+        raw = tomllib.loads(p.read_text()) if p.suffix == ".toml" else json.loads(p.read_text())
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
+        raise SweepError(f"{p}: cannot parse ({e})") from None
+    return spec_from_dict(raw, str(p))
+
+
+def spec_from_dict(raw: dict, path: str | None = None) -> Spec:
+    where = path or "spec"
+    _check_keys(raw, _TOP_KEYS, where)
+    if not isinstance(raw.get("name"), str) or not re.fullmatch(r"[A-Za-z0-9_.-]+", raw["name"]):
+        raise SweepError(f"{where}: 'name' is required (letters, digits, _ . -)")
+    scales_raw, archs_raw = raw.get("scales"), raw.get("archs")
+    if not isinstance(scales_raw, dict) or not scales_raw:
+        raise SweepError(f"{where}: [scales.<name>] tables are required (at least one)")
+    if not isinstance(archs_raw, dict) or not archs_raw:
+        raise SweepError(f"{where}: [archs.<name>] tables are required (at least one)")
+    scales = {}
+    for s, d in scales_raw.items():
+        _check_keys(d, _SCALE_KEYS, f"{where}: scales.{s}")
+        scales[s] = {"gin": _str_list(d.get("gin"), f"scales.{s}.gin"),
+                     "params": _str_list(d.get("params"), f"scales.{s}.params"),
+                     "budgets": _num_list(d["budgets"], f"scales.{s}.budgets") if "budgets" in d else None}
+    wsd = raw.get("wsd", {})
+    _check_keys(wsd, _WSD_KEYS, f"{where}: wsd")
+    pm = raw.get("param_match", {})
+    _check_keys(pm, _PM_KEYS, f"{where}: param_match")
+    reference = pm.get("reference", "full")
+    archs = {}
+    for a, d in archs_raw.items():
+        _check_keys(d, _ARCH_KEYS, f"{where}: archs.{a}")
+        mfu = d.get("mfu")
+        if mfu is not None and not 0 < mfu <= 1:
+            raise SweepError(f"archs.{a}.mfu={mfu} must be in (0, 1]")
+        archs[a] = {"gin": _str_list(d.get("gin"), f"archs.{a}.gin"),
+                    "params": _str_list(d.get("params"), f"archs.{a}.params"), "mfu": mfu,
+                    "param_match": bool(d.get("param_match", a != reference))}
+    slurm = raw.get("slurm", {})
+    _check_keys(slurm, _SLURM_KEYS, f"{where}: slurm")
+    n_def = raw.get("n_definition", "non_embedding")
+    if n_def not in ("non_embedding", "total"):
+        raise SweepError(f"{where}: n_definition={n_def!r}: choose non_embedding or total")
+    df = wsd.get("decay_fraction")
+    if df is not None and not 0 < df < 1:
+        raise SweepError(f"{where}: wsd.decay_fraction={df} must be in (0, 1)")
+    seeds = raw.get("seeds", [0])
+    if not isinstance(seeds, list) or not seeds or not all(isinstance(s, int) for s in seeds):
+        raise SweepError(f"{where}: seeds must be a non-empty list of integers")
+    mfu = raw.get("mfu", MFU_H200_MEASURED)
+    if not 0 < mfu <= 1:
+        raise SweepError(f"{where}: mfu={mfu} must be in (0, 1]")
+    spec = Spec(
+        name=raw["name"], path=path, raw=raw, gin=_str_list(raw.get("gin"), "gin"),
+        params=_str_list(raw.get("params"), "params"), seeds=seeds,
+        budgets=_num_list(raw.get("budgets"), f"{where}: budgets") if "budgets" in raw else [],
+        scales=scales, archs=archs, n_definition=n_def, mfu=mfu, peak_flops=raw.get("peak_flops", PEAK_FLOPS),
+        branch=bool(wsd.get("branch", True)), decay_fraction=df, param_match=bool(pm.get("enabled", False)),
+        reference_arch=reference, d_ff_multiple=int(pm.get("d_ff_multiple", 1)), slurm=slurm,
+        root=raw.get("root"))
+    for s, d in scales.items():
+        if not (d["budgets"] or spec.budgets):
+            raise SweepError(f"{where}: no budgets for scale {s} (set top-level 'budgets' or scales.{s}.budgets)")
+    if spec.param_match and reference not in archs:
+        raise SweepError(f"{where}: param_match.reference={reference!r} is not one of the archs {sorted(archs)}")
+    if spec.d_ff_multiple < 1:
+        raise SweepError(f"{where}: param_match.d_ff_multiple must be >= 1")
+    return spec
+
+
+# ----------------------------------------------------------------------------- jobs
+
+@dataclass
+class Job:
+    name: str  # run id = directory name under the sweep root
+    kind: str  # independent | stable | branch
+    scale: str
+    arch: str
+    seed: int
+    budget: float | None  # target D/N (None for stable runs)
+    gin_files: list
+    gin_params: list
+    config_run_id: str
+    steps: int
+    tokens_per_step: int
+    N: int  # parameters used for D/N (n_definition)
+    N_non_embedding: int
+    N_total: int
+    D: int  # tokens seen at the end of the run
+    flops_per_token: float  # training FLOPs per token (3 x forward, from model/accounting.py)
+    train_flops: float  # FLOPs of all D tokens (what an independent run costs)
+    trained_flops: float  # FLOPs this job itself trains (a branch: its decay phase only)
+    gpu_hours: float  # of trained_flops at the spec's MFU
+    mfu: float
+    decay_fraction: float
+    d_ff: int
+    branch_from: dict | None = None  # {"run": stable name, "step": s_b}
+    branch_points: list | None = None  # stable: the s_b of its branches, ascending
+    branches: list | None = None  # stable: names of its branch runs
+    param_match: dict | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @staticmethod
+    def from_dict(d: dict) -> "Job":
+        return Job(**d)
+
+
+@dataclass
+class Plan:
+    spec: Spec
+    root: Path
+    jobs: list  # Job, launch order: per (scale, arch, seed) the stable run, then its branches
+    extra_params: list
+    summary: dict
+
+    def job(self, name: str) -> Job:
+        for j in self.jobs:
+            if j.name == name:
+                return j
+        raise SweepError(f"no job {name!r} in sweep {self.spec.name}")
+
+    def manifest(self) -> dict:
+        return {"schema": SCHEMA, "name": self.spec.name, "spec_path": self.spec.path, "spec": self.spec.raw,
+                "spec_digest": self.spec.digest(), "extra_params": self.extra_params,
+                "jobs": [j.to_dict() for j in self.jobs], "summary": self.summary}
+
+
+def _slug(s: str) -> str:
+    return re.sub(r"[^a-z0-9_.]+", "_", s.lower()).strip("_")
+
+
+def _fmt_ratio(r: float) -> str:
+    return f"{r:g}"
+
+
+def run_name(scale: str, arch: str, budget: float | None, seed: int, digest_src: dict) -> str:
+    h = hashlib.sha256(json.dumps(digest_src, sort_keys=True).encode()).hexdigest()[:8]
+    mid = "stable" if budget is None else f"dn{_fmt_ratio(budget)}"
+    return f"{_slug(scale)}-{_slug(arch)}-{mid}-seed{seed}-{h}"
+
+
+def _resolve_gin(name: str, where: str) -> str:
+    """A gin file given relative to configs/ (or a path); a clear error naming the arch/scale if absent."""
+    p = Path(name)
+    if p.exists():
+        return str(p)
+    if (CONFIGS_DIR / name).exists():
+        return name
+    raise SweepError(f"{where} needs gin file {name!r}, which does not exist (looked in {CONFIGS_DIR} and the "
+                     f"current directory). Add configs/{name} or remove the arch/scale from the spec.")
+
+
+def _steps_for(ratio: float, n: int, tps: int) -> int:
+    return max(1, int(round(ratio * n / tps)))
+
+
+def decay_start(steps: int, decay_fraction: float) -> int:
+    """First step of the decay phase, computed exactly as ``train/optim.py::wsd_schedule`` does."""
+    return steps - int(round(decay_fraction * steps))
+
+
+def expand(spec: Spec, root: str | Path | None = None, extra_params: list[str] | None = None,
+           progress: bool = False) -> Plan:
+    """Resolve every (scale, arch) config, match parameters if asked, and lay out the jobs."""
+    from tqdm.auto import tqdm
+
+    from hybrid_lm.config import load_config
+    from hybrid_lm.model.accounting import count_params, flops_per_token
+
+    extra = list(extra_params or [])
+    root = Path(root or spec.root or Path("runs") / "sweeps" / spec.name)
+    resolved: dict[tuple, dict] = {}
+    pairs = [(s, a) for s in spec.scales for a in spec.archs]
+    for s, a in tqdm(pairs, desc="resolve configs", disable=not progress, leave=False):
+        sd, ad = spec.scales[s], spec.archs[a]
+        files = ([_resolve_gin(g, f"sweep {spec.name}: the spec") for g in spec.gin]
+                 + [_resolve_gin(g, f"sweep {spec.name}: scale {s!r}") for g in sd["gin"]]
+                 + [_resolve_gin(g, f"sweep {spec.name}: arch {a!r}") for g in ad["gin"]])
+        params = spec.params + sd["params"] + ad["params"] + extra
+        try:
+            cfg = load_config(files, params)
+            counts = count_params(cfg.model)  # builds the abstract model: mixers check their sizes here
+        except ConfigError as e:
+            raise SweepError(f"sweep {spec.name}: scale {s!r} x arch {a!r}: {e}") from None
+        resolved[(s, a)] = {"files": files, "params": params, "cfg": cfg, "counts": counts}
+
+    def n_of(counts):
+        return counts["non_embedding"] if spec.n_definition == "non_embedding" else counts["total"]
+
+    # parameter matching: adjust d_ff so that N equals the reference arch's N at the same scale
+    if spec.param_match:
+        for s, a in tqdm(pairs, desc="match parameters", disable=not progress, leave=False):
+            if a == spec.reference_arch or not spec.archs[a]["param_match"]:
+                continue
+            r = resolved[(s, a)]
+            target = n_of(resolved[(s, spec.reference_arch)]["counts"])
+            d_ff, n_new, counts = match_d_ff(r["files"], r["params"], target, r["cfg"].model.d_ff,
+                                             spec.d_ff_multiple, n_of)
+            before, d_ff_before = n_of(r["counts"]), r["cfg"].model.d_ff
+            if d_ff != d_ff_before:
+                r["params"] = r["params"] + [f"ModelConfig.d_ff = {d_ff}"]
+                r["cfg"] = load_config(r["files"], r["params"])
+                r["counts"] = counts
+            r["param_match"] = {"reference": spec.reference_arch, "target_N": target, "N_before": before,
+                                "N_after": n_of(r["counts"]), "d_ff_before": d_ff_before, "d_ff": d_ff,
+                                "rel_diff": (n_of(r["counts"]) - target) / target}
+
+    jobs: list[Job] = []
+    for s, a in pairs:
+        r = resolved[(s, a)]
+        cfg, counts = r["cfg"], r["counts"]
+        N = n_of(counts)
+        tps = cfg.train.global_batch * cfg.data.seq_len
+        fpt = float(flops_per_token(cfg.model, cfg.data.seq_len)["train"])
+        mfu = spec.archs[a]["mfu"] or spec.mfu
+        f = spec.decay_fraction if spec.decay_fraction is not None else cfg.optim.decay_fraction
+        if spec.branch and not 0 < f < 1:
+            raise SweepError(f"sweep {spec.name}: scale {s!r} x arch {a!r}: WSD branching needs a decay fraction "
+                             f"in (0, 1), the recipe has {f}; set [wsd] decay_fraction")
+        budgets = spec.scales[s]["budgets"] or spec.budgets
+
+        def hours(flops, mfu=mfu):
+            return flops / (mfu * spec.peak_flops) / 3600.0
+
+        for seed in spec.seeds:
+            base_params = r["params"] + [f"TrainConfig.seed = {seed}"]
+            cfg_id = None
+            group: list[Job] = []
+            for ratio in sorted(set(budgets)):
+                steps = _steps_for(ratio, N, tps)
+                params = base_params + [f"TrainConfig.steps = {steps}", f"OptimConfig.decay_fraction = {f}"]
+                cfg_id = cfg_id or _config_id(r["files"], params)
+                kind = "branch" if spec.branch else "independent"
+                sb = decay_start(steps, f) if spec.branch else None
+                name = run_name(s, a, ratio, seed, {"config": cfg_id, "steps": steps, "kind": kind, "branch_at": sb,
+                                                    "decay_fraction": f})
+                D = steps * tps
+                trained = (steps - sb) * tps * fpt if spec.branch else D * fpt
+                group.append(Job(
+                    name=name, kind=kind, scale=s, arch=a, seed=seed, budget=ratio, gin_files=r["files"],
+                    gin_params=params, config_run_id=cfg_id, steps=steps, tokens_per_step=tps, N=N,
+                    N_non_embedding=counts["non_embedding"], N_total=counts["total"], D=D, flops_per_token=fpt,
+                    train_flops=D * fpt, trained_flops=trained, gpu_hours=hours(trained), mfu=mfu,
+                    decay_fraction=f, d_ff=cfg.model.d_ff,
+                    branch_from={"run": None, "step": sb} if spec.branch else None,
+                    param_match=r.get("param_match")))
+            if spec.branch:
+                points = sorted({j.branch_from["step"] for j in group})
+                st_steps = points[-1]
+                st_params = base_params + [f"TrainConfig.steps = {st_steps}", "OptimConfig.decay_fraction = 0.0"]
+                st_id = _config_id(r["files"], st_params)
+                st_name = run_name(s, a, None, seed, {"config": st_id, "kind": "stable", "points": points})
+                stable = Job(
+                    name=st_name, kind="stable", scale=s, arch=a, seed=seed, budget=None, gin_files=r["files"],
+                    gin_params=st_params, config_run_id=st_id, steps=st_steps, tokens_per_step=tps, N=N,
+                    N_non_embedding=counts["non_embedding"], N_total=counts["total"], D=st_steps * tps,
+                    flops_per_token=fpt, train_flops=st_steps * tps * fpt, trained_flops=st_steps * tps * fpt,
+                    gpu_hours=hours(st_steps * tps * fpt), mfu=mfu, decay_fraction=0.0, d_ff=cfg.model.d_ff,
+                    branch_points=points, branches=[j.name for j in group], param_match=r.get("param_match"))
+                for j in group:
+                    j.branch_from["run"] = st_name
+                jobs.append(stable)
+            jobs.extend(group)
+    plan = Plan(spec=spec, root=root, jobs=jobs, extra_params=extra, summary={})
+    plan.summary = summarize(plan)
+    return plan
+
+
+def _config_id(files, params) -> str:
+    from hybrid_lm.config import load_config
+    return load_config(files, params).run_id()
+
+
+def match_d_ff(files, params, target: int, d_ff0: int, multiple: int, n_of) -> tuple[int, int, dict]:
+    """The d_ff (a multiple of ``multiple``) whose N is closest to ``target``; N is affine in d_ff."""
+    from hybrid_lm.config import load_config
+    from hybrid_lm.model.accounting import count_params
+
+    cache: dict[int, dict] = {}
+
+    def counts(d):
+        if d not in cache:
+            cache[d] = count_params(load_config(files, params + [f"ModelConfig.d_ff = {d}"]).model)
+        return cache[d]
+
+    d0 = max(multiple, (d_ff0 // multiple) * multiple)
+    n0, n1 = n_of(counts(d0)), n_of(counts(d0 + multiple))
+    slope = (n1 - n0) / multiple
+    if slope <= 0:
+        raise SweepError("parameter matching: N does not grow with d_ff for this config")
+    est = d0 + (target - n0) / slope
+    best = None
+    for cand in {max(multiple, int(math.floor(est / multiple)) * multiple + k * multiple) for k in (-1, 0, 1, 2)}:
+        n = n_of(counts(cand))
+        if best is None or abs(n - target) < abs(best[1] - target):
+            best = (cand, n)
+    d, n = best
+    if d <= multiple and n > target:
+        raise SweepError(f"parameter matching: even d_ff={d} gives N={n:,} > target {target:,}; the efficient "
+                         "mixer alone has more parameters than the reference layer budget")
+    return d, n, counts(d)
+
+
+def summarize(plan: Plan) -> dict:
+    """FLOPs and GPU-hours: as planned (branched or not) and as independent runs; the saving."""
+    jobs = plan.jobs
+    budget_jobs = [j for j in jobs if j.kind != "stable"]
+    indep_flops = sum(j.train_flops for j in budget_jobs)
+    indep_hours = sum(j.train_flops / (j.mfu * plan.spec.peak_flops) / 3600 for j in budget_jobs)
+    planned_flops = sum(j.trained_flops for j in jobs)
+    planned_hours = sum(j.gpu_hours for j in jobs)
+    # what branching would cost if the plan is independent (always shown)
+    if plan.spec.branch:
+        br_flops, br_hours = planned_flops, planned_hours
+    else:
+        br_flops = br_hours = 0.0
+        groups: dict[tuple, list] = {}
+        for j in budget_jobs:
+            groups.setdefault((j.scale, j.arch, j.seed), []).append(j)
+        f_override = plan.spec.decay_fraction
+        for g in groups.values():
+            f = f_override if f_override is not None else g[0].decay_fraction
+            sbs = [decay_start(j.steps, f) for j in g]
+            per_step = g[0].tokens_per_step * g[0].flops_per_token
+            fl = (max(sbs) + sum(j.steps - sb for j, sb in zip(g, sbs))) * per_step
+            br_flops += fl
+            br_hours += fl / (g[0].mfu * plan.spec.peak_flops) / 3600
+    per_scale: dict[str, dict] = {}
+    for j in jobs:
+        d = per_scale.setdefault(j.scale, {"runs": 0, "flops": 0.0, "gpu_hours": 0.0})
+        d["runs"] += 1
+        d["flops"] += j.trained_flops
+        d["gpu_hours"] += j.gpu_hours
+    return {
+        "jobs": len(jobs), "budget_runs": len(budget_jobs), "stable_runs": sum(j.kind == "stable" for j in jobs),
+        "branching": plan.spec.branch, "planned_flops": planned_flops, "planned_gpu_hours": planned_hours,
+        "independent_flops": indep_flops, "independent_gpu_hours": indep_hours,
+        "branched_flops": br_flops, "branched_gpu_hours": br_hours,
+        "branching_saving": 1.0 - br_flops / indep_flops if indep_flops else 0.0,
+        "per_scale": per_scale, "mfu": plan.spec.mfu, "peak_flops": plan.spec.peak_flops,
+    }
+
+
+def format_plan(plan: Plan) -> str:
+    """The ``--dry-run`` table."""
+    lines = []
+    sp = plan.spec
+    lines.append(f"sweep {sp.name}: {len(sp.scales)} scales x {len(sp.archs)} archs x {len(sp.seeds)} seed(s); "
+                 f"root {plan.root}")
+    lines.append(f"N = {sp.n_definition.replace('_', '-')} parameters; GPU-hours on one H200 at "
+                 f"{sp.mfu:.1%} MFU of {sp.peak_flops / 1e12:.0f} TFLOP/s (measured anchor; per-arch overrides "
+                 f"in the spec); FLOPs = 3 x forward incl. attention and LM head")
+    if sp.branch:
+        lines.append("WSD branching: one constant-LR stable run per (scale, arch, seed); each budget decays from "
+                     "its checkpoint ('from' = branch step); FLOPs / GPU-h count only what each job trains")
+    hdr = (f"{'run':<44}{'kind':<12}{'N':>9}{'N_tot':>9}{'D/N':>7}{'D':>10}{'steps':>8}{'from':>8}{'FLOPs':>11}"
+           f"{'GPU-h':>9}")
+    lines.append(hdr)
+    lines.append("-" * len(hdr))
+    for j in plan.jobs:
+        frm = str(j.branch_from["step"]) if j.branch_from else ""
+        pm = ""
+        if j.param_match and j.kind != "stable":
+            pm = f"  d_ff {j.d_ff} (N {100 * j.param_match['rel_diff']:+.3f}% vs {j.param_match['reference']})"
+        lines.append(f"{j.name:<44}{j.kind:<12}{_h(j.N):>9}{_h(j.N_total):>9}"
+                     f"{'' if j.budget is None else _fmt_ratio(j.budget):>7}{_h(j.D):>10}{j.steps:>8}{frm:>8}"
+                     f"{j.trained_flops:>11.3g}{_hours(j.gpu_hours):>9}{pm}")
+    s = plan.summary
+    lines.append("")
+    lines.append(f"{'scale':<10}{'jobs':>6}{'FLOPs':>12}{'GPU-h':>10}")
+    for sc, d in s["per_scale"].items():
+        lines.append(f"{sc:<10}{d['runs']:>6}{d['flops']:>12.3g}{_hours(d['gpu_hours']):>10}")
+    lines.append("")
+    lines.append(f"total: {s['jobs']} jobs ({s['budget_runs']} budget runs, {s['stable_runs']} stable); "
+                 f"{s['planned_flops']:.3g} FLOPs, {_hours(s['planned_gpu_hours'])} H200 GPU-hours as planned")
+    lines.append(f"independent runs: {s['independent_flops']:.3g} FLOPs, {_hours(s['independent_gpu_hours'])} GPU-h;  "
+                 f"WSD branching: {s['branched_flops']:.3g} FLOPs, {_hours(s['branched_gpu_hours'])} GPU-h;  "
+                 f"saving {s['branching_saving']:.1%}")
+    return "\n".join(lines)
+
+
+def _hours(x: float) -> str:
+    return f"{x:,.1f}" if x >= 0.1 else f"{x:.2g}"
+
+
+def _h(x: float) -> str:
+    for unit, div in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(x) >= div:
+            return f"{x / div:.3g}{unit}"
+    return f"{x:g}"
+
+
+# ----------------------------------------------------------------------------- manifest
+
+def write_manifest(plan: Plan) -> Path:
+    plan.root.mkdir(parents=True, exist_ok=True)
+    path = plan.root / "sweep.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(plan.manifest(), indent=1, default=str))
+    tmp.replace(path)
+    return path
+
+
+def read_manifest(root: str | Path) -> dict:
+    path = Path(root) / "sweep.json"
+    if not path.exists():
+        raise SweepError(f"{root} holds no sweep.json: launch the sweep first (hybrid-lm sweep SPEC --launch ...)")
+    return json.loads(path.read_text())
+
+
+def manifest_jobs(root: str | Path) -> list[Job]:
+    return [Job.from_dict(d) for d in read_manifest(root)["jobs"]]
