@@ -106,6 +106,8 @@ def main(argv=None) -> int:
     q.add_argument("--tokenizer", default="byte")
     q.set_defaults(fn=cmd_data)
 
+    from hybrid_lm.eval.cli import add_eval_commands
+    add_eval_commands(sub)
     from hybrid_lm.scaling.cli import add_scaling_commands
     add_scaling_commands(sub)
 

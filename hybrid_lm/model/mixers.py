@@ -4,6 +4,7 @@ A new family is one file in ``hybrid_lm/model/`` plus one import line here.
 """
 
 from hybrid_lm.model import attention  # noqa: F401  (attention, swa)
+from hybrid_lm.model import constrained_attention  # noqa: F401  (attention_sink)
 from hybrid_lm.model import stochastic  # noqa: F401  (sa, sa_swa)
 from hybrid_lm.model import moba  # noqa: F401  (moba)
 from hybrid_lm.model import lightning  # noqa: F401  (lightning)

@@ -45,7 +45,7 @@ class TrainResult:
     skipped_steps: int = 0
 
 
-def _local_rows(sharding, global_shape) -> slice:
+def local_rows(sharding, global_shape) -> slice:
     """The contiguous rows of a batch-sharded global array that this process feeds."""
     idx = sharding.addressable_devices_indices_map(global_shape).values()
     starts = [(i[0].start or 0) for i in idx]
@@ -53,8 +53,8 @@ def _local_rows(sharding, global_shape) -> slice:
     return slice(min(starts), max(stops))
 
 
-def _put_batch(batch: np.ndarray, sharding):
-    rows = _local_rows(sharding, batch.shape)
+def put_batch(batch: np.ndarray, sharding):
+    rows = local_rows(sharding, batch.shape)
     return jax.make_array_from_process_local_data(sharding, batch[rows], batch.shape)
 
 
@@ -135,7 +135,7 @@ def train(cfg: Config, workdir: Path | str | None = None, *, force: bool = False
             eb = data.eval_batch
             per = max(n_batch_shards, (min(cfg.train.global_batch, eb.shape[0]) // n_batch_shards) * n_batch_shards)
             n = (eb.shape[0] // per) * per
-            losses = [float(eval_fn(state["params"], _put_batch(eb[i:i + per], batch_shard))) for i in range(0, n, per)]
+            losses = [float(eval_fn(state["params"], put_batch(eb[i:i + per], batch_shard))) for i in range(0, n, per)]
             ce = float(np.mean(losses))
             row = {"kind": "eval", "step": step, "tokens": step * tokens_per_step, "loss": ce,
                    "bpb": bits_per_byte(ce, data.bytes_per_token), "order0_entropy_bits": entropy0,
@@ -191,7 +191,7 @@ def train(cfg: Config, workdir: Path | str | None = None, *, force: bool = False
                     if step == cfg.train.profile_start and main:
                         jax.profiler.start_trace(str(workdir / "profile"))
                         profiling = True
-                    tokens = _put_batch(data.batch(step), batch_shard)
+                    tokens = put_batch(data.batch(step), batch_shard)
                     state, stats = step_fn(state, tokens)
                     done = step + 1
                     if pending is not None:

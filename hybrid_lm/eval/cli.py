@@ -1,0 +1,87 @@
+"""``hybrid-lm eval``: training-free attention swaps and receptive-field constraints on a run's checkpoint.
+
+    hybrid-lm eval WORKDIR [--swap full=swa:128] [--swap efficient=sa:128] [--horizon H --sinks S]
+                           [--seq-len T] [--step N] [--baseline]
+
+Registered by ``add_eval_commands(sub)`` in ``hybrid_lm/cli.py``; the work is ``hybrid_lm/eval/swap.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def _fmt(row: dict) -> str:
+    what = ", ".join(row["swaps"]) or "no swap"
+    if row.get("horizon") is not None:
+        what += f"; full attention limited to {row['horizon']} tokens + {row['sinks']} sinks"
+    line = (f"step {row['checkpoint_step']}  seq_len {row['seq_len']}  windows {row['eval_windows']}  "
+            f"[{what}]  val loss {row['loss']:.4f} nats  {row['bpb']:.4f} bits/byte")
+    if "delta_loss" in row:
+        line += f"  ({row['delta_loss']:+.4f} vs the trainer's eval)"
+    return line
+
+
+def cmd_eval(args) -> int:
+    try:
+        return _run(args)
+    except FileNotFoundError as e:  # not a run dir, no checkpoint, no such step: a message, not a traceback
+        import sys
+        print(f"eval error: {e}", file=sys.stderr)
+        return 2
+
+
+def _run(args) -> int:
+    from hybrid_lm.eval.swap import SwapEvaluator, load_run_config, swapped_config
+
+    overrides = dict(seq_len=args.seq_len, eval_windows=args.eval_windows, attention_impl=args.attention_impl)
+    # check the settings before restoring anything: a bad swap fails in a second, not after a restore
+    swapped_config(load_run_config(args.workdir), args.swap, args.horizon, args.sinks, **overrides)
+    ev = SwapEvaluator(args.workdir, step=args.step)
+    rows = []
+    if args.baseline:
+        rows.append(ev.evaluate((), None, 0, **overrides, record=not args.no_record))
+    rows.append(ev.evaluate(args.swap, args.horizon, args.sinks, **overrides, record=not args.no_record))
+    if args.json:
+        print(json.dumps(rows if args.baseline else rows[0], indent=2))
+        return 0
+    for r in rows:
+        print(_fmt(r))
+    if args.baseline:
+        print(f"swap - baseline: {rows[1]['loss'] - rows[0]['loss']:+.4f} nats/token, "
+              f"{rows[1]['bpb'] - rows[0]['bpb']:+.4f} bits/byte")
+    if not args.no_record:
+        print(f"recorded in {ev.workdir / 'eval.jsonl'}")
+    return 0
+
+
+def add_eval_commands(sub) -> None:
+    """Add ``eval`` to the ``hybrid-lm`` subparsers."""
+    p = sub.add_parser(
+        "eval", help="evaluate a run's checkpoint with attention swaps / receptive-field constraints",
+        description="Evaluate WORKDIR's checkpoint (val loss, bits/byte on its fixed eval windows) with its "
+                    "attention layers swapped and/or its full-attention layers limited to the last H tokens "
+                    "plus S sinks, without retraining. Appends a row to WORKDIR/eval.jsonl.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="swap spec: SLOT=KIND[:W][,key=value...]; SLOT is full or efficient; W is the window (swa, sa), "
+               "the key budget top_k*block_size (moba), or the horizon (attention_sink).\n"
+               "examples: --swap full=swa:128   --swap efficient=sa:128,eval_draws=4   "
+               "--swap full=moba:256,block_size=32,gate=moba   --horizon 2048 --sinks 4")
+    p.add_argument("workdir", help="run directory (config.json + checkpoints/)")
+    p.add_argument("--swap", action="append", default=[], metavar="SLOT=KIND[:W]",
+                   help="switch a slot's mixer (repeatable, one per slot)")
+    p.add_argument("--horizon", type=int, default=None, metavar="H",
+                   help="limit the full-attention layers to the last H tokens (the query included)")
+    p.add_argument("--sinks", type=int, default=0, metavar="S",
+                   help="with --horizon: the first S positions stay visible to every query (default 0)")
+    p.add_argument("--seq-len", "--seq_len", dest="seq_len", type=int, default=None, metavar="T",
+                   help="evaluate on windows of T tokens (default: the run's seq_len)")
+    p.add_argument("--eval-windows", dest="eval_windows", type=int, default=None,
+                   help="number of fixed validation windows (default: the run's DataConfig.eval_windows)")
+    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest that restores)")
+    p.add_argument("--attention-impl", dest="attention_impl", default=None, choices=("auto", "xla", "cudnn", "pallas"))
+    p.add_argument("--baseline", action="store_true", help="also evaluate the unswapped model and print the difference")
+    p.add_argument("--no-record", dest="no_record", action="store_true", help="do not append to eval.jsonl")
+    p.add_argument("--json", action="store_true", help="print the row(s) as JSON")
+    p.set_defaults(fn=cmd_eval)
