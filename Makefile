@@ -30,7 +30,7 @@ train: $(STAMP)
 	$(VENV)/bin/hybrid-lm train configs/quickstart.gin --workdir runs/quickstart
 
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 --timeout 900
+	$(PY) -m pytest -q -n 2 --timeout 900 --durations=12
 
 data: $(STAMP)
 	$(VENV)/bin/hybrid-lm data prepare
