@@ -93,3 +93,25 @@ def test_profiler_traces_a_window(tiny_params, tmp_path):
                                          "TrainConfig.profile_steps = 2"])
     train(cfg, tmp_path)
     assert any((tmp_path / "profile").rglob("*.xplane.pb"))
+
+
+def test_time_interval_saves_temporary_checkpoints(tiny_params, tmp_path):
+    cfg = load_config([], tiny_params + ["TrainConfig.steps = 6", "CheckpointConfig.every_steps = 1000",
+                                         "CheckpointConfig.interval_minutes = 1e-6", "CheckpointConfig.keep = 10"])
+    train(cfg, tmp_path)
+    steps = Checkpointer(tmp_path / "checkpoints", cfg.checkpoint).all_steps()
+    assert steps == [1, 2, 3, 4, 5, 6], steps  # the step cadence alone would save only the final step
+
+
+def test_z_loss_joins_the_objective_but_not_the_logged_loss(tiny_params):
+    base = load_config([], tiny_params)
+    zl = load_config([], tiny_params + ["OptimConfig.z_loss = 1e-2"])
+    tokens = jax.random.randint(jax.random.key(3), (2, 33), 0, 256)
+    ids = jax.numpy.arange(2)
+    o0, a0 = ModelFns(base).loss(ModelFns(base).init(0), tokens, 0, ids)
+    fns = ModelFns(zl)
+    o1, a1 = fns.loss(fns.init(0), tokens, 0, ids)
+    assert float(a0["ce"]) == pytest.approx(float(a1["ce"]), rel=1e-6) and float(o0) == pytest.approx(float(a0["ce"]))
+    logits = fns.model(fns.init(0))(tokens[:, :-1])
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    assert float(o1) == pytest.approx(float(a1["ce"]) + 1e-2 * float(jax.numpy.mean(lse ** 2)), rel=1e-5)
