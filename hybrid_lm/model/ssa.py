@@ -27,7 +27,7 @@ from flax import nnx
 from hybrid_lm.config import ConfigError, MixerConfig, ModelConfig
 from hybrid_lm.model.attention import Attention, attend, attention_projection_flops, mean_keys_per_query
 from hybrid_lm.model.layers import param
-from hybrid_lm.model.moba import moba_mean_keys
+from hybrid_lm.model.moba import moba_gate_dots, moba_mean_keys
 from hybrid_lm.model.registry import MixerContext, register_mixer
 from hybrid_lm.ops import block_sparse
 
@@ -71,8 +71,8 @@ def alignment_loss(full, sparse):
 def _ssa_flops(cfg: ModelConfig, mc: MixerConfig, seq_len: int) -> dict:
     o = SSAOptions(**mc.options)
     per_key = 4.0 * cfg.n_heads * cfg.resolved_head_dim
-    # training runs both streams: full causal + block-sparse, plus the selection scores
-    gate_dots = 2.0 * cfg.n_heads * cfg.resolved_head_dim * seq_len / (2 * o.block_size)
+    # training runs both streams: full causal + block-sparse, plus the selection scores (as moba counts them)
+    gate_dots = 2.0 * cfg.n_heads * cfg.resolved_head_dim * moba_gate_dots(seq_len, o.block_size)
     return {"matmul": attention_projection_flops(cfg) + 2.0 * cfg.d_model * cfg.n_heads,
             "mixing": per_key * (mean_keys_per_query(seq_len, None) + moba_mean_keys(seq_len, o.block_size, o.top_k))
             + gate_dots}
