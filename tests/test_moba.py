@@ -200,3 +200,39 @@ def test_tiny_hybrid_with_moba_trains(tiny_params, tmp_path):
     rows = read_metrics(tmp_path / "metrics.jsonl", "train")
     assert rows[0]["loss"] > rows[-1]["loss"] + 0.3, [r["loss"] for r in rows]
     assert np.isfinite(res.final_eval["loss"]) and res.final_eval["loss"] < rows[0]["loss"]
+
+
+def test_block_selection_ranks_by_the_mean_query_and_shares_lists():
+    """selection='block': one list per query block, ranked by mean_t(q_t) . mean(k_c) (moba gate),
+    own block forced; moba_attention with it equals the given-blocks attention on the broadcast lists."""
+    T, block, top_k = 50, 8, 3
+    q, k, v = _qkv(11, 2, T, 4, 2, 8)
+    idx = np.asarray(bs.select_blocks(q, k, block_size=block, top_k=top_k, gate="moba", selection="block"))
+    nb = -(-T // block)
+    assert idx.shape == (2, nb, 4, top_k)
+    qn, kn = np.asarray(q, np.float64), np.asarray(k, np.float64)
+    kbar = np.stack([kn[:, c * block:(c + 1) * block].mean(1) for c in range(nb)], 1)  # [B, nb, K, D]
+    qbar = np.stack([qn[:, c * block:(c + 1) * block].mean(1) for c in range(nb)], 1)  # [B, nb, H, D]
+    score = np.einsum("bchd,behd->bche", qbar, np.repeat(kbar, 2, axis=2))  # [B, nb(query), H, nb(key)]
+    for c in range(nb):
+        want = {c} | set(np.argsort(-score[0, c, 1, :c])[:top_k - 1].tolist())
+        assert set(idx[0, c, 1][idx[0, c, 1] >= 0].tolist()) == want
+    tok = jnp.asarray(idx)[:, jnp.arange(T) // block]
+    cot = jax.random.normal(jax.random.key(5), q.shape)
+    got = _vjp(lambda *a: bs.moba_attention(*a, block_size=block, top_k=top_k, gate="moba", selection="block"),
+               q, k, v, cot)
+    want = _vjp(lambda *a: bs.block_sparse_attention(*a, tok, block_size=block), q, k, v, cot)
+    _assert_close(got, want)
+    full = jnp.asarray(np.tril(np.ones((T, T), bool)))[None, None]
+    _assert_close(_vjp(lambda *a: bs.moba_attention(*a, block_size=block, top_k=nb, gate="ssa", selection="block"),
+                       q, k, v, cot), _oracle_vjp(q, k, v, full, cot))
+
+
+def test_moba_impl_dispatch():
+    from hybrid_lm.model.moba import resolve_moba_impl
+    assert resolve_moba_impl("auto", 128) == "xla"  # CPU
+    assert resolve_moba_impl("pallas", 16) == "pallas"
+    with pytest.raises(ConfigError, match="cudnn"):
+        resolve_moba_impl("cudnn", 128)
+    with pytest.raises(ConfigError, match="power of two"):
+        resolve_moba_impl("pallas", 48)

@@ -2,12 +2,18 @@
 
 Same parameters as full attention (GQA q/k/v/o, RoPE or NoPE): only the set of keys each query sees
 changes. Selection runs on the RoPE'd q and k, as in both references (MoBA and SSA/NSA).
+
+Backends (``attention_impl``): ``xla`` = the O(T*k*block) reference in ``ops/block_sparse.py``;
+``pallas`` = the block-sparse kernel (``hybrid_lm_kernels.block_sparse_attention``, blocks that are
+powers of two >= 16); ``auto`` = pallas on a GPU for blocks >= ``PALLAS_MIN_BLOCK``, else xla
+(16/32-token blocks give 16-wide tiles that waste the tensor cores). cuDNN cannot express the mask.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import jax
 from flax import nnx
 
 from hybrid_lm.config import ConfigError, MixerConfig, ModelConfig
@@ -28,6 +34,7 @@ class MobaOptions:
     block_size: int = 16  # tokens per key block
     top_k: int = 16  # selected blocks per query, counting its own (always selected, causal inside)
     gate: str = "ssa"  # ssa: softmax importance summed over the GQA group; moba: raw q.mean(k) per head
+    selection: str = "token"  # token: every query token selects (the references); block: per query block
 
     def validate(self) -> None:
         if not isinstance(self.block_size, int) or self.block_size < 1:
@@ -36,6 +43,37 @@ class MobaOptions:
             raise ConfigError(f"moba option top_k={self.top_k!r} must be an int >= 1 (it counts the own block)")
         if self.gate not in ops.GATES:
             raise ConfigError(f"moba option gate={self.gate!r}: choose one of {ops.GATES}")
+        if self.selection not in ops.SELECTIONS:
+            raise ConfigError(f"moba option selection={self.selection!r}: choose one of {ops.SELECTIONS}")
+
+
+# Smallest block the kernel runs near tensor-core rate (64-wide tiles); smaller ones go to xla under auto.
+PALLAS_MIN_BLOCK = 64
+
+
+def resolve_moba_impl(impl: str, block_size: int) -> str:
+    """``auto`` -> pallas on a GPU for power-of-two blocks >= PALLAS_MIN_BLOCK, else xla."""
+    pow2 = block_size >= 16 and not block_size & (block_size - 1)
+    if impl == "auto":
+        return "pallas" if jax.default_backend() == "gpu" and pow2 and block_size >= PALLAS_MIN_BLOCK else "xla"
+    if impl == "cudnn":
+        raise ConfigError("attention_impl='cudnn' cannot express MoBA's block-sparse mask; use auto, pallas or xla")
+    if impl == "pallas" and not pow2:
+        raise ConfigError(f"attention_impl='pallas' needs a MoBA block_size that is a power of two >= 16, "
+                          f"got {block_size}; use auto or xla (the reference takes any block)")
+    return impl
+
+
+def moba_attend(q, k, v, *, block_size: int, top_k: int, gate: str, selection: str, impl: str):
+    """Selection + block-sparse causal attention on the chosen backend (shared by moba and ssa)."""
+    if resolve_moba_impl(impl, block_size) == "pallas":
+        try:
+            import hybrid_lm_kernels as kernels
+        except ImportError as e:
+            raise ConfigError(f"attention_impl='pallas' needs the Pallas kernels (hybrid_lm_kernels): {e}") from None
+        idx = ops.select_blocks(q, k, block_size=block_size, top_k=top_k, gate=gate, selection=selection)
+        return kernels.block_sparse_attention(q, k, v, idx, block_size=block_size)
+    return ops.moba_attention(q, k, v, block_size=block_size, top_k=top_k, gate=gate, selection=selection)
 
 
 def moba_mean_keys(seq_len: int, block_size: int, top_k: int) -> float:
@@ -52,9 +90,13 @@ def moba_mean_keys(seq_len: int, block_size: int, top_k: int) -> float:
     return total / T
 
 
-def moba_gate_dots(seq_len: int, block_size: int) -> float:
-    """Mean number of block-mean dot products per query head for the gate (complete past blocks)."""
+def moba_gate_dots(seq_len: int, block_size: int, selection: str = "token") -> float:
+    """Mean number of block-mean dot products per query token and head for the gate (complete past
+    blocks): every token scores its past blocks (``token``), or every query block once (``block``)."""
     T, b = seq_len, block_size
+    if selection == "block":
+        nb = -(-T // b)
+        return nb * (nb - 1) / 2 / T
     q, r = divmod(T, b)  # sum over t < T of t // b
     return (b * q * (q - 1) // 2 + r * q) / T
 
@@ -65,7 +107,7 @@ def moba_flops(cfg: ModelConfig, mc: MixerConfig, seq_len: int) -> dict:
     o = MobaOptions(**mc.options)
     H, Dh = cfg.n_heads, cfg.resolved_head_dim
     keys = moba_mean_keys(seq_len, o.block_size, o.top_k)
-    gate = 2.0 * H * Dh * moba_gate_dots(seq_len, o.block_size)
+    gate = 2.0 * H * Dh * moba_gate_dots(seq_len, o.block_size, o.selection)
     return {"matmul": attention_projection_flops(cfg), "mixing": 4.0 * H * Dh * keys + gate}
 
 
@@ -79,5 +121,6 @@ class MobaAttention(Attention):
 
     def __call__(self, x, ctx: MixerContext):
         q, k, v = self.project_qkv(x, ctx.positions)
-        o = ops.moba_attention(q, k, v, block_size=self.opts.block_size, top_k=self.opts.top_k, gate=self.opts.gate)
+        o = moba_attend(q, k, v, block_size=self.opts.block_size, top_k=self.opts.top_k, gate=self.opts.gate,
+                        selection=self.opts.selection, impl=ctx.attention_impl)
         return self.project_out(o)

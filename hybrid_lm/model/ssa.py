@@ -27,7 +27,7 @@ from flax import nnx
 from hybrid_lm.config import ConfigError, MixerConfig, ModelConfig
 from hybrid_lm.model.attention import Attention, attend, attention_projection_flops, mean_keys_per_query
 from hybrid_lm.model.layers import param
-from hybrid_lm.model.moba import moba_gate_dots, moba_mean_keys
+from hybrid_lm.model.moba import moba_attend, moba_gate_dots, moba_mean_keys
 from hybrid_lm.model.registry import MixerContext, register_mixer
 from hybrid_lm.ops import block_sparse
 
@@ -37,6 +37,7 @@ class SSAOptions:
     block_size: int = 16
     top_k: int = 16  # counting the query's own block
     gate: str = "ssa"  # block-selection rule: ssa (NSA importance over the GQA group) | moba
+    selection: str = "token"  # token: every query token selects (released code) | block: per query block
     align_weight: float = 10.0  # alpha in loss = ce + alpha * mean_layers(align)
     eval_stream: str = "full"  # stream used when not training: full | sparse
 
@@ -45,6 +46,8 @@ class SSAOptions:
             raise ConfigError("ssa options block_size and top_k must be >= 1")
         if self.gate not in block_sparse.GATES:
             raise ConfigError(f"ssa option gate={self.gate!r}: choose one of {block_sparse.GATES}")
+        if self.selection not in block_sparse.SELECTIONS:
+            raise ConfigError(f"ssa option selection={self.selection!r}: choose one of {block_sparse.SELECTIONS}")
         if self.eval_stream not in ("full", "sparse"):
             raise ConfigError(f"ssa option eval_stream={self.eval_stream!r}: choose full or sparse")
         if self.align_weight < 0:
@@ -72,7 +75,7 @@ def _ssa_flops(cfg: ModelConfig, mc: MixerConfig, seq_len: int) -> dict:
     o = SSAOptions(**mc.options)
     per_key = 4.0 * cfg.n_heads * cfg.resolved_head_dim
     # training runs both streams: full causal + block-sparse, plus the selection scores (as moba counts them)
-    gate_dots = 2.0 * cfg.n_heads * cfg.resolved_head_dim * moba_gate_dots(seq_len, o.block_size)
+    gate_dots = 2.0 * cfg.n_heads * cfg.resolved_head_dim * moba_gate_dots(seq_len, o.block_size, o.selection)
     return {"matmul": attention_projection_flops(cfg) + 2.0 * cfg.d_model * cfg.n_heads,
             "mixing": per_key * (mean_keys_per_query(seq_len, None) + moba_mean_keys(seq_len, o.block_size, o.top_k))
             + gate_dots}
@@ -95,7 +98,8 @@ class SSAAttention(Attention):
             full = attend(q, k, v, window=None, positions=ctx.positions, impl=ctx.attention_impl) * g
         if want_sparse:
             o = self.opts
-            sparse = block_sparse.moba_attention(q, k, v, block_size=o.block_size, top_k=o.top_k, gate=o.gate) * g
+            sparse = moba_attend(q, k, v, block_size=o.block_size, top_k=o.top_k, gate=o.gate,
+                                 selection=o.selection, impl=ctx.attention_impl) * g
         return full, sparse
 
     def __call__(self, x, ctx: MixerContext):

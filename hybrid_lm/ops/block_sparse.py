@@ -17,6 +17,10 @@ Two gates score the past blocks, both against block-mean keys (after RoPE when t
   ``c < (t + 1) // block``; the probabilities are **summed over the query heads of a GQA group**, so
   the group shares one selection; the current block is forced. SSA runs it at block 16, top-16.
 
+``selection="block"`` (an option, not in either reference) lets every query *block* select once,
+scored with its mean query; all its tokens share the list. Block-granular lists are what the Pallas
+kernel (``hybrid_lm_kernels.block_sparse_attention``) runs fastest; it runs per-token lists exactly too.
+
 Causality is by token index (as both references); positions only enter through RoPE, upstream.
 Slots left empty when fewer than ``top_k`` blocks exist are index -1 (as NSA) and are skipped.
 
@@ -35,6 +39,7 @@ import jax.numpy as jnp
 
 _NEG = -1e30  # finite "minus infinity" for masked scores (keeps padded query rows NaN-free)
 GATES = ("moba", "ssa")
+SELECTIONS = ("token", "block")  # who selects: every query token, or every query block
 _CHUNK_ELEMENTS = 1 << 23  # rough per-chunk budget of gathered key elements (32 MiB in fp32)
 
 
@@ -100,14 +105,52 @@ def _top_blocks(imp, top_k: int):
     return jnp.where(vals > -jnp.inf, idx, -1).astype(jnp.int32)
 
 
-def select_blocks(q, k, *, block_size: int, top_k: int, gate: str = "moba", scale: float | None = None):
-    """Selected blocks ``[B, T, Hs, min(top_k, nb)]`` (int32, -1 = empty slot) for every query token."""
+def _query_chunks(T: int, per_query: int, B: int, query_chunk: int | None) -> int:
+    """Queries per chunk: ``query_chunk``, or as many as fit ``_CHUNK_ELEMENTS`` elements."""
+    return min(T, query_chunk or max(1, _CHUNK_ELEMENTS // max(1, B * per_query)))
+
+
+def _map_query_chunks(fn, q, Qc: int):
+    """``fn(q_chunk, token_indices)`` over query chunks of ``Qc`` (lax.map + checkpoint), re-joined
+    along time and cut back to T."""
+    B, T = q.shape[:2]
+    n = -(-T // Qc)
+    if n == 1:
+        return fn(q, jnp.arange(T))
+    qp = jnp.pad(q, ((0, 0), (0, n * Qc - T)) + ((0, 0),) * (q.ndim - 2))
+    qp = qp.reshape(B, n, Qc, *q.shape[2:]).swapaxes(0, 1)
+    tp = jnp.arange(n * Qc).reshape(n, Qc)
+    out = jax.lax.map(lambda xs: jax.checkpoint(fn)(xs[0], xs[1]), (qp, tp))  # [n, B, Qc, ...]
+    return out.swapaxes(0, 1).reshape(B, n * Qc, *out.shape[3:])[:, :T]
+
+
+def select_blocks(q, k, *, block_size: int, top_k: int, gate: str = "moba", scale: float | None = None,
+                  selection: str = "token", query_chunk: int | None = None):
+    """Selected blocks (int32, -1 = empty slot), no gradient.
+
+    ``selection='token'``: ``[B, T, Hs, min(top_k, nb)]``, every query token selects (MoBA, NSA).
+    ``selection='block'``: ``[B, nb, Hs, min(top_k, nb)]``, every query block selects once, scored
+    with its mean query as if it stood at the block's first token (past = earlier blocks); for the
+    ``moba`` gate that ranks blocks by the mean of the per-token scores.
+    """
     _check(q, k, k, block_size, top_k, gate)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if selection not in SELECTIONS:
+        raise ValueError(f"selection={selection!r}: choose one of {SELECTIONS}")
+    B, T, H, D = q.shape
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
     q, k = jax.lax.stop_gradient(q), jax.lax.stop_gradient(k)
-    imp = block_importance(q, block_means(k, block_size), jnp.arange(q.shape[1]), block_size=block_size,
-                           gate=gate, scale=scale)
-    return _top_blocks(imp, top_k)
+    kbar = block_means(k, block_size)
+    nb = kbar.shape[1]
+    S = min(top_k, nb)
+    if selection == "block":
+        qbar = block_means(q, block_size)  # the mean query of each block [B, nb, H, D]
+        t = jnp.arange(nb) * block_size
+        return _top_blocks(block_importance(qbar, kbar, t, block_size=block_size, gate=gate, scale=scale), S)
+
+    def chunk(qc, tc):
+        return _top_blocks(block_importance(qc, kbar, tc, block_size=block_size, gate=gate, scale=scale), S)
+
+    return _map_query_chunks(chunk, q, _query_chunks(T, H * nb, B, query_chunk))
 
 
 def _attend_selected(q, t, kh, vh, idx, *, block_size: int, scale: float):
@@ -153,14 +196,17 @@ def block_sparse_attention(q, k, v, block_idx, *, block_size: int, scale: float 
 
 
 def moba_attention(q, k, v, *, block_size: int, top_k: int, gate: str = "moba", scale: float | None = None,
-                   query_chunk: int | None = None):
+                   query_chunk: int | None = None, selection: str = "token"):
     """MoBA block-sparse causal attention (selection + attention), chunked over queries.
 
     q ``[B, T, H, D]``, k/v ``[B, T, K, D]`` (GQA). ``top_k`` counts the query's own block;
-    ``top_k >= ceil(T / block_size)`` is exactly causal full attention. ``query_chunk`` queries are
-    processed at a time (default: as many as fit ``_CHUNK_ELEMENTS`` gathered keys).
+    ``top_k >= ceil(T / block_size)`` is exactly causal full attention. ``selection``: per query
+    ``token`` (the references) or per query ``block`` (see :func:`select_blocks`). ``query_chunk``
+    queries are processed at a time (default: as many as fit ``_CHUNK_ELEMENTS`` gathered keys).
     """
     _check(q, k, v, block_size, top_k, gate)
+    if selection not in SELECTIONS:
+        raise ValueError(f"selection={selection!r}: choose one of {SELECTIONS}")
     B, T, H, D = q.shape
     K = k.shape[2]
     scale = 1.0 / math.sqrt(D) if scale is None else scale
@@ -169,20 +215,19 @@ def moba_attention(q, k, v, *, block_size: int, top_k: int, gate: str = "moba", 
     Hs = selection_heads(gate, H, K)
     kbar = jax.lax.stop_gradient(block_means(k, block_size))
     kh, vh = _per_selection_head(k, Hs), _per_selection_head(v, Hs)
+    per_block_idx = None
+    if selection == "block":
+        per_block_idx = select_blocks(q, k, block_size=block_size, top_k=top_k, gate=gate, scale=scale,
+                                      selection="block")
 
-    def chunk(qc, tc, kh, vh, kbar):
-        imp = block_importance(jax.lax.stop_gradient(qc), kbar, tc, block_size=block_size, gate=gate, scale=scale)
-        idx = _top_blocks(imp, S)
+    def chunk(qc, tc):
+        if per_block_idx is not None:
+            idx = per_block_idx[:, jnp.minimum(tc // block_size, nb - 1)]
+        else:
+            imp = block_importance(jax.lax.stop_gradient(qc), kbar, tc, block_size=block_size, gate=gate,
+                                   scale=scale)
+            idx = _top_blocks(imp, S)
         return _attend_selected(qc, tc, kh, vh, idx, block_size=block_size, scale=scale)
 
     per_query = Hs * S * block_size * max(D, v.shape[-1]) + H * nb
-    Qc = query_chunk or max(1, _CHUNK_ELEMENTS // max(1, B * per_query))
-    Qc = min(Qc, T)
-    n = -(-T // Qc)
-    if n == 1:
-        return chunk(q, jnp.arange(T), kh, vh, kbar).astype(q.dtype)
-    qp = jnp.pad(q, ((0, 0), (0, n * Qc - T), (0, 0), (0, 0))).reshape(B, n, Qc, H, D).swapaxes(0, 1)
-    tp = jnp.arange(n * Qc).reshape(n, Qc)
-    body = jax.checkpoint(chunk)  # recompute each chunk's gathers in the backward pass
-    o = jax.lax.map(lambda xs: body(xs[0], xs[1], kh, vh, kbar), (qp, tp))  # [n, B, Qc, H, Dv]
-    return o.swapaxes(0, 1).reshape(B, n * Qc, H, -1)[:, :T].astype(q.dtype)
+    return _map_query_chunks(chunk, q, _query_chunks(T, per_query, B, query_chunk)).astype(q.dtype)
