@@ -4,17 +4,30 @@ One kernel serves sliding-window attention (SWA, identity order) and stochastic/
 (SA, tokens given in a permuted order, causal by *original* position). With i, j the indices of
 query and key in the given order and ``pos`` the original positions, key j is visible iff
 
-    i - window < j <= i   and   pos[j] <= pos[i]
+    i - window < j <= i + window_right   and   pos[j] <= pos[i]
 
-``window`` counts the query itself; ``window >= T`` is causal attention. Layout ``[B, T, H, D]`` for
-q and ``[B, T, K, D]`` for k/v with ``H % K == 0`` (GQA). Softmax statistics and accumulators are
-fp32; the output has q's dtype.
+``window`` counts the query itself; ``window_right`` (static, default 0) extends the band to the
+right of the query in the given order. ``window_right = 0`` is the one-sided (causal-order) band of
+SA as specified; ``window_right = window - 1`` is the symmetric band ``|i - j| < window`` (SA's
+``window_mode='symmetric'``), which with ``window >= T`` is exactly causal attention by position
+for any order. ``window_right > 0`` needs positions: in the identity order every key right of the
+query is in the future, so it would change nothing, and the position-free path skips the masks
+that would hide those keys. With ``window_right = 0``, ``window >= T`` sees the keys that precede
+the query in both the given order and by position (causal attention for the identity order).
+
+Layout ``[B, T, H, D]`` for q and ``[B, T, K, D]`` for k/v with ``H % K == 0`` (GQA). Softmax
+statistics and accumulators are fp32; the output has q's dtype.
 
 Block skipping: a query block ``[q0, q0 + bq)`` only visits key blocks that intersect the band
-``[q0 - window + 1, q0 + bq - 1]``; a key block only visits the query blocks of
-``[k0, k0 + bk - 1 + window - 1]``. Work is O(T * window), memory O(T). With ``positions=None``
-(SWA) tiles that lie wholly inside the band run without any mask; with positions, every tile is
-masked elementwise (the permuted causal part cannot be known per tile in advance).
+``[q0 - window + 1, q0 + bq - 1 + window_right]``; a key block only visits the query blocks of
+``[k0 - window_right, k0 + bk - 1 + window - 1]``. Work is O(T * (window + window_right)), memory
+O(T). With ``positions=None`` (SWA) tiles that lie wholly inside the band run without any mask;
+with positions, every tile is masked elementwise (the permuted causal part cannot be known per
+tile in advance).
+
+Padding: T is padded up to a multiple of the largest block. Padded keys carry the position
+``INT32_MAX``, so ``pos[j] <= pos[i]`` hides them from every real query whatever the band (they can
+fall inside it when ``window_right > 0``) and whatever the real positions are (not only < T).
 
 Backward: two kernels, both deterministic. dQ (one program per query block and head, looping over
 the band's key blocks) runs first and also computes ``delta = rowsum(o * do)`` for its rows; dK/dV
@@ -106,32 +119,34 @@ def _clamp(x, lo, hi):
 # Band arithmetic (all operands non-negative int32 scalars, so lax.div is floor division)
 # ------------------------------------------------------------------------------------------------
 
-def _key_range(q0, bq, bk, window, n_kb):
-    """Key blocks a query block [q0, q0+bq) needs, split as [lo, f_lo) edge, [f_lo, f_hi) interior
-    (every pair visible in the band), [f_hi, hi) diagonal edge."""
+def _key_range(q0, bq, bk, window, n_kb, window_right=0):
+    """Key blocks a query block [q0, q0+bq) needs, split as [lo, f_lo) left edge, [f_lo, f_hi)
+    interior (every pair inside the band), [f_hi, hi) right (diagonal) edge. The band of query i is
+    ``[i - window + 1, i + window_right]``."""
     lo = lax.div(jnp.maximum(q0 - window + 1, 0), bk)
-    hi = jnp.minimum(_cdiv(q0 + bq, bk), n_kb)
-    # interior block kb: kb*bk >= q0 + bq - window and kb*bk + bk - 1 <= q0
+    hi = jnp.minimum(_cdiv(q0 + bq + window_right, bk), n_kb)
+    # interior block kb: kb*bk >= q0 + bq - window and kb*bk + bk - 1 <= q0 + window_right
     f_lo = _clamp(_cdiv(jnp.maximum(q0 + bq - window, 0), bk), lo, hi)
-    f_hi = _clamp(lax.div(q0 + 1, bk), f_lo, hi)
+    f_hi = _clamp(lax.div(q0 + 1 + window_right, bk), f_lo, hi)
     return lo, f_lo, f_hi, hi
 
 
-def _query_range(k0, bq, bk, window, n_qb):
+def _query_range(k0, bq, bk, window, n_qb, window_right=0):
     """Query blocks a key block [k0, k0+bk) is seen from, split like `_key_range`: [lo, f_lo)
-    diagonal edge, [f_lo, f_hi) interior, [f_hi, hi) window edge."""
-    lo = lax.div(k0, bq)
+    diagonal (right-band) edge, [f_lo, f_hi) interior, [f_hi, hi) window edge. Key j lies in the
+    band of the queries ``[j - window_right, j + window - 1]``."""
+    lo = lax.div(jnp.maximum(k0 - window_right, 0), bq)
     hi = jnp.minimum(_cdiv(k0 + bk - 1 + window, bq), n_qb)
-    # interior block qb: qb*bq >= k0 + bk - 1 and qb*bq + bq - 1 <= k0 + window - 1
-    f_lo = _clamp(_cdiv(k0 + bk - 1, bq), lo, hi)
+    # interior block qb: qb*bq >= k0 + bk - 1 - window_right and qb*bq + bq - 1 <= k0 + window - 1
+    f_lo = _clamp(_cdiv(jnp.maximum(k0 + bk - 1 - window_right, 0), bq), lo, hi)
     f_hi = _clamp(lax.div(k0 + window, bq), f_lo, hi)
     return lo, f_lo, f_hi, hi
 
 
-def _tile_mask(q0, k0, bq, bk, window, posq, posk):
+def _tile_mask(q0, k0, bq, bk, window, posq, posk, window_right=0):
     qi = q0 + jnp.arange(bq, dtype=jnp.int32)[:, None]
     kj = k0 + jnp.arange(bk, dtype=jnp.int32)[None, :]
-    mask = (kj <= qi) & (kj > qi - window)
+    mask = (kj <= qi + window_right) & (kj > qi - window)
     if posq is not None:
         mask = mask & (posk[None, :] <= posq[:, None])
     return mask
@@ -149,7 +164,8 @@ def _run_segments(segments, body, carry, has_pos):
 # Forward kernel
 # ------------------------------------------------------------------------------------------------
 
-def _fwd_kernel(q_ref, k_ref, v_ref, *rest, bq, bk, window, qk_scale, has_pos, precision):
+def _fwd_kernel(q_ref, k_ref, v_ref, *rest, bq, bk, window, window_right, qk_scale, has_pos,
+                precision):
     if has_pos:
         pq_ref, pk_ref, o_ref, lse_ref = rest
     else:
@@ -167,7 +183,8 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *rest, bq, bk, window, qk_scale, has_pos, p
         s = pltriton.dot(q, k, trans_b=True, precision=precision) * qk_scale  # [bq, bk], log2 units
         if masked:
             posk = pk_ref[pl.ds(k0, bk)] if has_pos else None
-            s = jnp.where(_tile_mask(q0, k0, bq, bk, window, posq, posk), s, MASK_VALUE)
+            s = jnp.where(_tile_mask(q0, k0, bq, bk, window, posq, posk, window_right), s,
+                          MASK_VALUE)
         m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
         corr = jnp.exp2(m_prev - m_next)
         p = jnp.exp2(s - m_next[:, None])
@@ -176,7 +193,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *rest, bq, bk, window, qk_scale, has_pos, p
         acc = acc * corr[:, None] + pltriton.dot(p.astype(v.dtype), v, precision=precision)
         return acc, m_next, l_next
 
-    lo, f_lo, f_hi, hi = _key_range(q0, bq, bk, window, n_kb)
+    lo, f_lo, f_hi, hi = _key_range(q0, bq, bk, window, n_kb, window_right)
     carry = (jnp.zeros((bq, d), jnp.float32),
              jnp.full((bq,), MASK_VALUE, jnp.float32),
              jnp.zeros((bq,), jnp.float32))
@@ -186,7 +203,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *rest, bq, bk, window, qk_scale, has_pos, p
     lse_ref[...] = m + jnp.log2(l)
 
 
-def _fwd_call(q, k, v, pos, *, window, scale, blocks: BlockSizes, interpret):
+def _fwd_call(q, k, v, pos, *, window, window_right, scale, blocks: BlockSizes, interpret):
     B, T, H, D = q.shape
     K = k.shape[2]
     G = H // K
@@ -194,7 +211,8 @@ def _fwd_call(q, k, v, pos, *, window, scale, blocks: BlockSizes, interpret):
     has_pos = pos is not None
     precision = _precision(q.dtype)
     kernel = functools.partial(_fwd_kernel, bq=bq, bk=bk, window=window,
-                               qk_scale=scale * LOG2E, has_pos=has_pos, precision=precision)
+                               window_right=window_right, qk_scale=scale * LOG2E,
+                               has_pos=has_pos, precision=precision)
     in_specs = [
         pl.BlockSpec((None, bq, None, D), lambda i, b, h: (b, i, h, 0)),
         pl.BlockSpec((None, T, None, D), lambda i, b, h: (b, 0, h // G, 0)),
@@ -225,8 +243,8 @@ def _fwd_call(q, k, v, pos, *, window, scale, blocks: BlockSizes, interpret):
 # Backward kernels
 # ------------------------------------------------------------------------------------------------
 
-def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, bq, bk, window, scale,
-                qk_scale, has_pos, precision, group, fused):
+def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, bq, bk, window,
+                window_right, scale, qk_scale, has_pos, precision, group, fused):
     rest = list(rest)
     pq_ref, pk_ref = (rest.pop(0), rest.pop(0)) if has_pos else (None, None)
     dq_in_ref = rest.pop(0) if fused else None  # aliased with the dq output below
@@ -241,7 +259,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, bq, bk, 
     v = v_ref[...]
     posk = pk_ref[...] if has_pos else None
     d = k.shape[-1]
-    lo, f_lo, f_hi, hi = _query_range(k0, bq, bk, window, n_qb)
+    lo, f_lo, f_hi, hi = _query_range(k0, bq, bk, window, n_qb, window_right)
 
     def head_body(g, carry):
         def body(qb, carry, masked):
@@ -254,7 +272,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, bq, bk, 
             s = pltriton.dot(q, k, trans_b=True, precision=precision) * qk_scale  # [bq, bk]
             if masked:
                 posq = pq_ref[pl.ds(q0, bq)] if has_pos else None
-                s = jnp.where(_tile_mask(q0, k0, bq, bk, window, posq, posk), s, MASK_VALUE)
+                s = jnp.where(_tile_mask(q0, k0, bq, bk, window, posq, posk, window_right), s,
+                              MASK_VALUE)
             p = jnp.exp2(s - lse[:, None])
             dv = dv + pltriton.dot(p.astype(do.dtype), do, trans_a=True, precision=precision)
             dp = pltriton.dot(do, v, trans_b=True, precision=precision)
@@ -276,8 +295,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, bq, bk, 
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, o_ref, do_ref, lse_ref, *rest, bq, bk, window, scale,
-               qk_scale, has_pos, precision):
+def _dq_kernel(q_ref, k_ref, v_ref, o_ref, do_ref, lse_ref, *rest, bq, bk, window, window_right,
+               scale, qk_scale, has_pos, precision):
     if has_pos:
         pq_ref, pk_ref, dq_ref, delta_ref = rest
     else:
@@ -300,19 +319,21 @@ def _dq_kernel(q_ref, k_ref, v_ref, o_ref, do_ref, lse_ref, *rest, bq, bk, windo
         s = pltriton.dot(q, k, trans_b=True, precision=precision) * qk_scale
         if masked:
             posk = pk_ref[pl.ds(k0, bk)] if has_pos else None
-            s = jnp.where(_tile_mask(q0, k0, bq, bk, window, posq, posk), s, MASK_VALUE)
+            s = jnp.where(_tile_mask(q0, k0, bq, bk, window, posq, posk, window_right), s,
+                          MASK_VALUE)
         p = jnp.exp2(s - lse[:, None])
         dp = pltriton.dot(do, v, trans_b=True, precision=precision)
         ds = p * (dp - delta[:, None])
         return dq + pltriton.dot(ds.astype(k.dtype), k, precision=precision)
 
-    lo, f_lo, f_hi, hi = _key_range(q0, bq, bk, window, n_kb)
+    lo, f_lo, f_hi, hi = _key_range(q0, bq, bk, window, n_kb, window_right)
     dq = _run_segments([((lo, f_lo), False), ((f_lo, f_hi), True), ((f_hi, hi), False)], body,
                        jnp.zeros((bq, d), jnp.float32), has_pos)
     dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
 
 
-def _bwd_call(q, k, v, pos, o, lse, do, *, window, scale, blocks: BlockSizes, interpret):
+def _bwd_call(q, k, v, pos, o, lse, do, *, window, window_right, scale, blocks: BlockSizes,
+              interpret):
     B, T, H, D = q.shape
     K = k.shape[2]
     G = H // K
@@ -322,7 +343,8 @@ def _bwd_call(q, k, v, pos, o, lse, do, *, window, scale, blocks: BlockSizes, in
         delta = jnp.einsum("bthd,bthd->bht", o.astype(jnp.float32), do.astype(jnp.float32))
         dq_acc = jnp.zeros((B, T, K, G, D), jnp.float32)
         dk, dv, dq_acc = _dkv_call(q, k, v, pos, do, lse, delta, dq_acc, window=window,
-                                   scale=scale, blocks=blocks, interpret=interpret)
+                                   window_right=window_right, scale=scale, blocks=blocks,
+                                   interpret=interpret)
         dq = (dq_acc.reshape(B, T, H, D) * scale).astype(q.dtype)
         return dq, dk, dv
 
@@ -343,8 +365,9 @@ def _bwd_call(q, k, v, pos, o, lse, do, *, window, scale, blocks: BlockSizes, in
                      pl.BlockSpec((None, T), lambda i, b, h: (b, 0))]
         args += [pos, pos]
     dq, delta = pl.pallas_call(
-        functools.partial(_dq_kernel, bq=bq, bk=bk, window=window, scale=scale,
-                          qk_scale=scale * LOG2E, has_pos=has_pos, precision=precision),
+        functools.partial(_dq_kernel, bq=bq, bk=bk, window=window, window_right=window_right,
+                          scale=scale, qk_scale=scale * LOG2E, has_pos=has_pos,
+                          precision=precision),
         grid=(T // bq, B, H),
         in_specs=in_specs,
         out_specs=[pl.BlockSpec((None, bq, None, D), lambda i, b, h: (b, i, h, 0)),
@@ -357,13 +380,13 @@ def _bwd_call(q, k, v, pos, o, lse, do, *, window, scale, blocks: BlockSizes, in
         name="windowed_attention_dq",
     )(*args)
 
-    dk, dv = _dkv_call(q, k, v, pos, do, lse, delta, None, window=window, scale=scale,
-                       blocks=blocks, interpret=interpret)
+    dk, dv = _dkv_call(q, k, v, pos, do, lse, delta, None, window=window,
+                       window_right=window_right, scale=scale, blocks=blocks, interpret=interpret)
     return dq, dk, dv
 
 
-def _dkv_call(q, k, v, pos, do, lse, delta, dq_acc, *, window, scale, blocks: BlockSizes,
-              interpret):
+def _dkv_call(q, k, v, pos, do, lse, delta, dq_acc, *, window, window_right, scale,
+              blocks: BlockSizes, interpret):
     """dK / dV: one program per (key block, batch, kv head); loops over the group's query heads.
     With ``dq_acc`` ([B, T, K, G, D] fp32 zeros) it also accumulates dq/scale there."""
     B, T, H, D = q.shape
@@ -402,9 +425,9 @@ def _dkv_call(q, k, v, pos, do, lse, delta, dq_acc, *, window, scale, blocks: Bl
         aliases = {len(args): 2}
         args.append(dq_acc)
     return pl.pallas_call(
-        functools.partial(_dkv_kernel, bq=bq, bk=bk, window=window, scale=scale,
-                          qk_scale=scale * LOG2E, has_pos=has_pos, precision=precision, group=G,
-                          fused=fused),
+        functools.partial(_dkv_kernel, bq=bq, bk=bk, window=window, window_right=window_right,
+                          scale=scale, qk_scale=scale * LOG2E, has_pos=has_pos,
+                          precision=precision, group=G, fused=fused),
         grid=(T // bk, B, K),
         in_specs=in_specs,
         out_specs=out_specs,
@@ -426,22 +449,23 @@ def _precision(dtype):
 # custom_vjp core (T a multiple of every block, D a power of two >= 16)
 # ------------------------------------------------------------------------------------------------
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
-def _core(q, k, v, pos, window, scale, blocks, interpret):
-    o, _ = _fwd_call(q, k, v, pos, window=window, scale=scale, blocks=blocks, interpret=interpret)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
+def _core(q, k, v, pos, window, window_right, scale, blocks, interpret):
+    o, _ = _fwd_call(q, k, v, pos, window=window, window_right=window_right, scale=scale,
+                     blocks=blocks, interpret=interpret)
     return o
 
 
-def _core_fwd(q, k, v, pos, window, scale, blocks, interpret):
-    o, lse = _fwd_call(q, k, v, pos, window=window, scale=scale, blocks=blocks,
-                       interpret=interpret)
+def _core_fwd(q, k, v, pos, window, window_right, scale, blocks, interpret):
+    o, lse = _fwd_call(q, k, v, pos, window=window, window_right=window_right, scale=scale,
+                       blocks=blocks, interpret=interpret)
     return o, (q, k, v, pos, o, lse)
 
 
-def _core_bwd(window, scale, blocks, interpret, res, do):
+def _core_bwd(window, window_right, scale, blocks, interpret, res, do):
     q, k, v, pos, o, lse = res
-    dq, dk, dv = _bwd_call(q, k, v, pos, o, lse, do, window=window, scale=scale, blocks=blocks,
-                           interpret=interpret)
+    dq, dk, dv = _bwd_call(q, k, v, pos, o, lse, do, window=window, window_right=window_right,
+                           scale=scale, blocks=blocks, interpret=interpret)
     return dq, dk, dv, None
 
 
@@ -452,19 +476,24 @@ _core.defvjp(_core_fwd, _core_bwd)
 # Public entry point
 # ------------------------------------------------------------------------------------------------
 
-def windowed_attention(q, k, v, positions=None, window: int = 128, *, scale: float | None = None,
-                       interpret: bool = False, block_sizes: BlockSizes | None = None):
+def windowed_attention(q, k, v, positions=None, window: int = 128, *, window_right: int = 0,
+                       scale: float | None = None, interpret: bool = False,
+                       block_sizes: BlockSizes | None = None):
     """Windowed attention with a position mask (Pallas, Triton lowering), differentiable.
 
     Args:
       q: ``[B, T, H, D]``; k, v: ``[B, T, K, D]`` with ``H % K == 0``.
       positions: ``[B, T]`` int original positions in the given order, or ``None`` for the
         identity order (plain sliding-window attention; enables unmasked interior tiles).
-      window: visible keys per query including itself (static); ``window >= T`` is causal.
+      window: band width left of the query, including itself (static): keys ``j > i - window``.
+      window_right: band width right of the query in the given order (static, >= 0): keys
+        ``j <= i + window_right``, still subject to ``pos[j] <= pos[i]``. 0 (default) is the
+        one-sided SA / SWA band; ``window - 1`` the symmetric band ``|i - j| < window``. Values
+        > 0 need ``positions`` (ValueError otherwise).
       scale: logit scale, default ``1/sqrt(D)``.
       interpret: run the Pallas kernels in interpret mode (CPU).
       block_sizes: tiles and launch parameters (see `BlockSizes`); default
-        `default_block_sizes(window, q.dtype)`.
+        `default_block_sizes(window + window_right, q.dtype)`.
     Returns:
       ``[B, T, H, D]`` in q's dtype.
     """
@@ -478,10 +507,19 @@ def windowed_attention(q, k, v, positions=None, window: int = 128, *, scale: flo
     window = int(window)
     if window < 1:
         raise ValueError(f"window must be >= 1, got {window}")
+    if int(window_right) != window_right or window_right < 0:
+        raise ValueError(f"window_right must be an int >= 0, got {window_right!r}")
+    window_right = int(window_right)
+    if window_right > 0 and positions is None:
+        raise ValueError(
+            f"window_right={window_right} > 0 needs positions: keys right of the query are only "
+            "visible when they precede it by position (with positions=None, the identity order, "
+            "they are all in the future; pass window_right=0)")
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    blocks = (block_sizes or default_block_sizes(window, q.dtype)).shrink_to(T)
+    # default tiles by the band's width (measured for window_right = 0 only)
+    blocks = (block_sizes or default_block_sizes(window + window_right, q.dtype)).shrink_to(T)
     for b in blocks.all_blocks():
         if b < 16 or b & (b - 1):
             raise ValueError(f"block sizes must be powers of two >= 16, got {blocks}")
@@ -490,18 +528,24 @@ def windowed_attention(q, k, v, positions=None, window: int = 128, *, scale: flo
     Tp = -(-T // step) * step
     Dp = max(16, _next_pow2(D))
     window = min(window, Tp)
+    window_right = min(window_right, Tp)
     if positions is not None:
         positions = jnp.asarray(positions).astype(jnp.int32)
         if positions.shape != (B, T):
             raise ValueError(f"positions must be [B, T] = {(B, T)}, got {positions.shape}")
     if Tp != T or Dp != D:
-        # Padded keys (j >= T) are only in the band of padded queries (i >= j); padded head dims
-        # are zeros in q, k (no effect on logits) and v (sliced off).
+        # Padded keys (j >= T): without positions they are only in the band of padded queries
+        # (window_right = 0 there, so i >= j). With positions they carry INT32_MAX, so
+        # pos[j] <= pos[i] hides them from every real query even when window_right > 0 puts them
+        # in its band, and whatever the real positions are (no assumption that they are < T).
+        # Padded queries see keys (their own at least), so their rows stay finite; their outputs
+        # and cotangents are sliced off / zero. Padded head dims are zeros in q, k (no effect on
+        # logits) and v (sliced off).
         def pad(x):
             return jnp.pad(x, ((0, 0), (0, Tp - T), (0, 0), (0, Dp - D)))
         q, k, v = pad(q), pad(k), pad(v)
         if positions is not None:
-            extra = jnp.broadcast_to(jnp.arange(T, Tp, dtype=jnp.int32), (B, Tp - T))
-            positions = jnp.concatenate([positions, extra], axis=1)
-    o = _core(q, k, v, positions, window, scale, blocks, interpret)
+            positions = jnp.pad(positions, ((0, 0), (0, Tp - T)),
+                                constant_values=np.iinfo(np.int32).max)
+    o = _core(q, k, v, positions, window, window_right, scale, blocks, interpret)
     return o[:, :T, :, :D]

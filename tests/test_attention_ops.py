@@ -41,6 +41,74 @@ def test_windowed_equals_masked_full_forward_and_grad(T, H, K, w):
         np.testing.assert_allclose(g1, g2, rtol=1e-4, atol=1e-5)
 
 
+def _masked_positions_reference(q, k, v, w, wr, pos):
+    """Independent float64 numpy oracle for the two-sided band: i - w < j <= i + wr, pos[j] <= pos[i]."""
+    q, k, v, pos = (np.asarray(x, np.float64) for x in (q, k, v, pos))
+    B, T, H, D = q.shape
+    G = H // k.shape[2]
+    k, v = np.repeat(k, G, axis=2), np.repeat(v, G, axis=2)
+    s = np.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(D)
+    i, j = np.arange(T)[:, None], np.arange(T)[None, :]
+    mask = ((j <= i + wr) & (j > i - w))[None] & (pos[:, None, :] <= pos[:, :, None])  # [B, Tq, Tk]
+    s = np.where(mask[:, None], s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    return np.einsum("bhqk,bkhd->bqhd", p, v)
+
+
+def _perm(key, B, T):
+    return jax.vmap(lambda kk: jax.random.permutation(kk, T))(jax.random.split(key, B)).astype(jnp.int32)
+
+
+@pytest.mark.parametrize("T,H,K,w,wr", [(37, 4, 2, 7, 6), (37, 2, 1, 3, 20), (29, 3, 1, 40, 39)])
+def test_windowed_window_right_matches_oracles_forward_and_grad(T, H, K, w, wr):
+    """Two-sided band in a random order (SA window_mode='symmetric' is wr = w - 1), T not a multiple
+    of the block, GQA: blocked reference = numpy float64 oracle = dense oracle, forward and grads."""
+    q, k, v = _inputs(jax.random.key(T + 7 * w + wr), 2, T, H, K, 8)
+    pos = _perm(jax.random.key(w), 2, T)
+    proj = jax.random.normal(jax.random.key(8), q.shape)
+
+    def out_and_grads(attn):  # jitted: one compile is cheaper than eager op-by-op autodiff here
+        return jax.jit(lambda *a: (attn(*a), jax.grad(lambda *b: jnp.sum(attn(*b) * proj), (0, 1, 2))(*a)))(q, k, v)
+
+    out, g_win = out_and_grads(lambda *a: windowed_attention(*a, w, positions=pos, window_right=wr, block_size=8))
+    ref, g_ref = out_and_grads(lambda *a: dense_attention(*a, window=w, positions=pos, window_right=wr))
+    np.testing.assert_allclose(out, _masked_positions_reference(q, k, v, w, wr, pos), rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(ref, out, rtol=2e-5, atol=2e-5)
+    for g1, g2 in zip(g_win, g_ref):
+        np.testing.assert_allclose(g1, g2, rtol=1e-4, atol=1e-5)
+
+
+def test_symmetric_window_covering_T_is_causal_attention_for_any_order():
+    """The issue's "SA with w >= T equals causal full attention", at op level, for the symmetric band:
+    gather q/k/v by a random permutation, attend with positions = the permutation and
+    window_right = w - 1, un-gather; equals causal attention in original order, forward and grads.
+    (The one-sided default does not: a query sees only the keys before it in both orders.)"""
+    B, T, H, K, D = 2, 30, 4, 2, 8
+    q, k, v = _inputs(jax.random.key(11), B, T, H, K, D)
+    perm = _perm(jax.random.key(12), B, T)
+    inv = jnp.argsort(perm, axis=1)
+    g = lambda x, idx: jnp.take_along_axis(x, idx[:, :, None, None], axis=1)  # noqa: E731
+
+    def sa(w, wr):
+        return lambda q, k, v: g(windowed_attention(g(q, perm), g(k, perm), g(v, perm), w, positions=perm,
+                                                    window_right=wr, block_size=8), inv)
+
+    proj = jax.random.normal(jax.random.key(13), q.shape)
+
+    def out_and_grads(attn):
+        return jax.jit(lambda *a: (attn(*a), jax.grad(lambda *b: jnp.sum(attn(*b) * proj), (0, 1, 2))(*a)))(q, k, v)
+
+    ref, g_ref = out_and_grads(causal_attention)
+    for w in (T, 3 * T):
+        out, g_sa = out_and_grads(sa(w, w - 1))
+        np.testing.assert_allclose(out, ref, rtol=2e-5, atol=2e-5)
+        for g1, g2 in zip(g_sa, g_ref):
+            np.testing.assert_allclose(g1, g2, rtol=1e-4, atol=1e-5)
+    one_sided = jax.jit(sa(T, 0))(q, k, v)
+    assert np.abs(np.asarray(one_sided - ref)).max() > 1e-2  # the one-sided default is not causal attention
+
+
 def test_windowed_full_window_equals_causal():
     q, k, v = _inputs(jax.random.key(3), 2, 45, 4, 2, 16)
     np.testing.assert_allclose(windowed_attention(q, k, v, 45), causal_attention(q, k, v), rtol=1e-5, atol=1e-5)
@@ -55,6 +123,15 @@ def test_windowed_cost_is_linear_in_T():
         return max(np.prod(var.aval.shape) for eqn in jaxpr.eqns for var in eqn.outvars)
     assert largest(2048, 16) < 2048 * 2048 / 8
     assert largest(4096, 16) <= 2.2 * largest(2048, 16)
+
+    def largest_two_sided(T, w):
+        q, k, v = _inputs(jax.random.key(0), 1, T, 2, 1, 8)
+        pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (1, T))
+        jaxpr = jax.make_jaxpr(lambda a, b, c: windowed_attention(
+            a, b, c, w, positions=pos, window_right=w - 1, block_size=16))(q, k, v)
+        return max(np.prod(var.aval.shape) for eqn in jaxpr.eqns for var in eqn.outvars)
+    assert largest_two_sided(2048, 16) < 2048 * 2048 / 8
+    assert largest_two_sided(4096, 16) <= 2.2 * largest_two_sided(2048, 16)
 
 
 def test_rope_is_relative_and_nope_is_position_free():
@@ -81,8 +158,9 @@ def test_dispatch_pallas_matches_xla_in_interpret_mode(monkeypatch):
                         functools.partial(hybrid_lm_kernels.windowed_attention, interpret=True))
     q, k, v = _inputs(jax.random.key(5), 2, 40, 4, 2, 16)
     perm = jax.vmap(lambda kk: jax.random.permutation(kk, 40))(jax.random.split(jax.random.key(6), 2))
-    for window, permuted, pos in [(8, False, None), (8, True, perm), (None, False, None)]:
+    for window, permuted, pos, wr in [(8, False, None, 0), (8, True, perm, 0), (None, False, None, 0),
+                                      (8, True, perm, 7)]:
         positions = pos if pos is not None else jnp.broadcast_to(jnp.arange(40), (2, 40))
-        a = attend(q, k, v, window=window, positions=positions, impl="pallas", permuted=permuted)
-        b = attend(q, k, v, window=window, positions=positions, impl="xla", permuted=permuted)
+        a = attend(q, k, v, window=window, positions=positions, impl="pallas", permuted=permuted, window_right=wr)
+        b = attend(q, k, v, window=window, positions=positions, impl="xla", permuted=permuted, window_right=wr)
         np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5)

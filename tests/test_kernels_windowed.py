@@ -2,8 +2,9 @@
 
 CPU: the Pallas kernels run in interpret mode (same kernel bodies as on the GPU), forward and
 dq/dk/dv, fp32 and bf16, T not a multiple of the blocks, GQA, w in {1, 64, 128, 1000}, identity
-and permuted positions. The Triton lowering of the same kernels (what the GPU compiles) is checked
-on the CPU by exporting for CUDA. GPU-only checks are marked ``gpu`` and skipped without a GPU;
+and permuted positions, and the two-sided band (``window_right > 0``, SA
+``window_mode='symmetric'``). The Triton lowering of the same kernels (what the GPU compiles) is
+checked on the CPU by exporting for CUDA. GPU-only checks are marked ``gpu`` and skipped without a GPU;
 the full GPU check is ``experiments/bench_attention.py --check``.
 """
 
@@ -56,15 +57,21 @@ def _fwd_bwd(fn, q, k, v, do):
     return (o, *vjp(do))
 
 
-def _check(B, T, H, K, D, w, dtype, permuted, blocks=SMALL, tol=None, seed=0):
+def _check(B, T, H, K, D, w, dtype, permuted, blocks=SMALL, tol=None, seed=0, window_right=0,
+           pos_map=None):
+    """Kernel fwd + dq/dk/dv against the dense fp32 oracle. ``pos_map`` transforms the positions
+    given to the kernel only (any strictly increasing map leaves the mask unchanged)."""
     q, k, v, do, pos = _inputs(seed, B, T, H, K, D, dtype, permuted)
+    kpos = pos if pos_map is None else pos_map(pos)
     got = jax.jit(lambda *a: _fwd_bwd(
-        lambda q, k, v: windowed_attention(q, k, v, pos, w, interpret=True, block_sizes=blocks),
+        lambda q, k, v: windowed_attention(q, k, v, kpos, w, window_right=window_right,
+                                           interpret=True, block_sizes=blocks),
         *a))(q, k, v, do)
     f32 = [x.astype(jnp.float32) for x in (q, k, v, do)]
     with jax.default_matmul_precision("highest"):
         want = jax.jit(lambda *a: _fwd_bwd(
-            lambda q, k, v: dense_attention(q, k, v, window=w, positions=pos), *a))(*f32)
+            lambda q, k, v: dense_attention(q, k, v, window=w, positions=pos,
+                                            window_right=window_right), *a))(*f32)
     tol = tol or (2e-5 if dtype == jnp.float32 else 2e-2)
     for name, g, r in zip(("o", "dq", "dk", "dv"), got, want):
         assert g.dtype == dtype, (name, g.dtype)
@@ -122,6 +129,49 @@ def test_rejects_bad_shapes():
         windowed_attention(q, kv, kv, None, 8, interpret=True)
     with pytest.raises(ValueError):
         windowed_attention(q, q, q, None, 0, interpret=True)
+    with pytest.raises(ValueError, match="needs positions"):
+        windowed_attention(q, q, q, None, 8, window_right=7, interpret=True)
+    with pytest.raises(ValueError, match="window_right"):
+        windowed_attention(q, q, q, jnp.zeros((1, 32), jnp.int32), 8, window_right=-1,
+                           interpret=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# Two-sided band (window_right > 0): SA window_mode='symmetric' and asymmetric bands
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("w,wr,pos_map", [
+    (24, 23, None),                        # symmetric |i - j| < 24 over several blocks
+    (5, 40, lambda p: 7 * p + 1000),       # asymmetric; positions far above T: padded keys (in
+                                           # the right band of the last queries) must stay hidden
+    (1000, 999, None),                     # symmetric band covering T: causal attention by position
+], ids=["sym-w24", "asym-5-40-bigpos", "sym-w1000"])
+def test_fp32_gqa_window_right_against_dense(w, wr, pos_map):
+    # T=150: not a multiple of 16 or 32 (padded to 160); H=4 over K=2; random permutation.
+    _check(B=2, T=150, H=4, K=2, D=32, w=w, dtype=jnp.float32, permuted=True, window_right=wr,
+           pos_map=pos_map, seed=7)
+
+
+def test_fp32_window_right_fused_backward_gqa3():
+    _check(B=1, T=120, H=6, K=2, D=16, w=16, dtype=jnp.float32, permuted=True, window_right=15,
+           blocks=dataclasses.replace(SMALL, fused_bwd=True), seed=8)
+
+
+def test_symmetric_band_with_identity_positions_is_swa():
+    """window_right = w - 1 with identity positions equals the position-free SWA path (every key
+    right of the query is in the future), forward and gradients. (The one-sided default,
+    window_right = 0, is what every other test here checks.)"""
+    B, T, H, K, D, w = 1, 70, 2, 1, 16, 12
+    q, k, v, do, _ = _inputs(9, B, T, H, K, D, jnp.float32, False)
+    ident = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+
+    def run(p, wr):
+        return _fwd_bwd(lambda q, k, v: windowed_attention(
+            q, k, v, p, w, window_right=wr, interpret=True, block_sizes=SMALL), q, k, v, do)
+
+    swa, sym = jax.jit(lambda: [run(None, 0), run(ident, w - 1)])()
+    for a, b in zip(swa, sym):
+        assert _rel(b, a) < 1e-5
 
 
 # ------------------------------------------------------------------------------------------------
@@ -129,21 +179,28 @@ def test_rejects_bad_shapes():
 # tiles run without a mask (SWA) have every pair inside the band.
 # ------------------------------------------------------------------------------------------------
 
+_RANGE_CASES = [(w, 0) for w in (1, 5, 64, 128, 200, 1000)] + [
+    (1, 1), (5, 4), (64, 63), (128, 127), (200, 199), (1000, 999),  # symmetric
+    (1, 70), (64, 5), (16, 1024)]  # asymmetric; a right band past the end
+
+
 @pytest.mark.parametrize("bq,bk", [(16, 16), (64, 32), (32, 128), (128, 64)])
-@pytest.mark.parametrize("w", [1, 5, 64, 128, 200, 1000])
-def test_block_ranges_cover_band_exactly(bq, bk, w):
+@pytest.mark.parametrize("w,wr", _RANGE_CASES)
+def test_block_ranges_cover_band_exactly(bq, bk, w, wr):
     Tp = 1024
     idx = np.arange(Tp)
     # pair visibility by index only (positions can only remove more pairs)
-    vis = (idx[None, :] <= idx[:, None]) & (idx[None, :] > idx[:, None] - w)
+    vis = (idx[None, :] <= idx[:, None] + wr) & (idx[None, :] > idx[:, None] - w)
     tiles = vis.reshape(Tp // bq, bq, Tp // bk, bk)
     any_vis, all_vis = tiles.any(axis=(1, 3)), tiles.all(axis=(1, 3))  # [n_qb, n_kb]
 
     # the range helpers are elementwise, so all blocks are evaluated in one call
     qr = np.stack([np.asarray(x) for x in wa_mod._key_range(
-        jnp.arange(Tp // bq, dtype=jnp.int32) * bq, bq, bk, w, Tp // bk)], 1)
+        jnp.arange(Tp // bq, dtype=jnp.int32) * bq, bq, bk, w, Tp // bk, wr)], 1)
     kr = np.stack([np.asarray(x) for x in wa_mod._query_range(
-        jnp.arange(Tp // bk, dtype=jnp.int32) * bk, bq, bk, w, Tp // bq)], 1)
+        jnp.arange(Tp // bk, dtype=jnp.int32) * bk, bq, bk, w, Tp // bq, wr)], 1)
+    mask = np.asarray(wa_mod._tile_mask(0, 0, Tp, Tp, w, None, None, wr))
+    np.testing.assert_array_equal(mask, vis)
     for qb, (lo, flo, fhi, hi) in enumerate(qr):
         assert lo <= flo <= fhi <= hi
         assert set(np.flatnonzero(any_vis[qb])) == set(range(lo, hi)), (qb, lo, hi)
@@ -159,8 +216,9 @@ def test_block_ranges_cover_band_exactly(bq, bk, w):
 # Pallas -> Triton IR lowering that the GPU uses (PTX compilation itself happens only on a GPU).
 # ------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("permuted", [False, True], ids=["swa", "sa"])
-def test_triton_lowering_for_cuda(permuted):
+@pytest.mark.parametrize("permuted,window_right", [(False, 0), (True, 0), (True, 127)],
+                         ids=["swa", "sa", "sa-symmetric"])
+def test_triton_lowering_for_cuda(permuted, window_right):
     from unittest import mock
 
     from jax import export
@@ -175,7 +233,7 @@ def test_triton_lowering_for_cuda(permuted):
     pos = jax.ShapeDtypeStruct((B, T), jnp.int32)
 
     def loss(q, k, v, p):
-        o = windowed_attention(q, k, v, p if permuted else None, 128)
+        o = windowed_attention(q, k, v, p if permuted else None, 128, window_right=window_right)
         return jnp.sum(o.astype(jnp.float32) ** 2)
 
     with mock.patch.object(gi, "get_gpu_info", lambda: info):
@@ -199,15 +257,17 @@ def _has_gpu():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _has_gpu(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("permuted", [False, True], ids=["swa", "sa"])
-def test_gpu_compiled_bf16(permuted):
+@pytest.mark.parametrize("permuted,wr", [(False, 0), (True, 0), (True, 127)],
+                         ids=["swa", "sa", "sa-symmetric"])
+def test_gpu_compiled_bf16(permuted, wr):
     B, T, H, K, D, w = 2, 1000, 8, 2, 128, 128
     q, k, v, do, pos = _inputs(5, B, T, H, K, D, jnp.bfloat16, permuted)
-    got = jax.jit(lambda *a: _fwd_bwd(lambda q, k, v: windowed_attention(q, k, v, pos, w), *a))(
-        q, k, v, do)
+    got = jax.jit(lambda *a: _fwd_bwd(
+        lambda q, k, v: windowed_attention(q, k, v, pos, w, window_right=wr), *a))(q, k, v, do)
     f32 = [x.astype(jnp.float32) for x in (q, k, v, do)]
     with jax.default_matmul_precision("highest"):
         want = jax.jit(lambda *a: _fwd_bwd(
-            lambda q, k, v: dense_attention(q, k, v, window=w, positions=pos), *a))(*f32)
+            lambda q, k, v: dense_attention(q, k, v, window=w, positions=pos, window_right=wr),
+            *a))(*f32)
     for g, r in zip(got, want):
         assert _rel(g, r) < 2e-2

@@ -10,8 +10,8 @@ from hybrid_lm.config import ConfigError, MixerConfig, ModelConfig, load_config
 from hybrid_lm.model.accounting import count_params, flops_per_token
 from hybrid_lm.model.attention import FullAttention, SlidingWindowAttention, attend, mean_keys_per_query
 from hybrid_lm.model.registry import MixerContext
-from hybrid_lm.model.stochastic import (GatedSASWA, StochasticAttention, sa_flops, sa_mean_visible_keys,
-                                        sa_permutations)
+from hybrid_lm.model.stochastic import (GatedSASWA, StochasticAttention, sa_flops, sa_mean_band_keys,
+                                        sa_mean_visible_keys, sa_permutations, sa_swa_flops)
 from hybrid_lm.model.transformer import HybridLM
 from hybrid_lm.ops import permutation as P
 from hybrid_lm.train.loop import train
@@ -52,10 +52,11 @@ def _rand_perm(seed, b=B, t=T):
     return perm, P.invert(perm)
 
 
-def _sa_mask(inv, window, positions):
-    """Dense [B, Tq, Tk] SA mask in ORIGINAL order: slots inv[i], inv[j] in the band, causal by position."""
+def _sa_mask(inv, window, positions, window_right=0):
+    """Dense [B, Tq, Tk] SA mask in ORIGINAL order: slots inv[i], inv[j] in the band, causal by position.
+    window_right = window - 1 is window_mode='symmetric'."""
     si, sj = inv[:, :, None], inv[:, None, :]
-    return (sj <= si) & (sj > si - window) & (positions[:, None, :] <= positions[:, :, None])
+    return (sj <= si + window_right) & (sj > si - window) & (positions[:, None, :] <= positions[:, :, None])
 
 
 def _dense(q, k, v, mask):
@@ -133,27 +134,31 @@ def test_permutations_are_keyed_by_seed_step_layer_and_global_example_id():
 
 # ----------------------------------------------------------------------------- SA against the dense oracle
 
-@pytest.mark.parametrize("window", [1, 4, 3 * T])
-def test_sa_mixer_matches_dense_oracle_forward_and_gradients(window):
+@pytest.mark.parametrize("window,mode", [(1, "causal"), (4, "causal"), (3 * T, "causal"), (4, "symmetric")])
+def test_sa_mixer_matches_dense_oracle_forward_and_gradients(window, mode):
     """Permute x -> project with RoPE at permuted original positions -> attend -> un-permute equals
     projecting in the original order and attending with the SA mask (the two orders commute)."""
-    m = _mixer(StochasticAttention, window)
+    m = _mixer(StochasticAttention, window, window_mode=mode)
     x, pos, cot = _x(), _pos(), _x(9)
     perm, inv = _rand_perm(11)
+    wr = window - 1 if mode == "symmetric" else 0
+    assert m.window_right == wr
 
     def sa(m, x):
         return m.attend_permuted(x, pos, perm, inv, "xla")
 
     def oracle(m, x):
         q, k, v = m.project_qkv(x, pos)
-        return m.project_out(_dense(q, k, v, _sa_mask(inv, window, pos)))
+        return m.project_out(_dense(q, k, v, _sa_mask(inv, window, pos, wr)))
 
     _assert_same(_value_and_grads(sa, m, x, cot), _value_and_grads(oracle, m, x, cot), 2e-5, 1e-4)
 
 
-def test_sa_gradients_reach_exactly_the_visible_keys():
+@pytest.mark.parametrize("mode", ["causal", "symmetric"])
+def test_sa_gradients_reach_exactly_the_visible_keys(mode):
     """d out_i / d v_j != 0 iff j is visible to i; d out_i / d k_j != 0 iff visible and i sees >= 2 keys."""
     t, w = 24, 4
+    wr = w - 1 if mode == "symmetric" else 0
     rng = np.random.default_rng(3)
     q, k, v = (jnp.asarray(rng.standard_normal(s, np.float32)) for s in ((1, t, 2, 8), (1, t, 1, 8), (1, t, 1, 8)))
     pos = _pos(1, t)
@@ -162,9 +167,10 @@ def test_sa_gradients_reach_exactly_the_visible_keys():
     def sa(q, k, v):  # the mixer's composition, on q/k/v directly
         pp = jnp.take_along_axis(pos, perm, 1)
         qp, kp, vp = (P.permute(a, perm, inv) for a in (q, k, v))
-        return P.unpermute(attend(qp, kp, vp, window=w, positions=pp, impl="xla", permuted=True), perm, inv)
+        return P.unpermute(attend(qp, kp, vp, window=w, positions=pp, impl="xla", permuted=True, window_right=wr),
+                           perm, inv)
 
-    mask = np.asarray(_sa_mask(inv, w, pos)[0])  # [Tq, Tk]
+    mask = np.asarray(_sa_mask(inv, w, pos, wr)[0])  # [Tq, Tk]
     jk = jax.jacrev(sa, argnums=1)(q, k, v)  # [1, t, 2, 8, 1, t, 1, 8]
     jv = jax.jacrev(sa, argnums=2)(q, k, v)
     reach_k = np.abs(np.asarray(jk)).sum(axis=(0, 2, 3, 4, 6, 7)) > 0  # [Tq, Tk]
@@ -197,6 +203,43 @@ def test_sa_window_covering_the_sequence_sees_keys_before_it_in_both_orders():
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
     full = _randomize(FullAttention(_cfg(), MixerConfig(kind="x"), 0, rngs=nnx.Rngs(0)), 0)(x, _ctx())
     assert np.abs(np.asarray(a - full)).max() > 1e-2
+
+
+def _jit_value_and_grads(f, module, x, cot):
+    """As `_value_and_grads`, jitted (one compile beats eager autodiff of the blocked reference)."""
+    graphdef, state = nnx.split(module)
+
+    @jax.jit
+    def run(state, x):
+        y, vjp = jax.vjp(lambda s, x: f(nnx.merge(graphdef, s), x), state, x)
+        return y, vjp(cot)
+    return run(state, x)
+
+
+def test_sa_symmetric_window_covering_the_sequence_equals_causal_full_attention():
+    """The issue's "SA with w >= T equals causal full attention" holds for window_mode='symmetric'
+    (|i - j| < w in permuted order, causal by position), for a random permutation: forward and the
+    gradients w.r.t. x and every parameter, through the mixer (xla reference path)."""
+    x, cot = _x(12), _x(13)
+    perm, inv = _rand_perm(14)
+    full = _randomize(FullAttention(_cfg(), MixerConfig(kind="x"), 0, rngs=nnx.Rngs(0)), 3)
+    want = _jit_value_and_grads(lambda m, x: m(x, _ctx()), full, x, cot)
+    for window in (T, 2 * T):
+        sa = _mixer(StochasticAttention, window, seed=3, window_mode="symmetric")
+        got = _jit_value_and_grads(lambda m, x: m.attend_permuted(x, _pos(), perm, inv, "xla"), sa, x, cot)
+        _assert_same(got, want, 2e-5, 1e-4)
+    # and through __call__ (the mixer's own per-example permutations)
+    sa = _mixer(StochasticAttention, T, seed=3, window_mode="symmetric")
+    np.testing.assert_allclose(sa(x, _ctx(step=5)), want[0], rtol=2e-5, atol=2e-5)
+
+
+def test_sa_symmetric_identity_permutation_is_swa():
+    x, pos, cot = _x(15), _pos(), _x(16)
+    ident = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    sa = _mixer(StochasticAttention, 5, seed=4, window_mode="symmetric")
+    ref = _randomize(SlidingWindowAttention(_cfg(), MixerConfig(kind="x", window=5), 0, rngs=nnx.Rngs(0)), 4)
+    got = _jit_value_and_grads(lambda m, x: m.attend_permuted(x, pos, ident, ident, "xla"), sa, x, cot)
+    _assert_same(got, _jit_value_and_grads(lambda m, x: m(x, _ctx()), ref, x, cot), 1e-5, 1e-4)
 
 
 # ----------------------------------------------------------------------------- randomness through the mixer
@@ -250,12 +293,41 @@ def test_mean_visible_keys_formula_matches_sampled_permutations():
     assert sa_mean_visible_keys(t, 10 * t, t - 1) == pytest.approx(1 + (t - 1) / 2)  # w >= T: half the past
 
 
+@pytest.mark.parametrize("w,wr", [(8, 7), (8, 3), (100, 99)], ids=["symmetric", "asymmetric", "symmetric-w>T"])
+def test_mean_visible_keys_two_sided_band_matches_sampled_permutations(w, wr):
+    """The FLOPs' counts for a band reaching wr slots right of the query (window_mode='symmetric' is
+    wr = w - 1): mean band size exactly (counted), visible keys per position against Monte Carlo."""
+    t, n = 64, 3000
+    rng = np.random.default_rng(1)
+    perms = np.argsort(rng.random((n, t)), axis=1)
+    inv = np.argsort(perms, axis=1)
+    si, sj = inv[:, :, None], inv[:, None, :]
+    idx = np.arange(t)
+    band = (sj <= si + wr) & (sj > si - w)
+    visible = band & (idx[None, None, :] <= idx[None, :, None])
+    per_pos = visible.sum(2).mean(0)  # [t], the query included
+    expected = np.array([sa_mean_visible_keys(t, w, p, window_right=wr) for p in range(t)])
+    np.testing.assert_allclose(per_pos, expected, atol=0.15)
+    s, r = np.arange(t)[:, None], np.arange(t)[None, :]
+    assert sa_mean_band_keys(t, w, wr) == pytest.approx(((r <= s + wr) & (r > s - w)).sum() / t)  # exact
+    assert sa_mean_visible_keys(t, w, window_right=wr) == pytest.approx(expected.mean())
+    if wr == w - 1:  # symmetric: 2m - 1 band slots, and as many visible keys on average as SWA-w sees
+        m = mean_keys_per_query(t, w)
+        assert sa_mean_band_keys(t, w, wr) == pytest.approx(2 * m - 1)
+        assert sa_mean_visible_keys(t, w, window_right=wr) == pytest.approx(m)
+    if w >= t:  # symmetric covering the sequence: exactly causal attention, p + 1 keys
+        np.testing.assert_allclose(per_pos, idx + 1)
+        np.testing.assert_allclose(expected, idx + 1)
+
+
 # ----------------------------------------------------------------------------- gated SA + SWA
 
-@pytest.mark.parametrize("gate,shared", [("head", True), ("channel", True), ("head", False)])
-def test_sa_swa_matches_manual_gated_combination(gate, shared):
+@pytest.mark.parametrize("gate,shared,mode", [("head", True, "causal"), ("channel", True, "causal"),
+                                              ("head", False, "causal"), ("head", True, "symmetric")])
+def test_sa_swa_matches_manual_gated_combination(gate, shared, mode):
     w = 4
-    m = _mixer(GatedSASWA, w, gate=gate, shared_qkv=shared)
+    m = _mixer(GatedSASWA, w, gate=gate, shared_qkv=shared, window_mode=mode)
+    wr = w - 1 if mode == "symmetric" else 0  # the SA branch only; SWA stays one-sided
     x, pos, cot, ctx = _x(10), _pos(), _x(11), _ctx(step=9)
     (perm, inv), = sa_permutations(m.opts, ctx, 0, B, T)
 
@@ -264,7 +336,7 @@ def test_sa_swa_matches_manual_gated_combination(gate, shared):
         o_swa = _dense(q, k, v, _sa_mask(jnp.broadcast_to(jnp.arange(T), (B, T)), w, pos))
         if not shared:
             q, k, v = m.sa_qkv(x, pos)
-        o_sa = _dense(q, k, v, _sa_mask(inv, w, pos))
+        o_sa = _dense(q, k, v, _sa_mask(inv, w, pos, wr))
         g_sa = jax.nn.sigmoid(jnp.einsum("btd,d...->bt...", x, m.w_gate_sa[...]))
         g_swa = jax.nn.sigmoid(jnp.einsum("btd,d...->bt...", x, m.w_gate_swa[...]))
         if gate == "head":
@@ -306,16 +378,34 @@ def test_params_logical_axes_and_flops(tiny_params):
     assert f_sa["mixing_visible"] < 0.51 * f_sa["mixing"]
     g = flops_per_token(load_config(["scale/s1.gin", "arch/sa_swa.gin"]).model, 16384)["per_layer_type"]["E:sa_swa"]
     assert g["mixing"] == 2 * f["E:sa"]["mixing"] and g["mixer_matmul"] == f["E:sa"]["mixer_matmul"] + 4 * 384 * 3
+    # window_mode='symmetric': the kernel computes the 2m - 1 band; about m keys are visible (as SWA)
+    sym = ["efficient/MixerConfig.options = {'window_mode': 'symmetric'}"]
+    cs = load_config(["scale/s1.gin", "arch/sa.gin"], sym)
+    m = mean_keys_per_query(16384, 128)
+    f_sym = sa_flops(cs.model, cs.model.efficient, 16384)
+    assert f_sym["mixing"] == pytest.approx(4 * 3 * 128 * (2 * m - 1))
+    assert f_sym["mixing_visible"] == pytest.approx(4 * 3 * 128 * m)
+    assert flops_per_token(cs.model, 16384)["per_layer_type"]["E:sa"]["mixing"] == pytest.approx(f_sym["mixing"])
+    cg = load_config(["scale/s1.gin", "arch/sa_swa.gin"], sym)
+    g_sym = sa_swa_flops(cg.model, cg.model.efficient, 16384)
+    assert g_sym["mixing"] == pytest.approx(4 * 3 * 128 * (m + 2 * m - 1))
+    assert g_sym["mixing_visible"] == pytest.approx(4 * 3 * 128 * 2 * m)
 
 
 def test_options_are_validated(tiny_params):
     for kind, opts in (("sa", "{'eval_draws': 0}"), ("sa", "{'per_sample': True}"), ("sa_swa", "{'gate': 'token'}"),
-                       ("sa_swa", "{'shared_qkv': 'yes'}")):
+                       ("sa_swa", "{'shared_qkv': 'yes'}"), ("sa", "{'window_mode': 'two_sided'}"),
+                       ("sa_swa", "{'window_mode': 'both'}")):
         with pytest.raises(ConfigError):
             load_config([], tiny_params + [f"efficient/MixerConfig.kind = '{kind}'",
                                            f"efficient/MixerConfig.options = {opts}"])
     with pytest.raises(ConfigError):
         load_config([], tiny_params + ["efficient/MixerConfig.kind = 'sa'", "efficient/MixerConfig.window = None"])
+    with pytest.raises(ConfigError, match="window_mode"):
+        _mixer(StochasticAttention, 4, window_mode="two_sided")
+    for kind in ("sa", "sa_swa"):
+        load_config([], tiny_params + [f"efficient/MixerConfig.kind = '{kind}'",
+                                       "efficient/MixerConfig.options = {'window_mode': 'symmetric'}"])
 
 
 # ----------------------------------------------------------------------------- training

@@ -38,13 +38,21 @@ def resolve_impl(impl: str, *, permuted: bool, window: int | None = None) -> str
     return impl
 
 
-def attend(q, k, v, *, window: int | None, positions, impl: str, permuted: bool = False):
+def attend(q, k, v, *, window: int | None, positions, impl: str, permuted: bool = False,
+           window_right: int = 0):
     """Causal attention with an optional window, dispatched to xla / cudnn / pallas.
 
     q ``[B,T,H,D]``, k/v ``[B,T,K,D]``, ``positions [B,T]`` original positions in the given order
-    (only read when ``permuted``: otherwise the order is the identity).
+    (only read when ``permuted``: otherwise the order is the identity). ``window_right``: the band
+    also covers keys up to ``window_right`` slots right of the query in the given order, still
+    causal by position (SA's ``window_mode='symmetric'`` passes ``window - 1``). It only acts when
+    ``permuted``: in the identity order those keys are all in the future, so it is dropped there.
     """
     T = q.shape[1]
+    if window_right < 0:
+        raise ValueError(f"window_right must be >= 0, got {window_right}")
+    if not permuted:
+        window_right = 0  # identity order: every key right of the query is in the future
     if window is not None and window >= T and not permuted:
         window = None  # a window covering the sequence is plain causal attention
     impl = resolve_impl(impl, permuted=permuted, window=window)
@@ -53,13 +61,15 @@ def attend(q, k, v, *, window: int | None, positions, impl: str, permuted: bool 
             import hybrid_lm_kernels as kernels
         except ImportError as e:
             raise ConfigError(f"attention_impl='pallas' needs the Pallas kernels (hybrid_lm_kernels): {e}") from None
-        return kernels.windowed_attention(q, k, v, positions if permuted else None, window or T)
+        return kernels.windowed_attention(q, k, v, positions if permuted else None, window or T,
+                                          window_right=window_right)
     if window is None and not permuted:
         return ops.causal_attention(q, k, v, implementation="cudnn" if impl == "cudnn" else "xla")
     if impl == "cudnn":
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=(window - 1, 0),
                                             implementation="cudnn")
-    return ops.windowed_attention(q, k, v, window if window is not None else T, positions=positions)
+    return ops.windowed_attention(q, k, v, window if window is not None else T, positions=positions,
+                                  window_right=window_right)
 
 
 # ----------------------------------------------------------------------------- FLOPs

@@ -5,6 +5,11 @@ of window w in the permuted order and restores the order. Causality stays by *or
 with i, j permuted slots, key j is visible iff ``i - w < j <= i`` and ``pos[j] <= pos[i]`` (the mask
 of ``hybrid_lm/ops/attention.py``). RoPE uses the original positions.
 
+``window_mode='symmetric'`` (option; the default ``'causal'`` is the mask above, as specified) uses
+the two-sided band in permuted order: visible iff ``|i - j| < w`` and ``pos[j] <= pos[i]``. It is
+still SWA(w-1, 0) for the identity order, exactly causal attention for ``w >= T`` whatever the
+permutation, and sees about ``(2w-1) p / T`` keys at position p, at about twice the band (cost).
+
 Every op before and after the attention is token-wise, so the permutation commutes with it: the
 ``sa`` mixer gathers the residual input ``x`` once (``[B, T, d]``), projects it with RoPE at the
 permuted original positions, attends in permuted order and un-permutes the projected output with the
@@ -32,6 +37,16 @@ from hybrid_lm.ops import permutation as P
 
 # ----------------------------------------------------------------------------- options
 
+WINDOW_MODES = ("causal", "symmetric")
+
+
+def sa_window_right(window: int, window_mode: str) -> int:
+    """Band slots right of the query in permuted order: 0 ('causal') or ``window - 1`` ('symmetric')."""
+    if window_mode not in WINDOW_MODES:
+        raise ConfigError(f"window_mode={window_mode!r}: choose one of {WINDOW_MODES}")
+    return window - 1 if window_mode == "symmetric" else 0
+
+
 @dataclass(frozen=True)
 class SAOptions:
     """Options of ``sa`` (``efficient/MixerConfig.options``); reasons in docs/STOCHASTIC_ATTENTION.md."""
@@ -39,8 +54,14 @@ class SAOptions:
     per_example: bool = True  # one permutation per example; False: one per batch (shared by all rows)
     eval_draws: int = 1  # eval: 1 = one fixed draw; k > 1 = mean of the layer output over k draws
     eval_seed: int | None = None  # eval permutations' seed; None = the run's seed (own stream, see ops)
+    # 'causal': band i - w < j <= i in permuted order (the spec); 'symmetric': |i - j| < w (2w - 1
+    # slots, ~2x the cost; w >= T is then exactly causal full attention). Both causal by position.
+    window_mode: str = "causal"
 
     def validate(self) -> None:
+        if self.window_mode not in WINDOW_MODES:
+            raise ConfigError(f"sa option window_mode={self.window_mode!r}: choose one of {WINDOW_MODES} "
+                              "('causal': i - w < j <= i in permuted order, the spec; 'symmetric': |i - j| < w)")
         if not isinstance(self.eval_draws, int) or self.eval_draws < 1:
             raise ConfigError(f"sa option eval_draws={self.eval_draws!r} must be an int >= 1")
         if not isinstance(self.per_example, bool):
@@ -97,37 +118,66 @@ def _mean(ys):
 
 # ----------------------------------------------------------------------------- FLOPs
 
-def sa_mean_visible_keys(seq_len: int, window: int, position: float | None = None) -> float:
-    """Exact expected number of visible keys (the query included) under a uniform permutation.
+def sa_mean_band_keys(seq_len: int, window: int, window_right: int = 0) -> float:
+    """Exact mean number of slots (the query's included) in the permuted-order band
+    ``[s - window + 1, s + window_right] ∩ [0, T)`` of a slot s, averaged over s.
 
-    A token at original position p sits in a uniformly random slot s and shares the window with
-    ``min(w, s+1) - 1`` other slots, each holding a uniformly random other token, visible iff its
-    position is < p (probability p / (T-1)). So ``E[keys | p] = 1 + (m - 1) p / (T - 1)`` with m
-    the mean causal-band size of SWA (``mean_keys_per_query``); ``~ w p / T`` for w << T. Averaged
-    over p (``position=None``): ``1 + (m - 1) / 2``.
+    ``m + (1/T) sum_{k<T} min(k, r)`` with m = ``mean_keys_per_query(T, window)`` (the left part, as
+    SWA) and ``r = min(window_right, T - 1)``: ``m`` for 'causal', ``2m - 1`` for 'symmetric'
+    (``r = w - 1``), which is ``T`` once ``w >= T``.
     """
     T = seq_len
     m = mean_keys_per_query(T, window)
+    r = min(window_right, T - 1)
+    return m + (r * (r + 1) / 2 + (T - 1 - r) * r) / T
+
+
+def sa_mean_visible_keys(seq_len: int, window: int, position: float | None = None,
+                         window_right: int = 0) -> float:
+    """Exact expected number of visible keys (the query included) under a uniform permutation.
+
+    A token at original position p sits in a uniformly random slot s and shares the band with
+    ``band(s) - 1`` other slots, each holding a uniformly random other token, visible iff its
+    position is < p (probability p / (T-1)). So, by linearity,
+    ``E[keys | p] = 1 + (M - 1) p / (T - 1)`` with M = ``sa_mean_band_keys`` the mean band size:
+    M = m (the mean causal band of SWA, ``mean_keys_per_query``) for the one-sided band,
+    ``~ w p / T`` for w << T; M = 2m - 1 for the symmetric band (``window_right = w - 1``),
+    ``~ (2w - 1) p / T``, and exactly ``p + 1`` (causal attention) once w >= T. Averaged over p
+    (``position=None``): ``1 + (M - 1) / 2`` (= m for the symmetric band: as many keys as SWA sees).
+    Positions are assumed to be 0..T-1 (one document per row).
+    """
+    T = seq_len
     if T == 1:
         return 1.0
+    band = sa_mean_band_keys(T, window, window_right)
     frac = 0.5 if position is None else position / (T - 1)
-    return 1.0 + (m - 1.0) * frac
+    return 1.0 + (band - 1.0) * frac
 
 
 def _mixing(cfg: ModelConfig, keys: float) -> float:
     return 4.0 * cfg.n_heads * cfg.resolved_head_dim * keys  # QK^T and PV, 2 FLOPs per MAC
 
 
-def sa_flops(cfg: ModelConfig, mc: MixerConfig, seq_len: int) -> dict:
-    """Counts the band a kernel computes (m keys per query, as SWA), not the ~half that is visible.
+def _sa_keys(mc: MixerConfig, opts: SAOptions, seq_len: int) -> tuple[float, float]:
+    """(band, visible): mean keys per query a kernel computes, and the mean visible among them."""
+    wr = sa_window_right(mc.window, opts.window_mode)
+    return (sa_mean_band_keys(seq_len, mc.window, wr),
+            sa_mean_visible_keys(seq_len, mc.window, window_right=wr))
 
-    The masked half of the band is scattered at random inside every tile (causality by original
-    position in a permuted order), so no kernel can skip it: counting visible pairs would rate SA at
-    half the cost of SWA when it costs the same. ``mixing_visible`` reports the useful part.
+
+def sa_flops(cfg: ModelConfig, mc: MixerConfig, seq_len: int) -> dict:
+    """Counts the band a kernel computes, not the ~half of it that is visible.
+
+    'causal': m keys per query, as SWA; 'symmetric': 2m - 1 (both sides of the query in permuted
+    order). The masked half of the band is scattered at random inside every tile (causality by
+    original position in a permuted order), so no kernel can skip it: counting visible pairs would
+    rate SA at half its cost (the same as SWA for 'causal', about twice for 'symmetric').
+    ``mixing_visible`` reports the useful part (exact expectation under a uniform permutation,
+    ``sa_mean_visible_keys``).
     """
-    band = mean_keys_per_query(seq_len, mc.window)
+    band, visible = _sa_keys(mc, SAOptions(**mc.options), seq_len)
     return {"matmul": attention_projection_flops(cfg), "mixing": _mixing(cfg, band),
-            "mixing_visible": _mixing(cfg, sa_mean_visible_keys(seq_len, mc.window))}
+            "mixing_visible": _mixing(cfg, visible)}
 
 
 def sa_swa_flops(cfg: ModelConfig, mc: MixerConfig, seq_len: int) -> dict:
@@ -137,9 +187,10 @@ def sa_swa_flops(cfg: ModelConfig, mc: MixerConfig, seq_len: int) -> dict:
     if not opts.shared_qkv:
         matmul += 2.0 * d * (H + 2 * K) * Dh  # the SA branch's own q/k/v projections
     matmul += 2 * 2.0 * d * H * (Dh if opts.gate == "channel" else 1)  # two gate projections
-    band = mean_keys_per_query(seq_len, mc.window)
-    return {"matmul": matmul, "mixing": 2 * _mixing(cfg, band),
-            "mixing_visible": _mixing(cfg, band) + _mixing(cfg, sa_mean_visible_keys(seq_len, mc.window))}
+    swa_band = mean_keys_per_query(seq_len, mc.window)
+    sa_band, sa_visible = _sa_keys(mc, opts, seq_len)
+    return {"matmul": matmul, "mixing": _mixing(cfg, swa_band) + _mixing(cfg, sa_band),
+            "mixing_visible": _mixing(cfg, swa_band) + _mixing(cfg, sa_visible)}
 
 
 # ----------------------------------------------------------------------------- sa
@@ -151,13 +202,16 @@ class StochasticAttention(Attention):
     def __init__(self, cfg: ModelConfig, mc: MixerConfig, layer_idx: int, *, rngs: nnx.Rngs):
         super().__init__(cfg, mc, layer_idx, rngs=rngs, window=mc.window)
         self.opts = SAOptions(**mc.options)
+        self.opts.validate()
+        self.window_right = sa_window_right(mc.window, self.opts.window_mode)
 
     def attend_permuted(self, x, positions, perm, inv, impl: str):
         """SA of ``x [B, T, d]`` under the given permutations; output in the original order."""
         xp = P.permute(x, perm, inv)  # the one gather of the residual input
         pp = permute_positions(positions, perm)
         q, k, v = self.project_qkv(xp, pp)  # RoPE at the permuted ORIGINAL positions
-        o = attend(q, k, v, window=self.window, positions=pp, impl=impl, permuted=True)
+        o = attend(q, k, v, window=self.window, positions=pp, impl=impl, permuted=True,
+                   window_right=self.window_right)
         return P.unpermute(self.project_out(o), perm, inv)
 
     def __call__(self, x, ctx: MixerContext):
@@ -192,6 +246,8 @@ class GatedSASWA(Attention):
     def __init__(self, cfg: ModelConfig, mc: MixerConfig, layer_idx: int, *, rngs: nnx.Rngs):
         super().__init__(cfg, mc, layer_idx, rngs=rngs, window=mc.window)
         self.opts = SASWAOptions(**mc.options)
+        self.opts.validate()
+        self.window_right = sa_window_right(mc.window, self.opts.window_mode)  # SA branch only
         d, H, Dh = cfg.d_model, cfg.n_heads, cfg.resolved_head_dim
         shape, axes = ((d, H, Dh), ("embed", "heads", "head_dim")) if self.opts.gate == "channel" else \
             ((d, H), ("embed", "heads"))
@@ -214,7 +270,8 @@ class GatedSASWA(Attention):
             q, k, v = (P.permute(t, perm, inv) for t in qkv)
         else:
             q, k, v = self.sa_qkv(P.permute(x, perm, inv), pp)
-        o = attend(q, k, v, window=self.window, positions=pp, impl=impl, permuted=True)
+        o = attend(q, k, v, window=self.window, positions=pp, impl=impl, permuted=True,
+                   window_right=self.window_right)
         return P.unpermute(o, perm, inv)
 
     def __call__(self, x, ctx: MixerContext):

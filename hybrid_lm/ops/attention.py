@@ -6,11 +6,14 @@ Layout follows flash-linear-attention: q ``[B, T, H, D]``, k/v ``[B, T, K, D]`` 
 The windowed mask used everywhere in this project (SWA, stochastic attention, kernels): with i, j the
 indices of query and key in the given order, key j is visible iff
 
-    i - window < j <= i   and   positions[j] <= positions[i].
+    i - window < j <= i + window_right   and   positions[j] <= positions[i].
 
-With the identity order this is causal sliding-window attention (``local_window_size=(w-1, 0)``);
-with a permuted order it is stochastic attention (causal by *original* position). ``window``
-counts the query itself; ``window >= T`` means plain causal attention.
+With the identity order this is causal sliding-window attention (``local_window_size=(w-1, 0)``)
+whatever ``window_right`` is (every key right of the query is in the future); with a permuted order
+it is stochastic attention (causal by *original* position). ``window`` counts the query itself.
+``window_right = 0`` (default) is SA's one-sided band: with ``window >= T`` a query sees the keys
+before it in both orders. ``window_right = window - 1`` is the symmetric band ``|i - j| < window``
+(SA ``window_mode='symmetric'``): with ``window >= T`` it is exactly causal attention by position.
 """
 
 from __future__ import annotations
@@ -38,8 +41,14 @@ def default_positions(batch: int, length: int) -> jax.Array:
     return jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
 
 
-def dense_attention(q, k, v, *, window: int | None = None, positions=None, scale: float | None = None):
-    """O(T^2) masked attention. Test oracle only: it materialises the full score matrix."""
+def dense_attention(q, k, v, *, window: int | None = None, positions=None, scale: float | None = None,
+                    window_right: int = 0):
+    """O(T^2) masked attention. Test oracle only: it materialises the full score matrix.
+
+    ``window=None``: no left limit; ``window_right``: keys up to ``i + window_right`` in the given
+    order (still causal by ``positions``)."""
+    if window_right < 0:
+        raise ValueError(f"window_right must be >= 0, got {window_right}")
     _check_shapes(q, k, v)
     B, T, H, D = q.shape
     KV = k.shape[2]
@@ -48,7 +57,7 @@ def dense_attention(q, k, v, *, window: int | None = None, positions=None, scale
     qg = q.reshape(B, T, KV, H // KV, D)
     s = jnp.einsum("bqkgd,blkd->bkgql", qg.astype(jnp.float32), k.astype(jnp.float32)) * scale
     idx = jnp.arange(T)
-    band = idx[None, :] <= idx[:, None]
+    band = idx[None, :] <= idx[:, None] + window_right
     if window is not None:
         band &= idx[None, :] > idx[:, None] - window
     mask = band[None] & (pos[:, None, :] <= pos[:, :, None])  # [B, Tq, Tk]
@@ -66,15 +75,18 @@ def _default_block(window: int, length: int) -> int:
 
 
 def windowed_attention(q, k, v, window: int, *, positions=None, scale: float | None = None,
-                       block_size: int | None = None):
-    """Blocked windowed attention in O(T * (block + window)) time and memory.
+                       block_size: int | None = None, window_right: int = 0):
+    """Blocked windowed attention in O(T * (block + window + window_right)) time and memory.
 
     Queries are cut into blocks of ``block_size``; block b attends to the key span
-    ``[b*block - window + 1, (b+1)*block)`` only, with the mask in the module docstring.
+    ``[b*block - window + 1, (b+1)*block - 1 + window_right]`` only, with the mask in the module
+    docstring. ``window_right > 0`` only matters with non-identity ``positions``.
     """
     _check_shapes(q, k, v)
     if window < 1:
         raise ValueError(f"window must be >= 1, got {window}")
+    if window_right < 0:
+        raise ValueError(f"window_right must be >= 0, got {window_right}")
     B, T, H, D = q.shape
     KV, Dv = k.shape[2], v.shape[3]
     G = H // KV
@@ -85,8 +97,9 @@ def windowed_attention(q, k, v, window: int, *, positions=None, scale: float | N
     nb = -(-T // bq)
     Tp = nb * bq
     w = min(window, Tp)  # every valid key is inside the band once w >= T
+    R = min(window_right, Tp)  # likewise on the right
     P = w - 1  # left padding so block b's key span starts at padded index b*bq
-    L = bq + P
+    L = bq + P + R
 
     def pad_t(x, left, right, value=0):
         widths = [(0, 0)] * x.ndim
@@ -94,9 +107,9 @@ def windowed_attention(q, k, v, window: int, *, positions=None, scale: float | N
         return jnp.pad(x, widths, constant_values=value)
 
     qb = pad_t(q, 0, Tp - T).reshape(B, nb, bq, KV, G, D)
-    kp, vp = pad_t(k, P, Tp - T), pad_t(v, P, Tp - T)
+    kp, vp = pad_t(k, P, Tp - T + R), pad_t(v, P, Tp - T + R)
     posq = pad_t(pos, 0, Tp - T).reshape(B, nb, bq)
-    posk = pad_t(pos, P, Tp - T)
+    posk = pad_t(pos, P, Tp - T + R)
 
     key_idx = jnp.arange(nb)[:, None] * bq + jnp.arange(L)[None, :]  # padded coordinates [nb, L]
     kb = jnp.take(kp, key_idx, axis=1)  # [B, nb, L, KV, D]
@@ -105,8 +118,8 @@ def windowed_attention(q, k, v, window: int, *, positions=None, scale: float | N
 
     qi = jnp.arange(nb)[:, None] * bq + jnp.arange(bq)[None, :]  # original index [nb, bq]
     kj = key_idx - P  # original index [nb, L]
-    band = (kj[:, None, :] <= qi[:, :, None]) & (kj[:, None, :] > qi[:, :, None] - w)
-    band &= (kj[:, None, :] >= 0) & (kj[:, None, :] < T)
+    band = (kj[:, None, :] <= qi[:, :, None] + R) & (kj[:, None, :] > qi[:, :, None] - w)
+    band &= (kj[:, None, :] >= 0) & (kj[:, None, :] < T)  # padded keys: never visible
     mask = band[None] & (pkb[:, :, None, :] <= posq[:, :, :, None])  # [B, nb, bq, L]
 
     s = jnp.einsum("bnqkgd,bnlkd->bnkgql", qb.astype(jnp.float32), kb.astype(jnp.float32)) * scale
