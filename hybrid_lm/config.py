@@ -68,6 +68,9 @@ class ModelConfig:
     compute_dtype: str = "bfloat16"
     param_dtype: str = "float32"
     attention_impl: str = "auto"  # auto | xla | cudnn | pallas
+    # linear-attention ops of lightning/mamba2/gdn: auto | xla | jla (hybrid_lm/ops/linear_attention_gpu.py).
+    # An execution detail (same math up to rounding), so not part of the run id; recorded in config.json.
+    linear_impl: str = _nid("auto")
     remat: str = "none"  # none | full | dots
     full: MixerConfig = field(default_factory=lambda: MixerConfig(kind="attention"))
     efficient: MixerConfig = field(default_factory=lambda: MixerConfig(kind="swa", window=128))
@@ -278,6 +281,8 @@ def validate_config(cfg: Config) -> None:
         get_mixer(mc.kind).check_config(mc, slot)  # unknown kind or options -> ConfigError
     if m.attention_impl not in ("auto", "xla", "cudnn", "pallas"):
         raise ConfigError(f"attention_impl={m.attention_impl!r}: choose auto, xla, cudnn or pallas")
+    if m.linear_impl not in ("auto", "xla", "jla"):
+        raise ConfigError(f"linear_impl={m.linear_impl!r}: choose auto, xla or jla")
     if m.remat not in ("none", "full", "dots"):
         raise ConfigError(f"remat={m.remat!r}: choose none, full or dots")
     tok = get_tokenizer(cfg.data.tokenizer)

@@ -9,7 +9,8 @@ Layer (H heads; key width Dk = head_dim, value width Dv = expand_v * Dk)::
     S_t     = exp(g_t) S_{t-1};  S_t += k_t (beta_t (v_t - S_t^T k_t))^T;  o_t = S_t^T q_t / sqrt(Dk)
     out     = Wo( rmsnorm(o) * silu(x Wg) )                           # per-head norm, then the gate
 
-The core is ``chunk_gated_delta_rule`` (training) / ``gated_delta_rule_step`` (decode).
+The core is ``chunk_gated_delta_rule`` (training, called through ``ops/linear_attention_gpu``: jla's
+Hopper kernel under ``ModelConfig.linear_impl`` when the head dims fit it) / ``gated_delta_rule_step`` (decode).
 
 fla's defaults, kept: ``expand_v`` 2, conv kernel 4 without bias, output gate on (fla
 ``FusedRMSNormGated``: normalise, scale, then multiply by ``silu(gate)``; eps 1e-5, weight shared by
@@ -36,7 +37,8 @@ from hybrid_lm.model.layers import out_proj_std, param
 from hybrid_lm.model.recurrent_common import (INNER_NORM_EPS, GatedRMSNorm, ShortConv, a_log_init, const_param,
                                               delta_rule_chunk_macs, dt_bias_init, l2norm)
 from hybrid_lm.model.registry import MixerContext, register_mixer
-from hybrid_lm.ops.delta_rule import chunk_gated_delta_rule, gated_delta_rule_step
+from hybrid_lm.ops.delta_rule import gated_delta_rule_step
+from hybrid_lm.ops.linear_attention_gpu import gated_delta_rule
 
 
 @dataclass(frozen=True)
@@ -142,6 +144,7 @@ class GatedDeltaNet(nnx.Module):
         self.opts = o
         self.layer_idx = layer_idx
         self.n_heads, self.dk, self.dv = H, Dk, Dv
+        self.linear_impl = cfg.linear_impl  # auto | xla | jla (ops/linear_attention_gpu.py)
 
     # -- pieces shared by the chunked forward and the decode step (any leading shape [..., d])
 
@@ -175,9 +178,11 @@ class GatedDeltaNet(nnx.Module):
         cs = (None, None, None) if state is None else state["conv_state"]
         (q, sq), (k, sk), (v, sv) = self.conv_q(q, cs[0]), self.conv_k(k, cs[1]), self.conv_v(v, cs[2])
         q, k, v, g, beta = self._heads_and_gates(x, q, k, v)
-        o, S = chunk_gated_delta_rule(q, k, v, g, beta,
-                                      initial_state=None if state is None else state["recurrent_state"],
-                                      output_final_state=True, chunk_size=self.opts.chunk_size)
+        # the fast path rounds the fp32 unit-norm q, k to the compute dtype for the kernel (kernel_dtype)
+        o, S = gated_delta_rule(q, k, v, g, beta,
+                                initial_state=None if state is None else state["recurrent_state"],
+                                output_final_state=True, chunk_size=self.opts.chunk_size,
+                                impl=self.linear_impl, kernel_dtype=x.dtype)
         return self._output(o, x), {"conv_state": (sq, sk, sv), "recurrent_state": S}
 
     def __call__(self, x, ctx: MixerContext):

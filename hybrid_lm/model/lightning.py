@@ -8,7 +8,8 @@ the gate width, both options)::
     o_t     = scale * sum_{s<=t} exp(-slope_h (t - s)) (q_t . k_s) v_s      # per head
     y       = Wo( norm(o) * sigmoid(gate(x)) )                    # norm over all H*D channels
 
-The core is ``chunk_simple_gla`` with a constant per-head log decay ``g_gamma[h] = -slope_h``.
+The core is ``chunk_simple_gla`` with a constant per-head log decay ``g_gamma[h] = -slope_h``, called
+through ``ops/linear_attention_gpu.simple_gla`` (jla's Hopper kernel under ``ModelConfig.linear_impl``).
 
 Per-head decay (``decay`` option):
 
@@ -46,7 +47,8 @@ from hybrid_lm.config import ConfigError, MixerConfig, ModelConfig
 from hybrid_lm.model.layers import out_proj_std, param
 from hybrid_lm.model.recurrent_common import INNER_NORM_EPS, const_param, simple_gla_chunk_macs
 from hybrid_lm.model.registry import MixerContext, register_mixer
-from hybrid_lm.ops.linear_attention import chunk_simple_gla, simple_gla_step
+from hybrid_lm.ops.linear_attention import simple_gla_step
+from hybrid_lm.ops.linear_attention_gpu import simple_gla
 
 DECAYS = ("alibi", "fla")
 NORMS = ("layer", "rms")
@@ -147,6 +149,7 @@ class LightningAttention(nnx.Module):
         self.n_heads, self.head_dim = H, D
         self.g_gamma = tuple(lightning_log_decay(o.decay, H, layer_idx, cfg.n_layers))  # static floats
         self.scale = o.scale if o.scale is not None else (1.0 if o.decay == "alibi" else D ** -0.5)
+        self.linear_impl = cfg.linear_impl  # auto | xla | jla (ops/linear_attention_gpu.py)
 
     # -- pieces shared by the chunked forward and the decode step (any leading shape [..., d])
 
@@ -179,9 +182,10 @@ class LightningAttention(nnx.Module):
     def forward(self, x, state=None):
         """``x [B, T, d]`` -> ``(y [B, T, d], state)``; ``state`` as :meth:`init_state` (None = zeros)."""
         q, k, v = self._qkv(x)
-        o, S = chunk_simple_gla(q, k, v, g_gamma=jnp.asarray(self.g_gamma, jnp.float32), scale=self.scale,
-                                initial_state=None if state is None else state["recurrent_state"],
-                                output_final_state=True, chunk_size=self.opts.chunk_size)
+        o, S = simple_gla(q, k, v, g_gamma=jnp.asarray(self.g_gamma, jnp.float32), scale=self.scale,
+                          initial_state=None if state is None else state["recurrent_state"],
+                          output_final_state=True, chunk_size=self.opts.chunk_size,
+                          impl=self.linear_impl, kernel_dtype=x.dtype)
         return self._output(o, x), {"recurrent_state": S}
 
     def __call__(self, x, ctx: MixerContext):

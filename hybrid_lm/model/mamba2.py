@@ -12,7 +12,8 @@ of B/C with state size N = d_state)::
     y_t        = C_t^T S_t + D x_t                       # D skip, one scalar per head
     out        = W_out( rmsnorm(y * silu(z)) )           # gated RMSNorm, norm_before_gate=False
 
-The SSD core is ``chunk_simple_gla`` with ``q = C, k = B, v = x * dt, g = A * dt, scale = 1``. Head h
+The SSD core is ``chunk_simple_gla`` with ``q = C, k = B, v = x * dt, g = A * dt, scale = 1`` (called
+through ``ops/linear_attention_gpu.simple_gla``: jla's Hopper kernel under ``ModelConfig.linear_impl``). Head h
 reads B/C group ``h // (H / G)`` (mamba_ssm's kernels). The in-projection is stored as three
 matrices (z, xBC, dt) rather than mamba_ssm's one fused ``in_proj``: same function and count.
 
@@ -37,7 +38,8 @@ from hybrid_lm.config import ConfigError, MixerConfig, ModelConfig
 from hybrid_lm.model.layers import out_proj_std, param
 from hybrid_lm.model.recurrent_common import GatedRMSNorm, ShortConv, a_log_init, const_param, dt_bias_init
 from hybrid_lm.model.registry import MixerContext, register_mixer
-from hybrid_lm.ops.linear_attention import chunk_simple_gla, simple_gla_step
+from hybrid_lm.ops.linear_attention import simple_gla_step
+from hybrid_lm.ops.linear_attention_gpu import simple_gla
 
 
 @dataclass(frozen=True)
@@ -124,6 +126,7 @@ class Mamba2(nnx.Module):
         self.opts = o
         self.layer_idx = layer_idx
         self.d_inner, self.n_heads, self.conv_dim = d_inner, H, conv_dim
+        self.linear_impl = cfg.linear_impl  # auto | xla | jla (ops/linear_attention_gpu.py)
 
     # -- pieces shared by the chunked forward and the decode step (any leading shape [..., d])
 
@@ -162,9 +165,11 @@ class Mamba2(nnx.Module):
         z, xbc, dt_raw = self._project(x)
         xbc, conv_state = self.conv(xbc, None if state is None else state["conv_state"])
         xs, Bm, Cm, v, g = self._ssm_inputs(xbc, dt_raw)
-        y, S = chunk_simple_gla(Cm, Bm, v, g=g, scale=1.0,
-                                initial_state=None if state is None else state["recurrent_state"],
-                                output_final_state=True, chunk_size=self.opts.chunk_size)
+        # the fast path rounds v = x * dt (fp32 here) to the compute dtype for the kernel (kernel_dtype)
+        y, S = simple_gla(Cm, Bm, v, g=g, scale=1.0,
+                          initial_state=None if state is None else state["recurrent_state"],
+                          output_final_state=True, chunk_size=self.opts.chunk_size,
+                          impl=self.linear_impl, kernel_dtype=x.dtype)
         return self._output(y, xs, z, x.dtype), {"conv_state": conv_state, "recurrent_state": S}
 
     def __call__(self, x, ctx: MixerContext):

@@ -1,0 +1,319 @@
+"""GPU fast path of the linear-attention ops: jax-linear-attention's Mosaic GPU kernels behind our API.
+
+One home for the fast path. :func:`simple_gla` and :func:`gated_delta_rule` take exactly the
+arguments of :func:`hybrid_lm.ops.linear_attention.chunk_simple_gla` and
+:func:`hybrid_lm.ops.delta_rule.chunk_gated_delta_rule` (fla conventions: ``[B, T, H, D]``, log-space
+gates, ``scale`` default ``1/sqrt(Dk)``, fp32 states ``[B, H, Dk, Dv]`` in and out, outputs in q's
+dtype), plus two keywords:
+
+- ``impl``: ``"xla"`` is our chunked op (the portable path and the oracle); ``"jla"`` is
+  jax-linear-attention's Hopper kernel (``jla.ops.linear_attention(kind, ..., impl="mosaic_gpu")``);
+  ``"auto"`` picks ``"jla"`` when the default backend is a GPU, the package imports and its kernel
+  accepts the call (its own ``supports`` predicate: sm_90, bf16/fp16 q/k/v of one dtype, head dims
+  K, V in {64, 128}, and for the delta rule also (K, V) in {(128, 256), (256, 128..512)}, static
+  scale), else ``"xla"``. An explicit ``"jla"`` that cannot run raises :class:`FastPathUnavailable`
+  with the reason.
+- ``kernel_dtype``: the dtype q, k and v are cast to *on the jla path only* (the layers pass their
+  compute dtype, bf16). Mamba-2's ``v = x * dt`` and GDN's L2-normalised q, k are fp32 in the layers;
+  the kernel takes bf16/fp16 only. The XLA path ignores it, so CPU numerics do not change. The output
+  is cast back to q's dtype either way.
+
+Conventions, ours -> jla (the conversions done in :func:`_jla_simple_gla` / :func:`_jla_gated_delta_rule`):
+
+- layout: both ``[B, T, H, D]`` for q/k/v and ``[B, T, H]`` for gates; states ``[B, H, K, V]`` on both
+  sides (jla transposes to ``[V, K]`` inside its kernels only). No transposes here.
+- decay: both log space (``S_t = exp(g_t) S_{t-1} + ...``). Ours has an optional per-token ``g`` and an
+  optional per-head constant ``g_gamma [H]`` that add up; jla's ``simple_gla`` has one required
+  ``g [B, T, H]``. So ``g_jla = g + broadcast(g_gamma)``, or zeros when neither is given (no decay).
+  Gradients reach ``g_gamma`` through the broadcast (a sum over B and T).
+- scale: both multiply q, default ``1/sqrt(Dk)``; we pass the resolved value (jla needs a Python float).
+- delta rule: same recurrence and argument order ``(q, k, v, g, beta)``; ``beta`` already sigmoided.
+  q, k are used as given (``use_qk_l2norm=False``): normalising is the layer's job, as in our op.
+- ``chunk_size`` and ``precision`` only steer our XLA scan; the kernel has a fixed 64-token chunk and
+  its own fp32 accumulation (outputs agree up to rounding).
+
+Multi-device: jla runs its kernels per shard inside ``shard_map`` over the context mesh
+(``jax.set_mesh``, set by our train loop); we hand it our default logical rules, batch over
+``("data", "fsdp")`` and heads over ``("tensor",)`` (any other axis of size > 1 also splits the batch or
+the heads, jla's rule), so sharded activations are not all-gathered around the custom calls. (Not yet
+exercised on more than one GPU here: ``bench_mixers.py`` runs on one.)
+
+``jla`` is imported lazily (``pip install -e '.[gpu]'``); importing this module needs only JAX.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import numbers
+
+import jax
+import jax.numpy as jnp
+
+from hybrid_lm.ops.delta_rule import _check_gates, chunk_gated_delta_rule
+from hybrid_lm.ops.linear_attention import _check_qkv, _check_state, chunk_simple_gla
+
+IMPLS = ("auto", "xla", "jla")
+INSTALL_HINT = "install it with `pip install -e '.[gpu]'` (package jax-linear-attention==0.1.0)"
+# jla's logical rules for splitting a kernel call over the context mesh, in our mesh axis names
+# (MeshConfig.rules: batch -> data, fsdp; heads -> tensor).
+JLA_SHARD_RULES = {"batch": ("data", "fsdp"), "heads": ("tensor",)}
+
+
+class FastPathUnavailable(RuntimeError):
+    """``impl='jla'`` was asked for but cannot run here (no GPU, no package, or an unsupported call)."""
+
+
+# ----------------------------------------------------------------------------- availability
+
+def on_gpu() -> bool:
+    return jax.default_backend() == "gpu"
+
+
+def import_jla():
+    """``jla.ops`` (lazily), or raise :class:`FastPathUnavailable` saying how to install it."""
+    try:
+        import jla.ops as jla_ops
+    except ImportError as e:
+        raise FastPathUnavailable(f"impl='jla' needs jax-linear-attention, which does not import ({e}); "
+                                  f"{INSTALL_HINT}") from None
+    return jla_ops
+
+
+def jla_available() -> bool:
+    try:
+        import_jla()
+    except FastPathUnavailable:
+        return False
+    return True
+
+
+def _jla_kernel_reason(op: str, q, k, v, gates: tuple, options: dict) -> str | None:
+    """jla's own verdict on its Mosaic GPU kernel for this (converted) call: ``None`` if it runs it, else
+    jla's reason. Uses jla's ``supports_*`` predicates (what its ``impl="auto"`` uses) and, for the
+    message only, its ``unsupported_reason`` functions."""
+    try:
+        from jla.ops.mosaic_gpu import gated_delta_rule as jgdr
+        from jla.ops.mosaic_gpu import scalar_gate as jsg
+        from jla.ops.mosaic_gpu import scalar_gate_kb as jkb
+    except ImportError:  # a JAX build without the Mosaic GPU toolchain registers no kernels
+        return "this JAX build has no Mosaic GPU toolchain (jax.experimental.pallas.mosaic_gpu)"
+    if op == "simple_gla":
+        if jsg.supports_simple_gla(q, k, v, *gates, **options):
+            return None
+        reason = jsg.unsupported_reason(q, k, v, gates, options, delta=False)
+    else:
+        if jgdr.supports_gated_delta_rule(q, k, v, *gates, **options):
+            return None
+        reason = (jkb.unsupported_reason(q, k, v, gates, options) if jkb.handles(q, v)
+                  else jsg.unsupported_reason(q, k, v, gates, options, delta=True))
+    return reason or "rejected by jla's supports predicate"
+
+
+def unsupported_reason(op: str, q, k, v, gates: tuple, *, scale=None, initial_state=None) -> str | None:
+    """Why the jla kernel cannot run this call here; ``None`` if it can.
+
+    ``op`` is ``"simple_gla"`` or ``"gated_delta_rule"``; q/k/v/gates are in jla's form (after the
+    conversions below; arrays or ``jax.ShapeDtypeStruct``s).
+    """
+    if not on_gpu():
+        return f"no GPU: the default JAX backend is {jax.default_backend()!r} (the jla kernels need an sm_90 GPU)"
+    if not jla_available():
+        return f"jax-linear-attention is not installed; {INSTALL_HINT}"
+    if scale is not None and not isinstance(scale, numbers.Real):
+        return f"scale must be a Python number for the kernel (it is static there), got {type(scale).__name__}"
+    options = {"scale": scale, "initial_state": initial_state}
+    return _jla_kernel_reason(op, q, k, v, gates, options)
+
+
+def _check_impl(impl: str) -> None:
+    if impl not in IMPLS:
+        raise ValueError(f"impl={impl!r}: choose one of {IMPLS}")
+
+
+def _resolve(op: str, impl: str, q, k, v, gates, scale, initial_state) -> str:
+    """'xla' or 'jla' for this call; raises :class:`FastPathUnavailable` for an explicit 'jla' that can't run."""
+    _check_impl(impl)
+    if impl == "xla":
+        return "xla"
+    if impl == "jla":
+        # the clear errors first: platform, then package, then the call itself
+        if not on_gpu():
+            raise FastPathUnavailable(f"impl='jla' needs a GPU (Hopper, sm_90); the default JAX backend is "
+                                      f"{jax.default_backend()!r}. Use impl='xla' or 'auto' here.")
+        import_jla()
+    reason = unsupported_reason(op, q, k, v, gates, scale=scale, initial_state=initial_state)
+    if reason is None:
+        return "jla"
+    if impl == "jla":
+        raise FastPathUnavailable(f"impl='jla' cannot run {op}: {reason}")
+    return "xla"
+
+
+# ----------------------------------------------------------------------------- conventions: ours -> jla
+
+def _to_jla_qkv(q, k, v, kernel_dtype):
+    """q, k, v for the kernel: cast to ``kernel_dtype`` when given (our layers keep some of them in fp32;
+    the kernel takes one bf16/fp16 dtype for all three). Layout is already jla's ``[B, T, H, D]``."""
+    if kernel_dtype is None:
+        return q, k, v
+    dt = jnp.dtype(kernel_dtype)
+    return q.astype(dt), k.astype(dt), v.astype(dt)
+
+
+def _to_jla_log_decay(g, g_gamma, B, T, H):
+    """Our optional ``g [B, T, H]`` + optional ``g_gamma [H]`` -> jla's one log decay ``g [B, T, H]`` (fp32).
+
+    Both sides are log space (S <- exp(g) S); ours adds the two, so the sum is the total decay. Neither
+    given means no decay: zeros. fp32 as our op computes the gates (jla reads g in its own dtype and
+    returns dg in it).
+    """
+    out = None
+    if g is not None:
+        out = g.astype(jnp.float32)
+    if g_gamma is not None:
+        gam = jnp.broadcast_to(g_gamma.astype(jnp.float32)[None, None, :], (B, T, H))  # [H] -> [B, T, H]
+        out = gam if out is None else out + gam
+    return jnp.zeros((B, T, H), jnp.float32) if out is None else out
+
+
+def _to_jla_state(initial_state):
+    """Our fp32 ``[B, H, Dk, Dv]`` state is jla's ``[B, H, K, V]`` layout as is; make sure it is fp32."""
+    return None if initial_state is None else initial_state.astype(jnp.float32)
+
+
+def _resolved_scale(scale, Dk):
+    """Both default to ``1/sqrt(Dk)`` and multiply q; pass the value explicitly (a Python float for jla)."""
+    return Dk ** -0.5 if scale is None else float(scale)
+
+
+@contextlib.contextmanager
+def _jla_rules():
+    """jla's kernel sharding over our mesh axes (a no-op without a context mesh)."""
+    try:
+        from jla.distributed.kernel_sharding import use_rules
+    except ImportError:
+        yield
+        return
+    with use_rules(JLA_SHARD_RULES):
+        yield
+
+
+def _jla_simple_gla(q, k, v, g, g_gamma, *, scale, initial_state, output_final_state, kernel_dtype=None,
+                    backend: str = "mosaic_gpu"):
+    """Our ``simple_gla`` call expressed in jla's API. ``backend`` is jla's ``impl``: ``mosaic_gpu`` (the
+    kernel) or, for tests of the conversions on CPU, ``chunked`` / ``reference`` (jla's plain-JAX forms)."""
+    jla_ops = import_jla()
+    B, T, H, Dk = q.shape
+    out_dtype = q.dtype  # our contract: o comes back in q's dtype
+    jq, jk, jv = _to_jla_qkv(q, k, v, kernel_dtype)
+    jg = _to_jla_log_decay(g, g_gamma, B, T, H)
+    with _jla_rules():
+        o, S = jla_ops.linear_attention(
+            "simple_gla", jq, jk, jv, impl=backend, g=jg, scale=_resolved_scale(scale, Dk),
+            initial_state=_to_jla_state(initial_state), output_final_state=output_final_state)
+    # jla returns o in the kernel input dtype and the final state in fp32 [B, H, K, V] (or None)
+    return o.astype(out_dtype), (S.astype(jnp.float32) if output_final_state else None)
+
+
+def _jla_gated_delta_rule(q, k, v, g, beta, *, scale, initial_state, output_final_state, kernel_dtype=None,
+                          backend: str = "mosaic_gpu"):
+    """Our ``gated_delta_rule`` call expressed in jla's API (kind ``gated_deltanet``); see
+    :func:`_jla_simple_gla` for ``backend``."""
+    jla_ops = import_jla()
+    Dk = q.shape[-1]
+    out_dtype = q.dtype
+    jq, jk, jv = _to_jla_qkv(q, k, v, kernel_dtype)
+    # g: log decay [B, T, H] on both sides; beta: write strength in (0, 1) on both sides. fp32 gates.
+    with _jla_rules():
+        o, S = jla_ops.linear_attention(
+            "gated_deltanet", jq, jk, jv, impl=backend, g=g.astype(jnp.float32), beta=beta.astype(jnp.float32),
+            scale=_resolved_scale(scale, Dk), initial_state=_to_jla_state(initial_state),
+            output_final_state=output_final_state, use_qk_l2norm=False)  # q, k normalised by the caller
+    return o.astype(out_dtype), (S.astype(jnp.float32) if output_final_state else None)
+
+
+# ----------------------------------------------------------------------------- public ops
+
+def _spec(x, dtype=None):
+    """Shape and dtype only: the resolvers decide from these, without computing casts."""
+    return None if x is None else jax.ShapeDtypeStruct(x.shape, jnp.dtype(dtype or x.dtype))
+
+
+def _qkv_specs(q, k, v, kernel_dtype):
+    """q, k, v as :func:`_to_jla_qkv` would hand them to the kernel."""
+    return tuple(_spec(x, kernel_dtype) for x in (q, k, v))
+
+
+def resolve_simple_gla(q, k, v, g=None, g_gamma=None, *, scale=None, initial_state=None, impl: str = "auto",
+                       kernel_dtype=None) -> str:
+    """Which implementation :func:`simple_gla` runs for these arguments: ``'xla'`` or ``'jla'``.
+
+    Raises :class:`FastPathUnavailable` for ``impl='jla'`` when the kernel cannot run the call here."""
+    _check_qkv(q, k, v)
+    _check_impl(impl)
+    if impl == "xla":
+        return "xla"
+    B, T, H, _ = q.shape
+    jg = jax.ShapeDtypeStruct((B, T, H), jnp.float32)  # the converted gate (_to_jla_log_decay)
+    return _resolve("simple_gla", impl, *_qkv_specs(q, k, v, kernel_dtype), (jg,), scale,
+                    _spec(initial_state, jnp.float32))
+
+
+def resolve_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, impl: str = "auto",
+                             kernel_dtype=None) -> str:
+    """Which implementation :func:`gated_delta_rule` runs for these arguments: ``'xla'`` or ``'jla'``.
+
+    Raises :class:`FastPathUnavailable` for ``impl='jla'`` when the kernel cannot run the call here."""
+    _check_qkv(q, k, v)
+    _check_impl(impl)
+    if impl == "xla":
+        return "xla"
+    gates = (_spec(g, jnp.float32), _spec(beta, jnp.float32))
+    return _resolve("gated_delta_rule", impl, *_qkv_specs(q, k, v, kernel_dtype), gates, scale,
+                    _spec(initial_state, jnp.float32))
+
+
+def simple_gla(q, k, v, g=None, g_gamma=None, *, scale: float | None = None, initial_state=None,
+               output_final_state: bool = False, chunk_size: int = 64, precision=None, impl: str = "auto",
+               kernel_dtype=None):
+    """Scalar-decay linear attention; arguments and returns as :func:`chunk_simple_gla`, plus ``impl``
+    (``auto`` | ``xla`` | ``jla``) and ``kernel_dtype`` (see the module docstring).
+
+    Returns ``(o [B, T, H, Dv] in q.dtype, final_state [B, H, Dk, Dv] float32 or None)``.
+    """
+    _check_qkv(q, k, v)
+    B, T, H, Dk = q.shape
+    _check_state(initial_state, B, H, Dk, v.shape[-1])
+    if g is not None and g.shape != (B, T, H):
+        raise ValueError(f"g must be [B, T, H] = {(B, T, H)}, got {g.shape}")
+    if g_gamma is not None and g_gamma.shape != (H,):
+        raise ValueError(f"g_gamma must be [H] = {(H,)}, got {g_gamma.shape}")
+    which = resolve_simple_gla(q, k, v, g, g_gamma, scale=scale, initial_state=initial_state, impl=impl,
+                               kernel_dtype=kernel_dtype)
+    if which == "xla":
+        return chunk_simple_gla(q, k, v, g, g_gamma, scale=scale, initial_state=initial_state,
+                                output_final_state=output_final_state, chunk_size=chunk_size, precision=precision)
+    return _jla_simple_gla(q, k, v, g, g_gamma, scale=scale, initial_state=initial_state,
+                           output_final_state=output_final_state, kernel_dtype=kernel_dtype)
+
+
+def gated_delta_rule(q, k, v, g, beta, *, scale: float | None = None, initial_state=None,
+                     output_final_state: bool = False, chunk_size: int = 64, precision=None, impl: str = "auto",
+                     kernel_dtype=None):
+    """Gated delta rule; arguments and returns as :func:`chunk_gated_delta_rule` (q, k L2-normalised by the
+    caller), plus ``impl`` (``auto`` | ``xla`` | ``jla``) and ``kernel_dtype`` (see the module docstring).
+
+    Returns ``(o [B, T, H, Dv] in q.dtype, final_state [B, H, Dk, Dv] float32 or None)``.
+    """
+    _check_qkv(q, k, v)
+    B, T, H, Dk = q.shape
+    _check_gates(g, beta, B, T, H)
+    _check_state(initial_state, B, H, Dk, v.shape[-1])
+    which = resolve_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state, impl=impl,
+                                     kernel_dtype=kernel_dtype)
+    if which == "xla":
+        return chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                                      output_final_state=output_final_state, chunk_size=chunk_size,
+                                      precision=precision)
+    return _jla_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                                 output_final_state=output_final_state, kernel_dtype=kernel_dtype)
