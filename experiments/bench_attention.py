@@ -21,6 +21,13 @@ this is device time for calls of more than a few tens of microseconds).
 positions, bf16 and fp32, T not a multiple of the blocks, GQA, w in {1, 64, 128, 1000}, and
 checks that two runs give identical bits (no race).
 
+``--moba`` adds the block-sparse (MoBA) kernel: a GPU check against a dense fp32 oracle (per-token
+and per-block selections, bf16/fp32, T not a multiple of the block, GQA) and a table at T=32768,
+B=1, block 128, top-k = 1/8 of the blocks, against cuDNN *full causal* attention (the anchor),
+per-block lists, per-token lists (coherent, i.e. shared within a block, and random, the worst
+case for the union lists), and the model's path (gate + selection + kernel). ``--moba-only``
+skips the windowed part.
+
 ``--sweep`` times a few tile configurations at T=16384, B=2 and uses the fastest per window
 for the table; ``--config FWD+DKV+DQ`` (names below) fixes one; otherwise the kernel's own
 ``default_block_sizes(window)`` is used.
@@ -201,6 +208,13 @@ def run_check(blocks, results):
              ref="dense", fused=True),
         dict(B=1, T=4096, H=4, KV=4, D=128, w=2048, dtype="bfloat16", permuted=False,
              ref="blocked", fused=True),
+        # SA window_mode='symmetric': |i - j| < w in the permuted order (window_right = w - 1)
+        dict(B=2, T=1000, H=8, KV=2, D=128, w=128, wr=127, dtype="bfloat16", permuted=True,
+             ref="dense"),
+        dict(B=1, T=4096, H=4, KV=2, D=128, w=512, wr=511, dtype="bfloat16", permuted=True,
+             ref="blocked", default_blocks=True),
+        dict(B=1, T=520, H=4, KV=1, D=64, w=600, wr=599, dtype="float32", permuted=True,
+             ref="dense"),
     ]
     ok_all = True
     for i, c in enumerate(cases):
@@ -208,20 +222,23 @@ def run_check(blocks, results):
         q, k, v, do, perm = rand_inputs(100 + i, c["B"], c["T"], c["H"], c["KV"], c["D"], dtype)
         pos = perm if c["permuted"] else None
         w = c["w"]
+        wr = c.get("wr", 0)
         fused = c.get("fused", False)
         cblocks = (None if c.get("default_blocks") else
                    dataclasses.replace(blocks, fused_bwd=fused))
         try:
             ours = jax.jit(fwd_bwd(lambda q, k, v: K.windowed_attention(
-                q, k, v, pos, w, block_sizes=cblocks, interpret=INTERPRET)))
+                q, k, v, pos, w, block_sizes=cblocks, interpret=INTERPRET, window_right=wr)))
             got = ours(q, k, v, do)
             again = ours(q, k, v, do)
             same_bits = all(bool(jnp.array_equal(a, b)) for a, b in zip(got, again))
             f32 = [x.astype(jnp.float32) for x in (q, k, v, do)]
             if c["ref"] == "dense":
-                ref_fn = lambda q, k, v: REF.dense_attention(q, k, v, window=w, positions=pos)
+                ref_fn = lambda q, k, v: REF.dense_attention(q, k, v, window=w, positions=pos,
+                                                             window_right=wr)
             else:
-                ref_fn = lambda q, k, v: REF.windowed_attention(q, k, v, w, positions=pos)
+                ref_fn = lambda q, k, v: REF.windowed_attention(q, k, v, w, positions=pos,
+                                                                window_right=wr)
             with jax.default_matmul_precision("highest"):
                 want = jax.jit(fwd_bwd(ref_fn))(*f32)
             errs = [rel_err(g, r) for g, r in zip(got, want)]
@@ -237,7 +254,7 @@ def run_check(blocks, results):
                  tol=tol, ok=ok)
         results["check"].append(c)
         print(f"  {'PASS' if ok else 'FAIL'} B={c['B']} T={c['T']} H={c['H']} K={c['KV']} "
-              f"D={c['D']} w={w} {c['dtype']} {'SA' if c['permuted'] else 'SWA'} ref={c['ref']}"
+              f"D={c['D']} w={w}{f'/right {wr}' if wr else ''} {c['dtype']} {'SA' if c['permuted'] else 'SWA'} ref={c['ref']}"
               f"{' fused-bwd' if fused else ''}{' default-tiles' if cblocks is None else ''}: "
               + " ".join(f"{n}={e:.2e}" for n, e in zip(("o", "dq", "dk", "dv"), errs))
               + f" same_bits={same_bits}")
@@ -280,6 +297,10 @@ def impl_fns(name, w, blocks, perm, jla):
         def attn(q, k, v):
             return K.windowed_attention(q, k, v, perm, w, block_sizes=blocks,
                                         interpret=INTERPRET)
+    elif name == "pallas_sa_sym":  # SA window_mode='symmetric': |i - j| < w (about 2x the band)
+        def attn(q, k, v):
+            return K.windowed_attention(q, k, v, perm, w, block_sizes=blocks,
+                                        interpret=INTERPRET, window_right=w - 1)
     elif name == "pallas_sa_gather":
         # naive SA route for scale: gather q, k, v into the permuted order, run the kernel with
         # the permutation as positions, scatter the output back to the original order
@@ -360,6 +381,162 @@ def run_sweep(args, results, jla):
     return best
 
 
+# ------------------------------------------------------------------------------------------------
+# --moba: block-sparse kernel
+# ------------------------------------------------------------------------------------------------
+
+MOBA_CONFIGS = {  # tiles shared by the three kernels (the lists are per query tile)
+    "m64": dict(block_q=64, block_k=64, num_warps=4, num_stages=2),
+    "m128x64": dict(block_q=128, block_k=64, num_warps=8, num_stages=2, num_warps_bwd=8),
+    "m128": dict(block_q=128, block_k=128, num_warps=8, num_stages=2, num_warps_bwd=8),
+    "m64s3": dict(block_q=64, block_k=64, num_warps=4, num_stages=3, num_stages_bwd=3),
+}
+
+
+def moba_selection(seed, B, rows, Hs, nb, top_k, block_of_row):
+    """top_k blocks per row from random scores: own block forced, later blocks excluded."""
+    imp = jax.random.normal(jax.random.key(seed), (B, rows, Hs, nb))
+    c = jnp.arange(nb)[None, :]
+    own = block_of_row[:, None]
+    imp = jnp.where((c > own)[None, :, None, :], -jnp.inf, imp)
+    imp = jnp.where((c == own)[None, :, None, :], jnp.inf, imp)
+    vals, idx = jax.lax.top_k(imp, min(top_k, nb))
+    return jnp.where(vals > -jnp.inf, idx, -1).astype(jnp.int32)
+
+
+def moba_dense_oracle(q, k, v, tok_idx, block_size):
+    """fp32 dense masked attention: key j visible from t iff j <= t and (same block or selected)."""
+    B, T, H, D = q.shape
+    Hs = tok_idx.shape[2]
+    blk = jnp.arange(T) // block_size
+    sel = jnp.any(tok_idx[..., None] == blk[None, None, None, None, :], axis=3)  # [B, T, Hs, T]
+    mask = (sel | (blk[:, None] == blk[None, :])[None, :, None, :]) & (
+        jnp.arange(T)[None, :] <= jnp.arange(T)[:, None])[None, :, None, :]
+    mask = jnp.repeat(mask.transpose(0, 2, 1, 3), H // Hs, axis=1)  # [B, H, T, T]
+    G = H // k.shape[2]
+    kr, vr = jnp.repeat(k, G, axis=2), jnp.repeat(v, G, axis=2)
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, kr) / math.sqrt(D)
+    p = jax.nn.softmax(jnp.where(mask, s, -1e30), axis=-1)
+    return jnp.einsum("bhqk,bkhd->bqhd", p, vr)
+
+
+def run_moba_check(results):
+    print("\n== moba check: block-sparse kernel vs dense fp32 oracle (rel. L2 of o, dq, dk, dv) ==")
+    cases = [
+        dict(B=2, T=1000, H=8, KV=2, Hs=8, bs=64, top_k=4, per_token=True, dtype="bfloat16"),
+        dict(B=2, T=1000, H=8, KV=2, Hs=2, bs=64, top_k=4, per_token=False, dtype="bfloat16"),
+        dict(B=1, T=1500, H=4, KV=1, Hs=4, bs=128, top_k=3, per_token=False, dtype="bfloat16"),
+        dict(B=1, T=1500, H=4, KV=1, Hs=1, bs=128, top_k=3, per_token=True, dtype="bfloat16",
+             config="m128"),
+        dict(B=1, T=700, H=4, KV=2, Hs=4, bs=32, top_k=5, per_token=True, dtype="float32"),
+        dict(B=1, T=1024, H=4, KV=4, Hs=4, bs=128, top_k=3, per_token=False, dtype="float32",
+             config="m128x64"),
+    ]
+    ok_all = True
+    for i, c in enumerate(cases):
+        dtype = jnp.dtype(c["dtype"])
+        q, k, v, do, _ = rand_inputs(200 + i, c["B"], c["T"], c["H"], c["KV"], 128, dtype)
+        nb = -(-c["T"] // c["bs"])
+        if c["per_token"]:
+            idx = moba_selection(i, c["B"], c["T"], c["Hs"], nb, c["top_k"], jnp.arange(c["T"]) // c["bs"])
+            tok = idx
+        else:
+            idx = moba_selection(i, c["B"], nb, c["Hs"], nb, c["top_k"], jnp.arange(nb))
+            tok = idx[:, jnp.arange(c["T"]) // c["bs"]]
+        blocks = K.SparseBlockSizes(**MOBA_CONFIGS[c.get("config", "m64")])
+        try:
+            ours = jax.jit(fwd_bwd(lambda q, k, v: K.block_sparse_attention(
+                q, k, v, idx, block_size=c["bs"], block_sizes=blocks, interpret=INTERPRET)))
+            got = ours(q, k, v, do)
+            again = ours(q, k, v, do)
+            same_bits = all(bool(jnp.array_equal(a, b)) for a, b in zip(got, again))
+            with jax.default_matmul_precision("highest"):
+                want = jax.jit(fwd_bwd(lambda q, k, v: moba_dense_oracle(q, k, v, tok, c["bs"])))(
+                    *[x.astype(jnp.float32) for x in (q, k, v, do)])
+            errs = [rel_err(g, r) for g, r in zip(got, want)]
+            tol = 2e-2 if dtype == jnp.bfloat16 else 1e-4
+            ok = all(e < tol for e in errs) and same_bits
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc()
+            errs, same_bits, ok, tol = [float("nan")] * 4, False, False, None
+            c["error"] = f"{type(e).__name__}: {e}"[:500]
+        ok_all &= ok
+        c.update(errors=dict(zip(("o", "dq", "dk", "dv"), errs)), deterministic=same_bits, tol=tol, ok=ok)
+        results["moba_check"].append(c)
+        print(f"  {'PASS' if ok else 'FAIL'} {c}: " + " ".join(
+            f"{n}={e:.2e}" for n, e in zip(("o", "dq", "dk", "dv"), errs)), flush=True)
+    print(f"== moba check {'PASSED' if ok_all else 'FAILED'} ==")
+    results["moba_check_ok"] = ok_all
+    return ok_all
+
+
+def moba_pairs(T, bs, top_k):
+    """Visible (query, key) pairs of block-level MoBA (own block causal + min(k-1, c) past blocks)."""
+    total = 0
+    for c in range(-(-T // bs)):
+        n = min(bs, T - c * bs)
+        total += n * (n + 1) // 2 + n * bs * min(top_k - 1, c)
+    return total
+
+
+def run_moba_table(args, results):
+    T, B, H, D, bs = args.moba_T, 1, 16, 128, args.moba_block
+    nb = T // bs
+    top_k = max(1, nb // 8)
+    print(f"\n== moba table: T={T} B={B} H={H} D={D} block={bs} top_k={top_k} (of {nb}) ==")
+    q, k, v, do, _ = rand_inputs(3, B, T, H, H, D, jnp.bfloat16)
+    per_block = moba_selection(1, B, nb, H, nb, top_k, jnp.arange(nb))
+    coherent = per_block[:, jnp.arange(T) // bs]
+    random_tok = moba_selection(2, B, T, H, nb, top_k, jnp.arange(T) // bs)
+    ops_bs = _load_path("_hybrid_lm_ops_block_sparse", ROOT / "hybrid_lm" / "ops" / "block_sparse.py")
+    variants = {"cudnn_full": None}
+    for name in args.moba_configs.split(","):
+        variants[f"pallas_block[{name}]"] = (per_block, name)
+    variants["pallas_token_coherent[m64]"] = (coherent, "m64")
+    variants["pallas_token_random[m64]"] = (random_tok, "m64")
+    variants["model_block_moba_gate[m64]"] = ("select_block", "m64")
+    variants["model_token_moba_gate[m64]"] = ("select_token", "m64")
+    pairs = moba_pairs(T, bs, top_k) * B * H
+    full_pairs = T * (T + 1) // 2 * B * H
+    rows = {}
+    for name, spec in variants.items():
+        if spec is None:
+            def attn(q, k, v):
+                return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+        else:
+            sel, cfg = spec
+            blocks = K.SparseBlockSizes(**MOBA_CONFIGS[cfg])
+
+            def attn(q, k, v, sel=sel, blocks=blocks):
+                if isinstance(sel, str):  # the model's path: gate + top-k + kernel
+                    sel = ops_bs.select_blocks(q, k, block_size=bs, top_k=top_k, gate="moba",
+                                               selection=sel.split("_")[1])
+                return K.block_sparse_attention(q, k, v, sel, block_size=bs, block_sizes=blocks,
+                                                interpret=INTERPRET)
+        r = {}
+        for mode, fn, fargs in (("fwd", jax.jit(attn), (q, k, v)),
+                                ("fwd_bwd", jax.jit(fwd_bwd(attn)), (q, k, v, do))):
+            try:
+                r[mode], r[mode + "_all"] = time_fn(fn, fargs, args.reps, args.inner)
+            except Exception as e:  # noqa: BLE001
+                r[mode] = None
+                r[mode + "_error"] = f"{type(e).__name__}: {e}"[:1000]
+                print(f"  [{name} {mode}] failed: {r[mode + '_error'][:300]}")
+        rows[name] = r
+        print(f"  {name}: fwd {r.get('fwd')} ms, fwd+bwd {r.get('fwd_bwd')} ms", flush=True)
+    base = rows["cudnn_full"]
+    print("\n| variant | fwd ms | cuDNN full / this (fwd) | fwd+bwd ms | cuDNN full / this (fwd+bwd) | fwd+bwd TF/s (visible pairs) |")
+    print("|---|---|---|---|---|---|")
+    for name, r in rows.items():
+        p = full_pairs if name == "cudnn_full" else pairs
+        sp = lambda m: "—" if r.get(m) is None or base.get(m) is None else f"{base[m] / r[m]:.2f}x"
+        tfs = "—" if r.get("fwd_bwd") is None else f"{3.5 * 4 * D * p / (r['fwd_bwd'] * 1e-3) / 1e12:.0f}"
+        fmt = lambda x: "—" if x is None else f"{x:.3f}"
+        print(f"| {name} | {fmt(r.get('fwd'))} | {sp('fwd')} | {fmt(r.get('fwd_bwd'))} | {sp('fwd_bwd')} | {tfs} |")
+    results["moba"] = dict(T=T, B=B, H=H, D=D, block=bs, top_k=top_k, n_blocks=nb,
+                           visible_pairs=pairs, full_causal_pairs=full_pairs, rows=rows)
+
+
 def copy_bandwidth():
     x = jax.random.normal(jax.random.key(0), (4, 16384, 16, 128), jnp.bfloat16)
     f = jax.jit(lambda x: x + 1)
@@ -381,6 +558,11 @@ def main():
     p.add_argument("--inner", type=int, default=10)
     p.add_argument("--out", default=None, help="JSON output path")
     p.add_argument("--interpret", action="store_true", help="CPU smoke test (interpret mode)")
+    p.add_argument("--moba", action="store_true", help="also check and time the block-sparse kernel")
+    p.add_argument("--moba-only", action="store_true", help="only the block-sparse part")
+    p.add_argument("--moba-T", type=int, default=32768)
+    p.add_argument("--moba-block", type=int, default=128)
+    p.add_argument("--moba-configs", default="m64,m128x64,m128,m64s3")
     args = p.parse_args()
     global INTERPRET
     INTERPRET = args.interpret
@@ -390,7 +572,7 @@ def main():
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         command=" ".join(sys.argv), device=str(getattr(dev, "device_kind", dev)),
         platform=dev.platform, jax=jax.__version__, heads=16, head_dim=128, dtype="bfloat16",
-        check=[], sweep=[], rows=[])
+        check=[], sweep=[], rows=[], moba_check=[])
     print(f"device: {results['device']} ({dev.platform}), jax {jax.__version__}")
 
     def dump():
@@ -398,6 +580,15 @@ def main():
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).write_text(json.dumps(results, indent=1))
 
+    if args.moba or args.moba_only:
+        if args.check or args.check_only:
+            run_moba_check(results)
+            dump()
+        if not args.check_only:
+            run_moba_table(args, results)
+            dump()
+        if args.moba_only:
+            return
     jla = load_jla() if "jla" in args.impls else None
     # without --config / --sweep the kernel's own default_block_sizes(window) is used
     default_cfg = tuple(args.config.split("+")) if args.config else None
