@@ -38,11 +38,11 @@ def bench(scale: str, arch: str, window: int, seq_len: int, batch: int, steps: i
     step = jax.jit(make_train_step(fns, tx, sched), donate_argnums=0)
 
     @jax.jit
-    def init():
-        p = fns.init(0)
+    def init(seed):  # traced seed: a constant key would be constant-folded at compile time
+        p = fns.init(seed)
         return {"params": p, "opt_state": tx.init(p), "step": jnp.zeros((), jnp.int32)}
 
-    state = init()
+    state = init(jnp.asarray(0, jnp.uint32))
     tokens = jax.random.randint(jax.random.key(0), (batch, seq_len + 1), 0, cfg.model.vocab_size)
     t0 = time.time()
     state, stats = step(state, tokens)

@@ -96,18 +96,21 @@ def train(cfg: Config, workdir: Path | str | None = None, *, force: bool = False
     batch_shard = shd.batch_sharding(mesh, rules)
     repl = shd.replicated(mesh)
 
-    def init_state():
-        params = fns.init(cfg.train.seed)
+    def init_state(seed):
+        # the seed is a traced argument: with a constant key XLA constant-folds the whole random
+        # init at compile time (7+ minutes for S5 on an H200)
+        params = fns.init(seed)
         return {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32)}
 
     with jax.set_mesh(mesh):
+        seed0 = jnp.asarray(cfg.train.seed, jnp.uint32)
         init_fn = jax.jit(init_state, out_shardings=state_shard)
         step_fn = jax.jit(make_train_step(fns, tx, schedule), in_shardings=(state_shard, batch_shard),
                           out_shardings=(state_shard, repl), donate_argnums=0)
         eval_fn = jax.jit(make_eval_step(fns), in_shardings=(p_shard, batch_shard), out_shardings=repl)
 
         ckpt = Checkpointer(workdir / "checkpoints", cfg.checkpoint)
-        abstract_state = abstract_with_shardings(jax.eval_shape(init_state), state_shard)
+        abstract_state = abstract_with_shardings(jax.eval_shape(init_state, seed0), state_shard)
         restored = ckpt.restore_latest(abstract_state)
         if restored is not None:
             state, meta = restored
@@ -116,7 +119,7 @@ def train(cfg: Config, workdir: Path | str | None = None, *, force: bool = False
                 log.warning("resuming a checkpoint of run %s under run id %s (forced)", meta.get("run_id"),
                             cfg.run_id())
         else:
-            state = init_fn()
+            state = init_fn(seed0)
             start, resumed_from = 0, None
 
         counts = count_params(cfg.model)

@@ -27,8 +27,9 @@ class ModelFns:
                             is_leaf=lambda x: isinstance(x, nnx.Variable))
         self.axes = nnx.to_pure_dict(axes)
 
-    def init(self, seed: int):
-        model = HybridLM(self.cfg.model, rngs=nnx.Rngs(params=seed))
+    def init(self, seed):
+        """Parameters from an int seed (a Python int or a traced integer scalar)."""
+        model = HybridLM(self.cfg.model, rngs=nnx.Rngs(params=jax.random.key(seed)))
         return nnx.to_pure_dict(nnx.state(model, nnx.Param))
 
     def model(self, params) -> HybridLM:
