@@ -192,6 +192,52 @@ def test_gated_delta_rule_conversion_matches_reference():
 
 
 @needs_jla
+@pytest.mark.parametrize("op", ["simple_gla", "gated_delta_rule"])
+def test_zero_padded_head_widths_are_exact(op):
+    """Widths the kernel rejects (GDN at the presets: Dk=96, Dv=192) are zero-padded to ones it takes and
+    sliced back: output, final state and every gradient equal the unpadded reference."""
+    delta = op == "gated_delta_rule"
+    q, k, v, g, _, beta, S0 = _inputs(5, B=1, T=40, H=2, Dk=24, Dv=40, unit_qk=delta)
+    if delta:
+        args = [q, k, v, g, beta, S0]
+        fn = functools.partial(lag._jla_gated_delta_rule, backend="chunked", pad_to=(32, 64))
+        ref = naive_recurrent_gated_delta_rule
+    else:
+        args = [q, k, v, g, jnp.full((2,), -0.1, jnp.float32), S0]  # per-token g + per-head g_gamma
+        fn = functools.partial(lag._jla_simple_gla, backend="chunked", pad_to=(32, 64))
+        ref = naive_recurrent_simple_gla
+
+    def call(impl_fn, *a):
+        *a, s0 = a
+        return impl_fn(*a, scale=None, initial_state=s0, output_final_state=True)
+
+    with jax.default_matmul_precision("highest"):
+        (o, S), grads = _grads(jax.jit(functools.partial(call, fn)), args, 6)
+        (o_r, S_r), grads_r = _grads(jax.jit(functools.partial(call, ref)), args, 6)
+    assert o.shape == o_r.shape and S.shape == S_r.shape == (1, 2, 24, 40)
+    assert _rel(o, o_r) < 1e-5 and _rel(S, S_r) < 1e-5
+    for i, (a, b) in enumerate(zip(grads, grads_r)):
+        assert a.shape == b.shape and _rel(a, b) < 1e-4, (op, i, _rel(a, b))
+
+
+def test_kernel_widths_pick_the_cheapest_accepted_padding(monkeypatch):
+    """With jla's predicate stubbed to its documented set, (96, 192) pads to (128, 256); accepted widths
+    stay; nothing acceptable -> None (auto then runs XLA)."""
+    ok = {(64, 64), (64, 128), (128, 64), (128, 128), (128, 256), (256, 128), (256, 256)}
+    monkeypatch.setattr(lag, "_jla_kernel_reason",
+                        lambda op, q, k, v, gates, options: None if (q.shape[-1], v.shape[-1]) in ok else "no")
+
+    def widths(dk, dv):
+        spec = lambda d: jax.ShapeDtypeStruct((1, 64, 2, d), jnp.bfloat16)  # noqa: E731
+        return lag.kernel_widths("gated_delta_rule", spec(dk), spec(dk), spec(dv), ())
+
+    assert widths(96, 192) == (128, 256)
+    assert widths(128, 128) == (128, 128)
+    assert widths(48, 32) == (64, 64)
+    assert widths(600, 64) is None
+
+
+@needs_jla
 def test_kernel_dtype_cast_and_output_dtype():
     """fp32 q/k/v with kernel_dtype=bf16 (the layers' call): the kernel sees bf16, the output comes back
     in fp32 (q's dtype), within bf16 rounding of the fp32 reference."""

@@ -29,6 +29,11 @@ Conventions, ours -> jla (the conversions done in :func:`_jla_simple_gla` / :fun
 - scale: both multiply q, default ``1/sqrt(Dk)``; we pass the resolved value (jla needs a Python float).
 - delta rule: same recurrence and argument order ``(q, k, v, g, beta)``; ``beta`` already sigmoided.
   q, k are used as given (``use_qk_l2norm=False``): normalising is the layer's job, as in our op.
+- head widths: when the kernel rejects (Dk, Dv) but accepts wider ones, q and k are zero-padded to
+  Dk' and v (and the initial state) to Dv', and the output / final state are sliced back. This is
+  exact for both recurrences: zero key dims never write the state, zero value dims stay zero, zero
+  query dims read nothing (the scale is resolved from the *unpadded* Dk first). It is what lets GDN at
+  the preset scales (Dk = 96, Dv = 192) run the kernel at (128, 256), with 1.8x the state FLOPs.
 - ``chunk_size`` and ``precision`` only steer our XLA scan; the kernel has a fixed 64-token chunk and
   its own fp32 accumulation (outputs agree up to rounding).
 
@@ -109,8 +114,33 @@ def _jla_kernel_reason(op: str, q, k, v, gates: tuple, options: dict) -> str | N
     return reason or "rejected by jla's supports predicate"
 
 
+KERNEL_WIDTHS = (64, 128, 256, 512)  # head widths tried when padding a call up to what the kernel takes
+
+
+def _with_width(x, width):
+    """A spec (or None) with its last axis replaced by ``width``."""
+    return None if x is None else jax.ShapeDtypeStruct(x.shape[:-1] + (width,), x.dtype)
+
+
+def kernel_widths(op: str, q, k, v, gates: tuple, *, scale=None, initial_state=None):
+    """``(Dk', Dv')`` the jla kernel accepts for this call with q/k zero-padded to Dk' and v to Dv'
+    (the unpadded widths first, then the cheapest padding), or ``None`` if none is accepted."""
+    Dk, Dv = q.shape[-1], v.shape[-1]
+    cands = sorted({(a, b) for a in (Dk, *[w for w in KERNEL_WIDTHS if w > Dk])
+                    for b in (Dv, *[w for w in KERNEL_WIDTHS if w > Dv])},
+                   key=lambda ab: (ab != (Dk, Dv), ab[0] * ab[1], ab))
+    for a, b in cands:
+        state = None
+        if initial_state is not None:
+            state = jax.ShapeDtypeStruct(initial_state.shape[:2] + (a, b), initial_state.dtype)
+        options = {"scale": scale, "initial_state": state}
+        if _jla_kernel_reason(op, _with_width(q, a), _with_width(k, a), _with_width(v, b), gates, options) is None:
+            return a, b
+    return None
+
+
 def unsupported_reason(op: str, q, k, v, gates: tuple, *, scale=None, initial_state=None) -> str | None:
-    """Why the jla kernel cannot run this call here; ``None`` if it can.
+    """Why the jla kernel cannot run this call here (even with padded head widths); ``None`` if it can.
 
     ``op`` is ``"simple_gla"`` or ``"gated_delta_rule"``; q/k/v/gates are in jla's form (after the
     conversions below; arrays or ``jax.ShapeDtypeStruct``s).
@@ -121,8 +151,9 @@ def unsupported_reason(op: str, q, k, v, gates: tuple, *, scale=None, initial_st
         return f"jax-linear-attention is not installed; {INSTALL_HINT}"
     if scale is not None and not isinstance(scale, numbers.Real):
         return f"scale must be a Python number for the kernel (it is static there), got {type(scale).__name__}"
-    options = {"scale": scale, "initial_state": initial_state}
-    return _jla_kernel_reason(op, q, k, v, gates, options)
+    if kernel_widths(op, q, k, v, gates, scale=scale, initial_state=initial_state) is not None:
+        return None
+    return _jla_kernel_reason(op, q, k, v, gates, {"scale": scale, "initial_state": initial_state})
 
 
 def _check_impl(impl: str) -> None:
@@ -186,6 +217,34 @@ def _resolved_scale(scale, Dk):
     return Dk ** -0.5 if scale is None else float(scale)
 
 
+def _pad_last(x, width):
+    """Zero-pad the last axis to ``width`` (None passes through)."""
+    if x is None or x.shape[-1] == width:
+        return x
+    return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - x.shape[-1])])
+
+
+def _pad_widths(q, k, v, initial_state, widths):
+    """q, k to Dk' and v to Dv' (zeros); the state ``[B, H, Dk, Dv]`` on both of its last axes."""
+    if widths is None:
+        return q, k, v, initial_state
+    a, b = widths
+    if initial_state is not None:
+        Dk = initial_state.shape[2]
+        initial_state = _pad_last(jnp.pad(initial_state, ((0, 0), (0, 0), (0, a - Dk), (0, 0))), b)
+    return _pad_last(q, a), _pad_last(k, a), _pad_last(v, b), initial_state
+
+
+def _kernel_call_widths(op, jq, jk, jv, gates, scale, initial_state, backend, pad_to):
+    """The widths to pad to: ``pad_to`` if given (tests), jla's choice for the kernel, else none."""
+    if pad_to is not None or backend != "mosaic_gpu":
+        return pad_to
+    st = None if initial_state is None else _spec(initial_state, jnp.float32)
+    widths = kernel_widths(op, _spec(jq), _spec(jk), _spec(jv), tuple(_spec(x) for x in gates),
+                           scale=scale, initial_state=st)
+    return None if widths == (jq.shape[-1], jv.shape[-1]) else widths
+
+
 @contextlib.contextmanager
 def _jla_rules():
     """jla's kernel sharding over our mesh axes (a no-op without a context mesh)."""
@@ -199,37 +258,49 @@ def _jla_rules():
 
 
 def _jla_simple_gla(q, k, v, g, g_gamma, *, scale, initial_state, output_final_state, kernel_dtype=None,
-                    backend: str = "mosaic_gpu"):
+                    backend: str = "mosaic_gpu", pad_to=None):
     """Our ``simple_gla`` call expressed in jla's API. ``backend`` is jla's ``impl``: ``mosaic_gpu`` (the
-    kernel) or, for tests of the conversions on CPU, ``chunked`` / ``reference`` (jla's plain-JAX forms)."""
+    kernel) or, for tests of the conversions on CPU, ``chunked`` / ``reference`` (jla's plain-JAX forms).
+    ``pad_to=(Dk', Dv')`` forces zero-padded head widths (by default the kernel's choice, see
+    :func:`kernel_widths`)."""
     jla_ops = import_jla()
     B, T, H, Dk = q.shape
+    Dv = v.shape[-1]
     out_dtype = q.dtype  # our contract: o comes back in q's dtype
+    jscale = _resolved_scale(scale, Dk)  # from the unpadded width
     jq, jk, jv = _to_jla_qkv(q, k, v, kernel_dtype)
     jg = _to_jla_log_decay(g, g_gamma, B, T, H)
+    js = _to_jla_state(initial_state)
+    widths = _kernel_call_widths("simple_gla", jq, jk, jv, (jg,), jscale, js, backend, pad_to)
+    jq, jk, jv, js = _pad_widths(jq, jk, jv, js, widths)
     with _jla_rules():
         o, S = jla_ops.linear_attention(
-            "simple_gla", jq, jk, jv, impl=backend, g=jg, scale=_resolved_scale(scale, Dk),
-            initial_state=_to_jla_state(initial_state), output_final_state=output_final_state)
-    # jla returns o in the kernel input dtype and the final state in fp32 [B, H, K, V] (or None)
-    return o.astype(out_dtype), (S.astype(jnp.float32) if output_final_state else None)
+            "simple_gla", jq, jk, jv, impl=backend, g=jg, scale=jscale,
+            initial_state=js, output_final_state=output_final_state)
+    # jla returns o in the kernel input dtype and the final state in fp32 [B, H, K, V] (or None);
+    # padded value columns / key rows are sliced off
+    return o[..., :Dv].astype(out_dtype), (S[:, :, :Dk, :Dv].astype(jnp.float32) if output_final_state else None)
 
 
 def _jla_gated_delta_rule(q, k, v, g, beta, *, scale, initial_state, output_final_state, kernel_dtype=None,
-                          backend: str = "mosaic_gpu"):
+                          backend: str = "mosaic_gpu", pad_to=None):
     """Our ``gated_delta_rule`` call expressed in jla's API (kind ``gated_deltanet``); see
-    :func:`_jla_simple_gla` for ``backend``."""
+    :func:`_jla_simple_gla` for ``backend`` and ``pad_to``."""
     jla_ops = import_jla()
-    Dk = q.shape[-1]
+    Dk, Dv = q.shape[-1], v.shape[-1]
     out_dtype = q.dtype
+    jscale = _resolved_scale(scale, Dk)  # from the unpadded width
     jq, jk, jv = _to_jla_qkv(q, k, v, kernel_dtype)
     # g: log decay [B, T, H] on both sides; beta: write strength in (0, 1) on both sides. fp32 gates.
+    jg, jb = g.astype(jnp.float32), beta.astype(jnp.float32)
+    js = _to_jla_state(initial_state)
+    widths = _kernel_call_widths("gated_delta_rule", jq, jk, jv, (jg, jb), jscale, js, backend, pad_to)
+    jq, jk, jv, js = _pad_widths(jq, jk, jv, js, widths)
     with _jla_rules():
         o, S = jla_ops.linear_attention(
-            "gated_deltanet", jq, jk, jv, impl=backend, g=g.astype(jnp.float32), beta=beta.astype(jnp.float32),
-            scale=_resolved_scale(scale, Dk), initial_state=_to_jla_state(initial_state),
+            "gated_deltanet", jq, jk, jv, impl=backend, g=jg, beta=jb, scale=jscale, initial_state=js,
             output_final_state=output_final_state, use_qk_l2norm=False)  # q, k normalised by the caller
-    return o.astype(out_dtype), (S.astype(jnp.float32) if output_final_state else None)
+    return o[..., :Dv].astype(out_dtype), (S[:, :, :Dk, :Dv].astype(jnp.float32) if output_final_state else None)
 
 
 # ----------------------------------------------------------------------------- public ops
