@@ -115,3 +115,33 @@ def test_z_loss_joins_the_objective_but_not_the_logged_loss(tiny_params):
     logits = fns.model(fns.init(0))(tokens[:, :-1])
     lse = jax.nn.logsumexp(logits, axis=-1)
     assert float(o1) == pytest.approx(float(a1["ce"]) + 1e-2 * float(jax.numpy.mean(lse ** 2)), rel=1e-5)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_run_length_is_a_runtime_input_of_the_step(tiny_params, optimizer):
+    """One compiled step serves every run length (WSD bounds passed at run time) and equals the
+    step with the run length compiled in, for a run in its decay phase and one still stable."""
+    from hybrid_lm.train.optim import optimizer_for_bounds, wsd_bounds
+
+    cfg = load_config([], tiny_params + ["TrainConfig.global_batch = 4", f"OptimConfig.name = '{optimizer}'",
+                                         "ModelConfig.tie_embeddings = False", "OptimConfig.warmup_steps = 1"])
+    fns = ModelFns(cfg)
+    build = optimizer_for_bounds(cfg.optim, fns.axes)
+    runtime_step = jax.jit(make_train_step(fns, None, None, optimizer_for=build))
+    tokens = jax.random.randint(jax.random.key(4), (4, 33), 0, 256)
+    last_lr = {}
+    for total in (10, 400):  # decaying over the last 2 of 10 steps / constant
+        tx, sched = make_optimizer(cfg.optim, total, fns.axes)
+        params = fns.init(0)
+        s_fixed = s_run = {"params": params, "opt_state": tx.init(params), "step": jax.numpy.zeros((), jax.numpy.int32)}
+        fixed_step = jax.jit(make_train_step(fns, tx, sched))
+        bounds = np.asarray(wsd_bounds(cfg.optim, total), np.int32)
+        for _ in range(10):
+            s_fixed, st_fixed = fixed_step(s_fixed, tokens)
+            s_run, st_run = runtime_step(s_run, tokens, bounds)
+            assert float(st_run["lr"]) == pytest.approx(float(st_fixed["lr"]), rel=1e-6)
+        for a, b in zip(jax.tree.leaves(s_fixed), jax.tree.leaves(s_run)):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+        last_lr[total] = float(st_run["lr"])
+    assert last_lr[10] < last_lr[400]  # the bounds really differ between the two runs
+    assert runtime_step._cache_size() == 1  # and one compiled step served both

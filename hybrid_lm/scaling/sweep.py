@@ -274,8 +274,9 @@ def _steps_for(ratio: float, n: int, tps: int) -> int:
 
 
 def decay_start(steps: int, decay_fraction: float) -> int:
-    """First step of the decay phase, computed exactly as ``train/optim.py::wsd_schedule`` does."""
-    return steps - int(round(decay_fraction * steps))
+    """First step of the decay phase, as the trainer computes it (``train/optim.py::wsd_bounds``)."""
+    from hybrid_lm.train.optim import decay_steps
+    return steps - decay_steps(decay_fraction, steps)
 
 
 def expand(spec: Spec, root: str | Path | None = None, extra_params: list[str] | None = None,

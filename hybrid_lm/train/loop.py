@@ -27,7 +27,7 @@ from hybrid_lm.train import distributed
 from hybrid_lm.train import sharding as shd
 from hybrid_lm.train.checkpoint import Checkpointer, abstract_with_shardings
 from hybrid_lm.train.metrics import MetricsWriter, plot_loss_curve
-from hybrid_lm.train.optim import make_optimizer
+from hybrid_lm.train.optim import optimizer_for_bounds, wsd_bounds
 from hybrid_lm.train.rundir import prepare_run_dir
 from hybrid_lm.train.step import ModelFns, make_eval_step, make_train_step
 
@@ -80,7 +80,11 @@ def train(cfg: Config, workdir: Path | str | None = None, *, force: bool = False
     rules = cfg.mesh.rules
     data = DataStreams(cfg)
     fns = ModelFns(cfg)
-    tx, schedule = make_optimizer(cfg.optim, cfg.train.steps, fns.axes)
+    # the WSD bounds are a runtime input of the step: one compiled step (and one persistent-cache
+    # entry) serves every run length, so WSD branches and extended runs do not recompile
+    optimizer_for = optimizer_for_bounds(cfg.optim, fns.axes)
+    bounds = np.asarray(wsd_bounds(cfg.optim, cfg.train.steps), np.int32)
+    tx, _ = optimizer_for(bounds)  # for the state's structure (independent of the bounds)
     n_batch_shards = mesh.shape["data"] * mesh.shape["fsdp"]
     micro = cfg.train.global_batch // cfg.train.microbatches
     if micro % n_batch_shards:
@@ -105,8 +109,9 @@ def train(cfg: Config, workdir: Path | str | None = None, *, force: bool = False
     with jax.set_mesh(mesh):
         seed0 = jnp.asarray(cfg.train.seed, jnp.uint32)
         init_fn = jax.jit(init_state, out_shardings=state_shard)
-        step_fn = jax.jit(make_train_step(fns, tx, schedule), in_shardings=(state_shard, batch_shard),
-                          out_shardings=(state_shard, repl), donate_argnums=0)
+        step_fn = jax.jit(make_train_step(fns, None, None, optimizer_for=optimizer_for),
+                          in_shardings=(state_shard, batch_shard, repl), out_shardings=(state_shard, repl),
+                          donate_argnums=0)
         eval_fn = jax.jit(make_eval_step(fns), in_shardings=(p_shard, batch_shard), out_shardings=repl)
 
         ckpt = Checkpointer(workdir / "checkpoints", cfg.checkpoint)
@@ -195,7 +200,7 @@ def train(cfg: Config, workdir: Path | str | None = None, *, force: bool = False
                         jax.profiler.start_trace(str(workdir / "profile"))
                         profiling = True
                     tokens = put_batch(data.batch(step), batch_shard)
-                    state, stats = step_fn(state, tokens)
+                    state, stats = step_fn(state, tokens, bounds)
                     done = step + 1
                     if pending is not None:
                         handle_stats(*pending)

@@ -34,25 +34,38 @@ def _is_axes(x) -> bool:
     return isinstance(x, tuple) and all(isinstance(a, (str, type(None))) for a in x)
 
 
-def wsd_schedule(o: OptimConfig, total_steps: int):
-    """Linear warmup to ``lr``, constant, then the last ``decay_fraction`` of steps decays to ``min_lr_ratio``."""
+def wsd_bounds(o: OptimConfig, total_steps: int) -> tuple[int, int]:
+    """``(decay_start, decay_steps)`` of a run of ``total_steps``: the last ``decay_fraction`` decays."""
+    decay = decay_steps(o.decay_fraction, total_steps)
+    return total_steps - decay, decay
+
+
+def decay_steps(decay_fraction: float, total_steps: int) -> int:
+    return int(round(decay_fraction * total_steps))
+
+
+def wsd_lr(o: OptimConfig, step, decay_start, decay_steps):
+    """Linear warmup to ``lr``, constant, then decay to ``min_lr_ratio`` over ``[decay_start,
+    decay_start + decay_steps)``. The bounds may be traced: the run length is then a runtime input
+    and one compiled step serves every run length (WSD branches, extended runs)."""
     warm = max(o.warmup_steps, 1)
-    decay = int(round(o.decay_fraction * total_steps))
-    decay_start = total_steps - decay
+    step = jnp.asarray(step, jnp.float32)
+    w = jnp.minimum(1.0, (step + 1.0) / warm)
+    t = jnp.clip((step - jnp.asarray(decay_start, jnp.float32)) /
+                 jnp.maximum(jnp.asarray(decay_steps, jnp.float32), 1.0), 0.0, 1.0)
+    if o.decay_shape == "linear":
+        shape = 1.0 - t
+    elif o.decay_shape == "cosine":
+        shape = 0.5 * (1.0 + jnp.cos(jnp.pi * t))
+    else:  # "1-sqrt"
+        shape = 1.0 - jnp.sqrt(t)
+    return o.lr * w * (o.min_lr_ratio + (1.0 - o.min_lr_ratio) * shape)
 
-    def schedule(step):
-        step = jnp.asarray(step, jnp.float32)
-        w = jnp.minimum(1.0, (step + 1.0) / warm)
-        t = jnp.clip((step - decay_start) / max(decay, 1), 0.0, 1.0)
-        if o.decay_shape == "linear":
-            shape = 1.0 - t
-        elif o.decay_shape == "cosine":
-            shape = 0.5 * (1.0 + jnp.cos(jnp.pi * t))
-        else:  # "1-sqrt"
-            shape = 1.0 - jnp.sqrt(t)
-        return o.lr * w * (o.min_lr_ratio + (1.0 - o.min_lr_ratio) * shape)
 
-    return schedule
+def wsd_schedule(o: OptimConfig, total_steps: int):
+    """``step -> lr`` for a run of ``total_steps`` (see :func:`wsd_lr`)."""
+    bounds = wsd_bounds(o, total_steps)
+    return lambda step: wsd_lr(o, step, *bounds)
 
 
 def decay_mask(axes_tree):
@@ -91,19 +104,34 @@ def decoupled_weight_decay(schedule, weight_decay: float, mask) -> optax.Gradien
     return optax.GradientTransformation(init, update)
 
 
-def make_optimizer(o: OptimConfig, total_steps: int, axes_tree):
-    schedule = wsd_schedule(o, total_steps)
+def optimizer_for_bounds(o: OptimConfig, axes_tree):
+    """``bounds -> (tx, schedule)``: the optimizer for WSD bounds ``[decay_start, decay_steps]``
+    (int32, traced inside the train step or concrete). The optimizer state does not depend on them."""
     clip = optax.clip_by_global_norm(o.grad_clip) if o.grad_clip > 0 else optax.identity()
     mask = decay_mask(axes_tree)
-    if o.name == "adamw":
-        tx = optax.adamw(schedule, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=mask)
-    elif o.name == "muon":
-        # optax's muon applies its Adam branch's decay unmasked, so decay is applied here instead
-        tx = optax.chain(
-            optax.contrib.muon(schedule, beta=o.muon_beta, eps=o.eps, adam_b1=o.b1, adam_b2=o.b2,
-                               muon_weight_dimension_numbers=muon_routing(axes_tree), consistent_rms=MUON_RMS),
-            decoupled_weight_decay(schedule, o.weight_decay, mask),
-        )
-    else:
+    if o.name not in ("adamw", "muon"):
         raise ValueError(f"optimizer {o.name!r}: choose adamw or muon")
-    return optax.chain(clip, tx), schedule
+
+    def build(bounds):
+        def schedule(step):
+            return wsd_lr(o, step, bounds[0], bounds[1])
+
+        if o.name == "adamw":
+            tx = optax.adamw(schedule, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=mask)
+        else:
+            # optax's muon applies its Adam branch's decay unmasked, so decay is applied here instead
+            tx = optax.chain(
+                optax.contrib.muon(schedule, beta=o.muon_beta, eps=o.eps, adam_b1=o.b1, adam_b2=o.b2,
+                                   muon_weight_dimension_numbers=muon_routing(axes_tree),
+                                   consistent_rms=MUON_RMS),
+                decoupled_weight_decay(schedule, o.weight_decay, mask),
+            )
+        return optax.chain(clip, tx), schedule
+
+    return build
+
+
+def make_optimizer(o: OptimConfig, total_steps: int, axes_tree):
+    """``(tx, schedule)`` with the run length fixed (compiled in); the trainer instead passes the
+    bounds at run time (:func:`optimizer_for_bounds`, ``make_train_step(..., optimizer_for=...)``)."""
+    return optimizer_for_bounds(o, axes_tree)(wsd_bounds(o, total_steps))

@@ -73,8 +73,13 @@ def global_norm(tree):
     return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)))
 
 
-def make_train_step(fns: ModelFns, tx, schedule):
+def make_train_step(fns: ModelFns, tx, schedule, optimizer_for=None):
     """``step(state, tokens) -> (state, stats)`` with gradient accumulation and a non-finite guard.
+
+    With ``optimizer_for`` (``train.optim.optimizer_for_bounds``) the step is
+    ``step(state, tokens, bounds)`` and the optimizer is built inside it from the runtime WSD bounds
+    ``[decay_start, decay_steps]`` (int32): the run length is not compiled in (``tx``/``schedule``
+    are then unused and may be None).
 
     The global batch is split into ``TrainConfig.microbatches`` equal parts whose gradients are
     averaged in fp32 (equal to the large batch up to float rounding). A step whose loss or gradient
@@ -90,7 +95,8 @@ def make_train_step(fns: ModelFns, tx, schedule):
             lambda p: fns.loss(p, tokens, step, example_ids, micro_index=micro_index), has_aux=True)(params)
         return obj, aux, g
 
-    def train_step(state, tokens):
+    def train_step(state, tokens, bounds=None):
+        tx_, schedule_ = (tx, schedule) if optimizer_for is None else optimizer_for(bounds)
         params, step = state["params"], state["step"]
         ids = step * B + jnp.arange(B, dtype=jnp.int32)
         if M == 1:
@@ -114,13 +120,13 @@ def make_train_step(fns: ModelFns, tx, schedule):
         ce = aux.pop("ce")
         gnorm = global_norm(grads)
         finite = jnp.isfinite(obj) & jnp.isfinite(gnorm)
-        updates, opt_state = tx.update(grads, state["opt_state"], params)
+        updates, opt_state = tx_.update(grads, state["opt_state"], params)
         new_params = jax.tree.map(lambda p, u: p + u, params, updates)
         keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
         new_state = {"params": keep(new_params, params), "opt_state": keep(opt_state, state["opt_state"]),
                      "step": step + 1}
         stats = {"loss": ce, "objective": obj, "grad_norm": gnorm, "param_norm": global_norm(params),
-                 "update_norm": global_norm(updates), "lr": schedule(step), "finite": finite, **aux}
+                 "update_norm": global_norm(updates), "lr": schedule_(step), "finite": finite, **aux}
         return new_state, stats
 
     return train_step
