@@ -40,7 +40,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from .windowed_triton import LOG2E, MASK_VALUE, _cdiv, _next_pow2, _precision
+from . import tiles
+from .tiles import LOG2E, cdiv as _cdiv, next_pow2 as _next_pow2, precision_for as _precision
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,25 +166,13 @@ def _fwd_kernel(q_ref, k_ref, v_ref, lst_ref, *rest, bq, bk, block_size, qk_scal
     q = q_ref[...]
 
     def body(k0, carry, masked, zone):
-        acc, m_prev, l_prev = carry
-        k = k_ref[pl.ds(k0, bk), :]
-        s = pltriton.dot(q, k, trans_b=True, precision=precision) * qk_scale  # log2 units
-        if masked:
-            s = jnp.where(_tile_mask(q0, k0, bq, bk, block_size, sel, zone), s, MASK_VALUE)
-        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
-        corr = jnp.exp2(m_prev - m_next)
-        p = jnp.exp2(s - m_next[:, None])
-        l_next = l_prev * corr + jnp.sum(p, axis=1)
-        v = v_ref[pl.ds(k0, bk), :]
-        acc = acc * corr[:, None] + pltriton.dot(p.astype(v.dtype), v, precision=precision)
-        return acc, m_next, l_next
+        mask = _tile_mask(q0, k0, bq, bk, block_size, sel, zone) if masked else None
+        s = tiles.scores(q, k_ref[pl.ds(k0, bk), :], qk_scale, precision, mask)
+        return tiles.softmax_update(carry, s, v_ref[pl.ds(k0, bk), :], precision)
 
-    carry = (jnp.zeros((bq, q.shape[-1]), jnp.float32),
-             jnp.full((bq,), MASK_VALUE, jnp.float32),
-             jnp.zeros((bq,), jnp.float32))
-    acc, m, l = _query_side_loop(q0, bq, bk, block_size, lst_ref, body, carry, per_token)
-    o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
-    lse_ref[...] = m + jnp.log2(l)
+    carry = _query_side_loop(q0, bq, bk, block_size, lst_ref, body,
+                             tiles.softmax_init(bq, q.shape[-1]), per_token)
+    o_ref[...], lse_ref[...] = tiles.softmax_finish(carry, o_ref.dtype)
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, o_ref, do_ref, lse_ref, lst_ref, *rest, bq, bk, block_size,
@@ -197,18 +186,14 @@ def _dq_kernel(q_ref, k_ref, v_ref, o_ref, do_ref, lse_ref, lst_ref, *rest, bq, 
     q = q_ref[...]
     do = do_ref[...]
     lse = lse_ref[...]
-    delta = jnp.sum(o_ref[...].astype(jnp.float32) * do.astype(jnp.float32), axis=1)
+    delta = tiles.row_delta(o_ref[...], do)
     delta_ref[...] = delta
 
     def body(k0, dq, masked, zone):
         k = k_ref[pl.ds(k0, bk), :]
-        v = v_ref[pl.ds(k0, bk), :]
-        s = pltriton.dot(q, k, trans_b=True, precision=precision) * qk_scale
-        if masked:
-            s = jnp.where(_tile_mask(q0, k0, bq, bk, block_size, sel, zone), s, MASK_VALUE)
-        p = jnp.exp2(s - lse[:, None])
-        dp = pltriton.dot(do, v, trans_b=True, precision=precision)
-        ds = p * (dp - delta[:, None])
+        mask = _tile_mask(q0, k0, bq, bk, block_size, sel, zone) if masked else None
+        s = tiles.scores(q, k, qk_scale, precision, mask)
+        _, ds = tiles.softmax_backward(s, lse, do, v_ref[pl.ds(k0, bk), :], delta, precision)
         return dq + pltriton.dot(ds.astype(k.dtype), k, precision=precision)
 
     dq = _query_side_loop(q0, bq, bk, block_size, lst_ref, body,
@@ -238,14 +223,13 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, rev_ref, *rest,
             do = do_ref[pl.ds(q0, bq), g, :]
             lse = lse_ref[g, pl.ds(q0, bq)]
             delta = delta_ref[g, pl.ds(q0, bq)]
-            s = pltriton.dot(q, k, trans_b=True, precision=precision) * qk_scale
+            mask = None
             if masked:
                 sel = sel_ref[g, pl.ds(q0, bq), :] if per_token else None
-                s = jnp.where(_tile_mask(q0, k0, bq, bk, block_size, sel, zone), s, MASK_VALUE)
-            p = jnp.exp2(s - lse[:, None])
+                mask = _tile_mask(q0, k0, bq, bk, block_size, sel, zone)
+            p, ds = tiles.softmax_backward(tiles.scores(q, k, qk_scale, precision, mask), lse, do, v,
+                                           delta, precision)
             dv = dv + pltriton.dot(p.astype(do.dtype), do, trans_a=True, precision=precision)
-            dp = pltriton.dot(do, v, trans_b=True, precision=precision)
-            ds = p * (dp - delta[:, None])
             dk = dk + pltriton.dot(ds.astype(q.dtype), q, trans_a=True, precision=precision)
             return dk, dv
 
@@ -289,31 +273,17 @@ def _fwd_call(q, k, v, lists, sel, *, block_size, scale, blocks, interpret):
     bq, bk = blocks.block_q, blocks.block_k
     per_token = sel is not None
     L = lists.shape[-1]
-    in_specs = [
-        pl.BlockSpec((None, bq, None, D), lambda i, b, h: (b, i, h, 0)),
-        pl.BlockSpec((None, T, None, D), lambda i, b, h: (b, 0, h // G, 0)),
-        pl.BlockSpec((None, T, None, D), lambda i, b, h: (b, 0, h // G, 0)),
-        pl.BlockSpec((None, None, None, L), lambda i, b, h: (b, hs(h), i, 0)),
-    ]
+    in_specs = [tiles.q_tile_spec(bq, D), tiles.kv_spec(T, D, G), tiles.kv_spec(T, D, G),
+                pl.BlockSpec((None, None, None, L), lambda i, b, h: (b, hs(h), i, 0))]
     args = [q, k, v, lists]
     if per_token:
         in_specs.append(pl.BlockSpec((None, None, bq, sel.shape[-1]), lambda i, b, h: (b, hs(h), i, 0)))
         args.append(sel)
-    return pl.pallas_call(
-        functools.partial(_fwd_kernel, bq=bq, bk=bk, block_size=block_size,
-                          qk_scale=scale * LOG2E, per_token=per_token,
-                          precision=_precision(q.dtype)),
-        grid=(T // bq, B, H),
-        in_specs=in_specs,
-        out_specs=[pl.BlockSpec((None, bq, None, D), lambda i, b, h: (b, i, h, 0)),
-                   pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))],
-        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
-                   jax.ShapeDtypeStruct((B, H, T), jnp.float32)],
-        compiler_params=pltriton.CompilerParams(num_warps=blocks.num_warps,
-                                                num_stages=blocks.num_stages),
-        interpret=interpret,
-        name="block_sparse_attention_fwd",
-    )(*args)
+    return tiles.query_tile_call(
+        functools.partial(_fwd_kernel, bq=bq, bk=bk, block_size=block_size, qk_scale=scale * LOG2E,
+                          per_token=per_token, precision=_precision(q.dtype)),
+        args, in_specs, q=q, bq=bq, num_warps=blocks.num_warps, num_stages=blocks.num_stages,
+        interpret=interpret, name="block_sparse_attention_fwd")
 
 
 def _bwd_call(q, k, v, lists, rev, sel, o, lse, do, *, block_size, scale, blocks, interpret):
@@ -329,32 +299,18 @@ def _bwd_call(q, k, v, lists, rev, sel, o, lse, do, *, block_size, scale, blocks
                                      num_stages=blocks.num_stages_bwd)
     L = lists.shape[-1]
 
-    in_specs = [
-        pl.BlockSpec((None, bq, None, D), lambda i, b, h: (b, i, h, 0)),
-        pl.BlockSpec((None, T, None, D), lambda i, b, h: (b, 0, h // G, 0)),
-        pl.BlockSpec((None, T, None, D), lambda i, b, h: (b, 0, h // G, 0)),
-        pl.BlockSpec((None, bq, None, D), lambda i, b, h: (b, i, h, 0)),
-        pl.BlockSpec((None, bq, None, D), lambda i, b, h: (b, i, h, 0)),
-        pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i)),
-        pl.BlockSpec((None, None, None, L), lambda i, b, h: (b, hs(h), i, 0)),
-    ]
+    in_specs = [tiles.q_tile_spec(bq, D), tiles.kv_spec(T, D, G), tiles.kv_spec(T, D, G),
+                tiles.q_tile_spec(bq, D), tiles.q_tile_spec(bq, D), tiles.row_spec(bq),
+                pl.BlockSpec((None, None, None, L), lambda i, b, h: (b, hs(h), i, 0))]
     args = [q, k, v, o, do, lse, lists]
     if per_token:
         in_specs.append(pl.BlockSpec((None, None, bq, sel.shape[-1]), lambda i, b, h: (b, hs(h), i, 0)))
         args.append(sel)
-    dq, delta = pl.pallas_call(
+    dq, delta = tiles.query_tile_call(
         functools.partial(_dq_kernel, bq=bq, bk=bk, block_size=block_size, scale=scale,
                           qk_scale=scale * LOG2E, per_token=per_token, precision=precision),
-        grid=(T // bq, B, H),
-        in_specs=in_specs,
-        out_specs=[pl.BlockSpec((None, bq, None, D), lambda i, b, h: (b, i, h, 0)),
-                   pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))],
-        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
-                   jax.ShapeDtypeStruct((B, H, T), jnp.float32)],
-        compiler_params=params,
-        interpret=interpret,
-        name="block_sparse_attention_dq",
-    )(*args)
+        args, in_specs, q=q, bq=bq, num_warps=blocks.num_warps_bwd, num_stages=blocks.num_stages_bwd,
+        interpret=interpret, name="block_sparse_attention_dq")
 
     # dK/dV: per (key tile, batch, kv head); per-query-head views of the transposed lists
     # ([B, K, G, n_blocks, 1 + R]) and of the per-token selections ([B, K, G, T, S]).
@@ -364,17 +320,9 @@ def _bwd_call(q, k, v, lists, rev, sel, o, lse, do, *, block_size, scale, blocks
 
     rev5 = per_query_head(rev)
     nb, R = rev5.shape[3], rev5.shape[4]
-    in_specs = [
-        pl.BlockSpec((None, T, None, G, D), lambda i, b, h: (b, 0, h, 0, 0)),
-        pl.BlockSpec((None, bk, None, D), lambda i, b, h: (b, i, h, 0)),
-        pl.BlockSpec((None, bk, None, D), lambda i, b, h: (b, i, h, 0)),
-        pl.BlockSpec((None, T, None, G, D), lambda i, b, h: (b, 0, h, 0, 0)),
-        pl.BlockSpec((None, None, G, T), lambda i, b, h: (b, h, 0, 0)),
-        pl.BlockSpec((None, None, G, T), lambda i, b, h: (b, h, 0, 0)),
-        pl.BlockSpec((None, None, G, nb, R), lambda i, b, h: (b, h, 0, 0, 0)),
-    ]
-    args = [q.reshape(B, T, K, G, D), k, v, do.reshape(B, T, K, G, D),
-            lse.reshape(B, K, G, T), delta.reshape(B, K, G, T), rev5]
+    in_specs, args = tiles.key_tile_inputs(q, k, v, do, lse, delta, bk)
+    in_specs.append(pl.BlockSpec((None, None, G, nb, R), lambda i, b, h: (b, h, 0, 0, 0)))
+    args.append(rev5)
     if per_token:
         sel5 = per_query_head(sel)
         in_specs.append(pl.BlockSpec((None, None, G, T, sel5.shape[-1]),
@@ -386,9 +334,8 @@ def _bwd_call(q, k, v, lists, rev, sel, o, lse, do, *, block_size, scale, blocks
                           group=G, n_qtiles=T // bq),
         grid=(T // bk, B, K),
         in_specs=in_specs,
-        out_specs=[pl.BlockSpec((None, bk, None, D), lambda i, b, h: (b, i, h, 0)),
-                   pl.BlockSpec((None, bk, None, D), lambda i, b, h: (b, i, h, 0))],
-        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        out_specs=tiles.key_tile_outputs(k, v, bk)[0],
+        out_shape=tiles.key_tile_outputs(k, v, bk)[1],
         compiler_params=params,
         interpret=interpret,
         name="block_sparse_attention_dkv",

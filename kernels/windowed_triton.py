@@ -51,10 +51,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-LOG2E = math.log2(math.e)
-# Finite "minus infinity": masked logits never make inf - inf = NaN in the running max.
-MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
-
+from . import tiles
+from .tiles import LOG2E, cdiv as _cdiv, next_pow2 as _next_pow2, precision_for as _precision
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
@@ -101,14 +99,6 @@ def default_block_sizes(window: int, dtype) -> BlockSizes:
     if window > 1024 and jnp.dtype(dtype).itemsize <= 2:
         return BlockSizes(block_q=128, block_k=128, num_warps=8, num_stages=3)
     return BlockSizes()
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
-
-
-def _cdiv(a, b):
-    return lax.div(a + b - 1, b)
 
 
 def _clamp(x, lo, hi):
@@ -174,33 +164,20 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *rest, bq, bk, window, window_right, qk_sca
     q0 = pl.program_id(0) * bq
     q = q_ref[...]
     posq = pq_ref[...] if has_pos else None
-    d = q.shape[-1]
 
     def body(kb, carry, masked):
-        acc, m_prev, l_prev = carry
         k0 = kb * bk
-        k = k_ref[pl.ds(k0, bk), :]
-        s = pltriton.dot(q, k, trans_b=True, precision=precision) * qk_scale  # [bq, bk], log2 units
+        mask = None
         if masked:
             posk = pk_ref[pl.ds(k0, bk)] if has_pos else None
-            s = jnp.where(_tile_mask(q0, k0, bq, bk, window, posq, posk, window_right), s,
-                          MASK_VALUE)
-        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
-        corr = jnp.exp2(m_prev - m_next)
-        p = jnp.exp2(s - m_next[:, None])
-        l_next = l_prev * corr + jnp.sum(p, axis=1)
-        v = v_ref[pl.ds(k0, bk), :]
-        acc = acc * corr[:, None] + pltriton.dot(p.astype(v.dtype), v, precision=precision)
-        return acc, m_next, l_next
+            mask = _tile_mask(q0, k0, bq, bk, window, posq, posk, window_right)
+        s = tiles.scores(q, k_ref[pl.ds(k0, bk), :], qk_scale, precision, mask)
+        return tiles.softmax_update(carry, s, v_ref[pl.ds(k0, bk), :], precision)
 
     lo, f_lo, f_hi, hi = _key_range(q0, bq, bk, window, n_kb, window_right)
-    carry = (jnp.zeros((bq, d), jnp.float32),
-             jnp.full((bq,), MASK_VALUE, jnp.float32),
-             jnp.zeros((bq,), jnp.float32))
-    acc, m, l = _run_segments(
-        [((lo, f_lo), False), ((f_lo, f_hi), True), ((f_hi, hi), False)], body, carry, has_pos)
-    o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
-    lse_ref[...] = m + jnp.log2(l)
+    carry = _run_segments([((lo, f_lo), False), ((f_lo, f_hi), True), ((f_hi, hi), False)], body,
+                          tiles.softmax_init(bq, q.shape[-1]), has_pos)
+    o_ref[...], lse_ref[...] = tiles.softmax_finish(carry, o_ref.dtype)
 
 
 def _fwd_call(q, k, v, pos, *, window, window_right, scale, blocks: BlockSizes, interpret):
@@ -213,29 +190,15 @@ def _fwd_call(q, k, v, pos, *, window, window_right, scale, blocks: BlockSizes, 
     kernel = functools.partial(_fwd_kernel, bq=bq, bk=bk, window=window,
                                window_right=window_right, qk_scale=scale * LOG2E,
                                has_pos=has_pos, precision=precision)
-    in_specs = [
-        pl.BlockSpec((None, bq, None, D), lambda i, b, h: (b, i, h, 0)),
-        pl.BlockSpec((None, T, None, D), lambda i, b, h: (b, 0, h // G, 0)),
-        pl.BlockSpec((None, T, None, D), lambda i, b, h: (b, 0, h // G, 0)),
-    ]
+    in_specs = [tiles.q_tile_spec(bq, D), tiles.kv_spec(T, D, G), tiles.kv_spec(T, D, G)]
     args = [q, k, v]
     if has_pos:
         in_specs += [pl.BlockSpec((None, bq), lambda i, b, h: (b, i)),
                      pl.BlockSpec((None, T), lambda i, b, h: (b, 0))]
         args += [pos, pos]
-    o, lse = pl.pallas_call(
-        kernel,
-        grid=(T // bq, B, H),
-        in_specs=in_specs,
-        out_specs=[pl.BlockSpec((None, bq, None, D), lambda i, b, h: (b, i, h, 0)),
-                   pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))],
-        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
-                   jax.ShapeDtypeStruct((B, H, T), jnp.float32)],
-        compiler_params=pltriton.CompilerParams(num_warps=blocks.num_warps,
-                                                num_stages=blocks.num_stages),
-        interpret=interpret,
-        name="windowed_attention_fwd",
-    )(*args)
+    o, lse = tiles.query_tile_call(kernel, args, in_specs, q=q, bq=bq, num_warps=blocks.num_warps,
+                                   num_stages=blocks.num_stages, interpret=interpret,
+                                   name="windowed_attention_fwd")
     return o, lse
 
 
@@ -269,15 +232,13 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, bq, bk, 
             do = do_ref[pl.ds(q0, bq), g, :]
             lse = lse_ref[g, pl.ds(q0, bq)]
             delta = delta_ref[g, pl.ds(q0, bq)]
-            s = pltriton.dot(q, k, trans_b=True, precision=precision) * qk_scale  # [bq, bk]
+            mask = None
             if masked:
                 posq = pq_ref[pl.ds(q0, bq)] if has_pos else None
-                s = jnp.where(_tile_mask(q0, k0, bq, bk, window, posq, posk, window_right), s,
-                              MASK_VALUE)
-            p = jnp.exp2(s - lse[:, None])
+                mask = _tile_mask(q0, k0, bq, bk, window, posq, posk, window_right)
+            p, ds = tiles.softmax_backward(tiles.scores(q, k, qk_scale, precision, mask), lse, do, v,
+                                           delta, precision)
             dv = dv + pltriton.dot(p.astype(do.dtype), do, trans_a=True, precision=precision)
-            dp = pltriton.dot(do, v, trans_b=True, precision=precision)
-            ds = p * (dp - delta[:, None])
             ds16 = ds.astype(q.dtype)
             dk = dk + pltriton.dot(ds16, q, trans_a=True, precision=precision)
             if fused:  # unscaled fp32 partial of dq for these rows (scaled in the cast pass)
@@ -307,7 +268,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, o_ref, do_ref, lse_ref, *rest, bq, bk, windo
     do = do_ref[...]
     lse = lse_ref[...]
     # delta_i = sum_d o_id * do_id (= sum_j p_ij dp_ij); also written out for the dK/dV kernel
-    delta = jnp.sum(o_ref[...].astype(jnp.float32) * do.astype(jnp.float32), axis=1)
+    delta = tiles.row_delta(o_ref[...], do)
     delta_ref[...] = delta
     posq = pq_ref[...] if has_pos else None
     d = q.shape[-1]
@@ -315,15 +276,12 @@ def _dq_kernel(q_ref, k_ref, v_ref, o_ref, do_ref, lse_ref, *rest, bq, bk, windo
     def body(kb, dq, masked):
         k0 = kb * bk
         k = k_ref[pl.ds(k0, bk), :]
-        v = v_ref[pl.ds(k0, bk), :]
-        s = pltriton.dot(q, k, trans_b=True, precision=precision) * qk_scale
+        mask = None
         if masked:
             posk = pk_ref[pl.ds(k0, bk)] if has_pos else None
-            s = jnp.where(_tile_mask(q0, k0, bq, bk, window, posq, posk, window_right), s,
-                          MASK_VALUE)
-        p = jnp.exp2(s - lse[:, None])
-        dp = pltriton.dot(do, v, trans_b=True, precision=precision)
-        ds = p * (dp - delta[:, None])
+            mask = _tile_mask(q0, k0, bq, bk, window, posq, posk, window_right)
+        s = tiles.scores(q, k, qk_scale, precision, mask)
+        _, ds = tiles.softmax_backward(s, lse, do, v_ref[pl.ds(k0, bk), :], delta, precision)
         return dq + pltriton.dot(ds.astype(k.dtype), k, precision=precision)
 
     lo, f_lo, f_hi, hi = _key_range(q0, bq, bk, window, n_kb, window_right)
@@ -351,34 +309,18 @@ def _bwd_call(q, k, v, pos, o, lse, do, *, window, window_right, scale, blocks: 
     # dQ first: one program per (query block, batch, head). It also computes
     # delta = rowsum(o * do) for its rows and writes it for the dK/dV kernel.
     bq, bk = blocks.block_q_dq, blocks.block_k_dq
-    in_specs = [
-        pl.BlockSpec((None, bq, None, D), lambda i, b, h: (b, i, h, 0)),
-        pl.BlockSpec((None, T, None, D), lambda i, b, h: (b, 0, h // G, 0)),
-        pl.BlockSpec((None, T, None, D), lambda i, b, h: (b, 0, h // G, 0)),
-        pl.BlockSpec((None, bq, None, D), lambda i, b, h: (b, i, h, 0)),
-        pl.BlockSpec((None, bq, None, D), lambda i, b, h: (b, i, h, 0)),
-        pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i)),
-    ]
+    in_specs = [tiles.q_tile_spec(bq, D), tiles.kv_spec(T, D, G), tiles.kv_spec(T, D, G),
+                tiles.q_tile_spec(bq, D), tiles.q_tile_spec(bq, D), tiles.row_spec(bq)]
     args = [q, k, v, o, do, lse]
     if has_pos:
         in_specs += [pl.BlockSpec((None, bq), lambda i, b, h: (b, i)),
                      pl.BlockSpec((None, T), lambda i, b, h: (b, 0))]
         args += [pos, pos]
-    dq, delta = pl.pallas_call(
+    dq, delta = tiles.query_tile_call(
         functools.partial(_dq_kernel, bq=bq, bk=bk, window=window, window_right=window_right,
-                          scale=scale, qk_scale=scale * LOG2E, has_pos=has_pos,
-                          precision=precision),
-        grid=(T // bq, B, H),
-        in_specs=in_specs,
-        out_specs=[pl.BlockSpec((None, bq, None, D), lambda i, b, h: (b, i, h, 0)),
-                   pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))],
-        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
-                   jax.ShapeDtypeStruct((B, H, T), jnp.float32)],
-        compiler_params=pltriton.CompilerParams(num_warps=blocks.num_warps_dq,
-                                                num_stages=blocks.num_stages_dq),
-        interpret=interpret,
-        name="windowed_attention_dq",
-    )(*args)
+                          scale=scale, qk_scale=scale * LOG2E, has_pos=has_pos, precision=precision),
+        args, in_specs, q=q, bq=bq, num_warps=blocks.num_warps_dq, num_stages=blocks.num_stages_dq,
+        interpret=interpret, name="windowed_attention_dq")
 
     dk, dv = _dkv_call(q, k, v, pos, do, lse, delta, None, window=window,
                        window_right=window_right, scale=scale, blocks=blocks, interpret=interpret)
@@ -396,26 +338,12 @@ def _dkv_call(q, k, v, pos, do, lse, delta, dq_acc, *, window, window_right, sca
     precision = _precision(q.dtype)
     fused = dq_acc is not None
     bq, bk = blocks.block_q_dkv, blocks.block_k_dkv
-    q5 = q.reshape(B, T, K, G, D)
-    do5 = do.reshape(B, T, K, G, D)
-    lse4 = lse.reshape(B, K, G, T)
-    delta4 = delta.reshape(B, K, G, T)
-    in_specs = [
-        pl.BlockSpec((None, T, None, G, D), lambda i, b, h: (b, 0, h, 0, 0)),
-        pl.BlockSpec((None, bk, None, D), lambda i, b, h: (b, i, h, 0)),
-        pl.BlockSpec((None, bk, None, D), lambda i, b, h: (b, i, h, 0)),
-        pl.BlockSpec((None, T, None, G, D), lambda i, b, h: (b, 0, h, 0, 0)),
-        pl.BlockSpec((None, None, G, T), lambda i, b, h: (b, h, 0, 0)),
-        pl.BlockSpec((None, None, G, T), lambda i, b, h: (b, h, 0, 0)),
-    ]
-    args = [q5, k, v, do5, lse4, delta4]
+    in_specs, args = tiles.key_tile_inputs(q, k, v, do, lse, delta, bk)
     if has_pos:
         in_specs += [pl.BlockSpec((None, T), lambda i, b, h: (b, 0)),
                      pl.BlockSpec((None, bk), lambda i, b, h: (b, i))]
         args += [pos, pos]
-    out_specs = [pl.BlockSpec((None, bk, None, D), lambda i, b, h: (b, i, h, 0)),
-                 pl.BlockSpec((None, bk, None, D), lambda i, b, h: (b, i, h, 0))]
-    out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
+    out_specs, out_shape = tiles.key_tile_outputs(k, v, bk)
     aliases = {}
     if fused:
         dq_spec = pl.BlockSpec((None, T, None, G, D), lambda i, b, h: (b, 0, h, 0, 0))
@@ -438,11 +366,6 @@ def _dkv_call(q, k, v, pos, do, lse, delta, dq_acc, *, window, window_right, sca
         interpret=interpret,
         name="windowed_attention_dkv",
     )(*args)
-
-
-def _precision(dtype):
-    # fp32 inputs: full-precision dots (Triton would otherwise use tf32); bf16/fp16: default.
-    return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
 
 
 # ------------------------------------------------------------------------------------------------
