@@ -385,7 +385,8 @@ def run_sweep(args, results, jla):
 # --moba: block-sparse kernel
 # ------------------------------------------------------------------------------------------------
 
-MOBA_CONFIGS = {  # tiles shared by the three kernels (the lists are per query tile)
+MOBA_CONFIGS = {  # tiles shared by the three kernels (the lists are per query tile); key tiles are
+    # capped at the block, so at SSA's block 16 these run 16-wide key tiles
     "m64": dict(block_q=64, block_k=64, num_warps=4, num_stages=2),
     "m128x64": dict(block_q=128, block_k=64, num_warps=8, num_stages=2, num_warps_bwd=8),
     "m128": dict(block_q=128, block_k=128, num_warps=8, num_stages=2, num_warps_bwd=8),
@@ -482,7 +483,7 @@ def moba_pairs(T, bs, top_k):
 def run_moba_table(args, results, dump=lambda: None):
     T, B, H, D, bs = args.moba_T, 1, 16, 128, args.moba_block
     nb = T // bs
-    top_k = max(1, nb // 8)
+    top_k = args.moba_topk or max(1, nb // 8)
     print(f"\n== moba table: T={T} B={B} H={H} D={D} block={bs} top_k={top_k} (of {nb}) ==")
     q, k, v, do, _ = rand_inputs(3, B, T, H, H, D, jnp.bfloat16)
     per_block = moba_selection(1, B, nb, H, nb, top_k, jnp.arange(nb))
@@ -496,6 +497,8 @@ def run_moba_table(args, results, dump=lambda: None):
     variants["pallas_token_random[m64]"] = (random_tok, "m64")
     variants["model_block_moba_gate[m64]"] = ("select_block", "m64")
     variants["model_token_moba_gate[m64]"] = ("select_token", "m64")
+    if args.moba_xla:  # the XLA reference of the model path (gate + chunked gathers); slow at 32K
+        variants["xla_reference_token_moba_gate"] = ("xla", None)
     pairs = moba_pairs(T, bs, top_k) * B * H
     full_pairs = T * (T + 1) // 2 * B * H
     rows = {}
@@ -508,6 +511,11 @@ def run_moba_table(args, results, dump=lambda: None):
 
             def attn(q, k, v, sel):
                 return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+        elif spec[0] == "xla":
+            sel, blocks = dummy, None
+
+            def attn(q, k, v, sel):
+                return ops_bs.moba_attention(q, k, v, block_size=bs, top_k=top_k, gate="moba")
         else:
             sel, cfg = spec
             blocks = K.SparseBlockSizes(**MOBA_CONFIGS[cfg])
@@ -579,6 +587,8 @@ def main():
     p.add_argument("--moba-T", type=int, default=32768)
     p.add_argument("--moba-block", type=int, default=128)
     p.add_argument("--moba-configs", default="m128,m64,m128x64,m64s3")
+    p.add_argument("--moba-topk", type=int, default=None, help="default: 1/8 of the blocks")
+    p.add_argument("--moba-xla", action="store_true", help="also time the XLA reference (model path)")
     args = p.parse_args()
     global INTERPRET
     INTERPRET = args.interpret
