@@ -8,7 +8,6 @@ and exits cleanly; SIGUSR1 (SLURM ``--signal``) saves, requeues and exits.
 from __future__ import annotations
 
 import logging
-import math
 import signal
 import time
 from dataclasses import dataclass
