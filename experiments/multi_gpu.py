@@ -8,8 +8,8 @@ Trains the same model on the same data (S5 1:1 full+SWA-128 at T=16K by default)
 * ``dp``: pure data parallelism over all N GPUs (``MeshConfig.data = N``);
 * ``fsdp``: parameters and optimizer state sharded over all N GPUs (``MeshConfig.fsdp = N``);
 
-then restores the ``dp`` run's final checkpoint (saved on N GPUs) on 1 GPU and on N/2 GPUs and
-continues ``--extra`` steps, against the same continuation on N GPUs.
+then restores the final checkpoint of the ``dp`` run (else the ``fsdp`` run), saved on N GPUs, on 1 GPU
+and on N/2 GPUs and continues ``--extra`` steps, against the same continuation on N GPUs.
 
 Reports per run: median tokens/s per GPU and MFU over the steps after ``--skip`` (compile and warm
 up excluded), scaling efficiency = (tokens/s per GPU on N) / (tokens/s on one GPU), and the largest
@@ -160,27 +160,30 @@ def main():
             r["loss_vs_single"] = loss_diff(read_rows(root / name), read_rows(root / "single"))
     dump()
 
-    if "restore" in runs and res["runs"].get("dp", {}).get("returncode") == 0:
+    source = next((r for r in ("dp", "fsdp") if res["runs"].get(r, {}).get("returncode") == 0), None)
+    if "restore" in runs and source is None:
+        print("restore skipped: neither the dp nor the fsdp run finished")
+    if "restore" in runs and source is not None:
         longer = [x for x in common if not x.startswith("TrainConfig.steps")] + [
             f"TrainConfig.steps = {args.steps + args.extra}"]
-        targets = {"dp_continued": all_gpus, "restore_1gpu": [0]}
-        if n // 2 > 1:
-            targets[f"restore_{n // 2}gpu"] = list(range(n // 2))
-        for name, gpus in targets.items():
+        res["restore_source"] = source
+        targets = {f"{source}_continued": (all_gpus, meshes[source])}
+        for k in sorted({1, n // 2}):
+            targets[f"restore_{k}gpu"] = (list(range(k)), [f"MeshConfig.data = {k}", "MeshConfig.fsdp = 1",
+                                                            f"TrainConfig.microbatches = {n // k}"])
+        for name, (gpus, mesh) in targets.items():
             wd = root / name
-            shutil.copytree(root / "dp", wd)
-            k = len(gpus)
-            mesh = [f"MeshConfig.data = {k}", "MeshConfig.fsdp = 1", f"TrainConfig.microbatches = {n // k}"]
+            shutil.copytree(root / source, wd)
             info = launch(name, wd, gpus, longer + mesh, args, out.parent)
             rows = [r for r in read_rows(wd) if r["step"] > args.steps]
             info["losses_after_restore"] = {r["step"]: r["loss"] for r in rows}
             res["restore"][name] = info
             dump()
-        ref = res["restore"]["dp_continued"]["losses_after_restore"]
+        ref = res["restore"][f"{source}_continued"]["losses_after_restore"]
         for name, info in res["restore"].items():
             got = info["losses_after_restore"]
             common_steps = sorted(set(got) & set(ref))
-            info["max_abs_loss_diff_vs_dp"] = max((abs(got[s] - ref[s]) for s in common_steps), default=None)
+            info["max_abs_loss_diff_vs_n_gpus"] = max((abs(got[s] - ref[s]) for s in common_steps), default=None)
             info["resumed_steps"] = len(got)
         dump()
 
@@ -193,7 +196,7 @@ def main():
               f"{f('mfu', '{:.1%}')} | {f('scaling_efficiency', '{:.3f}')} | {'—' if ld is None else f'{ld:.4f}'} |")
     for name, info in res["restore"].items():
         print(f"restore {name}: exit {info['returncode']}, {info.get('resumed_steps')} steps after step "
-              f"{args.steps}, max |Δloss| vs N-GPU continuation {info.get('max_abs_loss_diff_vs_dp')}")
+              f"{args.steps}, max |Δloss| vs N-GPU continuation {info.get('max_abs_loss_diff_vs_n_gpus')}")
     dump()
 
 
