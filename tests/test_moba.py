@@ -228,9 +228,14 @@ def test_block_selection_ranks_by_the_mean_query_and_shares_lists():
                        q, k, v, cot), _oracle_vjp(q, k, v, full, cot))
 
 
-def test_moba_impl_dispatch():
+def test_moba_impl_dispatch(monkeypatch):
+    from hybrid_lm.model import moba as moba_mod
     from hybrid_lm.model.moba import resolve_moba_impl
     assert resolve_moba_impl("auto", 128) == "xla"  # CPU
+    monkeypatch.setattr(moba_mod.jax, "default_backend", lambda: "gpu")
+    assert resolve_moba_impl("auto", 128) == "pallas" and resolve_moba_impl("auto", 64) == "pallas"
+    assert resolve_moba_impl("auto", 16) == "xla" and resolve_moba_impl("auto", 96) == "xla"
+    monkeypatch.undo()
     assert resolve_moba_impl("pallas", 16) == "pallas"
     with pytest.raises(ConfigError, match="cudnn"):
         resolve_moba_impl("cudnn", 128)
