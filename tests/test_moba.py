@@ -176,15 +176,17 @@ def test_flops_terms_are_exact():
 
 
 def test_options_are_validated(tiny_params):
-    for opts in ("{'block_size': 0}", "{'top_k': 0}", "{'gate': 'nsa'}", "{'chunk': 4}"):
+    for opts in ("{'block_size': 0}", "{'top_k': 0}", "{'gate': 'nsa'}", "{'chunk': 4}", "{'selection': 'row'}"):
         with pytest.raises(ConfigError):
             load_config([], tiny_params + ["efficient/MixerConfig.kind = 'moba'",
                                            f"efficient/MixerConfig.options = {opts}"])
 
 
-def test_moba_mixer_with_all_blocks_equals_full_attention_mixer():
+@pytest.mark.parametrize("selection", ["token", "block"])
+def test_moba_mixer_with_all_blocks_equals_full_attention_mixer(selection):
     cfg = ModelConfig(d_model=32, n_heads=4, n_kv_heads=2, head_dim=8, n_layers=2, compute_dtype="float32")
-    moba = MobaAttention(cfg, MixerConfig(kind="moba", options={"block_size": 8, "top_k": 3}), 0, rngs=nnx.Rngs(0))
+    opts = {"block_size": 8, "top_k": 3, "selection": selection}
+    moba = MobaAttention(cfg, MixerConfig(kind="moba", options=opts), 0, rngs=nnx.Rngs(0))
     full = FullAttention(cfg, MixerConfig(kind="attention"), 0, rngs=nnx.Rngs(0))  # same init draws
     x = jax.random.normal(jax.random.key(4), (2, 20, 32))
     ctx = MixerContext(positions=jnp.broadcast_to(jnp.arange(20), (2, 20)))
