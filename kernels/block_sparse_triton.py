@@ -328,14 +328,15 @@ def _bwd_call(q, k, v, lists, rev, sel, o, lse, do, *, block_size, scale, blocks
         in_specs.append(pl.BlockSpec((None, None, G, T, sel5.shape[-1]),
                                      lambda i, b, h: (b, h, 0, 0, 0)))
         args.append(sel5)
+    out_specs, out_shape = tiles.key_tile_outputs(k, v, bk)
     dk, dv = pl.pallas_call(
         functools.partial(_dkv_kernel, bq=bq, bk=bk, block_size=block_size, scale=scale,
                           qk_scale=scale * LOG2E, per_token=per_token, precision=precision,
                           group=G, n_qtiles=T // bq),
         grid=(T // bk, B, K),
         in_specs=in_specs,
-        out_specs=tiles.key_tile_outputs(k, v, bk)[0],
-        out_shape=tiles.key_tile_outputs(k, v, bk)[1],
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=params,
         interpret=interpret,
         name="block_sparse_attention_dkv",
