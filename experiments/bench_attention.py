@@ -44,13 +44,18 @@ reference module by path. ``--interpret`` runs a tiny CPU smoke test of the scri
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
+import fcntl
 import importlib
 import importlib.util
 import json
 import math
+import os
+import signal
 import statistics
+import subprocess
 import sys
 import time
 import traceback
@@ -151,7 +156,43 @@ def fwd_bwd(attn):
     return fb
 
 
+GPU_LOCK = None  # --gpu-lock: workers of --parallel take turns on the GPU (compile outside it)
+
+
+@contextlib.contextmanager
+def gpu_turn():
+    """Exclusive use of the GPU among the workers of one ``--parallel`` run (a no-op otherwise)."""
+    if GPU_LOCK is None:
+        yield
+        return
+    with open(GPU_LOCK, "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def compiled(fn, args):
+    """AOT-compiles a jitted ``fn`` for ``args`` (outside the GPU turn: compiles run in parallel)."""
+    return fn.lower(*args).compile()
+
+
+def run_once(fn, args):
+    """Compiles ``fn`` for ``args`` (unless already compiled), then runs it once in this worker's
+    GPU turn."""
+    fn = compiled(fn, args) if hasattr(fn, "lower") else fn
+    with gpu_turn():
+        return jax.block_until_ready(fn(*args))
+
+
 def time_fn(fn, args, reps, inner):
+    fn = compiled(fn, args)
+    with gpu_turn():
+        return _time_compiled(fn, args, reps, inner)
+
+
+def _time_compiled(fn, args, reps, inner):
     out = fn(*args)
     jax.block_until_ready(out)
     for _ in range(2):
@@ -229,8 +270,9 @@ def run_check(blocks, results):
         try:
             ours = jax.jit(fwd_bwd(lambda q, k, v: K.windowed_attention(
                 q, k, v, pos, w, block_sizes=cblocks, interpret=INTERPRET, window_right=wr)))
-            got = ours(q, k, v, do)
-            again = ours(q, k, v, do)
+            ours = compiled(ours, (q, k, v, do))
+            got = run_once(ours, (q, k, v, do))
+            again = run_once(ours, (q, k, v, do))
             same_bits = all(bool(jnp.array_equal(a, b)) for a, b in zip(got, again))
             f32 = [x.astype(jnp.float32) for x in (q, k, v, do)]
             if c["ref"] == "dense":
@@ -240,7 +282,7 @@ def run_check(blocks, results):
                 ref_fn = lambda q, k, v: REF.windowed_attention(q, k, v, w, positions=pos,
                                                                 window_right=wr)
             with jax.default_matmul_precision("highest"):
-                want = jax.jit(fwd_bwd(ref_fn))(*f32)
+                want = run_once(jax.jit(fwd_bwd(ref_fn)), f32)
             errs = [rel_err(g, r) for g, r in zip(got, want)]
             tol = 2e-2 if dtype == jnp.bfloat16 else 1e-4
             # fp32 atomics (fused backward) reorder dq sums: bitwise equality only without them
@@ -262,12 +304,12 @@ def run_check(blocks, results):
     try:
         q, k, v, do, _ = rand_inputs(7, 2, 1024, 8, 2, 128, jnp.bfloat16)
         w = 128
-        cud = jax.jit(fwd_bwd(lambda q, k, v: jax.nn.dot_product_attention(
-            q, k, v, is_causal=True, local_window_size=(w - 1, 0), implementation="cudnn")))(
-                q, k, v, do)
+        cud = run_once(jax.jit(fwd_bwd(lambda q, k, v: jax.nn.dot_product_attention(
+            q, k, v, is_causal=True, local_window_size=(w - 1, 0), implementation="cudnn"))),
+            (q, k, v, do))
         with jax.default_matmul_precision("highest"):
-            want = jax.jit(fwd_bwd(lambda q, k, v: REF.dense_attention(q, k, v, window=w)))(
-                *[x.astype(jnp.float32) for x in (q, k, v, do)])
+            want = run_once(jax.jit(fwd_bwd(lambda q, k, v: REF.dense_attention(q, k, v, window=w))),
+                            [x.astype(jnp.float32) for x in (q, k, v, do)])
         errs = [rel_err(g, r) for g, r in zip(cud, want)]
         print("  cuDNN w=128 vs reference: " + " ".join(
             f"{n}={e:.2e}" for n, e in zip(("o", "dq", "dk", "dv"), errs)))
@@ -314,6 +356,9 @@ def impl_fns(name, w, blocks, perm, jla):
     elif name == "jla":
         def attn(q, k, v):
             return jla(q, k, v, sliding_window=w)
+    elif name == "jla_fused":  # jla's one-kernel backward: dq by TMA reduce-add (5 matmuls per tile)
+        def attn(q, k, v):
+            return jla(q, k, v, sliding_window=w, backward="fused")
     else:
         raise ValueError(name)
     return jax.jit(attn), jax.jit(fwd_bwd(attn))
@@ -448,12 +493,13 @@ def run_moba_check(results):
         try:
             ours = jax.jit(fwd_bwd(lambda q, k, v: K.block_sparse_attention(
                 q, k, v, idx, block_size=c["bs"], block_sizes=blocks, interpret=INTERPRET)))
-            got = ours(q, k, v, do)
-            again = ours(q, k, v, do)
+            ours = compiled(ours, (q, k, v, do))
+            got = run_once(ours, (q, k, v, do))
+            again = run_once(ours, (q, k, v, do))
             same_bits = all(bool(jnp.array_equal(a, b)) for a, b in zip(got, again))
             with jax.default_matmul_precision("highest"):
-                want = jax.jit(fwd_bwd(lambda q, k, v: moba_dense_oracle(q, k, v, tok, c["bs"])))(
-                    *[x.astype(jnp.float32) for x in (q, k, v, do)])
+                want = run_once(jax.jit(fwd_bwd(lambda q, k, v: moba_dense_oracle(q, k, v, tok, c["bs"]))),
+                                [x.astype(jnp.float32) for x in (q, k, v, do)])
             errs = [rel_err(g, r) for g, r in zip(got, want)]
             tol = 2e-2 if dtype == jnp.bfloat16 else 1e-4
             ok = all(e < tol for e in errs) and same_bits
@@ -491,6 +537,9 @@ def run_moba_table(args, results, dump=lambda: None):
     random_tok = moba_selection(2, B, T, H, nb, top_k, jnp.arange(T) // bs)
     ops_bs = _load_path("_hybrid_lm_ops_block_sparse", ROOT / "hybrid_lm" / "ops" / "block_sparse.py")
     variants = {"cudnn_full": None}
+    jla = load_jla() if args.moba_jla else None
+    if jla is not None:
+        variants["jla_full"] = ("jla_full", None)  # jla's FA3-style causal kernel: a second anchor
     for name in args.moba_configs.split(","):
         variants[f"pallas_block[{name}]"] = (per_block, name)
     variants["pallas_token_coherent[m64]"] = (coherent, "m64")
@@ -511,6 +560,11 @@ def run_moba_table(args, results, dump=lambda: None):
 
             def attn(q, k, v, sel):
                 return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+        elif spec[0] == "jla_full":
+            sel, blocks = dummy, None
+
+            def attn(q, k, v, sel):
+                return jla(q, k, v)
         elif spec[0] == "xla":
             sel, blocks = dummy, None
 
@@ -548,17 +602,24 @@ def run_moba_table(args, results, dump=lambda: None):
         results["moba"] = dict(T=T, B=B, H=H, D=D, block=bs, top_k=top_k, n_blocks=nb,
                                visible_pairs=pairs, full_causal_pairs=full_pairs, rows=rows)
         dump()  # a run cut short keeps the finished variants
+    results["moba"] = dict(T=T, B=B, H=H, D=D, block=bs, top_k=top_k, n_blocks=nb,
+                           visible_pairs=pairs, full_causal_pairs=full_pairs, rows=rows)
+    print_moba_table(results["moba"])
+
+
+def print_moba_table(m):
+    rows, D = m["rows"], m["D"]
     base = rows["cudnn_full"]
-    print("\n| variant | fwd ms | cuDNN full / this (fwd) | fwd+bwd ms | cuDNN full / this (fwd+bwd) | fwd+bwd TF/s (visible pairs) |")
+    print(f"\n== moba table: T={m['T']} B={m['B']} H={m['H']} D={D} block={m['block']} "
+          f"top_k={m['top_k']} (of {m['n_blocks']}) ==")
+    print("| variant | fwd ms | cuDNN full / this (fwd) | fwd+bwd ms | cuDNN full / this (fwd+bwd) | fwd+bwd TF/s (visible pairs) |")
     print("|---|---|---|---|---|---|")
     for name, r in rows.items():
-        p = full_pairs if name == "cudnn_full" else pairs
-        sp = lambda m: "—" if r.get(m) is None or base.get(m) is None else f"{base[m] / r[m]:.2f}x"
+        p = m["full_causal_pairs"] if name in ("cudnn_full", "jla_full") else m["visible_pairs"]
+        sp = lambda k: "—" if r.get(k) is None or base.get(k) is None else f"{base[k] / r[k]:.2f}x"
         tfs = "—" if r.get("fwd_bwd") is None else f"{3.5 * 4 * D * p / (r['fwd_bwd'] * 1e-3) / 1e12:.0f}"
         fmt = lambda x: "—" if x is None else f"{x:.3f}"
         print(f"| {name} | {fmt(r.get('fwd'))} | {sp('fwd')} | {fmt(r.get('fwd_bwd'))} | {sp('fwd_bwd')} | {tfs} |")
-    results["moba"] = dict(T=T, B=B, H=H, D=D, block=bs, top_k=top_k, n_blocks=nb,
-                           visible_pairs=pairs, full_causal_pairs=full_pairs, rows=rows)
 
 
 def copy_bandwidth():
@@ -589,9 +650,24 @@ def main():
     p.add_argument("--moba-configs", default="m128,m64,m128x64,m64s3")
     p.add_argument("--moba-topk", type=int, default=None, help="default: 1/8 of the blocks")
     p.add_argument("--moba-xla", action="store_true", help="also time the XLA reference (model path)")
+    p.add_argument("--moba-jla", action="store_true", help="also time jla's full causal kernel")
+    p.add_argument("--parallel", action="store_true",
+                   help="one worker process per part (check, each shape, MoBA): compiles run in "
+                        "parallel, GPU work takes turns under a file lock")
+    p.add_argument("--gpu-lock", default=None,
+                   help="file lock held around every GPU execution (timing, check runs), so that "
+                        "benchmarks of several processes never share the GPU (--parallel sets it)")
+    p.add_argument("--part", default=None, help=argparse.SUPPRESS)  # a --parallel worker's part
     args = p.parse_args()
     global INTERPRET
     INTERPRET = args.interpret
+
+    global GPU_LOCK
+    GPU_LOCK = args.gpu_lock
+    if args.parallel and args.sweep:
+        p.error("--sweep picks tiles before the table: run it without --parallel")
+    if args.parallel:
+        return run_parallel(args)
 
     dev = jax.devices()[0]
     results = dict(
@@ -606,35 +682,38 @@ def main():
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).write_text(json.dumps(results, indent=1))
 
-    if args.moba or args.moba_only:
-        if args.check or args.check_only:
+    part = args.part  # None: everything asked for, in order (one process)
+    check = args.check or args.check_only
+    if (args.moba or args.moba_only) and part in (None, "moba"):
+        if check:
             run_moba_check(results)
             dump()
         if not args.check_only:
             run_moba_table(args, results, dump)
             dump()
-        if args.moba_only:
-            return
-    jla = load_jla() if "jla" in args.impls else None
+    if args.moba_only or part == "moba":
+        return
+    jla = load_jla() if "jla" in args.impls else None  # also jla_fused
     # without --config / --sweep the kernel's own default_block_sizes(window) is used
     default_cfg = tuple(args.config.split("+")) if args.config else None
-    if args.check or args.check_only:
+    if check and part in (None, "check"):
         run_check(make_blocks(*(default_cfg or DEFAULT_CFG)), results)
         dump()
-        if args.check_only:
-            return
-    try:
-        results["copy_tb_s"] = copy_bandwidth()
-        print(f"copy bandwidth (bf16 x+1, read+write): {results['copy_tb_s']:.2f} TB/s")
-    except Exception as e:  # noqa: BLE001
-        print(f"copy bandwidth failed: {e}")
+    if args.check_only or part == "check":
+        return
+    if part is None or part == args.shapes.split(",")[0]:
+        try:
+            results["copy_tb_s"] = copy_bandwidth()
+            print(f"copy bandwidth (bf16 x+1, read+write): {results['copy_tb_s']:.2f} TB/s")
+        except Exception as e:  # noqa: BLE001
+            print(f"copy bandwidth failed: {e}")
 
     best = {}
     if args.sweep and not args.config:
         best = run_sweep(args, results, jla)
         dump()
-    impls = [i for i in args.impls.split(",") if i != "jla" or jla is not None]
-    shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
+    impls = [i for i in args.impls.split(",") if not i.startswith("jla") or jla is not None]
+    shapes = [tuple(int(x) for x in s.split("x")) for s in (part or args.shapes).split(",")]
     H, D = 16, 128
     print("\n== table ==")
     for T, B in shapes:
@@ -652,8 +731,12 @@ def main():
             results["rows"].append(row)
             dump()
         del inputs
+    results["impls"] = impls
+    print_table(results)
+    dump()
 
-    # final table
+
+def print_table(results):
     def fmt(x):
         return "—" if x is None else f"{x:.3f}"
 
@@ -665,7 +748,7 @@ def main():
     print("|---|---|---|---|---|---|---|---|---|")
     for row in results["rows"]:
         base = row.get("cudnn", {})
-        for impl in impls:
+        for impl in results["impls"]:
             r = row[impl]
             tfs = ("—" if r.get("fwd_bwd") is None
                    else f"{3.5 * row['flops_fwd'] / (r['fwd_bwd'] * 1e-3) / 1e12:.0f}")
@@ -674,8 +757,85 @@ def main():
                   f"{fmt(r.get('fwd'))} | {ratio(r.get('fwd'), base.get('fwd'))} | "
                   f"{fmt(r.get('fwd_bwd'))} | {ratio(r.get('fwd_bwd'), base.get('fwd_bwd'))} | "
                   f"{tfs} |")
-    dump()
 
+
+def run_parallel(args):
+    """Runs the parts of one benchmark (windowed check, each shape's rows, MoBA) as worker
+    processes of this script. Compiles overlap; every GPU execution (timing and check runs) holds
+    one file lock, so timings never share the GPU. Merges the parts into one result and table."""
+    import tempfile
+    tmp = Path(tempfile.mkdtemp(prefix="bench_attention_"))
+    lock = args.gpu_lock or tmp / "gpu.lock"  # other jobs may share it (experiments/gpu_session.sh)
+    parts = []
+    if (args.check or args.check_only) and not args.moba_only:
+        parts.append("check")
+    if not (args.check_only or args.moba_only):
+        parts += args.shapes.split(",")
+    if args.moba or args.moba_only:
+        parts.append("moba")
+    argv = [a for a in sys.argv[1:] if a != "--parallel"]
+    for opt in ("--out", "--gpu-lock"):
+        if opt in argv:
+            i = argv.index(opt)
+            del argv[i:i + 2]
+    env = dict(os.environ, PYTHONUNBUFFERED="1",
+               XLA_PYTHON_CLIENT_MEM_FRACTION=f"{0.75 / len(parts):.3f}")
+    started = time.perf_counter()
+    procs = {}
+    for part in parts:
+        log = open(tmp / f"{part}.log", "w")
+        cmd = [sys.executable, __file__, *argv, "--part", part, "--gpu-lock", str(lock),
+               "--out", str(tmp / f"{part}.json")]
+        procs[part] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log)
+    print(f"{len(parts)} workers: {', '.join(parts)} (logs in {tmp})", flush=True)
+    failed = []
+
+    def stop(signum, frame):  # a timeout's SIGTERM: stop the workers, keep the finished rows
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        for part, (proc, log) in procs.items():
+            rc = proc.wait()
+            print(f"\n==== worker {part}: exit {rc} ({time.perf_counter() - started:.0f} s) ====")
+            print((tmp / f"{part}.log").read_text(), flush=True)
+            if rc:
+                failed.append(part)
+    except KeyboardInterrupt:
+        print("\n==== interrupted: stopping the workers, merging what they finished ====")
+        for part, (proc, log) in procs.items():
+            if proc.poll() is None:
+                proc.kill()
+                failed.append(part)
+                print(f"---- {part} (unfinished), log tail:\n" + "".join(
+                    (tmp / f"{part}.log").read_text().splitlines(True)[-15:]))
+    merged = None
+    for part in parts:
+        f = tmp / f"{part}.json"
+        if not f.exists():
+            continue
+        r = json.loads(f.read_text())
+        if merged is None:
+            merged = dict(r, command=" ".join(sys.argv), check=[], rows=[], moba_check=[])
+        for key in ("check", "rows", "moba_check"):
+            merged[key] += r.get(key, [])
+        for key in ("check_ok", "check_cudnn", "moba_check_ok", "moba", "copy_tb_s", "impls"):
+            if key in r:
+                merged[key] = r[key]
+    if merged is None:
+        sys.exit("every worker failed")
+    merged["workers_failed"] = failed
+    merged["wall_s"] = round(time.perf_counter() - started, 1)
+    if merged["rows"]:
+        print_table(merged)
+    if "moba" in merged:
+        print_moba_table(merged["moba"])
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(merged, indent=1))
+    print(f"\nall workers done in {merged['wall_s']} s; failed: {failed or 'none'}")
+    if failed:
+        sys.exit(1)
 
 if __name__ == "__main__":
     main()

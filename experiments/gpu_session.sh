@@ -2,10 +2,10 @@
 # The GPU measurements still owed (docs/ROADMAP.md), in one device call. Run from the repo root on
 # the device machine with `.whl` carried:
 #
-#   bash experiments/gpu_session.sh kernels     # one GPU: MoBA 32K table, SSA block 16, windowed table
+#   bash experiments/gpu_session.sh kernels     # one GPU: windowed check + table, MoBA 32K, SSA 16, mixers
 #   bash experiments/gpu_session.sh multi       # >= 2 GPUs: FSDP + restore (experiments/multi_gpu.py)
 #
-# Logs and JSON go to $OUT (or ./gpu_out). With two GPUs, `kernels` runs its jobs on both at once.
+# JSON goes to $OUT (or ./gpu_out); pipe through `tee $OUT/session.log` for the whole log.
 set -u
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
@@ -15,32 +15,25 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 JAX_COMPILATION_CACHE_DIR=/t
 NGPU=$(nvidia-smi -L | grep -c '^GPU ')
 echo "GPUs: $NGPU"
 
-run() {  # run <gpu> <seconds> <name> <command...>
-  local gpu=$1 secs=$2 name=$3
-  shift 3
-  echo "== $name on GPU $gpu (limit ${secs}s)"
-  CUDA_VISIBLE_DEVICES=$gpu timeout "$secs" "$@" > "$OUT/$name.log" 2>&1
-  echo "== $name exit $?"
-  grep -E '^\||PASS|FAIL|==' "$OUT/$name.log" | grep -v '^  PASS' | tail -25
-}
-
 case "${1:-kernels}" in
   kernels)
-    second=$(( NGPU > 1 ? 1 : 0 ))
-    {
-      run 0 300 moba python3 experiments/bench_attention.py --moba-only --check --out "$OUT/moba.json"
-      run 0 200 ssa16 python3 experiments/bench_attention.py --moba-only --moba-T 16384 --moba-block 16 \
-        --moba-topk 16 --moba-configs m64 --moba-xla --out "$OUT/ssa16.json"
-    } &
-    if [ "$second" = 1 ]; then
-      run 1 500 windowed python3 experiments/bench_attention.py --out "$OUT/windowed.json" \
-        --impls cudnn,pallas_swa,pallas_sa,pallas_sa_sym,jla &
-      wait
-    else
-      wait
-      run 0 500 windowed python3 experiments/bench_attention.py --out "$OUT/windowed.json" \
-        --impls cudnn,pallas_swa,pallas_sa,pallas_sa_sym,jla
-    fi
+    # One process per part of the attention benchmark (check, each shape, MoBA) plus the SSA
+    # block-16 timing and the mixer layers: compiles overlap, GPU executions take turns on $LOCK.
+    LOCK=/tmp/gpu.lock
+    export CUDA_VISIBLE_DEVICES=0
+    XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 540 python3 experiments/bench_attention.py \
+      --moba-only --moba-T 16384 --moba-block 16 --moba-topk 16 --moba-configs m64 --moba-xla \
+      --gpu-lock $LOCK --out "$OUT/ssa16.json" > /tmp/ssa16.log 2>&1 &
+    ssa=$!
+    XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 540 flock $LOCK bash -c "for w in 128 512 2048; do
+        python3 experiments/bench_mixer.py --impl pallas --kinds swa,sa,sa_swa --window \$w \
+          --out $OUT/mixer_w\$w.json; done" > /tmp/mixer.log 2>&1 &
+    mixer=$!
+    timeout 550 python3 experiments/bench_attention.py --parallel --gpu-lock $LOCK --check --moba \
+      --moba-jla --impls cudnn,pallas_swa,pallas_sa,pallas_sa_sym,pallas_sa_gather,jla,jla_fused \
+      --reps 5 --out "$OUT/attention.json"
+    wait $ssa; echo "== ssa16 exit $?"; tail -25 /tmp/ssa16.log
+    wait $mixer; echo "== mixer exit $?"; cat /tmp/mixer.log
     ;;
   multi)
     [ "$NGPU" -ge 2 ] || { echo "needs >= 2 GPUs"; exit 1; }
