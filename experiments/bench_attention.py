@@ -48,6 +48,7 @@ import contextlib
 import dataclasses
 import datetime
 import fcntl
+import functools
 import importlib
 import importlib.util
 import json
@@ -139,6 +140,7 @@ def make_blocks(fwd: str, dkv: str, dq: str):
 # helpers
 # ------------------------------------------------------------------------------------------------
 
+@on_gpu_turn
 def rand_inputs(seed, B, T, H, KV, D, dtype):
     ks = jax.random.split(jax.random.key(seed), 5)
     q = jax.random.normal(ks[0], (B, T, H, D), jnp.float32).astype(dtype)
@@ -157,20 +159,38 @@ def fwd_bwd(attn):
 
 
 GPU_LOCK = None  # --gpu-lock: workers of --parallel take turns on the GPU (compile outside it)
+_turn_depth = 0
 
 
 @contextlib.contextmanager
 def gpu_turn():
-    """Exclusive use of the GPU among the workers of one ``--parallel`` run (a no-op otherwise)."""
-    if GPU_LOCK is None:
-        yield
-        return
-    with open(GPU_LOCK, "a+") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
+    """Exclusive use of the GPU among the processes sharing ``--gpu-lock`` (a no-op otherwise):
+    every GPU execution of this script (inputs, checks, timings) runs inside one. Re-entrant."""
+    global _turn_depth
+    if GPU_LOCK is None or _turn_depth:
+        _turn_depth += 1
         try:
             yield
         finally:
+            _turn_depth -= 1
+        return
+    with open(GPU_LOCK, "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        _turn_depth += 1
+        try:
+            yield
+        finally:
+            _turn_depth -= 1
             fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def on_gpu_turn(fn):
+    """Decorator: eager GPU work (input generation) inside a GPU turn, finished before it ends."""
+    @functools.wraps(fn)
+    def wrapped(*a, **kw):
+        with gpu_turn():
+            return jax.block_until_ready(fn(*a, **kw))
+    return wrapped
 
 
 def compiled(fn, args):
@@ -273,7 +293,8 @@ def run_check(blocks, results):
             ours = compiled(ours, (q, k, v, do))
             got = run_once(ours, (q, k, v, do))
             again = run_once(ours, (q, k, v, do))
-            same_bits = all(bool(jnp.array_equal(a, b)) for a, b in zip(got, again))
+            with gpu_turn():
+                same_bits = all(bool(jnp.array_equal(a, b)) for a, b in zip(got, again))
             f32 = [x.astype(jnp.float32) for x in (q, k, v, do)]
             if c["ref"] == "dense":
                 ref_fn = lambda q, k, v: REF.dense_attention(q, k, v, window=w, positions=pos,
@@ -283,7 +304,8 @@ def run_check(blocks, results):
                                                                 window_right=wr)
             with jax.default_matmul_precision("highest"):
                 want = run_once(jax.jit(fwd_bwd(ref_fn)), f32)
-            errs = [rel_err(g, r) for g, r in zip(got, want)]
+            with gpu_turn():
+                errs = [rel_err(g, r) for g, r in zip(got, want)]
             tol = 2e-2 if dtype == jnp.bfloat16 else 1e-4
             # fp32 atomics (fused backward) reorder dq sums: bitwise equality only without them
             ok = all(e < tol for e in errs) and (same_bits or fused)
@@ -310,7 +332,8 @@ def run_check(blocks, results):
         with jax.default_matmul_precision("highest"):
             want = run_once(jax.jit(fwd_bwd(lambda q, k, v: REF.dense_attention(q, k, v, window=w))),
                             [x.astype(jnp.float32) for x in (q, k, v, do)])
-        errs = [rel_err(g, r) for g, r in zip(cud, want)]
+        with gpu_turn():
+            errs = [rel_err(g, r) for g, r in zip(cud, want)]
         print("  cuDNN w=128 vs reference: " + " ".join(
             f"{n}={e:.2e}" for n, e in zip(("o", "dq", "dk", "dv"), errs)))
         results["check_cudnn"] = errs
@@ -439,6 +462,7 @@ MOBA_CONFIGS = {  # tiles shared by the three kernels (the lists are per query t
 }
 
 
+@on_gpu_turn
 def moba_selection(seed, B, rows, Hs, nb, top_k, block_of_row):
     """top_k blocks per row from random scores: own block forced, later blocks excluded."""
     imp = jax.random.normal(jax.random.key(seed), (B, rows, Hs, nb))
@@ -496,11 +520,13 @@ def run_moba_check(results):
             ours = compiled(ours, (q, k, v, do))
             got = run_once(ours, (q, k, v, do))
             again = run_once(ours, (q, k, v, do))
-            same_bits = all(bool(jnp.array_equal(a, b)) for a, b in zip(got, again))
+            with gpu_turn():
+                same_bits = all(bool(jnp.array_equal(a, b)) for a, b in zip(got, again))
             with jax.default_matmul_precision("highest"):
                 want = run_once(jax.jit(fwd_bwd(lambda q, k, v: moba_dense_oracle(q, k, v, tok, c["bs"]))),
                                 [x.astype(jnp.float32) for x in (q, k, v, do)])
-            errs = [rel_err(g, r) for g, r in zip(got, want)]
+            with gpu_turn():
+                errs = [rel_err(g, r) for g, r in zip(got, want)]
             tol = 2e-2 if dtype == jnp.bfloat16 else 1e-4
             ok = all(e < tol for e in errs) and same_bits
         except Exception as e:  # noqa: BLE001
@@ -533,7 +559,8 @@ def run_moba_table(args, results, dump=lambda: None):
     print(f"\n== moba table: T={T} B={B} H={H} D={D} block={bs} top_k={top_k} (of {nb}) ==")
     q, k, v, do, _ = rand_inputs(3, B, T, H, H, D, jnp.bfloat16)
     per_block = moba_selection(1, B, nb, H, nb, top_k, jnp.arange(nb))
-    coherent = per_block[:, jnp.arange(T) // bs]
+    with gpu_turn():
+        coherent = jax.block_until_ready(per_block[:, jnp.arange(T) // bs])
     random_tok = moba_selection(2, B, T, H, nb, top_k, jnp.arange(T) // bs)
     ops_bs = _load_path("_hybrid_lm_ops_block_sparse", ROOT / "hybrid_lm" / "ops" / "block_sparse.py")
     variants = {"cudnn_full": None}
@@ -784,9 +811,12 @@ def run_parallel(args):
     procs = {}
     for part in parts:
         log = open(tmp / f"{part}.log", "w")
+        part_env = env
+        if part == "check":  # its oracles' autotuning would run on the GPU outside the turns
+            part_env = dict(env, XLA_FLAGS=(env.get("XLA_FLAGS", "") + " --xla_gpu_autotune_level=0").strip())
         cmd = [sys.executable, __file__, *argv, "--part", part, "--gpu-lock", str(lock),
                "--out", str(tmp / f"{part}.json")]
-        procs[part] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log)
+        procs[part] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=part_env), log)
     print(f"{len(parts)} workers: {', '.join(parts)} (logs in {tmp})", flush=True)
     failed = []
 

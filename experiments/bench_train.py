@@ -17,6 +17,7 @@ import numpy as np
 
 from hybrid_lm.config import load_config
 from hybrid_lm.model.accounting import PEAK_FLOPS_H200_BF16, count_params, flops_per_token
+from hybrid_lm.model.registry import recorded_backends
 from hybrid_lm.train.optim import make_optimizer
 from hybrid_lm.train.step import ModelFns, make_train_step
 
@@ -25,11 +26,17 @@ ARCH = {  # efficient-slot settings per variant (full-attention slot unchanged)
     "swa": ["efficient/MixerConfig.kind = 'swa'"],
     "sa": ["efficient/MixerConfig.kind = 'sa'"],
     "sa_swa": ["efficient/MixerConfig.kind = 'sa_swa'"],
+    # MoBA at the official gate's scale of blocks (configs/arch/moba.gin has SSA's block 16)
+    "moba": ["efficient/MixerConfig.kind = 'moba'", "efficient/MixerConfig.window = None",
+             "efficient/MixerConfig.options = {'block_size': 128, 'top_k': 16, 'gate': 'moba'}"],
+    "moba16": ["efficient/MixerConfig.kind = 'moba'", "efficient/MixerConfig.window = None",  # arch/moba.gin
+               "efficient/MixerConfig.options = {'block_size': 16, 'top_k': 16, 'gate': 'ssa'}"],
 }
 
 
 def bench(scale: str, arch: str, window: int, seq_len: int, batch: int, steps: int, remat: str, impl: str) -> dict:
-    params = ARCH[arch] + [f"efficient/MixerConfig.window = {window}", f"DataConfig.seq_len = {seq_len}",
+    window_param = [] if "moba" in arch else [f"efficient/MixerConfig.window = {window}"]
+    params = ARCH[arch] + window_param + [ f"DataConfig.seq_len = {seq_len}",
                            f"TrainConfig.global_batch = {batch}", f"ModelConfig.remat = '{remat}'",
                            f"ModelConfig.attention_impl = '{impl}'"]
     cfg = load_config([f"scale/{scale}.gin"], params)
@@ -45,6 +52,7 @@ def bench(scale: str, arch: str, window: int, seq_len: int, batch: int, steps: i
     state = init(jnp.asarray(0, jnp.uint32))
     tokens = jax.random.randint(jax.random.key(0), (batch, seq_len + 1), 0, cfg.model.vocab_size)
     t0 = time.time()
+    recorded_backends(clear=True)
     state, stats = step(state, tokens)
     jax.block_until_ready(state)
     compile_s = time.time() - t0
@@ -58,7 +66,7 @@ def bench(scale: str, arch: str, window: int, seq_len: int, batch: int, steps: i
     tps = batch * seq_len / (ms / 1e3)
     f = flops_per_token(cfg.model, seq_len)
     return {"scale": scale, "arch": arch, "window": window, "seq_len": seq_len, "batch": batch, "remat": remat,
-            "attention_impl": impl, "non_embedding": count_params(cfg.model)["non_embedding"],
+            "attention_impl": impl, "attention_backends": recorded_backends(), "non_embedding": count_params(cfg.model)["non_embedding"],
             "ms_per_step": ms, "tokens_per_sec": tps, "train_flops_per_token": f["train"],
             "mfu": tps * f["train"] / (PEAK_FLOPS_H200_BF16 * jax.device_count()), "compile_s": compile_s,
             "loss": float(stats["loss"])}
@@ -85,7 +93,8 @@ def main() -> None:
         base = next((x for x in rows if x["arch"] == "full"), None)
         ratio = f"{r['ms_per_step'] / base['ms_per_step']:.2f}" if base else "-"
         print(f"{r['scale']:<6}{arch:<8}{r['window']:>6}{r['seq_len']:>7}{r['batch']:>3}{r['ms_per_step']:>10.1f}"
-              f"{r['tokens_per_sec'] / 1e3:>9.1f}{100 * r['mfu']:>6.1f}%{ratio:>9}", flush=True)
+              f"{r['tokens_per_sec'] / 1e3:>9.1f}{100 * r['mfu']:>6.1f}%{ratio:>9}  {r['attention_backends']}",
+              flush=True)
     with open(args.out, "w") as fh:
         json.dump({"device": jax.devices()[0].device_kind, "rows": rows}, fh, indent=2)
 

@@ -3,6 +3,7 @@
 # the device machine with `.whl` carried:
 #
 #   bash experiments/gpu_session.sh kernels     # one GPU: windowed check + table, MoBA 32K, SSA 16, mixers
+#   bash experiments/gpu_session.sh trainer     # one GPU: train steps per backend, runs with pallas
 #   bash experiments/gpu_session.sh multi       # >= 2 GPUs: FSDP + restore (experiments/multi_gpu.py)
 #
 # JSON goes to $OUT (or ./gpu_out); pipe through `tee $OUT/session.log` for the whole log.
@@ -34,6 +35,26 @@ case "${1:-kernels}" in
       --reps 5 --out "$OUT/attention.json"
     wait $ssa; echo "== ssa16 exit $?"; tail -25 /tmp/ssa16.log
     wait $mixer; echo "== mixer exit $?"; cat /tmp/mixer.log
+    ;;
+  trainer)
+    # The trainer on the kernels: S4 train steps per backend (auto records what it resolved to),
+    # then short real runs (hybrid-lm train) with attention_impl=pallas, and one clean table row.
+    export CUDA_VISIBLE_DEVICES=0
+    timeout 330 python3 experiments/bench_train.py --scale s4 --arch full,swa,sa,moba,moba16 --impl auto \
+      --steps 5 --out "$OUT/train_auto.json" 2>&1 | grep -v gin_param
+    timeout 90 python3 experiments/bench_train.py --scale s4 --arch swa --impl pallas --steps 5 \
+      --out "$OUT/train_pallas.json" 2>&1 | grep -v gin_param
+    for arch in sa moba; do
+      timeout 60 python3 -m hybrid_lm.cli train configs/quickstart.gin configs/arch/$arch.gin \
+        --workdir /tmp/run_$arch --gin_param "ModelConfig.attention_impl='pallas'" \
+        --gin_param "ModelConfig.compute_dtype='bfloat16'" --gin_param "TrainConfig.steps=100" \
+        --gin_param "TrainConfig.progress=False" 2>&1 | grep -v gin_param | tail -3
+      python3 -c "import json,sys; rows=[json.loads(l) for l in open('/tmp/run_$arch/metrics.jsonl')]
+t=[r for r in rows if r.get('kind')=='train']; e=[r for r in rows if r.get('kind')=='eval']
+print('$arch', t[-1]['step'], 'loss %.3f' % t[-1]['loss'], t[-1]['attention_impl'], t[-1]['attention_backends'], 'eval', e[-1])"
+    done
+    timeout 100 python3 experiments/bench_attention.py --shapes 16384x2 --windows 128 \
+      --impls cudnn,pallas_swa,pallas_sa,jla --out "$OUT/row_16k_w128.json" | grep "^|"
     ;;
   multi)
     [ "$NGPU" -ge 2 ] || { echo "needs >= 2 GPUs"; exit 1; }

@@ -67,7 +67,7 @@ class ModelConfig:
     init_std: float = 0.02
     compute_dtype: str = "bfloat16"
     param_dtype: str = "float32"
-    attention_impl: str = "auto"  # auto | xla | cudnn | pallas
+    attention_impl: str = "auto"  # auto | xla | cudnn | pallas | jla (hybrid_lm/model/attention.py)
     # linear-attention ops of lightning/mamba2/gdn: auto | xla | jla (hybrid_lm/ops/linear_attention_gpu.py).
     # An execution detail (same math up to rounding), so not part of the run id; recorded in config.json.
     linear_impl: str = _nid("auto")
@@ -279,8 +279,8 @@ def validate_config(cfg: Config) -> None:
             raise ConfigError(f"{slot}/MixerConfig.window={mc.window}: a window must be >= 1 "
                               "(a window >= seq_len is allowed and means causal full attention)")
         get_mixer(mc.kind).check_config(mc, slot)  # unknown kind or options -> ConfigError
-    if m.attention_impl not in ("auto", "xla", "cudnn", "pallas"):
-        raise ConfigError(f"attention_impl={m.attention_impl!r}: choose auto, xla, cudnn or pallas")
+    if m.attention_impl not in ("auto", "xla", "cudnn", "pallas", "jla"):
+        raise ConfigError(f"attention_impl={m.attention_impl!r}: choose auto, xla, cudnn, pallas or jla")
     if m.linear_impl not in ("auto", "xla", "jla"):
         raise ConfigError(f"linear_impl={m.linear_impl!r}: choose auto, xla or jla")
     if m.remat not in ("none", "full", "dots"):

@@ -25,6 +25,9 @@ def test_loss_decreases_and_run_dir_is_complete(tiny_params, tmp_path):
     assert [r["step"] for r in ev] == [0, 20, 40] and ev[-1]["bpb"] < ev[0]["bpb"]
     assert {"step", "tokens", "loss", "lr", "grad_norm", "tokens_per_sec"} <= set(rows[-1])
     assert rows[-1]["tokens"] == 40 * 4 * 32
+    # the backend each attention call resolved to (attention_impl=auto -> xla on the CPU)
+    assert rows[0]["attention_impl"] == "auto"
+    assert rows[0]["attention_backends"] == {"full": "xla", "swa w=8": "xla"}, rows[0]
     for f in ("config.json", "operative.gin", "provenance.json", "metrics.jsonl", "loss_curve.png"):
         assert (tmp_path / f).exists(), f
     assert json.loads((tmp_path / "config.json").read_text())["run_id"] == cfg.run_id()

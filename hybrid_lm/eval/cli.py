@@ -80,7 +80,7 @@ def add_eval_commands(sub) -> None:
     p.add_argument("--eval-windows", dest="eval_windows", type=int, default=None,
                    help="number of fixed validation windows (default: the run's DataConfig.eval_windows)")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest that restores)")
-    p.add_argument("--attention-impl", dest="attention_impl", default=None, choices=("auto", "xla", "cudnn", "pallas"))
+    p.add_argument("--attention-impl", dest="attention_impl", default=None, choices=("auto", "xla", "cudnn", "pallas", "jla"))
     p.add_argument("--baseline", action="store_true", help="also evaluate the unswapped model and print the difference")
     p.add_argument("--no-record", dest="no_record", action="store_true", help="do not append to eval.jsonl")
     p.add_argument("--json", action="store_true", help="print the row(s) as JSON")

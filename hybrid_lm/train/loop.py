@@ -22,6 +22,7 @@ from hybrid_lm.config import Config
 from hybrid_lm.data.corpus import bits_per_byte
 from hybrid_lm.data.pipeline import DataStreams
 from hybrid_lm.model.accounting import PEAK_FLOPS_H200_BF16, count_params, flops_per_token
+from hybrid_lm.model.registry import recorded_backends
 from hybrid_lm.train import distributed
 from hybrid_lm.train import sharding as shd
 from hybrid_lm.train.checkpoint import Checkpointer, abstract_with_shardings
@@ -180,13 +181,15 @@ def train(cfg: Config, workdir: Path | str | None = None, *, force: bool = False
                        "grad_norm": float(stats["grad_norm"]), "param_norm": float(stats["param_norm"]),
                        "update_norm": float(stats["update_norm"]), "step_time": step_time,
                        "tokens_per_sec": tps, "skipped": not bool(stats["finite"]), "skipped_total": skipped,
-                       "attention_impl": cfg.model.attention_impl}
+                       "attention_impl": cfg.model.attention_impl,
+                       "attention_backends": recorded_backends()}
                 row.update({k: float(v) for k, v in stats.items() if k not in row and k != "finite"})
                 if on_gpu:
                     row["mfu"] = tps * flops["train"] / (PEAK_FLOPS_H200_BF16 * n_dev)
                 write(row)
                 bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tps:,.0f}")
 
+        recorded_backends(clear=True)  # the first trace of the step fills it (attention_backends)
         pending = None
         profiling = False
         try:
