@@ -140,24 +140,6 @@ def make_blocks(fwd: str, dkv: str, dq: str):
 # helpers
 # ------------------------------------------------------------------------------------------------
 
-@on_gpu_turn
-def rand_inputs(seed, B, T, H, KV, D, dtype):
-    ks = jax.random.split(jax.random.key(seed), 5)
-    q = jax.random.normal(ks[0], (B, T, H, D), jnp.float32).astype(dtype)
-    k = jax.random.normal(ks[1], (B, T, KV, D), jnp.float32).astype(dtype)
-    v = jax.random.normal(ks[2], (B, T, KV, D), jnp.float32).astype(dtype)
-    do = jax.random.normal(ks[3], (B, T, H, D), jnp.float32).astype(dtype)
-    perm = jax.vmap(lambda kk: jax.random.permutation(kk, T))(jax.random.split(ks[4], B))
-    return q, k, v, do, perm.astype(jnp.int32)
-
-
-def fwd_bwd(attn):
-    def fb(q, k, v, do):
-        o, vjp = jax.vjp(attn, q, k, v)
-        return (o, *vjp(do))
-    return fb
-
-
 GPU_LOCK = None  # --gpu-lock: workers of --parallel take turns on the GPU (compile outside it)
 _turn_depth = 0
 
@@ -191,6 +173,24 @@ def on_gpu_turn(fn):
         with gpu_turn():
             return jax.block_until_ready(fn(*a, **kw))
     return wrapped
+
+
+@on_gpu_turn
+def rand_inputs(seed, B, T, H, KV, D, dtype):
+    ks = jax.random.split(jax.random.key(seed), 5)
+    q = jax.random.normal(ks[0], (B, T, H, D), jnp.float32).astype(dtype)
+    k = jax.random.normal(ks[1], (B, T, KV, D), jnp.float32).astype(dtype)
+    v = jax.random.normal(ks[2], (B, T, KV, D), jnp.float32).astype(dtype)
+    do = jax.random.normal(ks[3], (B, T, H, D), jnp.float32).astype(dtype)
+    perm = jax.vmap(lambda kk: jax.random.permutation(kk, T))(jax.random.split(ks[4], B))
+    return q, k, v, do, perm.astype(jnp.int32)
+
+
+def fwd_bwd(attn):
+    def fb(q, k, v, do):
+        o, vjp = jax.vjp(attn, q, k, v)
+        return (o, *vjp(do))
+    return fb
 
 
 def compiled(fn, args):

@@ -29,6 +29,9 @@ ARCH = {  # efficient-slot settings per variant (full-attention slot unchanged)
     # MoBA at the official gate's scale of blocks (configs/arch/moba.gin has SSA's block 16)
     "moba": ["efficient/MixerConfig.kind = 'moba'", "efficient/MixerConfig.window = None",
              "efficient/MixerConfig.options = {'block_size': 128, 'top_k': 16, 'gate': 'moba'}"],
+    "moba_block": ["efficient/MixerConfig.kind = 'moba'", "efficient/MixerConfig.window = None",
+                   "efficient/MixerConfig.options = {'block_size': 128, 'top_k': 16, 'gate': 'moba', "
+                   "'selection': 'block'}"],
     "moba16": ["efficient/MixerConfig.kind = 'moba'", "efficient/MixerConfig.window = None",  # arch/moba.gin
                "efficient/MixerConfig.options = {'block_size': 16, 'top_k': 16, 'gate': 'ssa'}"],
 }

@@ -3,6 +3,7 @@
 # the device machine with `.whl` carried:
 #
 #   bash experiments/gpu_session.sh kernels     # one GPU: windowed check + table, MoBA 32K, SSA 16, mixers
+#   bash experiments/gpu_session.sh table       # one GPU: the attention table alone, MoBA block-selection step
 #   bash experiments/gpu_session.sh trainer     # one GPU: train steps per backend, runs with pallas
 #   bash experiments/gpu_session.sh multi       # >= 2 GPUs: FSDP + restore (experiments/multi_gpu.py)
 #
@@ -35,6 +36,17 @@ case "${1:-kernels}" in
       --reps 5 --out "$OUT/attention.json"
     wait $ssa; echo "== ssa16 exit $?"; tail -25 /tmp/ssa16.log
     wait $mixer; echo "== mixer exit $?"; cat /tmp/mixer.log
+    ;;
+  table)
+    # The full attention table alone (one run), then MoBA train steps with per-block selection in
+    # whatever time is left of the call's 10 minutes.
+    export CUDA_VISIBLE_DEVICES=0
+    timeout 550 python3 experiments/bench_attention.py --parallel --check --moba --moba-jla \
+      --impls cudnn,pallas_swa,pallas_sa,pallas_sa_sym,pallas_sa_gather,jla,jla_fused --reps 5 \
+      --out "$OUT/attention.json"
+    left=$(( 590 - SECONDS ))
+    [ $left -gt 60 ] && timeout $left python3 experiments/bench_train.py --scale s4 --arch moba_block \
+      --impl auto --steps 5 --out "$OUT/train_moba_block.json" 2>&1 | grep -v gin_param
     ;;
   trainer)
     # The trainer on the kernels: S4 train steps per backend (auto records what it resolved to),
