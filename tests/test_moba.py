@@ -245,3 +245,41 @@ def test_moba_impl_dispatch(monkeypatch):
             resolve_moba_impl(impl, 128)
     with pytest.raises(ConfigError, match="power of two"):
         resolve_moba_impl("pallas", 48)
+
+
+def test_top_k_by_passes_matches_lax_top_k():
+    """The GPU selection's top-k: same values and indices as lax.top_k, ties to the lower index,
+    and rows with fewer finite entries than k map to the same -1 slots."""
+    from hybrid_lm.ops.block_sparse import _top_blocks, top_k_by_passes
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((3, 5, 40)).astype(np.float32)
+    x[0, 0, [3, 7, 9]] = 1.5  # exact ties
+    x[1, 2, :] = np.round(x[1, 2, :]) + 0.0  # many ties (+ 0.0: no -0.0, which sort ranks below +0.0)
+    x[2, 1, :] = -np.inf
+    x[2, 1, [5, 11]] = [0.3, np.inf]  # fewer finite entries than k
+    x = jnp.asarray(x)
+    for k in (1, 4, 16, 40):
+        want_v, want_i = jax.lax.top_k(x, k)
+        got_v, got_i = top_k_by_passes(x, k)
+        np.testing.assert_array_equal(got_v, want_v)
+        finite = np.isfinite(np.asarray(want_v)) | (np.asarray(want_v) > 0)
+        np.testing.assert_array_equal(np.asarray(got_i)[finite], np.asarray(want_i)[finite])
+        np.testing.assert_array_equal(_top_blocks(x, k, "passes"), _top_blocks(x, k, "sort"))
+    with pytest.raises(ValueError, match="method"):
+        _top_blocks(x, 2, "heap")
+
+
+def test_top_k_method_auto_follows_the_measured_rule(monkeypatch):
+    """auto: passes on a GPU for top-16 of 1024 (measured 5x faster), sort for top-32 of 256
+    (measured 1.3x faster) and on the CPU."""
+    from hybrid_lm.ops import block_sparse as bs
+    used = []
+    real = bs.top_k_by_passes
+    monkeypatch.setattr(bs, "top_k_by_passes", lambda x, k: used.append((x.shape[-1], k)) or real(x, k))
+    x = jnp.zeros((2, 1024))
+    bs._top_blocks(x, 16)
+    assert used == []  # CPU: sort
+    monkeypatch.setattr(bs.jax, "default_backend", lambda: "gpu")
+    bs._top_blocks(x, 16)
+    bs._top_blocks(jnp.zeros((2, 256)), 32)
+    assert used == [(1024, 16)]
