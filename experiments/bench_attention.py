@@ -55,7 +55,6 @@ import json
 import math
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import time
@@ -65,6 +64,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from timing import median_ms
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -213,18 +213,7 @@ def time_fn(fn, args, reps, inner):
 
 
 def _time_compiled(fn, args, reps, inner):
-    out = fn(*args)
-    jax.block_until_ready(out)
-    for _ in range(2):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for _ in range(inner):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t0) / inner * 1e3)
-    return statistics.median(times), times
+    return median_ms(fn, args, reps, inner)
 
 
 def useful_flops(B, T, H, D, w):

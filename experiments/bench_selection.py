@@ -15,13 +15,12 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+from timing import median_ms
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -35,15 +34,7 @@ def load_ops():
 
 
 def time_ms(fn, args, reps=5, inner=5):
-    jax.block_until_ready(fn(*args))
-    out = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for _ in range(inner):
-            r = fn(*args)
-        jax.block_until_ready(r)
-        out.append((time.perf_counter() - t0) / inner * 1e3)
-    return statistics.median(out)
+    return median_ms(fn, args, reps, inner, warmup=1)[0]
 
 
 def main():
