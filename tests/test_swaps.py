@@ -281,3 +281,24 @@ def test_cli_eval(trained, capsys):
     assert main(["eval", str(wd), "--swap", "efficient=gdn"]) == 2  # parameters differ: a message, code 2
     assert "changes the parameters" in capsys.readouterr().err
     assert main(["eval", str(wd / "nowhere")]) == 2
+
+
+def test_cli_generate(trained, capsys):
+    """`hybrid-lm generate` on the trained run: greedy is reproducible, sampling follows the seed, and
+    the continuation equals generate() on the restored parameters."""
+    from hybrid_lm.cli import main
+    from hybrid_lm.eval.generate import generate
+    from hybrid_lm.train.step import ModelFns
+    wd, _, ev = trained
+    capsys.readouterr()
+    assert main(["generate", str(wd), "--prompt", "The ", "--max-new", "12", "--json"]) == 0
+    row = json.loads(capsys.readouterr().out)
+    assert row["checkpoint_step"] == STEPS and len(row["tokens"]) == 12 and row["prompt"] == "The "
+    want = generate(ModelFns(ev.cfg).model(ev.params), jnp.asarray([[84, 104, 101, 32]]), 12)
+    assert row["tokens"] == np.asarray(want[0]).tolist()
+    assert main(["generate", str(wd), "--prompt", "The ", "--max-new", "5", "--temperature", "0.8",
+                 "--top-k", "20", "--seed", "3"]) == 0
+    assert capsys.readouterr().out.startswith("The ")
+    assert main(["generate", str(wd), "--prompt", "", "--max-new", "5"]) == 2
+    assert "prompt is empty" in capsys.readouterr().err
+    assert main(["generate", str(wd / "nowhere"), "--prompt", "x"]) == 2

@@ -1,9 +1,12 @@
-"""``hybrid-lm eval``: training-free attention swaps and receptive-field constraints on a run's checkpoint.
+"""``hybrid-lm eval``: training-free attention swaps and receptive-field constraints on a run's checkpoint;
+``hybrid-lm generate``: text continued by a run's checkpoint.
 
     hybrid-lm eval WORKDIR [--swap full=swa:128] [--swap efficient=sa:128] [--horizon H --sinks S]
                            [--seq-len T] [--step N] [--baseline]
+    hybrid-lm generate WORKDIR --prompt TEXT [--max-new N] [--temperature T --top-k K --seed S] [--step N]
 
-Registered by ``add_eval_commands(sub)`` in ``hybrid_lm/cli.py``; the work is ``hybrid_lm/eval/swap.py``.
+Registered by ``add_eval_commands(sub)`` in ``hybrid_lm/cli.py``; the work is ``hybrid_lm/eval/swap.py``
+and ``hybrid_lm/eval/generate.py``.
 """
 
 from __future__ import annotations
@@ -30,6 +33,43 @@ def cmd_eval(args) -> int:
         import sys
         print(f"eval error: {e}", file=sys.stderr)
         return 2
+
+
+def cmd_generate(args) -> int:
+    try:
+        return _generate(args)
+    except (FileNotFoundError, ValueError, NotImplementedError) as e:  # a message, not a traceback
+        import sys
+        print(f"generate error: {e}", file=sys.stderr)
+        return 2
+
+
+def _generate(args) -> int:
+    import jax
+    import numpy as np
+
+    from hybrid_lm.data.tokenizer import get_tokenizer
+    from hybrid_lm.eval.generate import generate
+    from hybrid_lm.eval.swap import SwapEvaluator
+    from hybrid_lm.train.step import ModelFns
+
+    ev = SwapEvaluator(args.workdir, step=args.step)
+    tok = get_tokenizer(ev.cfg.data.tokenizer)
+    ids = tok.encode(args.prompt)
+    if len(ids) == 0:
+        raise ValueError("the prompt is empty: give at least one character")
+    out = generate(ModelFns(ev.cfg).model(ev.params), np.asarray(ids)[None], args.max_new,
+                   temperature=args.temperature, top_k=args.top_k, key=jax.random.key(args.seed),
+                   attention_impl=args.attention_impl or ev.cfg.model.attention_impl)
+    tokens = np.asarray(out[0]).tolist()
+    text = tok.decode(tokens)
+    if args.json:
+        print(json.dumps({"checkpoint_step": ev.step, "prompt": args.prompt, "continuation": text,
+                          "tokens": tokens, "temperature": args.temperature, "top_k": args.top_k,
+                          "seed": args.seed}, indent=2))
+    else:
+        print(args.prompt + text)
+    return 0
 
 
 def _run(args) -> int:
@@ -85,3 +125,20 @@ def add_eval_commands(sub) -> None:
     p.add_argument("--no-record", dest="no_record", action="store_true", help="do not append to eval.jsonl")
     p.add_argument("--json", action="store_true", help="print the row(s) as JSON")
     p.set_defaults(fn=cmd_eval)
+
+    p = sub.add_parser(
+        "generate", help="continue a prompt with a run's checkpoint (greedy or sampled)",
+        description="Prefill PROMPT through WORKDIR's checkpoint, then decode one token at a time with the "
+                    "layers' caches (full attention, SWA, lightning, mamba2, gdn; not sa, moba, ssa).")
+    p.add_argument("workdir", help="run directory (config.json + checkpoints/)")
+    p.add_argument("--prompt", required=True, help="text to continue (tokenised with the run's tokenizer)")
+    p.add_argument("--max-new", "--max_new", dest="max_new", type=int, default=200, help="tokens to generate")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", "--top_k", dest="top_k", type=int, default=None,
+                   help="sample among the K most likely tokens only")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest that restores)")
+    p.add_argument("--attention-impl", dest="attention_impl", default=None,
+                   choices=("auto", "xla", "cudnn", "pallas", "jla"), help="default: the run's")
+    p.add_argument("--json", action="store_true", help="print prompt, continuation and token ids as JSON")
+    p.set_defaults(fn=cmd_generate)

@@ -6,6 +6,8 @@ window. The windowed path never builds an O(T^2) mask: see ``hybrid_lm/ops/atten
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -178,15 +180,63 @@ class Attention(nnx.Module):
         return self.project_out(o)
 
 
+class AttentionDecode:
+    """Decode path of full and sliding-window attention (mixed into those two mixers only): a KV
+    cache of ``window`` slots (a ring buffer; ``max_len`` for full attention) with the original
+    position of each slot. State: ``{"k", "v": [B, C, K, Dh], "slot_pos": [C] int32 (-1 = empty),
+    "pos": int32}`` (one position for the whole batch: prompts are aligned, no left padding)."""
+
+    def _capacity(self, max_len: int) -> int:
+        return max_len if self.window is None else min(self.window, max_len)
+
+    def prefill(self, x, ctx: MixerContext, max_len: int):
+        """The forward pass over a prompt ``x [B, T, d]`` plus the cache it leaves: ``(y, state)``."""
+        B, T = x.shape[:2]
+        if T > max_len:
+            raise ValueError(f"prompt of {T} tokens is longer than max_len={max_len}")
+        q, k, v = self.project_qkv(x, ctx.positions)
+        y = self.project_out(attend(q, k, v, window=self.window, positions=ctx.positions,
+                                    impl=ctx.attention_impl))
+        C = self._capacity(max_len)
+        # slot s holds the latest prompt position p < T with p % C == s (none: -1)
+        slot_pos = (T - 1) - jnp.mod(T - 1 - jnp.arange(C), C)
+        take = jnp.clip(slot_pos, 0, T - 1)
+        return y, {"k": k[:, take], "v": v[:, take],
+                   "slot_pos": jnp.where(slot_pos >= 0, slot_pos, -1).astype(jnp.int32),
+                   "pos": jnp.asarray(T, jnp.int32)}
+
+    def step(self, x_t, state: dict):
+        """One token ``x_t [B, d]`` at position ``state["pos"]`` -> ``(y_t [B, d], new state)``.
+        Full attention: the caller keeps ``pos < max_len`` (``hybrid_lm.eval.generate`` checks)."""
+        B = x_t.shape[0]
+        pos = state["pos"]
+        C = state["slot_pos"].shape[0]
+        q, k, v = self.project_qkv(x_t[:, None], jnp.broadcast_to(pos, (B, 1)))
+        slot = jnp.mod(pos, C)
+        kc = jax.lax.dynamic_update_slice_in_dim(state["k"], k.astype(state["k"].dtype), slot, axis=1)
+        vc = jax.lax.dynamic_update_slice_in_dim(state["v"], v.astype(state["v"].dtype), slot, axis=1)
+        slot_pos = state["slot_pos"].at[slot].set(pos)
+        visible = slot_pos >= 0
+        if self.window is not None:
+            visible &= slot_pos > pos - self.window
+        Kh, Dh = kc.shape[2], kc.shape[3]
+        qg = q[:, 0].astype(jnp.float32).reshape(B, Kh, -1, Dh)  # [B, K, G, Dh]
+        s = jnp.einsum("bkgd,bckd->bkgc", qg, kc.astype(jnp.float32)) * (1.0 / math.sqrt(Dh))
+        p = jax.nn.softmax(jnp.where(visible[None, None, None, :], s, -jnp.inf), axis=-1)
+        o = jnp.einsum("bkgc,bckd->bkgd", p, vc.astype(jnp.float32)).reshape(B, 1, -1, Dh)
+        y = self.project_out(o.astype(x_t.dtype))[:, 0]
+        return y, {"k": kc, "v": vc, "slot_pos": slot_pos, "pos": pos + 1}
+
+
 @register_mixer("attention", flops=_attention_flops(lambda mc: None),
                 description="full causal softmax attention (GQA), RoPE or NoPE")
-class FullAttention(Attention):
+class FullAttention(AttentionDecode, Attention):
     def __init__(self, cfg: ModelConfig, mc: MixerConfig, layer_idx: int, *, rngs: nnx.Rngs):
         super().__init__(cfg, mc, layer_idx, rngs=rngs, window=None)
 
 
 @register_mixer("swa", flops=_attention_flops(lambda mc: mc.window), needs_window=True,
                 description="causal sliding-window attention, window w counts the query itself")
-class SlidingWindowAttention(Attention):
+class SlidingWindowAttention(AttentionDecode, Attention):
     def __init__(self, cfg: ModelConfig, mc: MixerConfig, layer_idx: int, *, rngs: nnx.Rngs):
         super().__init__(cfg, mc, layer_idx, rngs=rngs, window=mc.window)

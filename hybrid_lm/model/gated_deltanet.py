@@ -188,6 +188,10 @@ class GatedDeltaNet(nnx.Module):
     def __call__(self, x, ctx: MixerContext):
         return self.forward(x)[0]
 
+    def prefill(self, x, ctx: MixerContext, max_len: int):
+        """The forward pass over a prompt plus the state it leaves (``max_len``: not needed)."""
+        return self.forward(x)
+
     # -- decode
 
     def init_state(self, batch: int) -> dict:

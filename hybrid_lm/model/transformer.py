@@ -32,6 +32,24 @@ class Block(nnx.Module):
         x = x + self.mixer(self.mixer_norm(x), ctx)
         return x + self.mlp(self.mlp_norm(x))
 
+    # -- decode (mixers with ``prefill`` and ``step``: attention, swa, lightning, mamba2, gdn)
+
+    def check_decode(self, layer_idx: int) -> None:
+        if not (callable(getattr(self.mixer, "prefill", None)) and callable(getattr(self.mixer, "step", None))):
+            raise NotImplementedError(
+                f"layer {layer_idx}: mixer {self.mixer_kind!r} has no decode path (mixers with one: "
+                "attention, swa, lightning, mamba2, gdn); score such models with `hybrid-lm eval`")
+
+    def prefill(self, x, ctx: MixerContext, max_len: int):
+        y, state = self.mixer.prefill(self.mixer_norm(x), ctx, max_len)
+        x = x + y
+        return x + self.mlp(self.mlp_norm(x)), state
+
+    def step(self, x_t, state):
+        y, state = self.mixer.step(self.mixer_norm(x_t), state)
+        x_t = x_t + y
+        return x_t + self.mlp(self.mlp_norm(x_t)), state
+
 
 class HybridLM(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
@@ -55,12 +73,42 @@ class HybridLM(nnx.Module):
                 x = block(x, ctx)
             else:
                 x = nnx.remat(lambda b, h: b(h, ctx), policy=_REMAT_POLICIES[cfg.remat])(block, x)
+        return self.logits(x)
+
+    def logits(self, x):
+        """fp32 logits from the last block's output ``x [..., d]``."""
         x = self.final_norm(x)
-        if cfg.tie_embeddings:
+        if self.cfg.tie_embeddings:
             logits = self.embed.attend(x)
         else:
-            logits = x @ self.lm_head[...].astype(dtype)
+            logits = x @ self.lm_head[...].astype(x.dtype)
         return logits.astype(jnp.float32)
+
+    # -- decode: prefill a prompt, then one token at a time (hybrid_lm/eval/generate.py drives it)
+
+    def prefill(self, tokens, max_len: int, attention_impl: str = "auto"):
+        """Logits ``[B, T, vocab]`` of a prompt ``tokens [B, T]`` and the decode cache (one state per
+        layer) for up to ``max_len`` positions in all."""
+        for i, block in enumerate(self.blocks):
+            block.check_decode(i)
+        B, T = tokens.shape
+        ctx = MixerContext(positions=jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T)),
+                           attention_impl=attention_impl, train=False)
+        x = self.embed(tokens, jnp.dtype(self.cfg.compute_dtype))
+        cache = []
+        for block in self.blocks:
+            x, state = block.prefill(x, ctx, max_len)
+            cache.append(state)
+        return self.logits(x), cache
+
+    def decode_step(self, token, cache):
+        """Logits ``[B, vocab]`` after one more token ``token [B]``, and the updated cache."""
+        x = self.embed(token[:, None], jnp.dtype(self.cfg.compute_dtype))[:, 0]
+        new = []
+        for block, state in zip(self.blocks, cache):
+            x, state = block.step(x, state)
+            new.append(state)
+        return self.logits(x), new
 
 
 def cross_entropy(logits, targets, z_loss: float = 0.0):

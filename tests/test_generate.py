@@ -1,0 +1,93 @@
+"""Decode path: prefill + one token at a time equals the training forward pass, for every mixer
+with a decode state (full attention, SWA with a ring buffer shorter than the sequence, lightning,
+mamba2, gdn), and generate() on top of it."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from hybrid_lm.config import MixerConfig, ModelConfig
+from hybrid_lm.eval.generate import generate
+from hybrid_lm.model.transformer import HybridLM
+
+T, PROMPT, VOCAB = 13, 5, 97
+EFFICIENT = {
+    "swa": MixerConfig(kind="swa", window=4),  # ring buffer of 4 < T: wraps several times
+    "lightning": MixerConfig(kind="lightning", options={"chunk_size": 4}),
+    "mamba2": MixerConfig(kind="mamba2", options={"chunk_size": 4, "d_state": 8, "head_dim": 16, "n_groups": 2}),
+    "gdn": MixerConfig(kind="gdn", options={"chunk_size": 4}),
+}
+
+
+def _model(kind: str, seed: int = 0, **kw) -> HybridLM:
+    cfg = ModelConfig(vocab_size=VOCAB, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=8,
+                      d_ff=64, compute_dtype="float32", efficient=EFFICIENT[kind], **kw)
+    model = HybridLM(cfg, rngs=nnx.Rngs(seed))
+    # larger than init weights, so that attention is far from uniform and errors would show
+    graphdef, state = nnx.split(model)
+    leaves, tree = jax.tree.flatten(state)
+    keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
+    leaves = [x + 0.3 * jax.random.normal(k, x.shape, x.dtype) if x.ndim >= 2 else x for k, x in zip(keys, leaves)]
+    return nnx.merge(graphdef, jax.tree.unflatten(tree, leaves))
+
+
+def _tokens(seed: int, B: int = 2, n: int = T):
+    return jax.random.randint(jax.random.key(seed), (B, n), 0, VOCAB)
+
+
+@pytest.mark.parametrize("kind", sorted(EFFICIENT))
+@pytest.mark.parametrize("rope_full", [True, False])
+def test_prefill_then_steps_equal_the_forward_pass(kind, rope_full):
+    model = _model(kind, full=MixerConfig(kind="attention", rope=rope_full))  # NoPE full layers too
+    tokens = _tokens(3)
+    want = model(tokens)
+    logits, cache = model.prefill(tokens[:, :PROMPT], max_len=T)
+    np.testing.assert_allclose(logits, want[:, :PROMPT], rtol=1e-4, atol=1e-4)
+    step = jax.jit(lambda tok, cache: model.decode_step(tok, cache))
+    for t in range(PROMPT, T):
+        got, cache = step(tokens[:, t], cache)
+        np.testing.assert_allclose(got, want[:, t], rtol=1e-4, atol=1e-4, err_msg=f"position {t}")
+
+
+def test_generate_greedy_equals_argmax_of_the_forward_pass():
+    model = _model("swa")
+    prompt = _tokens(5, n=PROMPT)
+    got = generate(model, prompt, 6)
+    seq = prompt
+    for _ in range(6):  # the slow way: a full forward pass per new token
+        seq = jnp.concatenate([seq, jnp.argmax(model(seq)[:, -1], -1)[:, None].astype(seq.dtype)], 1)
+    np.testing.assert_array_equal(got, seq[:, PROMPT:])
+    assert got.dtype == jnp.int32 and got.shape == (2, 6)
+
+
+def test_sampling():
+    model = _model("gdn")
+    prompt = _tokens(6, n=PROMPT)
+    a = generate(model, prompt, 5, temperature=1.0, key=jax.random.key(1))
+    b = generate(model, prompt, 5, temperature=1.0, key=jax.random.key(1))
+    c = generate(model, prompt, 5, temperature=1.0, key=jax.random.key(2))
+    np.testing.assert_array_equal(a, b)  # same key, same tokens
+    assert not np.array_equal(a, c)
+    assert int(a.min()) >= 0 and int(a.max()) < VOCAB
+    # top_k = 1 keeps only the argmax: sampling is then greedy
+    np.testing.assert_array_equal(generate(model, prompt, 5, temperature=1.0, top_k=1, key=jax.random.key(3)),
+                                  generate(model, prompt, 5))
+
+
+def test_bad_requests_say_what_is_wrong():
+    model = _model("swa")
+    prompt = _tokens(7, n=PROMPT)
+    with pytest.raises(ValueError, match="exceeds max_len"):
+        generate(model, prompt, 4, max_len=8)
+    with pytest.raises(ValueError, match="PRNG key"):
+        generate(model, prompt, 2, temperature=0.5)
+    with pytest.raises(ValueError, match=r"\[0, 97\)"):
+        generate(model, prompt.at[0, 0].set(VOCAB), 2)
+    with pytest.raises(ValueError, match="T0 >= 1"):
+        generate(model, prompt[:, :0], 2)
+    cfg = ModelConfig(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64,
+                      compute_dtype="float32", efficient=MixerConfig(kind="sa", window=4))
+    with pytest.raises(NotImplementedError, match="layer 1: mixer 'sa' has no decode path"):
+        generate(HybridLM(cfg, rngs=nnx.Rngs(0)), prompt, 2)
