@@ -21,9 +21,9 @@ from hybrid_lm.ops import attention as ops
 # ----------------------------------------------------------------------------- dispatch
 
 # Measured on one H200 (docs/BENCHMARKS.md, session 3, one run): for plain SWA jax-linear-attention's
-# FA3-style Mosaic GPU kernel is fastest where it runs (fwd+bwd 0.74-1.02x cuDNN); without it our
+# FA3-style Mosaic GPU kernel is fastest where it runs (fwd+bwd 0.79-1.04x cuDNN); without it our
 # Pallas kernel beats cuDNN up to this window and loses above it. Full causal attention: cuDNN
-# (jla's kernel 0.87x its speed fwd+bwd at T=32K). SA's mask only our kernel (or the XLA reference)
+# (jla's kernel 0.91x its speed fwd+bwd at T=32K). SA's mask only our kernel (or the XLA reference)
 # can express.
 PALLAS_SWA_MAX_WINDOW = 256
 
