@@ -854,7 +854,9 @@ def run_parallel(args):
         Path(args.out).write_text(json.dumps(merged, indent=1))
     print(f"\nall workers done in {merged['wall_s']} s; failed: {failed or 'none'}")
     if failed:
-        sys.exit(1)
+        sys.exit(f"worker logs kept in {tmp}")
+    import shutil
+    shutil.rmtree(tmp, ignore_errors=True)  # every log was printed above, the results merged
 
 if __name__ == "__main__":
     main()

@@ -1,0 +1,40 @@
+"""The GPU benchmark scripts run end to end on the CPU (tiny shapes, Pallas interpret mode), so that a
+broken script is caught here rather than in a device call. Their numbers are meaningless here."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(args, tmp_path, timeout=600):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    r = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=timeout)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return r.stdout
+
+
+def test_bench_attention_parallel_workers_merge(tmp_path):
+    """--parallel: one worker per shape and one for MoBA, GPU turns under a file lock, one merged
+    table and JSON."""
+    out = tmp_path / "attention.json"
+    stdout = _run(["experiments/bench_attention.py", "--interpret", "--parallel", "--moba",
+                   "--shapes", "64x1,32x2", "--windows", "16", "--impls", "pallas_swa,pallas_sa",
+                   "--reps", "1", "--inner", "1", "--moba-T", "256", "--moba-block", "64",
+                   "--moba-configs", "m64", "--out", str(out)], tmp_path)
+    assert "failed: none" in stdout
+    r = json.loads(out.read_text())
+    assert [(row["T"], row["B"]) for row in r["rows"]] == [(64, 1), (32, 2)]
+    assert all(row["pallas_sa"]["fwd_bwd"] is not None for row in r["rows"])
+    assert r["moba"]["rows"]["pallas_block[m64]"]["fwd_bwd"] is not None
+
+
+def test_bench_selection(tmp_path):
+    out = tmp_path / "selection.json"
+    _run(["experiments/bench_selection.py", "--cases", "256:16:4:ssa", "--out", str(out)], tmp_path)
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["selection"] for r in rows] == ["block", "token"] and all(r["ms"] > 0 for r in rows)
