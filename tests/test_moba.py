@@ -204,9 +204,10 @@ def test_tiny_hybrid_with_moba_trains(tiny_params, tmp_path):
     assert np.isfinite(res.final_eval["loss"]) and res.final_eval["loss"] < rows[0]["loss"]
 
 
-def test_block_selection_ranks_by_the_mean_query_and_shares_lists():
-    """selection='block': one list per query block, ranked by mean_t(q_t) . mean(k_c) (moba gate),
-    own block forced; moba_attention with it equals the given-blocks attention on the broadcast lists."""
+def test_block_selection_ranks_by_the_previous_blocks_mean_query_and_shares_lists():
+    """selection='block': one list per query block, ranked by the preceding block's mean query
+    . mean(k_c) (moba gate), own block forced; moba_attention with it equals the given-blocks
+    attention on the broadcast lists."""
     T, block, top_k = 50, 8, 3
     q, k, v = _qkv(11, 2, T, 4, 2, 8)
     idx = np.asarray(bs.select_blocks(q, k, block_size=block, top_k=top_k, gate="moba", selection="block"))
@@ -216,8 +217,9 @@ def test_block_selection_ranks_by_the_mean_query_and_shares_lists():
     kbar = np.stack([kn[:, c * block:(c + 1) * block].mean(1) for c in range(nb)], 1)  # [B, nb, K, D]
     qbar = np.stack([qn[:, c * block:(c + 1) * block].mean(1) for c in range(nb)], 1)  # [B, nb, H, D]
     score = np.einsum("bchd,behd->bche", qbar, np.repeat(kbar, 2, axis=2))  # [B, nb(query), H, nb(key)]
-    for c in range(nb):
-        want = {c} | set(np.argsort(-score[0, c, 1, :c])[:top_k - 1].tolist())
+    assert set(idx[0, 0, 1][idx[0, 0, 1] >= 0].tolist()) == {0}
+    for c in range(1, nb):
+        want = {c} | set(np.argsort(-score[0, c - 1, 1, :c])[:top_k - 1].tolist())
         assert set(idx[0, c, 1][idx[0, c, 1] >= 0].tolist()) == want
     tok = jnp.asarray(idx)[:, jnp.arange(T) // block]
     cot = jax.random.normal(jax.random.key(5), q.shape)
@@ -283,3 +285,16 @@ def test_top_k_method_auto_follows_the_measured_rule(monkeypatch):
     bs._top_blocks(x, 16)
     bs._top_blocks(jnp.zeros((2, 256)), 32)
     assert used == [(1024, 16)]
+
+
+@pytest.mark.parametrize("selection", ["token", "block"])
+@pytest.mark.parametrize("gate", ["moba", "ssa"])
+def test_moba_is_causal(selection, gate):
+    """Changing tokens after position t changes no output at positions <= t (selection included:
+    a block's choice must not read its later queries)."""
+    T, block, top_k, t = 48, 8, 3, 27  # t in the middle of block 3
+    q, k, v = _qkv(21, 1, T, 4, 2, 8)
+    q2, k2, v2 = (x.at[:, t + 1:].set(jax.random.normal(jax.random.key(i), x[:, t + 1:].shape))
+                  for i, x in enumerate((q, k, v)))
+    f = lambda q, k, v: bs.moba_attention(q, k, v, block_size=block, top_k=top_k, gate=gate, selection=selection)
+    np.testing.assert_allclose(f(q, k, v)[:, :t + 1], f(q2, k2, v2)[:, :t + 1], rtol=1e-6, atol=1e-6)

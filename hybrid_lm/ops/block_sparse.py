@@ -18,7 +18,7 @@ Two gates score the past blocks, both against block-mean keys (after RoPE when t
   the group shares one selection; the current block is forced. SSA runs it at block 16, top-16.
 
 ``selection="block"`` (an option, not in either reference) lets every query *block* select once,
-scored with its mean query; all its tokens share the list. Block-granular lists are what the Pallas
+scored with the mean query of the preceding block (causal); all its tokens share the list. Block-granular lists are what the Pallas
 kernel (``hybrid_lm_kernels.block_sparse_attention``) runs fastest; it runs per-token lists exactly too.
 
 Causality is by token index (as both references); positions only enter through RoPE, upstream.
@@ -169,8 +169,9 @@ def select_blocks(q, k, *, block_size: int, top_k: int, gate: str = "moba", scal
 
     ``selection='token'``: ``[B, T, Hs, min(top_k, nb)]``, every query token selects (MoBA, NSA).
     ``selection='block'``: ``[B, nb, Hs, min(top_k, nb)]``, every query block selects once, scored
-    with its mean query as if it stood at the block's first token (past = earlier blocks); for the
-    ``moba`` gate that ranks blocks by the mean of the per-token scores.
+    with the mean query of the *preceding* block, as if it stood at the block's first token (past =
+    earlier blocks). Causal: no token's selection depends on a later token (the block's own mean
+    query would leak its later tokens into the choice of its earlier ones).
     """
     _check(q, k, k, block_size, top_k, gate)
     if selection not in SELECTIONS:
@@ -182,9 +183,12 @@ def select_blocks(q, k, *, block_size: int, top_k: int, gate: str = "moba", scal
     nb = kbar.shape[1]
     S = min(top_k, nb)
     if selection == "block":
-        qbar = block_means(q, block_size)  # the mean query of each block [B, nb, H, D]
+        # each block ranks with the mean query of the block before it: the mean over its own queries
+        # would let a token's selection depend on later tokens of its block (a causality leak)
+        qbar = block_means(q, block_size)  # [B, nb, H, D]
+        qprev = jnp.concatenate([jnp.zeros_like(qbar[:, :1]), qbar[:, :-1]], axis=1)  # block 0: no past
         t = jnp.arange(nb) * block_size
-        return _top_blocks(block_importance(qbar, kbar, t, block_size=block_size, gate=gate, scale=scale), S)
+        return _top_blocks(block_importance(qprev, kbar, t, block_size=block_size, gate=gate, scale=scale), S)
 
     def chunk(qc, tc):
         return _top_blocks(block_importance(qc, kbar, tc, block_size=block_size, gate=gate, scale=scale), S)
