@@ -81,3 +81,46 @@ def test_causality_future_tokens_do_not_change_past_logits(tiny_params):
     toks2 = toks.at[:, 15:].set((toks[:, 15:] + 1) % 256)
     np.testing.assert_allclose(model(toks)[:, :15], model(toks2)[:, :15], rtol=1e-5, atol=1e-5)
     assert not np.allclose(model(toks)[:, 15:], model(toks2)[:, 15:])
+
+
+EVERY_EFFICIENT_MIXER = {  # tiny options; the full slot stays full attention
+    "swa": (8, {}),
+    "sa": (8, {}),
+    "sa_symmetric": (8, {"window_mode": "symmetric"}),
+    "sa_swa": (8, {}),
+    "moba": (None, {"block_size": 4, "top_k": 2}),
+    "moba_block": (None, {"block_size": 4, "top_k": 2, "selection": "block", "gate": "moba"}),
+    "ssa": (None, {"block_size": 4, "top_k": 2, "eval_stream": "sparse"}),
+    "ssa_block": (None, {"block_size": 4, "top_k": 2, "selection": "block", "eval_stream": "sparse"}),
+    "attention_sink": (None, {"horizon": 6, "sinks": 2}),
+    "lightning": (None, {"chunk_size": 8}),
+    "mamba2": (None, {"chunk_size": 8, "d_state": 8, "head_dim": 16}),
+    "gdn": (None, {"chunk_size": 8}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EVERY_EFFICIENT_MIXER))
+@pytest.mark.parametrize("train", [True, False])
+def test_every_mixer_is_causal(name, train):
+    """Tokens after position t change no logit at positions <= t, for every mixer in the efficient
+    slot, in training mode (SA permutations, SSA's sparse stream) and in eval mode."""
+    from hybrid_lm.config import MixerConfig, ModelConfig
+    from hybrid_lm.model.registry import MixerContext
+    window, opts = EVERY_EFFICIENT_MIXER[name]
+    kind = {"sa_symmetric": "sa", "moba_block": "moba", "ssa_block": "ssa"}.get(name, name)
+    if kind == "ssa":  # the mixer holds both streams; it sits in the full slot
+        full, eff = MixerConfig(kind="ssa", options=opts), MixerConfig(kind="swa", window=8)
+    else:
+        full, eff = MixerConfig(kind="attention"), MixerConfig(kind=kind, window=window, options=opts)
+    cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64,
+                      compute_dtype="float32", full=full, efficient=eff)
+    model = HybridLM(cfg, rngs=nnx.Rngs(0))
+    T, t = 24, 13
+    toks = jax.random.randint(jax.random.key(1), (2, T), 0, 64)
+    toks2 = toks.at[:, t + 1:].set((toks[:, t + 1:] + 7) % 64)
+    ctx = MixerContext(positions=jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (2, T)), train=train,
+                       step=jnp.int32(3), seed=5, example_ids=jnp.arange(2, dtype=jnp.int32),
+                       ssa_sparse=jnp.asarray(True) if train else None)
+    a, b = model(toks, ctx), model(toks2, ctx)
+    np.testing.assert_allclose(a[:, :t + 1], b[:, :t + 1], rtol=1e-5, atol=1e-5)
+    assert not np.allclose(a[:, t + 1:], b[:, t + 1:])
