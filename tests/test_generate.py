@@ -1,6 +1,6 @@
-"""Decode path: prefill + one token at a time equals the training forward pass, for every mixer
-with a decode state (full attention, SWA with a ring buffer shorter than the sequence, lightning,
-mamba2, gdn), and generate() on top of it."""
+"""Decode path: prefill + one token at a time equals the forward pass (eval mode), for every mixer
+with a decode state (full attention, SWA with a ring buffer shorter than the sequence, MoBA with
+both selections, SSA's full or sparse eval stream, lightning, mamba2, gdn), and generate() on top."""
 
 import jax
 import jax.numpy as jnp
@@ -13,17 +13,32 @@ from hybrid_lm.eval.generate import generate
 from hybrid_lm.model.transformer import HybridLM
 
 T, PROMPT, VOCAB = 13, 5, 97
+FULL = MixerConfig(kind="attention")
 EFFICIENT = {
     "swa": MixerConfig(kind="swa", window=4),  # ring buffer of 4 < T: wraps several times
+    # MoBA: blocks of 3 (T = 13 ends mid-block), both selections and gates
+    "moba": MixerConfig(kind="moba", options={"block_size": 3, "top_k": 2, "gate": "moba"}),
+    "moba_ssa_gate_block": MixerConfig(kind="moba", options={"block_size": 3, "top_k": 2, "gate": "ssa",
+                                                             "selection": "block"}),
     "lightning": MixerConfig(kind="lightning", options={"chunk_size": 4}),
     "mamba2": MixerConfig(kind="mamba2", options={"chunk_size": 4, "d_state": 8, "head_dim": 16, "n_groups": 2}),
     "gdn": MixerConfig(kind="gdn", options={"chunk_size": 4}),
 }
 
 
+SSA = {  # SSA in the full slot, decoding its eval stream
+    "ssa_full_stream": MixerConfig(kind="ssa", options={"block_size": 3, "top_k": 2}),
+    "ssa_sparse_stream": MixerConfig(kind="ssa", options={"block_size": 3, "top_k": 2, "eval_stream": "sparse"}),
+    "ssa_sparse_block": MixerConfig(kind="ssa", options={"block_size": 3, "top_k": 2, "eval_stream": "sparse",
+                                                          "selection": "block", "gate": "moba"}),
+}
+
+
 def _model(kind: str, seed: int = 0, **kw) -> HybridLM:
+    slots = dict(full=SSA[kind], efficient=EFFICIENT["swa"]) if kind in SSA else dict(efficient=EFFICIENT[kind])
+    slots.update(kw)
     cfg = ModelConfig(vocab_size=VOCAB, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=8,
-                      d_ff=64, compute_dtype="float32", efficient=EFFICIENT[kind], **kw)
+                      d_ff=64, compute_dtype="float32", **slots)
     model = HybridLM(cfg, rngs=nnx.Rngs(seed))
     # larger than init weights, so that attention is far from uniform and errors would show
     graphdef, state = nnx.split(model)
@@ -33,16 +48,25 @@ def _model(kind: str, seed: int = 0, **kw) -> HybridLM:
     return nnx.merge(graphdef, jax.tree.unflatten(tree, leaves))
 
 
+def _eval_ctx(tokens):
+    from hybrid_lm.model.registry import MixerContext
+    B, n = tokens.shape
+    return MixerContext(positions=jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (B, n)), train=False)
+
+
 def _tokens(seed: int, B: int = 2, n: int = T):
     return jax.random.randint(jax.random.key(seed), (B, n), 0, VOCAB)
 
 
-@pytest.mark.parametrize("kind", sorted(EFFICIENT))
-@pytest.mark.parametrize("rope_full", [True, False])
+@pytest.mark.parametrize("kind,rope_full", [(k, r) for k in sorted(EFFICIENT) for r in (True, False)]
+                         + [(k, True) for k in sorted(SSA)])  # SSA sits in the full slot
 def test_prefill_then_steps_equal_the_forward_pass(kind, rope_full):
-    model = _model(kind, full=MixerConfig(kind="attention", rope=rope_full))  # NoPE full layers too
+    if kind in SSA:
+        model = _model(kind)
+    else:
+        model = _model(kind, full=MixerConfig(kind="attention", rope=rope_full))  # NoPE full layers too
     tokens = _tokens(3)
-    want = model(tokens)
+    want = model(tokens, _eval_ctx(tokens))
     logits, cache = model.prefill(tokens[:, :PROMPT], max_len=T)
     np.testing.assert_allclose(logits, want[:, :PROMPT], rtol=1e-4, atol=1e-4)
     step = jax.jit(lambda tok, cache: model.decode_step(tok, cache))
@@ -88,6 +112,6 @@ def test_bad_requests_say_what_is_wrong():
     with pytest.raises(ValueError, match="T0 >= 1"):
         generate(model, prompt[:, :0], 2)
     cfg = ModelConfig(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64,
-                      compute_dtype="float32", efficient=MixerConfig(kind="sa", window=4))
+                      compute_dtype="float32", full=FULL, efficient=MixerConfig(kind="sa", window=4))
     with pytest.raises(NotImplementedError, match="layer 1: mixer 'sa' has no decode path"):
         generate(HybridLM(cfg, rngs=nnx.Rngs(0)), prompt, 2)

@@ -1,11 +1,13 @@
 """Autoregressive generation from a :class:`~hybrid_lm.model.transformer.HybridLM`.
 
-The prompt runs through the model's ``prefill`` (the training forward pass on every layer, which
+The prompt runs through the model's ``prefill`` (the eval-mode forward pass on every layer, which
 also leaves each layer's decode state: a KV cache of ``window`` slots for SWA, of ``max_len`` slots
-for full attention, the recurrent state for lightning / mamba2 / gdn), then one ``decode_step`` per
-new token inside a ``lax.scan``. Greedy with ``temperature=0``; otherwise sampling from
-``softmax(logits / temperature)``, optionally restricted to the ``top_k`` most likely tokens.
-Mixers without a decode path (sa, sa_swa, moba, ssa, attention_sink) raise ``NotImplementedError``.
+for full attention, MoBA and SSA (plus running block sums of keys and queries for MoBA's gate; SSA
+decodes its ``eval_stream``), the recurrent state for lightning / mamba2 / gdn), then one
+``decode_step`` per new token inside a ``lax.scan``. Greedy with ``temperature=0``; otherwise
+sampling from ``softmax(logits / temperature)``, optionally restricted to the ``top_k`` most likely
+tokens. Mixers without a decode path (sa, sa_swa: a permutation of the whole sequence has no
+token-by-token form; attention_sink) raise ``NotImplementedError``.
 """
 
 from __future__ import annotations

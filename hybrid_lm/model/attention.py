@@ -181,13 +181,39 @@ class Attention(nnx.Module):
 
 
 class AttentionDecode:
-    """Decode path of full and sliding-window attention (mixed into those two mixers only): a KV
-    cache of ``window`` slots (a ring buffer; ``max_len`` for full attention) with the original
-    position of each slot. State: ``{"k", "v": [B, C, K, Dh], "slot_pos": [C] int32 (-1 = empty),
-    "pos": int32}`` (one position for the whole batch: prompts are aligned, no left padding)."""
+    """Decode path of causal attention mixers (mixed into full and sliding-window attention; MoBA
+    and SSA extend it): a KV cache of ``window`` slots (a ring buffer; ``max_len`` for full
+    attention) with the original position of each slot. State: ``{"k", "v": [B, C, K, Dh],
+    "slot_pos": [C] int32 (-1 = empty), "pos": int32}`` (one position for the whole batch: prompts
+    are aligned, no left padding). Subclasses override ``attend_prompt`` (the forward pass's
+    attention), ``read`` (one query against the cache) and ``extend_state``."""
 
     def _capacity(self, max_len: int) -> int:
         return max_len if self.window is None else min(self.window, max_len)
+
+    def attend_prompt(self, q, k, v, ctx: MixerContext):
+        return attend(q, k, v, window=self.window, positions=ctx.positions, impl=ctx.attention_impl)
+
+    def extend_state(self, state: dict, q, k, pos) -> dict:
+        """Extra decode state after writing ``q, k [B, n, heads, Dh]`` at positions ``pos ... pos+n-1``
+        (the prompt at prefill, one token per step); plain attention keeps none."""
+        return state
+
+    def read(self, q_t, state: dict):
+        """Attention of ``q_t [B, 1, H, Dh]`` at position ``state["pos"]`` over the cache (which holds it)."""
+        pos, kc, vc, slot_pos = state["pos"], state["k"], state["v"], state["slot_pos"]
+        visible = slot_pos >= 0
+        if self.window is not None:
+            visible &= slot_pos > pos - self.window
+        B, _, Kh, Dh = kc.shape
+        qg = q_t[:, 0].astype(jnp.float32).reshape(B, Kh, -1, Dh)  # [B, K, G, Dh]
+        s = jnp.einsum("bkgd,bckd->bkgc", qg, kc.astype(jnp.float32)) * (1.0 / math.sqrt(Dh))
+        p = jax.nn.softmax(jnp.where(visible[None, None, None, :], s, -jnp.inf), axis=-1)
+        return jnp.einsum("bkgc,bckd->bkgd", p, vc.astype(jnp.float32)).reshape(B, 1, -1, Dh)
+
+    def decode_output(self, o, x):
+        """``o [B, n, H, Dh]`` (the stream's attention output) -> the mixer's output for input ``x``."""
+        return self.project_out(o.astype(x.dtype))
 
     def prefill(self, x, ctx: MixerContext, max_len: int):
         """The forward pass over a prompt ``x [B, T, d]`` plus the cache it leaves: ``(y, state)``."""
@@ -195,15 +221,15 @@ class AttentionDecode:
         if T > max_len:
             raise ValueError(f"prompt of {T} tokens is longer than max_len={max_len}")
         q, k, v = self.project_qkv(x, ctx.positions)
-        y = self.project_out(attend(q, k, v, window=self.window, positions=ctx.positions,
-                                    impl=ctx.attention_impl))
+        y = self.decode_output(self.attend_prompt(q, k, v, ctx), x)
         C = self._capacity(max_len)
         # slot s holds the latest prompt position p < T with p % C == s (none: -1)
         slot_pos = (T - 1) - jnp.mod(T - 1 - jnp.arange(C), C)
         take = jnp.clip(slot_pos, 0, T - 1)
-        return y, {"k": k[:, take], "v": v[:, take],
-                   "slot_pos": jnp.where(slot_pos >= 0, slot_pos, -1).astype(jnp.int32),
-                   "pos": jnp.asarray(T, jnp.int32)}
+        state = {"k": k[:, take], "v": v[:, take],
+                 "slot_pos": jnp.where(slot_pos >= 0, slot_pos, -1).astype(jnp.int32),
+                 "pos": jnp.asarray(T, jnp.int32)}
+        return y, self.extend_state(state, q, k, jnp.asarray(0, jnp.int32))
 
     def step(self, x_t, state: dict):
         """One token ``x_t [B, d]`` at position ``state["pos"]`` -> ``(y_t [B, d], new state)``.
@@ -213,19 +239,13 @@ class AttentionDecode:
         C = state["slot_pos"].shape[0]
         q, k, v = self.project_qkv(x_t[:, None], jnp.broadcast_to(pos, (B, 1)))
         slot = jnp.mod(pos, C)
-        kc = jax.lax.dynamic_update_slice_in_dim(state["k"], k.astype(state["k"].dtype), slot, axis=1)
-        vc = jax.lax.dynamic_update_slice_in_dim(state["v"], v.astype(state["v"].dtype), slot, axis=1)
-        slot_pos = state["slot_pos"].at[slot].set(pos)
-        visible = slot_pos >= 0
-        if self.window is not None:
-            visible &= slot_pos > pos - self.window
-        Kh, Dh = kc.shape[2], kc.shape[3]
-        qg = q[:, 0].astype(jnp.float32).reshape(B, Kh, -1, Dh)  # [B, K, G, Dh]
-        s = jnp.einsum("bkgd,bckd->bkgc", qg, kc.astype(jnp.float32)) * (1.0 / math.sqrt(Dh))
-        p = jax.nn.softmax(jnp.where(visible[None, None, None, :], s, -jnp.inf), axis=-1)
-        o = jnp.einsum("bkgc,bckd->bkgd", p, vc.astype(jnp.float32)).reshape(B, 1, -1, Dh)
-        y = self.project_out(o.astype(x_t.dtype))[:, 0]
-        return y, {"k": kc, "v": vc, "slot_pos": slot_pos, "pos": pos + 1}
+        state = dict(state,
+                     k=jax.lax.dynamic_update_slice_in_dim(state["k"], k.astype(state["k"].dtype), slot, axis=1),
+                     v=jax.lax.dynamic_update_slice_in_dim(state["v"], v.astype(state["v"].dtype), slot, axis=1),
+                     slot_pos=state["slot_pos"].at[slot].set(pos))
+        state = self.extend_state(state, q, k, pos)
+        y = self.decode_output(self.read(q, state), x_t[:, None])[:, 0]
+        return y, dict(state, pos=pos + 1)
 
 
 @register_mixer("attention", flops=_attention_flops(lambda mc: None),

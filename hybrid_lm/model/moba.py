@@ -14,10 +14,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from hybrid_lm.config import ConfigError, MixerConfig, ModelConfig
-from hybrid_lm.model.attention import Attention, attention_projection_flops
+from hybrid_lm.model.attention import Attention, AttentionDecode, attention_projection_flops
 from hybrid_lm.model.registry import MixerContext, record_backend, register_mixer
 from hybrid_lm.ops import block_sparse as ops
 
@@ -115,13 +116,42 @@ def moba_flops(cfg: ModelConfig, mc: MixerConfig, seq_len: int) -> dict:
 @register_mixer("moba", flops=moba_flops, options=MobaOptions,
                 description="MoBA block-sparse causal attention: top-k key blocks per query (own block "
                             "included), official per-head gate or SSA/NSA group gate")
-class MobaAttention(Attention):
+class MobaAttention(AttentionDecode, Attention):
     def __init__(self, cfg: ModelConfig, mc: MixerConfig, layer_idx: int, *, rngs: nnx.Rngs):
         super().__init__(cfg, mc, layer_idx, rngs=rngs, window=None)
         self.opts = MobaOptions(**mc.options)
 
+    def attend_prompt(self, q, k, v, ctx: MixerContext):
+        return moba_attend(q, k, v, block_size=self.opts.block_size, top_k=self.opts.top_k, gate=self.opts.gate,
+                           selection=self.opts.selection, impl=ctx.attention_impl)
+
     def __call__(self, x, ctx: MixerContext):
         q, k, v = self.project_qkv(x, ctx.positions)
-        o = moba_attend(q, k, v, block_size=self.opts.block_size, top_k=self.opts.top_k, gate=self.opts.gate,
-                        selection=self.opts.selection, impl=ctx.attention_impl)
-        return self.project_out(o)
+        return self.project_out(self.attend_prompt(q, k, v, ctx))
+
+    # -- decode: the full KV cache plus running block sums of the keys (and queries) for the gate
+
+    def extend_state(self, state: dict, q, k, pos) -> dict:
+        return moba_extend_state(state, q, k, pos, self.opts)
+
+    def read(self, q_t, state: dict):
+        return moba_read(q_t, state, self.opts)
+
+
+def moba_extend_state(state: dict, q, k, pos, opts) -> dict:
+    """The decode state's block sums (``kbar_sum``, and ``qbar_sum`` for ``selection='block'``) after
+    the tokens at ``pos ...`` (shared by moba and ssa's sparse stream)."""
+    nb = -(-state["k"].shape[1] // opts.block_size)
+    out = dict(state)
+    names = [("kbar_sum", k)] + ([("qbar_sum", q)] if opts.selection == "block" else [])
+    for name, x in names:
+        sums = state.get(name, jnp.zeros((x.shape[0], nb) + x.shape[2:], jnp.float32))
+        out[name] = ops.add_block_sums(sums, x, pos, opts.block_size)
+    return out
+
+
+def moba_read(q_t, state: dict, opts):
+    """One query's MoBA attention over the decode cache (selection as in the forward pass)."""
+    idx = ops.decode_select(q_t, state["kbar_sum"], state["pos"], block_size=opts.block_size, top_k=opts.top_k,
+                            gate=opts.gate, selection=opts.selection, qbar_sum=state.get("qbar_sum"))
+    return ops.decode_attend(q_t, state["k"], state["v"], idx, state["pos"], block_size=opts.block_size)

@@ -25,9 +25,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from hybrid_lm.config import ConfigError, MixerConfig, ModelConfig
-from hybrid_lm.model.attention import Attention, attend, attention_projection_flops, mean_keys_per_query
+from hybrid_lm.model.attention import (Attention, AttentionDecode, attend, attention_projection_flops,
+                                        mean_keys_per_query)
 from hybrid_lm.model.layers import param
-from hybrid_lm.model.moba import moba_attend, moba_gate_dots, moba_mean_keys
+from hybrid_lm.model.moba import (moba_attend, moba_extend_state, moba_gate_dots, moba_mean_keys,
+                                  moba_read)
 from hybrid_lm.model.registry import MixerContext, register_mixer
 from hybrid_lm.ops import block_sparse
 
@@ -83,16 +85,20 @@ def _ssa_flops(cfg: ModelConfig, mc: MixerConfig, seq_len: int) -> dict:
 
 @register_mixer("ssa", flops=_ssa_flops, options=SSAOptions,
                 description="SSA: full + block-sparse streams, coin per micro-batch, alignment loss")
-class SSAAttention(Attention):
+class SSAAttention(AttentionDecode, Attention):
     def __init__(self, cfg: ModelConfig, mc: MixerConfig, layer_idx: int, *, rngs: nnx.Rngs):
         super().__init__(cfg, mc, layer_idx, rngs=rngs, window=None)
         self.opts = SSAOptions(**mc.options)
         self.w_gate = param(rngs, (cfg.d_model, cfg.n_heads), ("embed", "heads"), cfg.init_std)
         self.n_ssa_layers = sum(cfg.mixer(t).kind == "ssa" for t in cfg.layer_types())
 
+    def stream_gate(self, x):
+        """Per-head sigmoid gate ``[B, T, H, 1]`` on both streams' outputs."""
+        return jax.nn.sigmoid(x @ self.w_gate[...].astype(x.dtype))[..., None]
+
     def _streams(self, x, ctx: MixerContext, want_full: bool, want_sparse: bool):
         q, k, v = self.project_qkv(x, ctx.positions)
-        g = jax.nn.sigmoid(x @ self.w_gate[...].astype(x.dtype))[..., None]  # [B, T, H, 1]
+        g = self.stream_gate(x)
         full = sparse = None
         if want_full:
             full = attend(q, k, v, window=None, positions=ctx.positions, impl=ctx.attention_impl) * g
@@ -101,6 +107,24 @@ class SSAAttention(Attention):
             sparse = moba_attend(q, k, v, block_size=o.block_size, top_k=o.top_k, gate=o.gate,
                                  selection=o.selection, impl=ctx.attention_impl) * g
         return full, sparse
+
+    # -- decode: the eval stream (eval_stream) on the KV cache, times the stream gate
+
+    def attend_prompt(self, q, k, v, ctx: MixerContext):
+        o = self.opts
+        if o.eval_stream == "sparse":
+            return moba_attend(q, k, v, block_size=o.block_size, top_k=o.top_k, gate=o.gate,
+                               selection=o.selection, impl=ctx.attention_impl)
+        return attend(q, k, v, window=None, positions=ctx.positions, impl=ctx.attention_impl)
+
+    def extend_state(self, state: dict, q, k, pos) -> dict:
+        return moba_extend_state(state, q, k, pos, self.opts) if self.opts.eval_stream == "sparse" else state
+
+    def read(self, q_t, state: dict):
+        return moba_read(q_t, state, self.opts) if self.opts.eval_stream == "sparse" else super().read(q_t, state)
+
+    def decode_output(self, o, x):
+        return self.project_out(o.astype(x.dtype) * self.stream_gate(x))
 
     def __call__(self, x, ctx: MixerContext):
         if not ctx.train:

@@ -144,6 +144,53 @@ def _top_blocks(imp, top_k: int, method: str = "auto"):
     return jnp.where(vals > -jnp.inf, idx, -1).astype(jnp.int32)
 
 
+# ----------------------------------------------------------------------------- decode (one query)
+
+def add_block_sums(sums, x, pos, block_size: int):
+    """``sums [B, nb, h, D]`` (fp32) plus the tokens ``x [B, n, h, D]`` at positions ``pos ... pos+n-1``,
+    each added to its block: the running block sums behind the decode-time gate."""
+    blocks = (pos + jnp.arange(x.shape[1])) // block_size
+    return sums.at[:, blocks].add(x.astype(jnp.float32))
+
+
+def decode_select(q_t, kbar_sum, pos, *, block_size: int, top_k: int, gate: str, selection: str,
+                  qbar_sum=None, scale: float | None = None):
+    """The blocks ``[B, 1, Hs, S]`` that :func:`select_blocks` gives the query ``q_t [B, 1, H, D]`` at
+    position ``pos``, from running block sums of the keys (and, for ``selection='block'``, of the
+    queries) up to ``pos``: only complete past blocks are scored, so the sums are all it needs."""
+    D = q_t.shape[-1]
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    kbar = kbar_sum / block_size
+    if selection == "block":  # the preceding block's mean query, as select_blocks
+        b = pos // block_size
+        prev = jax.lax.dynamic_index_in_dim(qbar_sum, jnp.maximum(b - 1, 0), axis=1) / block_size
+        q_t, t = jnp.where(b >= 1, prev, 0.0), (b * block_size)[None]
+    else:
+        t = jnp.asarray(pos)[None]
+    imp = block_importance(q_t, kbar, t, block_size=block_size, gate=gate, scale=scale)
+    return _top_blocks(imp, min(top_k, kbar.shape[1]))
+
+
+def decode_attend(q_t, k_cache, v_cache, idx, pos, *, block_size: int, scale: float | None = None):
+    """Attention of ``q_t [B, 1, H, D]`` at ``pos`` over its selected blocks ``idx [B, 1, Hs, S]`` of a
+    KV cache ``[B, C, K, D]`` indexed by position (keys after ``pos`` are masked)."""
+    B, _, H, D = q_t.shape
+    C, K = k_cache.shape[1], k_cache.shape[2]
+    Hs, S = idx.shape[2], idx.shape[3]
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    sel = idx[:, 0, :, :, None]
+    tok = sel * block_size + jnp.arange(block_size)  # [B, Hs, S, block]
+    valid = ((sel >= 0) & (tok <= pos) & (tok < C)).reshape(B, Hs, 1, S * block_size)
+    tok = jnp.clip(tok, 0, C - 1).reshape(B, Hs, S * block_size)
+    kv_head = (jnp.arange(Hs) // (Hs // K))[None, :, None]  # selection head h reads KV head h // (Hs / K)
+    rows = jnp.arange(B)[:, None, None]
+    kg, vg = k_cache[rows, tok, kv_head], v_cache[rows, tok, kv_head]  # [B, Hs, L, D]
+    qg = q_t[:, 0].astype(jnp.float32).reshape(B, Hs, H // Hs, D)
+    s = jnp.einsum("bhgd,bhld->bhgl", qg, kg.astype(jnp.float32)) * scale
+    p = jax.nn.softmax(jnp.where(valid, s, _NEG), axis=-1)
+    return jnp.einsum("bhgl,bhld->bhgd", p, vg.astype(jnp.float32)).reshape(B, 1, H, vg.shape[-1])
+
+
 def _query_chunks(T: int, per_query: int, B: int, query_chunk: int | None) -> int:
     """Queries per chunk: ``query_chunk``, or as many as fit ``_CHUNK_ELEMENTS`` elements."""
     return min(T, query_chunk or max(1, _CHUNK_ELEMENTS // max(1, B * per_query)))
