@@ -32,3 +32,11 @@ TINY = [
 @pytest.fixture
 def tiny_params():
     return list(TINY)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_gin():
+    """Gin bindings are global: a test that builds ``ModelConfig(...)`` directly must not inherit the
+    bindings an earlier test's ``load_config`` left behind (e.g. a layer pattern)."""
+    import gin
+    gin.clear_config()
