@@ -223,6 +223,7 @@ def test_unswapped_eval_reproduces_the_trainer(trained):
     r = ev.evaluate()
     assert r["loss"] == final["loss"] and r["bpb"] == final["bpb"] and r["eval_windows"] == final["eval_windows"]
     assert r["delta_loss"] == 0.0 and r["trained_eval_loss"] == final["loss"]
+    assert r["attention_backends"] == {"full": "xla", "swa w=8": "xla"}  # what each call resolved to
     assert final["loss"] < 3.0  # the model learnt context (uniform: 5.55; unigram: ~3.1 nats)
 
 

@@ -342,6 +342,7 @@ class SwapEvaluator:
                  eval_windows: int | None = None, attention_impl: str | None = None, record: bool = True) -> dict:
         """Loss (nats/token) and bits/byte of the swapped / constrained model; appends to eval.jsonl."""
         from hybrid_lm.data.corpus import bits_per_byte
+        from hybrid_lm.model.registry import recorded_backends
         from hybrid_lm.train import sharding as shd
         from hybrid_lm.train.loop import put_batch
         from hybrid_lm.train.step import ModelFns, make_eval_step
@@ -361,6 +362,7 @@ class SwapEvaluator:
             raise SwapError(f"{eb.shape[0]} eval windows of {data.seq_len} tokens cannot fill one batch of {per} "
                             f"rows on {nbs} batch shards; use a shorter seq_len or more eval windows")
         fns = ModelFns(cfg)
+        recorded_backends(clear=True)  # filled by the eval step's trace
         with jax.set_mesh(self.mesh):
             eval_fn = jax.jit(make_eval_step(fns), in_shardings=(self.p_shard, self.batch_shard),
                               out_shardings=shd.replicated(self.mesh))
@@ -375,7 +377,7 @@ class SwapEvaluator:
                "loss": ce, "bpb": bits_per_byte(ce, streams.bytes_per_token),
                "layer_types": "".join(model.layer_types()), "mixers": describe(model),
                "trained_mixers": describe(self.cfg.model), "attention_impl": model.attention_impl,
-               "devices": int(self.mesh.devices.size), "wall_s": round(time.time() - t0, 3)}
+               "attention_backends": recorded_backends(), "devices": int(self.mesh.devices.size), "wall_s": round(time.time() - t0, 3)}
         ref = self.trained_eval(data.seq_len)
         if ref is not None and ref.get("eval_windows", n) == n:
             row["trained_eval_loss"] = ref["loss"]
