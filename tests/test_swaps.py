@@ -7,6 +7,7 @@ raises the loss, a horizon covering the sequence changes nothing, and every row 
 """
 
 import json
+import math
 
 import jax
 import jax.numpy as jnp
@@ -303,3 +304,44 @@ def test_cli_generate(trained, capsys):
     assert main(["generate", str(wd), "--prompt", "", "--max-new", "5"]) == 2
     assert "prompt is empty" in capsys.readouterr().err
     assert main(["generate", str(wd / "nowhere"), "--prompt", "x"]) == 2
+
+
+def test_longppl_on_the_trained_run(trained, capsys):
+    """Thresholds that make every token past K key turn LongPPL into the perplexity of those tokens
+    (checked against the model's own forward pass); a fixed evaluator marks keys that score the
+    evaluated run; the CLI prints and records a row."""
+    from hybrid_lm.cli import main
+    from hybrid_lm.eval.longppl import KeyTokenRule, evaluate_longppl, nll_per_token
+    from hybrid_lm.eval.swap import swapped_config
+    from hybrid_lm.model.registry import MixerContext
+    from hybrid_lm.train.step import ModelFns
+    wd, _, ev = trained
+    everything = KeyTokenRule(trunc_len=16, window=8, alpha=-1e9, beta=-1e9)
+    row = evaluate_longppl(wd, length=48, docs=3, rule=everything, record=False, progress=False)
+    assert row["self_evaluator"] and row["n_token"] == 3 * 47 and row["n_key"] == 3 * 32
+    docs = jnp.asarray(ev._streams(swapped_config(ev.cfg, seq_len=47, eval_windows=3)).eval_batch)
+    model = ModelFns(ev.cfg).model(ev.params)
+    ctx = MixerContext(positions=jnp.broadcast_to(jnp.arange(47), (3, 47)), train=False)
+    nll = np.asarray(nll_per_token(lambda x: model(x, ctx), docs))  # positions 1 .. 47
+    assert row["longppl"] == pytest.approx(float(np.exp(nll[:, 15:].mean())), rel=1e-4)
+    assert row["ppl"] == pytest.approx(float(np.exp(nll.mean())), rel=1e-4)
+    paper = evaluate_longppl(wd, length=48, docs=3, rule=KeyTokenRule(trunc_len=16, window=8),
+                             record=False, progress=False)
+    assert paper["longppl"] is None or paper["longppl"] < math.exp(2)  # self-LongPPL < e^2 by construction
+    # a separate evaluator run (here a copy of the same checkpoint: the same keys and value)
+    import shutil
+    judge = wd.parent / "longppl_judge"
+    shutil.copytree(wd, judge, dirs_exist_ok=True)
+    fixed = evaluate_longppl(wd, evaluator=judge, length=48, docs=3, rule=KeyTokenRule(trunc_len=16, window=8,
+                             alpha=0.2, beta=-3), record=False, progress=False)
+    same = evaluate_longppl(wd, length=48, docs=3, rule=KeyTokenRule(trunc_len=16, window=8, alpha=0.2, beta=-3),
+                            record=False, progress=False)
+    assert not fixed["self_evaluator"] and fixed["evaluator"] == str(judge)
+    assert (fixed["n_key"], fixed["longppl"]) == pytest.approx((same["n_key"], same["longppl"]), rel=1e-5)
+    capsys.readouterr()
+    assert main(["longppl", str(wd), "--evaluator", str(wd), "--length", "48", "--docs", "2",
+                 "--trunc-len", "16", "--window", "8", "--alpha", "0.5"]) == 0
+    assert "LongPPL" in capsys.readouterr().out
+    assert read_eval_rows(wd)[-1]["kind"] == "longppl"
+    assert main(["longppl", str(wd), "--length", "10", "--trunc-len", "16"]) == 2
+    assert "no token beyond" in capsys.readouterr().err

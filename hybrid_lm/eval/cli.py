@@ -4,9 +4,10 @@
     hybrid-lm eval WORKDIR [--swap full=swa:128] [--swap efficient=sa:128] [--horizon H --sinks S]
                            [--seq-len T] [--step N] [--baseline]
     hybrid-lm generate WORKDIR --prompt TEXT [--max-new N] [--temperature T --top-k K --seed S] [--step N]
+    hybrid-lm longppl WORKDIR [--evaluator RUN] [--length T --docs N] [--trunc-len K --window W]
 
-Registered by ``add_eval_commands(sub)`` in ``hybrid_lm/cli.py``; the work is ``hybrid_lm/eval/swap.py``
-and ``hybrid_lm/eval/generate.py``.
+Registered by ``add_eval_commands(sub)`` in ``hybrid_lm/cli.py``; the work is ``hybrid_lm/eval/swap.py``,
+``hybrid_lm/eval/generate.py`` and ``hybrid_lm/eval/longppl.py``.
 """
 
 from __future__ import annotations
@@ -42,6 +43,29 @@ def cmd_generate(args) -> int:
         import sys
         print(f"generate error: {e}", file=sys.stderr)
         return 2
+
+
+def cmd_longppl(args) -> int:
+    from hybrid_lm.eval.longppl import KeyTokenRule, evaluate_longppl
+    try:
+        row = evaluate_longppl(args.workdir, evaluator=args.evaluator, length=args.length, docs=args.docs,
+                               rule=KeyTokenRule(args.trunc_len, args.window, args.alpha, args.beta),
+                               step=args.step, evaluator_step=args.evaluator_step, record=not args.no_record)
+    except (FileNotFoundError, ValueError) as e:
+        import sys
+        print(f"longppl error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(row, indent=2))
+        return 0
+    lp = "—" if row["longppl"] is None else f"{row['longppl']:.3f}"
+    print(f"step {row['checkpoint_step']}  {row['docs']} documents of {row['length']} tokens  evaluator "
+          f"{row['evaluator']}  LongPPL {lp}  PPL {row['ppl']:.3f}  key tokens {row['n_key']} of "
+          f"{row['n_token']} ({100 * row['key_rate']:.2f}%)")
+    if row["self_evaluator"]:
+        print("self-evaluated: key tokens have NLL < -beta, so LongPPL < e^-beta by construction; compare "
+              "checkpoints with a fixed --evaluator, and read the key-token rate")
+    return 0
 
 
 def _generate(args) -> int:
@@ -142,3 +166,22 @@ def add_eval_commands(sub) -> None:
                    choices=("auto", "xla", "cudnn", "pallas", "jla"), help="default: the run's")
     p.add_argument("--json", action="store_true", help="print prompt, continuation and token ids as JSON")
     p.set_defaults(fn=cmd_generate)
+
+    p = sub.add_parser(
+        "longppl", help="LongPPL: perplexity on the key tokens that need long context (Fang et al. 2025)",
+        description="Mark key tokens of the run's validation documents with an evaluator run (long context "
+                    "lowers their NLL by more than alpha, and their full-context NLL is below -beta), then "
+                    "report exp(mean NLL) of WORKDIR's checkpoint on them. Appends to WORKDIR/eval.jsonl.")
+    p.add_argument("workdir", help="run directory of the evaluated checkpoint")
+    p.add_argument("--evaluator", default=None, help="run directory of the evaluator (default: the run itself)")
+    p.add_argument("--evaluator-step", dest="evaluator_step", type=int, default=None)
+    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest that restores)")
+    p.add_argument("--length", type=int, default=None, help="tokens per document (default: the run's seq_len + 1)")
+    p.add_argument("--docs", type=int, default=8, help="number of validation documents")
+    p.add_argument("--trunc-len", dest="trunc_len", type=int, default=4096, help="K, the short context")
+    p.add_argument("--window", type=int, default=1024, help="W, targets per short-context pass")
+    p.add_argument("--alpha", type=float, default=2.0)
+    p.add_argument("--beta", type=float, default=-2.0)
+    p.add_argument("--no-record", dest="no_record", action="store_true", help="do not append to eval.jsonl")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=cmd_longppl)

@@ -1,0 +1,162 @@
+"""LongPPL (Fang et al., ICLR 2025; PKU-ML/LongPPL): perplexity on the tokens that need long context.
+
+An *evaluator* model marks the key tokens of each document: token i is key iff
+
+    NLL_short(i) - NLL_full(i) > alpha    (long context lowers its loss by more than alpha nats)
+    NLL_full(i) < -beta                   (and the evaluator predicts it well with the full context)
+
+NLL_full comes from one pass over the whole document; NLL_short from passes over windows
+``[s, s + K + W)`` for ``s = 0, W, 2W, ...`` while ``s < T - K``, each scoring its targets
+``[s + K, s + K + W)``, which so see K to K + W - 1 tokens of context. The first K tokens are never
+key. The evaluated model's LongPPL is ``exp(mean NLL_full over the key tokens)``; over documents,
+the key-token-weighted mean (``exp(sum NLL / sum n_key)``). Defaults are the paper's: K = 4096,
+W = 1024, alpha = 2, beta = -2.
+
+With the evaluated model as its own evaluator ("self-LongPPL") every key token has NLL < -beta, so
+LongPPL < e^2 ~ 7.39 by construction, and a model that uses little context shows up as *fewer* key
+tokens: report the key-token rate with it, and prefer a fixed evaluator to compare checkpoints
+(``../shared/research/scaling_eval.md``, B.3). Key tokens are positions in our (byte-level)
+tokenisation, so evaluator and evaluated model must share the tokenizer (checked).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyTokenRule:
+    trunc_len: int = 4096  # K: the short context
+    window: int = 1024  # W: targets scored per short-context pass
+    alpha: float = 2.0
+    beta: float = -2.0
+
+    def validate(self, length: int) -> None:
+        if self.trunc_len < 1 or self.window < 1:
+            raise ValueError(f"trunc_len ({self.trunc_len}) and window ({self.window}) must be >= 1")
+        if length <= self.trunc_len + 1:
+            raise ValueError(f"documents of {length} tokens leave no token beyond the short context "
+                             f"trunc_len={self.trunc_len}: use longer documents or a smaller trunc_len")
+
+
+def nll_per_token(forward, tokens):
+    """``[B, n - 1]`` fp32 NLL of ``tokens[:, 1:]`` given their prefixes; ``forward(inputs [B, m])``
+    returns logits ``[B, m, vocab]``."""
+    logits = forward(tokens[:, :-1]).astype(jnp.float32)
+    target = jnp.take_along_axis(logits, tokens[:, 1:, None], axis=-1)[..., 0]
+    return jax.nn.logsumexp(logits, axis=-1) - target
+
+
+def short_context_nll(nll_fn, tokens, rule: KeyTokenRule) -> np.ndarray:
+    """``[B, T]`` NLL of each token given only its last K .. K + W - 1 tokens (NaN for the first K + 1
+    positions, which no window scores). ``nll_fn(tokens [B, n]) -> [B, n - 1]`` as
+    :func:`nll_per_token`."""
+    B, T = tokens.shape
+    K, W = rule.trunc_len, rule.window
+    out = np.full((B, T), np.nan, np.float32)
+    for s in range(0, T - K, W):
+        e = min(s + K + W, T)
+        nll = np.asarray(nll_fn(tokens[:, s:e]))  # positions s + 1 .. e - 1
+        lo = max(s + K, 1)
+        out[:, lo:e] = nll[:, lo - s - 1:]
+    return out
+
+
+def key_tokens(nll_fn, tokens, rule: KeyTokenRule = KeyTokenRule()):
+    """``(key [B, T] bool, nll_full [B, T])`` by the evaluator behind ``nll_fn``; position 0 (no
+    prediction) and the first K positions are never key."""
+    rule.validate(tokens.shape[1])
+    full = np.concatenate([np.full((tokens.shape[0], 1), np.nan, np.float32),
+                           np.asarray(nll_fn(tokens), np.float32)], axis=1)
+    short = short_context_nll(nll_fn, tokens, rule)
+    with np.errstate(invalid="ignore"):
+        key = (short - full > rule.alpha) & (full < -rule.beta)
+    key[:, :rule.trunc_len] = False
+    return key, full
+
+
+def longppl(nll_full, key) -> dict:
+    """LongPPL, PPL and counts of one evaluated model: ``nll_full [B, T]`` (NaN at position 0) and the
+    evaluator's ``key [B, T]``; every document weighted by its key tokens (PKU-ML's corpus mean)."""
+    nll_full, key = np.asarray(nll_full, np.float64), np.asarray(key, bool)
+    scored = np.isfinite(nll_full)
+    n_key, n_token = int(key.sum()), int(scored.sum())
+    mean_key = float(nll_full[key].mean()) if n_key else float("nan")
+    mean_all = float(nll_full[scored].mean())
+    return {"longppl": math.exp(mean_key) if n_key else None, "key_nll": mean_key if n_key else None,
+            "ppl": math.exp(mean_all), "nll": mean_all, "n_key": n_key, "n_token": n_token,
+            "key_rate": n_key / n_token if n_token else 0.0}
+
+
+# ----------------------------------------------------------------------------- runs
+
+def _nll_fn(evaluator):
+    """Per-token NLL of a restored run (a :class:`~hybrid_lm.eval.swap.SwapEvaluator`), eval mode."""
+    from hybrid_lm.model.registry import MixerContext
+    from hybrid_lm.train.step import ModelFns
+
+    fns, cfg = ModelFns(evaluator.cfg), evaluator.cfg
+
+    def forward(params, tokens):
+        def logits(x):
+            B, n = x.shape
+            ctx = MixerContext(positions=jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (B, n)),
+                               attention_impl=cfg.model.attention_impl, seed=cfg.train.seed, train=False)
+            return fns.model(params)(x, ctx)
+        return nll_per_token(logits, tokens)
+
+    compiled = jax.jit(forward)
+
+    def nll(tokens):
+        with jax.set_mesh(evaluator.mesh):
+            return compiled(evaluator.params, jnp.asarray(tokens, jnp.int32))
+    return nll
+
+
+def evaluate_longppl(workdir, *, evaluator=None, length: int | None = None, docs: int | None = None,
+                     rule: KeyTokenRule = KeyTokenRule(), step: int | None = None,
+                     evaluator_step: int | None = None, record: bool = True, progress: bool = True) -> dict:
+    """LongPPL of ``workdir``'s checkpoint on ``docs`` validation documents of ``length`` tokens (its
+    fixed eval windows at that length), key tokens marked by ``evaluator`` (a run directory; default:
+    the run itself, "self-LongPPL"). Appends a ``kind: longppl`` row to ``workdir/eval.jsonl``."""
+    import json
+    import time
+    from pathlib import Path
+
+    from tqdm import tqdm
+
+    from hybrid_lm.eval.swap import SwapEvaluator, swapped_config
+
+    t0 = time.time()
+    run = SwapEvaluator(workdir, step=step)
+    is_self = evaluator is None or Path(evaluator).resolve() == Path(workdir).resolve()
+    judge = run if is_self else SwapEvaluator(evaluator, step=evaluator_step)
+    if judge.cfg.data.tokenizer != run.cfg.data.tokenizer:
+        raise ValueError(f"the evaluator tokenises with {judge.cfg.data.tokenizer!r}, the run with "
+                         f"{run.cfg.data.tokenizer!r}: key tokens are positions, so they must agree")
+    n = length or run.cfg.data.seq_len + 1
+    rule.validate(n)
+    cfg = swapped_config(run.cfg, seq_len=n - 1, eval_windows=docs)
+    documents = run._streams(cfg).eval_batch  # [docs, n]: the run's fixed validation windows
+    nll_run, nll_judge = _nll_fn(run), (None if is_self else _nll_fn(judge))
+    keys, fulls = [], []
+    for doc in tqdm(documents, desc="longppl", unit="doc", disable=not progress):
+        key, full = key_tokens(nll_judge or nll_run, doc[None], rule)
+        if nll_judge is not None:  # the evaluated model's own NLL on the same document
+            full = np.concatenate([np.full((1, 1), np.nan, np.float32), np.asarray(nll_run(doc[None]))], 1)
+        keys.append(key)
+        fulls.append(full)
+    row = {"kind": "longppl", "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "checkpoint_step": run.step,
+           "run_id": run.cfg.run_id(), "evaluator": "self" if is_self else str(evaluator),
+           "evaluator_step": judge.step, "self_evaluator": is_self, "length": n, "docs": len(documents),
+           **dataclasses.asdict(rule), **longppl(np.concatenate(fulls), np.concatenate(keys)),
+           "wall_s": round(time.time() - t0, 3)}
+    if record and jax.process_index() == 0:
+        with (Path(workdir) / "eval.jsonl").open("a") as fh:
+            fh.write(json.dumps(row) + "\n")
+    return row
