@@ -8,6 +8,7 @@ raises the loss, a horizon covering the sequence changes nothing, and every row 
 
 import json
 import math
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -338,6 +339,15 @@ def test_longppl_on_the_trained_run(trained, capsys):
                             record=False, progress=False)
     assert not fixed["self_evaluator"] and fixed["evaluator"] == str(judge)
     assert (fixed["n_key"], fixed["longppl"]) == pytest.approx((same["n_key"], same["longppl"]), rel=1e-5)
+    # the evaluator's keys are cached in its run dir and reused; a torn cache is recomputed
+    again = evaluate_longppl(wd, evaluator=judge, length=48, docs=3, rule=KeyTokenRule(trunc_len=16, window=8,
+                             alpha=0.2, beta=-3), record=False, progress=False)
+    assert not fixed["keys_cached"] and again["keys_cached"] and again["key_cache"] == fixed["key_cache"]
+    assert (again["n_key"], again["longppl"]) == (fixed["n_key"], fixed["longppl"])
+    Path(fixed["key_cache"]).write_bytes(b"torn")
+    third = evaluate_longppl(wd, evaluator=judge, length=48, docs=3, rule=KeyTokenRule(trunc_len=16, window=8,
+                             alpha=0.2, beta=-3), record=False, progress=False)
+    assert not third["keys_cached"] and third["n_key"] == fixed["n_key"]
     capsys.readouterr()
     assert main(["longppl", str(wd), "--evaluator", str(wd), "--length", "48", "--docs", "2",
                  "--trunc-len", "16", "--window", "8", "--alpha", "0.5"]) == 0

@@ -10,7 +10,9 @@ NLL_full comes from one pass over the whole document; NLL_short from passes over
 ``[s + K, s + K + W)``, which so see K to K + W - 1 tokens of context. The first K tokens are never
 key. The evaluated model's LongPPL is ``exp(mean NLL_full over the key tokens)``; over documents,
 the key-token-weighted mean (``exp(sum NLL / sum n_key)``). Defaults are the paper's: K = 4096,
-W = 1024, alpha = 2, beta = -2.
+W = 1024, alpha = 2, beta = -2. The evaluator's key masks are cached in its run directory
+(``longppl_keys/``, keyed by its checkpoint, the documents and the rule), so every checkpoint
+compared against one evaluator is scored on the same tokens.
 
 With the evaluated model as its own evaluator ("self-LongPPL") every key token has NLL < -beta, so
 LongPPL < e^2 ~ 7.39 by construction, and a model that uses little context shows up as *fewer* key
@@ -143,20 +145,64 @@ def evaluate_longppl(workdir, *, evaluator=None, length: int | None = None, docs
     rule.validate(n)
     cfg = swapped_config(run.cfg, seq_len=n - 1, eval_windows=docs)
     documents = run._streams(cfg).eval_batch  # [docs, n]: the run's fixed validation windows
+    cache = _key_cache_path(judge, documents, rule)
+    cached = _load_keys(cache, len(documents), n)
     nll_run, nll_judge = _nll_fn(run), (None if is_self else _nll_fn(judge))
     keys, fulls = [], []
-    for doc in tqdm(documents, desc="longppl", unit="doc", disable=not progress):
-        key, full = key_tokens(nll_judge or nll_run, doc[None], rule)
-        if nll_judge is not None:  # the evaluated model's own NLL on the same document
+    for i, doc in enumerate(tqdm(documents, desc="longppl", unit="doc", disable=not progress)):
+        if cached is not None:  # the evaluator's keys of these documents, computed before
+            key = cached[i:i + 1]
+        else:
+            key, full = key_tokens(nll_judge or nll_run, doc[None], rule)
+        if cached is not None or nll_judge is not None:  # the evaluated model's own NLL
             full = np.concatenate([np.full((1, 1), np.nan, np.float32), np.asarray(nll_run(doc[None]))], 1)
         keys.append(key)
         fulls.append(full)
+    keys = np.concatenate(keys)
+    if cached is None and jax.process_index() == 0:
+        _save_keys(cache, keys)
     row = {"kind": "longppl", "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "checkpoint_step": run.step,
            "run_id": run.cfg.run_id(), "evaluator": "self" if is_self else str(evaluator),
            "evaluator_step": judge.step, "self_evaluator": is_self, "length": n, "docs": len(documents),
-           **dataclasses.asdict(rule), **longppl(np.concatenate(fulls), np.concatenate(keys)),
-           "wall_s": round(time.time() - t0, 3)}
+           **dataclasses.asdict(rule), **longppl(np.concatenate(fulls), keys),
+           "keys_cached": cached is not None, "key_cache": str(cache), "wall_s": round(time.time() - t0, 3)}
     if record and jax.process_index() == 0:
         with (Path(workdir) / "eval.jsonl").open("a") as fh:
             fh.write(json.dumps(row) + "\n")
     return row
+
+
+# ----------------------------------------------------------------------------- key-token cache
+# Keys depend only on the evaluator checkpoint, the documents and the rule: computed once and kept in
+# the evaluator's run directory, every evaluated checkpoint is scored on the same tokens, and the
+# evaluator's passes (one full + T/W short ones per document) run once.
+
+def _key_cache_path(judge, documents, rule: KeyTokenRule):
+    import hashlib
+    h = hashlib.sha256()
+    h.update(np.ascontiguousarray(documents, np.int64).tobytes())
+    h.update(repr((judge.cfg.run_id(), judge.step, dataclasses.astuple(rule))).encode())
+    return judge.workdir / "longppl_keys" / f"{h.hexdigest()[:20]}.npy"
+
+
+def _load_keys(path, docs: int, length: int):
+    """The cached ``[docs, length]`` key mask, or None (absent or unreadable: recomputed)."""
+    import logging
+    if not path.exists():
+        return None
+    try:
+        keys = np.load(path)
+    except (OSError, ValueError) as e:
+        logging.getLogger(__name__).warning("unreadable key cache %s (%s); recomputing", path, e)
+        return None
+    return keys if keys.shape == (docs, length) and keys.dtype == bool else None
+
+
+def _save_keys(path, keys) -> None:
+    """Written to a temporary file, then renamed: a crash never leaves a torn cache."""
+    import os
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    with open(tmp, "wb") as fh:
+        np.save(fh, keys)
+    os.replace(tmp, path)
