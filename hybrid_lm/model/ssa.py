@@ -96,26 +96,25 @@ class SSAAttention(AttentionDecode, Attention):
         """Per-head sigmoid gate ``[B, T, H, 1]`` on both streams' outputs."""
         return jax.nn.sigmoid(x @ self.w_gate[...].astype(x.dtype))[..., None]
 
+    def _stream(self, name: str, q, k, v, ctx: MixerContext):
+        """One stream's attention output, before the gate: ``full`` causal or block-``sparse``."""
+        if name == "sparse":
+            o = self.opts
+            return moba_attend(q, k, v, block_size=o.block_size, top_k=o.top_k, gate=o.gate,
+                               selection=o.selection, impl=ctx.attention_impl)
+        return attend(q, k, v, window=None, positions=ctx.positions, impl=ctx.attention_impl)
+
     def _streams(self, x, ctx: MixerContext, want_full: bool, want_sparse: bool):
         q, k, v = self.project_qkv(x, ctx.positions)
         g = self.stream_gate(x)
-        full = sparse = None
-        if want_full:
-            full = attend(q, k, v, window=None, positions=ctx.positions, impl=ctx.attention_impl) * g
-        if want_sparse:
-            o = self.opts
-            sparse = moba_attend(q, k, v, block_size=o.block_size, top_k=o.top_k, gate=o.gate,
-                                 selection=o.selection, impl=ctx.attention_impl) * g
+        full = self._stream("full", q, k, v, ctx) * g if want_full else None
+        sparse = self._stream("sparse", q, k, v, ctx) * g if want_sparse else None
         return full, sparse
 
     # -- decode: the eval stream (eval_stream) on the KV cache, times the stream gate
 
     def attend_prompt(self, q, k, v, ctx: MixerContext):
-        o = self.opts
-        if o.eval_stream == "sparse":
-            return moba_attend(q, k, v, block_size=o.block_size, top_k=o.top_k, gate=o.gate,
-                               selection=o.selection, impl=ctx.attention_impl)
-        return attend(q, k, v, window=None, positions=ctx.positions, impl=ctx.attention_impl)
+        return self._stream(self.opts.eval_stream, q, k, v, ctx)
 
     def extend_state(self, state: dict, q, k, pos) -> dict:
         return moba_extend_state(state, q, k, pos, self.opts) if self.opts.eval_stream == "sparse" else state

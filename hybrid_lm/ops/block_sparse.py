@@ -174,21 +174,9 @@ def decode_select(q_t, kbar_sum, pos, *, block_size: int, top_k: int, gate: str,
 def decode_attend(q_t, k_cache, v_cache, idx, pos, *, block_size: int, scale: float | None = None):
     """Attention of ``q_t [B, 1, H, D]`` at ``pos`` over its selected blocks ``idx [B, 1, Hs, S]`` of a
     KV cache ``[B, C, K, D]`` indexed by position (keys after ``pos`` are masked)."""
-    B, _, H, D = q_t.shape
-    C, K = k_cache.shape[1], k_cache.shape[2]
-    Hs, S = idx.shape[2], idx.shape[3]
-    scale = 1.0 / math.sqrt(D) if scale is None else scale
-    sel = idx[:, 0, :, :, None]
-    tok = sel * block_size + jnp.arange(block_size)  # [B, Hs, S, block]
-    valid = ((sel >= 0) & (tok <= pos) & (tok < C)).reshape(B, Hs, 1, S * block_size)
-    tok = jnp.clip(tok, 0, C - 1).reshape(B, Hs, S * block_size)
-    kv_head = (jnp.arange(Hs) // (Hs // K))[None, :, None]  # selection head h reads KV head h // (Hs / K)
-    rows = jnp.arange(B)[:, None, None]
-    kg, vg = k_cache[rows, tok, kv_head], v_cache[rows, tok, kv_head]  # [B, Hs, L, D]
-    qg = q_t[:, 0].astype(jnp.float32).reshape(B, Hs, H // Hs, D)
-    s = jnp.einsum("bhgd,bhld->bhgl", qg, kg.astype(jnp.float32)) * scale
-    p = jax.nn.softmax(jnp.where(valid, s, _NEG), axis=-1)
-    return jnp.einsum("bhgl,bhld->bhgd", p, vg.astype(jnp.float32)).reshape(B, 1, H, vg.shape[-1])
+    scale = 1.0 / math.sqrt(q_t.shape[-1]) if scale is None else scale
+    return _attend_selected(q_t, jnp.asarray(pos)[None], k_cache, v_cache, idx, block_size=block_size,
+                            scale=scale)
 
 
 def _query_chunks(T: int, per_query: int, B: int, query_chunk: int | None) -> int:
@@ -243,32 +231,28 @@ def select_blocks(q, k, *, block_size: int, top_k: int, gate: str = "moba", scal
     return _map_query_chunks(chunk, q, _query_chunks(T, H * nb, B, query_chunk))
 
 
-def _attend_selected(q, t, kh, vh, idx, *, block_size: int, scale: float):
+def _attend_selected(q, t, k, v, idx, *, block_size: int, scale: float):
     """Attention of queries ``q [B, Q, H, D]`` at ``t [Q]`` over their selected blocks.
 
-    ``kh, vh [B, Hs, T, D]``: keys/values per selection head; ``idx [B, Q, Hs, S]``.
+    ``k, v [B, T, K, D]``; ``idx [B, Q, Hs, S]``: selection head h reads KV head h // (Hs / K) and
+    serves query heads ``[h * H/Hs, (h + 1) * H/Hs)``. Only the selected keys are gathered.
     """
     B, Q, H, D = q.shape
-    Hs, T = kh.shape[1], kh.shape[2]
-    S = idx.shape[-1]
+    T, K = k.shape[1], k.shape[2]
+    Hs, S = idx.shape[2], idx.shape[3]
     tok = idx[..., None] * block_size + jnp.arange(block_size)  # [B, Q, Hs, S, bs]
     valid = (idx[..., None] >= 0) & (tok <= t[None, :, None, None, None]) & (tok < T)
-    tok = jnp.clip(tok, 0, T - 1)
-    flat = tok.transpose(0, 2, 1, 3, 4).reshape(B, Hs, Q * S * block_size, 1)
-    kg = jnp.take_along_axis(kh, flat, axis=2).reshape(B, Hs, Q, S * block_size, D)
-    vg = jnp.take_along_axis(vh, flat, axis=2).reshape(B, Hs, Q, S * block_size, vh.shape[-1])
+    tok = jnp.clip(tok, 0, T - 1).transpose(0, 2, 1, 3, 4).reshape(B, Hs, Q * S * block_size)
+    rows = jnp.arange(B)[:, None, None]
+    kv_head = (jnp.arange(Hs) // (Hs // K))[None, :, None]
+    kg = k[rows, tok, kv_head].reshape(B, Hs, Q, S * block_size, D)
+    vg = v[rows, tok, kv_head].reshape(B, Hs, Q, S * block_size, v.shape[-1])
     qg = q.astype(jnp.float32).reshape(B, Q, Hs, H // Hs, D)
     s = jnp.einsum("bqhgd,bhqld->bqhgl", qg, kg.astype(jnp.float32)) * scale
     mask = valid.reshape(B, Q, Hs, 1, S * block_size)
     p = jax.nn.softmax(jnp.where(mask, s, _NEG), axis=-1)
     o = jnp.einsum("bqhgl,bhqld->bqhgd", p, vg.astype(jnp.float32))
-    return o.reshape(B, Q, H, vh.shape[-1])
-
-
-def _per_selection_head(x, Hs: int):
-    """``[B, T, K, D]`` -> ``[B, Hs, T, D]``: selection head h reads KV head h // (Hs / K)."""
-    K = x.shape[2]
-    return jnp.repeat(x.transpose(0, 2, 1, 3), Hs // K, axis=1)
+    return o.reshape(B, Q, H, v.shape[-1])
 
 
 def block_sparse_attention(q, k, v, block_idx, *, block_size: int, scale: float | None = None):
@@ -279,9 +263,7 @@ def block_sparse_attention(q, k, v, block_idx, *, block_size: int, scale: float 
     """
     B, T, H, D = q.shape
     scale = 1.0 / math.sqrt(D) if scale is None else scale
-    Hs = block_idx.shape[2]
-    o = _attend_selected(q, jnp.arange(T), _per_selection_head(k, Hs), _per_selection_head(v, Hs), block_idx,
-                         block_size=block_size, scale=scale)
+    o = _attend_selected(q, jnp.arange(T), k, v, block_idx, block_size=block_size, scale=scale)
     return o.astype(q.dtype)
 
 
@@ -304,7 +286,6 @@ def moba_attention(q, k, v, *, block_size: int, top_k: int, gate: str = "moba", 
     S = min(top_k, nb)
     Hs = selection_heads(gate, H, K)
     kbar = jax.lax.stop_gradient(block_means(k, block_size))
-    kh, vh = _per_selection_head(k, Hs), _per_selection_head(v, Hs)
     per_block_idx = None
     if selection == "block":
         per_block_idx = select_blocks(q, k, block_size=block_size, top_k=top_k, gate=gate, scale=scale,
@@ -317,7 +298,7 @@ def moba_attention(q, k, v, *, block_size: int, top_k: int, gate: str = "moba", 
             imp = block_importance(jax.lax.stop_gradient(qc), kbar, tc, block_size=block_size, gate=gate,
                                    scale=scale)
             idx = _top_blocks(imp, S)
-        return _attend_selected(qc, tc, kh, vh, idx, block_size=block_size, scale=scale)
+        return _attend_selected(qc, tc, k, v, idx, block_size=block_size, scale=scale)
 
     per_query = Hs * S * block_size * max(D, v.shape[-1]) + H * nb
     return _map_query_chunks(chunk, q, _query_chunks(T, per_query, B, query_chunk)).astype(q.dtype)
