@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 import jax
 
+from hybrid_lm.backends import record_backend, recorded_backends  # noqa: F401  (moved; re-exported)
 from hybrid_lm.config import ConfigError, MixerConfig, ModelConfig
 
 
@@ -28,24 +29,6 @@ class MixerContext:
     example_ids: Any = None  # [B] global example indices (never device-local)
     train: bool = True
     ssa_sparse: Any = None  # SSA: traced bool, True = the block-sparse stream feeds the residual path
-
-
-# Backends the traced model's attention calls resolved to (``attention_impl=auto`` picks per call),
-# e.g. {"full": "cudnn", "swa w=128": "jla", "moba block=128": "pallas"}: filled while tracing, read
-# by the train loop into the run's metrics.
-_BACKENDS: dict[str, str] = {}
-
-
-def record_backend(op: str, backend: str) -> None:
-    _BACKENDS[op] = backend
-
-
-def recorded_backends(clear: bool = False) -> dict[str, str]:
-    """The backends recorded since the last clear (a copy); ``clear=True`` empties the record."""
-    out = dict(_BACKENDS)
-    if clear:
-        _BACKENDS.clear()
-    return out
 
 
 # forward FLOPs per token of one layer: (model_cfg, mixer_cfg, seq_len) -> {"matmul": .., "mixing": ..}
