@@ -1,4 +1,4 @@
-"""Device mesh and logical-axis sharding rules.
+"""Device mesh, logical-axis sharding rules, batch placement and optimizer-state shardings.
 
 Mesh axes are ``data``, ``fsdp`` and ``tensor`` (``AxisType.Auto``, made explicit). Every parameter
 names its logical axes; ``MeshConfig.rules`` maps each logical axis to a mesh axis (or None).
@@ -11,7 +11,9 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from hybrid_lm.config import ConfigError, MeshConfig
+from hybrid_lm.errors import ConfigError
+
+from hybrid_lm.config import MeshConfig
 
 MESH_AXES = ("data", "fsdp", "tensor")
 
@@ -71,3 +73,40 @@ def batch_sharding(mesh, rules) -> NamedSharding:
 
 def replicated(mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
+
+
+def n_batch_shards(mesh) -> int:
+    """How many ways a batch is split (the ``data`` x ``fsdp`` axes)."""
+    return mesh.shape["data"] * mesh.shape["fsdp"]
+
+
+def local_rows(sharding, global_shape) -> slice:
+    """The contiguous rows of a batch-sharded global array that this process feeds."""
+    idx = sharding.addressable_devices_indices_map(global_shape).values()
+    starts = [(i[0].start or 0) for i in idx]
+    stops = [(i[0].stop if i[0].stop is not None else global_shape[0]) for i in idx]
+    return slice(min(starts), max(stops))
+
+
+def put_batch(batch: np.ndarray, sharding):
+    """A host batch (the same global array on every process) placed as a global array."""
+    rows = local_rows(sharding, batch.shape)
+    return jax.make_array_from_process_local_data(sharding, batch[rows], batch.shape)
+
+
+def match_opt_shardings(abstract_opt, abstract_params, p_shard, default):
+    """Optimizer leaves whose path ends in a parameter's path (moments) take that parameter's sharding;
+    the rest (step counts) keep ``default``."""
+    by_path = {}
+    for (path, leaf), s in zip(jax.tree_util.tree_leaves_with_path(abstract_params), jax.tree.leaves(p_shard)):
+        by_path[tuple(map(str, path))] = (leaf.shape, s)
+
+    def pick(path, leaf, dflt):
+        keys = tuple(map(str, path))
+        for i in range(len(keys)):
+            hit = by_path.get(keys[i:])
+            if hit is not None and hit[0] == leaf.shape:
+                return hit[1]
+        return dflt
+
+    return jax.tree_util.tree_map_with_path(pick, abstract_opt, default)

@@ -1,0 +1,38 @@
+"""One evaluation of next-token loss on fixed windows, shared by the trainer and ``hybrid-lm eval``.
+
+The batching rule lives here only: batches of ``per`` rows (the global batch, rounded down to a
+multiple of the batch shards, at least one row per shard) and whole batches only, so the trainer's
+eval and an unswapped ``hybrid-lm eval`` of the same checkpoint give the same number.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hybrid_lm.data.corpus import bits_per_byte
+
+
+def eval_batching(n_windows: int, global_batch: int, n_batch_shards: int) -> tuple[int, int]:
+    """``(per, n)``: rows per eval batch and the number of windows evaluated (a multiple of ``per``;
+    0 when the windows cannot fill one batch)."""
+    per = max(n_batch_shards, (min(global_batch, n_windows) // n_batch_shards) * n_batch_shards)
+    return per, (n_windows // per) * per
+
+
+def evaluate(eval_fn, params, windows: np.ndarray, batch_shard, *, global_batch: int, n_batch_shards: int,
+             bytes_per_token: float) -> dict:
+    """``{"loss", "bpb", "eval_windows"}`` of ``eval_fn(params, tokens) -> mean CE`` over ``windows``
+    ``[N, T+1]``: the mean of the per-batch losses (nats/token) and bits/byte.
+
+    ``eval_fn`` is jitted with ``batch_shard`` as its token sharding; call under the mesh
+    (``jax.set_mesh``). Raises ``ValueError`` when the windows cannot fill one batch.
+    """
+    from hybrid_lm.train.sharding import put_batch
+
+    per, n = eval_batching(windows.shape[0], global_batch, n_batch_shards)
+    if n == 0:
+        raise ValueError(f"{windows.shape[0]} eval windows cannot fill one batch of {per} rows on "
+                         f"{n_batch_shards} batch shards; use a shorter seq_len or more eval windows")
+    losses = [float(eval_fn(params, put_batch(windows[i:i + per], batch_shard))) for i in range(0, n, per)]
+    ce = float(np.mean(losses))
+    return {"loss": ce, "bpb": bits_per_byte(ce, bytes_per_token), "eval_windows": n}
