@@ -8,7 +8,8 @@ import logging
 import sys
 from pathlib import Path
 
-from hybrid_lm.config import ConfigError, load_config
+from hybrid_lm.config import load_config
+from hybrid_lm.errors import ConfigError
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:

@@ -23,6 +23,8 @@ from typing import Any
 
 import gin
 
+from hybrid_lm.errors import ConfigError  # noqa: F401  (re-exported)
+
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 
@@ -33,10 +35,6 @@ def _meta(run_id: bool = True, **kw):
 def _nid(default, **kw):
     """A field that does not define the experiment (left out of the run id)."""
     return field(default=default, metadata=_meta(False), **kw)
-
-
-class ConfigError(ValueError):
-    """A config that cannot run; the message says which field and why."""
 
 
 @gin.configurable

@@ -169,7 +169,7 @@ def test_dispatch_pallas_matches_xla_in_interpret_mode(monkeypatch):
 def test_auto_dispatch_per_platform_and_mask(monkeypatch):
     """auto: xla on CPU; on a GPU SA -> pallas, full -> cudnn, SWA -> jla where its kernel takes the
     operands, else pallas up to w=256 and cudnn above. Explicit choices that cannot run say why."""
-    from hybrid_lm.config import ConfigError
+    from hybrid_lm.errors import ConfigError
     from hybrid_lm.model import attention as att
     spec = jax.ShapeDtypeStruct((1, 64, 4, 128), jnp.bfloat16)
     qkv = (spec, spec, spec)

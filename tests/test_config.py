@@ -2,7 +2,8 @@ import json
 
 import pytest
 
-from hybrid_lm.config import ConfigError, config_from_dict, diff_experiments, expand_pattern, load_config
+from hybrid_lm.config import config_from_dict, diff_experiments, expand_pattern, load_config
+from hybrid_lm.errors import ConfigError
 from hybrid_lm.train.rundir import prepare_run_dir
 
 

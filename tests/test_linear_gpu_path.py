@@ -24,7 +24,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from hybrid_lm.config import ConfigError, MixerConfig, ModelConfig, load_config
+from hybrid_lm.config import MixerConfig, ModelConfig, load_config
+from hybrid_lm.errors import ConfigError
 from hybrid_lm.ops import linear_attention_gpu as lag
 from hybrid_lm.ops.delta_rule import chunk_gated_delta_rule, naive_recurrent_gated_delta_rule
 from hybrid_lm.ops.linear_attention import chunk_simple_gla, naive_recurrent_simple_gla

@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from hybrid_lm.config import ConfigError, MixerConfig, ModelConfig, load_config
+from hybrid_lm.config import MixerConfig, ModelConfig, load_config
+from hybrid_lm.errors import ConfigError
 from hybrid_lm.model.accounting import count_params, flops_per_token
 from hybrid_lm.model.gated_deltanet import GatedDeltaNet
 from hybrid_lm.model.lightning import LightningAttention, alibi_slopes, lightning_log_decay

@@ -24,6 +24,6 @@ _TOKENIZERS = {"byte": ByteTokenizer}
 
 def get_tokenizer(name: str):
     if name not in _TOKENIZERS:
-        from hybrid_lm.config import ConfigError
+        from hybrid_lm.errors import ConfigError
         raise ConfigError(f"unknown tokenizer {name!r}; known: {sorted(_TOKENIZERS)}")
     return _TOKENIZERS[name]()

@@ -36,7 +36,8 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from hybrid_lm.config import Config, ConfigError, MixerConfig, ModelConfig, config_from_dict
+from hybrid_lm.config import Config, MixerConfig, ModelConfig, config_from_dict
+from hybrid_lm.errors import ConfigError
 from hybrid_lm.model.registry import get_mixer
 
 log = logging.getLogger(__name__)

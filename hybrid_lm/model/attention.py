@@ -12,7 +12,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hybrid_lm.config import ConfigError, MixerConfig, ModelConfig
+from hybrid_lm.config import MixerConfig, ModelConfig
+from hybrid_lm.errors import ConfigError
 from hybrid_lm.model.layers import apply_rope, out_proj_std, param
 from hybrid_lm.model.registry import MixerContext, record_backend, register_mixer
 from hybrid_lm.ops import attention as ops

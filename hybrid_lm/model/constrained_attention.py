@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 from flax import nnx
 
-from hybrid_lm.config import ConfigError, MixerConfig, ModelConfig
+from hybrid_lm.config import MixerConfig, ModelConfig
+from hybrid_lm.errors import ConfigError
 from hybrid_lm.model.attention import Attention, attend, attention_projection_flops
 from hybrid_lm.model.registry import MixerContext, register_mixer
 from hybrid_lm.ops import sink_attention as ops

@@ -32,7 +32,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hybrid_lm.config import ConfigError, MixerConfig, ModelConfig
+from hybrid_lm.config import MixerConfig, ModelConfig
+from hybrid_lm.errors import ConfigError
 from hybrid_lm.model.layers import out_proj_std, param
 from hybrid_lm.model.recurrent_common import (INNER_NORM_EPS, GatedRMSNorm, ShortConv, a_log_init, const_param,
                                               delta_rule_chunk_macs, dt_bias_init, l2norm)

@@ -34,7 +34,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hybrid_lm.config import ConfigError, MixerConfig, ModelConfig
+from hybrid_lm.config import MixerConfig, ModelConfig
+from hybrid_lm.errors import ConfigError
 from hybrid_lm.model.layers import out_proj_std, param
 from hybrid_lm.model.recurrent_common import GatedRMSNorm, ShortConv, a_log_init, const_param, dt_bias_init
 from hybrid_lm.model.registry import MixerContext, register_mixer

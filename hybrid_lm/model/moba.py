@@ -17,7 +17,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hybrid_lm.config import ConfigError, MixerConfig, ModelConfig
+from hybrid_lm.config import MixerConfig, ModelConfig
+from hybrid_lm.errors import ConfigError
 from hybrid_lm.model.attention import Attention, AttentionDecode, attention_projection_flops
 from hybrid_lm.model.registry import MixerContext, record_backend, register_mixer
 from hybrid_lm.ops import block_sparse as ops

@@ -15,7 +15,8 @@ from typing import Any, Callable
 import jax
 
 from hybrid_lm.backends import record_backend, recorded_backends  # noqa: F401  (moved; re-exported)
-from hybrid_lm.config import ConfigError, MixerConfig, ModelConfig
+from hybrid_lm.config import MixerConfig, ModelConfig
+from hybrid_lm.errors import ConfigError
 
 
 @dataclass(frozen=True)

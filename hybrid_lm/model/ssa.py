@@ -24,7 +24,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hybrid_lm.config import ConfigError, MixerConfig, ModelConfig
+from hybrid_lm.config import MixerConfig, ModelConfig
+from hybrid_lm.errors import ConfigError
 from hybrid_lm.model.attention import (Attention, AttentionDecode, attend, attention_projection_flops,
                                         mean_keys_per_query)
 from hybrid_lm.model.layers import param

@@ -27,7 +27,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hybrid_lm.config import ConfigError, MixerConfig, ModelConfig
+from hybrid_lm.config import MixerConfig, ModelConfig
+from hybrid_lm.errors import ConfigError
 from hybrid_lm.model.attention import (Attention, attend, attention_projection_flops, mean_keys_per_query,
                                        project_qkv, qkv_params)
 from hybrid_lm.model.layers import param

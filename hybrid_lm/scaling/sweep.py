@@ -35,7 +35,8 @@ import tomllib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from hybrid_lm.config import CONFIGS_DIR, ConfigError
+from hybrid_lm.config import CONFIGS_DIR
+from hybrid_lm.errors import ConfigError
 
 SCHEMA = "hybrid_lm.sweep/1"
 MFU_H200_MEASURED = 0.385  # ../shared/anchors/ANCHORS.md: 375M GPT at T=16K, 38.3% (full) / 39.0% (SWA-128)

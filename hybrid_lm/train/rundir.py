@@ -12,7 +12,8 @@ from pathlib import Path
 
 import jax
 
-from hybrid_lm.config import Config, ConfigError, diff_experiments, operative_gin
+from hybrid_lm.config import Config, diff_experiments, operative_gin
+from hybrid_lm.errors import ConfigError
 
 _PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grain", "gin-config", "numpy", "hybrid_lm")
 
