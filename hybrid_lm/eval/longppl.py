@@ -100,6 +100,7 @@ def longppl(nll_full, key) -> dict:
 def _nll_fn(evaluator):
     """Per-token NLL of a restored run (a :class:`~hybrid_lm.eval.swap.SwapEvaluator`), eval mode."""
     from hybrid_lm.model.registry import MixerContext
+    from hybrid_lm.ops.attention import default_positions
     from hybrid_lm.train.step import ModelFns
 
     fns, cfg = ModelFns(evaluator.cfg), evaluator.cfg
@@ -107,7 +108,7 @@ def _nll_fn(evaluator):
     def forward(params, tokens):
         def logits(x):
             B, n = x.shape
-            ctx = MixerContext(positions=jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (B, n)),
+            ctx = MixerContext(positions=default_positions(B, n),
                                attention_impl=cfg.model.attention_impl, seed=cfg.train.seed, train=False)
             return fns.model(params)(x, ctx)
         return nll_per_token(logits, tokens)

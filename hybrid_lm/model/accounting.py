@@ -18,6 +18,13 @@ from hybrid_lm.model.registry import get_mixer
 PEAK_FLOPS_H200_BF16 = 989e12  # dense bf16 spec, the MFU denominator
 
 
+def attention_mixing_flops(cfg: ModelConfig, keys_per_query: float) -> float:
+    """Softmax attention over ``keys_per_query`` keys: QK^T and PV, 2 FLOPs per MAC, per head and key.
+
+    The one home of this term: every attention mixer's ``flops`` function calls it."""
+    return 4.0 * cfg.n_heads * cfg.resolved_head_dim * keys_per_query
+
+
 def abstract_params(cfg: ModelConfig):
     from hybrid_lm.model.transformer import HybridLM
     model = nnx.eval_shape(lambda: HybridLM(cfg, rngs=nnx.Rngs(0)))

@@ -14,6 +14,7 @@ from flax import nnx
 
 from hybrid_lm.config import MixerConfig, ModelConfig
 from hybrid_lm.errors import ConfigError
+from hybrid_lm.model.accounting import attention_mixing_flops
 from hybrid_lm.model.layers import apply_rope, out_proj_std, param
 from hybrid_lm.model.registry import MixerContext, record_backend, register_mixer
 from hybrid_lm.ops import attention as ops
@@ -129,9 +130,7 @@ def attention_projection_flops(cfg: ModelConfig) -> float:
 def _attention_flops(window_of):
     def flops(cfg: ModelConfig, mc: MixerConfig, seq_len: int) -> dict:
         keys = mean_keys_per_query(seq_len, window_of(mc))
-        # QK^T and PV: 2 matmuls x 2 FLOPs per MAC, per head and key
-        return {"matmul": attention_projection_flops(cfg),
-                "mixing": 4.0 * cfg.n_heads * cfg.resolved_head_dim * keys}
+        return {"matmul": attention_projection_flops(cfg), "mixing": attention_mixing_flops(cfg, keys)}
     return flops
 
 

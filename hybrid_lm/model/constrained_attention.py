@@ -24,6 +24,7 @@ from flax import nnx
 
 from hybrid_lm.config import MixerConfig, ModelConfig
 from hybrid_lm.errors import ConfigError
+from hybrid_lm.model.accounting import attention_mixing_flops
 from hybrid_lm.model.attention import Attention, attend, attention_projection_flops
 from hybrid_lm.model.registry import MixerContext, register_mixer
 from hybrid_lm.ops import sink_attention as ops
@@ -50,7 +51,7 @@ def sink_flops(cfg: ModelConfig, mc: MixerConfig, seq_len: int) -> dict:
     """Visible pairs, exact (as ``attention`` counts its causal triangle)."""
     o = SinkOptions(**mc.options)
     keys = ops.mean_keys_per_query(seq_len, o.horizon, o.sinks)
-    return {"matmul": attention_projection_flops(cfg), "mixing": 4.0 * cfg.n_heads * cfg.resolved_head_dim * keys}
+    return {"matmul": attention_projection_flops(cfg), "mixing": attention_mixing_flops(cfg, keys)}
 
 
 @register_mixer("attention_sink", flops=sink_flops, options=SinkOptions,

@@ -12,6 +12,7 @@ SSA's block 16 the kernel is ~100x faster than the reference). cuDNN and jla can
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +20,7 @@ from flax import nnx
 
 from hybrid_lm.config import MixerConfig, ModelConfig
 from hybrid_lm.errors import ConfigError
+from hybrid_lm.model.accounting import attention_mixing_flops
 from hybrid_lm.model.attention import Attention, AttentionDecode, attention_projection_flops
 from hybrid_lm.model.registry import MixerContext, record_backend, register_mixer
 from hybrid_lm.ops import block_sparse as ops
@@ -33,6 +35,7 @@ class MobaOptions:
     block of 512+ for the official gate.
     """
 
+    _mixer: ClassVar[str] = "moba"  # names the mixer in errors (SSAOptions extends this)
     block_size: int = 16  # tokens per key block
     top_k: int = 16  # selected blocks per query, counting its own (always selected, causal inside)
     gate: str = "ssa"  # ssa: softmax importance summed over the GQA group; moba: raw q.mean(k) per head
@@ -40,13 +43,14 @@ class MobaOptions:
 
     def validate(self) -> None:
         if not isinstance(self.block_size, int) or self.block_size < 1:
-            raise ConfigError(f"moba option block_size={self.block_size!r} must be an int >= 1")
+            raise ConfigError(f"{self._mixer} option block_size={self.block_size!r} must be an int >= 1")
         if not isinstance(self.top_k, int) or self.top_k < 1:
-            raise ConfigError(f"moba option top_k={self.top_k!r} must be an int >= 1 (it counts the own block)")
+            raise ConfigError(f"{self._mixer} option top_k={self.top_k!r} must be an int >= 1 "
+                              "(it counts the own block)")
         if self.gate not in ops.GATES:
-            raise ConfigError(f"moba option gate={self.gate!r}: choose one of {ops.GATES}")
+            raise ConfigError(f"{self._mixer} option gate={self.gate!r}: choose one of {ops.GATES}")
         if self.selection not in ops.SELECTIONS:
-            raise ConfigError(f"moba option selection={self.selection!r}: choose one of {ops.SELECTIONS}")
+            raise ConfigError(f"{self._mixer} option selection={self.selection!r}: choose one of {ops.SELECTIONS}")
 
 
 def resolve_moba_impl(impl: str, block_size: int) -> str:
@@ -104,14 +108,18 @@ def moba_gate_dots(seq_len: int, block_size: int, selection: str = "token") -> f
     return (b * q * (q - 1) // 2 + r * q) / T
 
 
+def moba_gate_flops(cfg: ModelConfig, seq_len: int, block_size: int, selection: str) -> float:
+    """The gate's dot products against block means, per token (moba and ssa)."""
+    return 2.0 * cfg.n_heads * cfg.resolved_head_dim * moba_gate_dots(seq_len, block_size, selection)
+
+
 def moba_flops(cfg: ModelConfig, mc: MixerConfig, seq_len: int) -> dict:
     """Attention over the selected keys (visible pairs; the causal own block is half-filled on average,
     as for full attention) plus the gate's dot products against block means."""
     o = MobaOptions(**mc.options)
-    H, Dh = cfg.n_heads, cfg.resolved_head_dim
     keys = moba_mean_keys(seq_len, o.block_size, o.top_k)
-    gate = 2.0 * H * Dh * moba_gate_dots(seq_len, o.block_size, o.selection)
-    return {"matmul": attention_projection_flops(cfg), "mixing": 4.0 * H * Dh * keys + gate}
+    return {"matmul": attention_projection_flops(cfg),
+            "mixing": attention_mixing_flops(cfg, keys) + moba_gate_flops(cfg, seq_len, o.block_size, o.selection)}
 
 
 @register_mixer("moba", flops=moba_flops, options=MobaOptions,

@@ -19,6 +19,7 @@ step) and ``ssa_align`` / ``ssa_sparse`` (logged).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -26,31 +27,26 @@ from flax import nnx
 
 from hybrid_lm.config import MixerConfig, ModelConfig
 from hybrid_lm.errors import ConfigError
+from hybrid_lm.model.accounting import attention_mixing_flops
 from hybrid_lm.model.attention import (Attention, AttentionDecode, attend, attention_projection_flops,
                                         mean_keys_per_query)
 from hybrid_lm.model.layers import param
-from hybrid_lm.model.moba import (moba_attend, moba_extend_state, moba_gate_dots, moba_mean_keys,
+from hybrid_lm.model.moba import (MobaOptions, moba_attend, moba_extend_state, moba_gate_flops, moba_mean_keys,
                                   moba_read)
 from hybrid_lm.model.registry import MixerContext, register_mixer
-from hybrid_lm.ops import block_sparse
 
 
 @dataclass(frozen=True)
-class SSAOptions:
-    block_size: int = 16
-    top_k: int = 16  # counting the query's own block
-    gate: str = "ssa"  # block-selection rule: ssa (NSA importance over the GQA group) | moba
-    selection: str = "token"  # token: every query token selects (released code) | block: per query block
+class SSAOptions(MobaOptions):
+    """MoBA's selection options (block 16, top-16, the NSA-style ``ssa`` gate, token selection, as in
+    the released code) plus SSA's own."""
+
+    _mixer: ClassVar[str] = "ssa"
     align_weight: float = 10.0  # alpha in loss = ce + alpha * mean_layers(align)
     eval_stream: str = "full"  # stream used when not training: full | sparse
 
     def validate(self) -> None:
-        if self.block_size < 1 or self.top_k < 1:
-            raise ConfigError("ssa options block_size and top_k must be >= 1")
-        if self.gate not in block_sparse.GATES:
-            raise ConfigError(f"ssa option gate={self.gate!r}: choose one of {block_sparse.GATES}")
-        if self.selection not in block_sparse.SELECTIONS:
-            raise ConfigError(f"ssa option selection={self.selection!r}: choose one of {block_sparse.SELECTIONS}")
+        super().validate()
         if self.eval_stream not in ("full", "sparse"):
             raise ConfigError(f"ssa option eval_stream={self.eval_stream!r}: choose full or sparse")
         if self.align_weight < 0:
@@ -76,12 +72,10 @@ def alignment_loss(full, sparse):
 
 def _ssa_flops(cfg: ModelConfig, mc: MixerConfig, seq_len: int) -> dict:
     o = SSAOptions(**mc.options)
-    per_key = 4.0 * cfg.n_heads * cfg.resolved_head_dim
     # training runs both streams: full causal + block-sparse, plus the selection scores (as moba counts them)
-    gate_dots = 2.0 * cfg.n_heads * cfg.resolved_head_dim * moba_gate_dots(seq_len, o.block_size, o.selection)
+    keys = mean_keys_per_query(seq_len, None) + moba_mean_keys(seq_len, o.block_size, o.top_k)
     return {"matmul": attention_projection_flops(cfg) + 2.0 * cfg.d_model * cfg.n_heads,
-            "mixing": per_key * (mean_keys_per_query(seq_len, None) + moba_mean_keys(seq_len, o.block_size, o.top_k))
-            + gate_dots}
+            "mixing": attention_mixing_flops(cfg, keys) + moba_gate_flops(cfg, seq_len, o.block_size, o.selection)}
 
 
 @register_mixer("ssa", flops=_ssa_flops, options=SSAOptions,

@@ -29,6 +29,7 @@ from flax import nnx
 
 from hybrid_lm.config import MixerConfig, ModelConfig
 from hybrid_lm.errors import ConfigError
+from hybrid_lm.model.accounting import attention_mixing_flops
 from hybrid_lm.model.attention import (Attention, attend, attention_projection_flops, mean_keys_per_query,
                                        project_qkv, qkv_params)
 from hybrid_lm.model.layers import param
@@ -155,10 +156,6 @@ def sa_mean_visible_keys(seq_len: int, window: int, position: float | None = Non
     return 1.0 + (band - 1.0) * frac
 
 
-def _mixing(cfg: ModelConfig, keys: float) -> float:
-    return 4.0 * cfg.n_heads * cfg.resolved_head_dim * keys  # QK^T and PV, 2 FLOPs per MAC
-
-
 def _sa_keys(mc: MixerConfig, opts: SAOptions, seq_len: int) -> tuple[float, float]:
     """(band, visible): mean keys per query a kernel computes, and the mean visible among them."""
     wr = sa_window_right(mc.window, opts.window_mode)
@@ -177,8 +174,8 @@ def sa_flops(cfg: ModelConfig, mc: MixerConfig, seq_len: int) -> dict:
     ``sa_mean_visible_keys``).
     """
     band, visible = _sa_keys(mc, SAOptions(**mc.options), seq_len)
-    return {"matmul": attention_projection_flops(cfg), "mixing": _mixing(cfg, band),
-            "mixing_visible": _mixing(cfg, visible)}
+    return {"matmul": attention_projection_flops(cfg), "mixing": attention_mixing_flops(cfg, band),
+            "mixing_visible": attention_mixing_flops(cfg, visible)}
 
 
 def sa_swa_flops(cfg: ModelConfig, mc: MixerConfig, seq_len: int) -> dict:
@@ -190,8 +187,9 @@ def sa_swa_flops(cfg: ModelConfig, mc: MixerConfig, seq_len: int) -> dict:
     matmul += 2 * 2.0 * d * H * (Dh if opts.gate == "channel" else 1)  # two gate projections
     swa_band = mean_keys_per_query(seq_len, mc.window)
     sa_band, sa_visible = _sa_keys(mc, opts, seq_len)
-    return {"matmul": matmul, "mixing": _mixing(cfg, swa_band) + _mixing(cfg, sa_band),
-            "mixing_visible": _mixing(cfg, swa_band) + _mixing(cfg, sa_visible)}
+    swa = attention_mixing_flops(cfg, swa_band)
+    return {"matmul": matmul, "mixing": swa + attention_mixing_flops(cfg, sa_band),
+            "mixing_visible": swa + attention_mixing_flops(cfg, sa_visible)}
 
 
 # ----------------------------------------------------------------------------- sa

@@ -9,6 +9,7 @@ from flax import nnx
 from hybrid_lm.config import ModelConfig
 from hybrid_lm.model.layers import Embedding, RMSNorm, SwiGLU, param
 from hybrid_lm.model.registry import MixerContext, get_mixer
+from hybrid_lm.ops.attention import default_positions
 
 _REMAT_POLICIES = {
     "full": None,  # save nothing: recompute the whole block
@@ -66,7 +67,7 @@ class HybridLM(nnx.Module):
         dtype = jnp.dtype(cfg.compute_dtype)
         if ctx is None:
             B, T = tokens.shape
-            ctx = MixerContext(positions=jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T)))
+            ctx = MixerContext(positions=default_positions(B, T))
         x = self.embed(tokens, dtype)
         for block in self.blocks:
             if cfg.remat == "none":
@@ -92,8 +93,7 @@ class HybridLM(nnx.Module):
         for i, block in enumerate(self.blocks):
             block.check_decode(i)
         B, T = tokens.shape
-        ctx = MixerContext(positions=jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T)),
-                           attention_impl=attention_impl, train=False)
+        ctx = MixerContext(positions=default_positions(B, T), attention_impl=attention_impl, train=False)
         x = self.embed(tokens, jnp.dtype(self.cfg.compute_dtype))
         cache = []
         for block in self.blocks:

@@ -13,6 +13,7 @@ from flax import nnx
 from hybrid_lm.config import Config
 from hybrid_lm.model.registry import MixerContext
 from hybrid_lm.model.transformer import HybridLM, cross_entropy
+from hybrid_lm.ops.attention import default_positions
 
 
 class ModelFns:
@@ -51,7 +52,7 @@ class ModelFns:
         cfg = self.cfg
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
         B, T = inputs.shape
-        ctx = MixerContext(positions=jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T)),
+        ctx = MixerContext(positions=default_positions(B, T),
                            attention_impl=cfg.model.attention_impl, step=step, seed=cfg.train.seed,
                            example_ids=example_ids, train=train,
                            ssa_sparse=ssa_coin(cfg.train.seed, step, micro_index) if train else None)
