@@ -124,6 +124,7 @@ class TrainConfig:
     eval_batches: int = _nid(4)
     progress: bool = _nid(True)
     tensorboard: bool = _nid(False)  # mirror metrics to <workdir>/tb (needs the [tb] extra)
+    wandb: bool = _nid(False)  # mirror metrics to Weights & Biases (needs the [wandb] extra; WANDB_MODE=offline works)
     # Gradient accumulation: the global batch is split into this many equal micro-batches. It is an
     # execution detail (same math as the large batch), so it is not part of the run id.
     microbatches: int = _nid(1)

@@ -6,6 +6,7 @@ import importlib
 
 _EXTRAS = {
     "tensorboardX": "tb",
+    "wandb": "wandb",
     "tensorflow_datasets": "tfds",
     "jax_triton": "triton",
 }
