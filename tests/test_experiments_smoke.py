@@ -38,3 +38,19 @@ def test_bench_selection(tmp_path):
     _run(["experiments/bench_selection.py", "--cases", "256:16:4:ssa", "--out", str(out)], tmp_path)
     rows = json.loads(out.read_text())["rows"]
     assert [r["selection"] for r in rows] == ["block", "token"] and all(r["ms"] > 0 for r in rows)
+
+
+def test_bench_decode_check_and_tables(tmp_path):
+    """bench_decode: the decode == forward check passes, and both tables (layer, model) are written."""
+    out = tmp_path / "decode.json"
+    _run(["experiments/bench_decode.py", "--check", "--dtype", "float32", "--out", str(out)], tmp_path)
+    assert all(r["ok"] for r in json.loads(out.read_text())["check"])
+    _run(["experiments/bench_decode.py", "--scale", "s1", "--contexts", "256", "--batch", "2",
+          "--layer-archs", "full,swa,ssa_sparse,mamba2", "--model-archs", "full,ssa_sparse",
+          "--model-contexts", "256", "--steps", "2", "--reps", "1", "--dtype", "float32",
+          "--out", str(out)], tmp_path)
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["level"], r["arch"]) for r in rows] == [
+        ("layer", "full"), ("layer", "swa"), ("layer", "ssa_sparse"), ("layer", "mamba2"),
+        ("model", "full"), ("model", "ssa_sparse")]
+    assert all(r["tokens_per_sec"] > 0 and r["vs_full"] > 0 for r in rows)
