@@ -171,11 +171,17 @@ def main() -> None:
             json.dump(result, fh, indent=2)
         raise SystemExit(0 if all(r["ok"] for r in result["check"]) else 1)
 
+    def save():
+        with open(args.out, "w") as fh:
+            json.dump(result, fh, indent=2)
+
     def report(r, base):
         ratio = r["tokens_per_sec"] / base["tokens_per_sec"] if base else float("nan")
         print(f"{r['level']:<6}{r['arch']:<12}{r['context']:>8}{r['batch']:>4}{r['ms_per_step']:>10.3f}"
               f"{r['tokens_per_sec']:>12.0f}{ratio:>9.2f}x", flush=True)
         r["vs_full"] = ratio
+        rows.append(r)
+        save()  # after every row: a timed-out call keeps what it measured
 
     print(f"{'level':<6}{'arch':<12}{'context':>8}{'B':>4}{'ms/step':>10}{'tokens/s':>12}{'vs full':>10}")
     for C in (int(c) for c in args.contexts.split(",") if c):
@@ -184,14 +190,12 @@ def main() -> None:
             r = bench_layer(args.scale, arch, C, args.batch, args.steps, args.reps, args.dtype)
             base = r if arch == "full" else base
             report(r, base)
-            rows.append(r)
     for C in (int(c) for c in args.model_contexts.split(",") if c):
         base = None
         for arch in args.model_archs.split(","):
             r = bench_model(args.scale, arch, C, args.batch, args.steps, args.reps, args.dtype)
             base = r if arch == "full" else base
             report(r, base)
-            rows.append(r)
     with open(args.out, "w") as fh:
         json.dump(result, fh, indent=2)
 
