@@ -66,6 +66,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import bench_attention as BA  # noqa: E402  (time_fn, rel_err)
+from hybrid_lm import backends  # noqa: E402
 from hybrid_lm.ops import linear_attention_gpu as lag  # noqa: E402
 from hybrid_lm.ops.delta_rule import chunk_gated_delta_rule  # noqa: E402
 from hybrid_lm.ops.linear_attention import chunk_simple_gla  # noqa: E402
@@ -440,7 +441,7 @@ def main():
         args.reps, args.inner = 2, 1
 
     dev = jax.devices()[0]
-    on_gpu = lag.on_gpu()
+    on_gpu = backends.on_gpu()
     jla_ops, jla_version = load_jla()
     date = datetime.datetime.now(datetime.timezone.utc)
     results = dict(date=date.isoformat(timespec="seconds"), command=" ".join(sys.argv),

@@ -1,18 +1,218 @@
 """Backend dispatch: which backend runs an op on this platform, and why.
 
-Also the record of the backends the traced model's calls resolved to (``attention_impl=auto`` picks
-per call), filled while tracing and read by the train loop into the run's metrics.
+One function per op family, each returning ``(backend, reason)``:
+
+- :func:`attention_backend`: causal softmax attention (full, SWA, SA's permuted band);
+- :func:`moba_backend`: MoBA's block-sparse attention (the ``moba`` mixer and SSA's sparse stream);
+- :func:`topk_method`: the top-k of the block selection (sort or argmax passes);
+- :func:`linear_attention_backend`: the linear-attention ops of lightning / mamba2 / gdn.
+
+``platform`` is a JAX platform name (``"cpu"``, ``"gpu"``, ...), by default the default backend's. The
+thresholds below were measured; ``docs/KERNELS.md`` ("Dispatch") has the table behind each.
+:func:`describe_layers` resolves every layer of a model config (``hybrid-lm info CONFIG --backends``).
+
+Also the record of what the traced model's calls resolved to, filled while tracing (``record_backend``)
+and read by the train loop into every metrics row (``attention_backends``).
 """
 
 from __future__ import annotations
 
+import numbers
+
+import jax
+
+from hybrid_lm.errors import ConfigError
+
+# SWA under ``auto`` on a GPU where jla's kernel cannot run: our Pallas kernel up to this window, cuDNN above.
+PALLAS_SWA_MAX_WINDOW = 256
+# MoBA's block-sparse kernel takes blocks that are powers of two from this size up.
+MOBA_PALLAS_MIN_BLOCK = 16
+# Selection top-k on a GPU: ``k`` argmax passes when k <= PASSES_MAX_K (the passes are unrolled) and
+# there are at least PASSES_MIN_RATIO * k blocks to choose from; else XLA's sort-based top_k.
+PASSES_MIN_RATIO = 16
+PASSES_MAX_K = 32
+
+TOPK_METHODS = ("auto", "sort", "passes")
+LINEAR_IMPLS = ("auto", "xla", "jla")
+INSTALL_HINT = "install it with `pip install -e '.[gpu]'` (package jax-linear-attention==0.1.0)"
+
+
+# ----------------------------------------------------------------------------- platform
+
+def current_platform() -> str:
+    return jax.default_backend()
+
+
+def on_gpu(platform: str | None = None) -> bool:
+    return (platform or current_platform()) == "gpu"
+
+
+def _no_gpu(platform: str | None) -> str:
+    return f"no GPU: the default JAX backend is {platform or current_platform()!r}"
+
+
+# ----------------------------------------------------------------------------- jax-linear-attention
+
+class FastPathUnavailable(RuntimeError):
+    """``impl='jla'`` was asked for but cannot run here (no GPU, no package, or an unsupported call)."""
+
+
+def import_jla():
+    """``jla.ops`` (lazily), or raise :class:`FastPathUnavailable` saying how to install it."""
+    try:
+        import jla.ops as jla_ops
+    except ImportError as e:
+        raise FastPathUnavailable(f"impl='jla' needs jax-linear-attention, which does not import ({e}); "
+                                  f"{INSTALL_HINT}") from None
+    return jla_ops
+
+
+def jla_available() -> bool:
+    try:
+        import_jla()
+    except FastPathUnavailable:
+        return False
+    return True
+
+
+# ----------------------------------------------------------------------------- softmax attention
+
+def jla_attention_reason(q, k, v, platform: str | None = None) -> str | None:
+    """Why jax-linear-attention's causal/SWA kernel cannot take these operands here (arrays or
+    ``jax.ShapeDtypeStruct``s); ``None`` if it can (sm_90, bf16/fp16, head dim 64/128, GQA)."""
+    if not on_gpu(platform):
+        return _no_gpu(platform)
+    if not jla_available():
+        return f"jax-linear-attention is not installed; {INSTALL_HINT}"
+    try:
+        from jla.ops.mosaic_gpu.attention import supported
+    except ImportError as e:  # a JAX build without the Mosaic GPU toolchain
+        return f"jla's Mosaic GPU attention does not import ({e})"
+    return supported(q, k, v)
+
+
+def attention_backend(impl: str, *, permuted: bool, window: int | None = None, qkv=None,
+                      platform: str | None = None) -> tuple[str, str]:
+    """``(backend, reason)`` for one causal attention call: ``impl`` is ``attention_impl``, ``permuted``
+    marks SA's mask (causal by original position in a permuted order), ``window=None`` full attention,
+    ``qkv`` the q, k, v arrays or shape structs (without them the jla kernel is not considered).
+    ``auto`` -> the fastest correct backend; an explicit choice that cannot run raises ConfigError."""
+    if impl == "auto":
+        if not on_gpu(platform):
+            return "xla", f"auto: {_no_gpu(platform)}"
+        if permuted:
+            return "pallas", "auto: only our kernel expresses SA's permuted mask"
+        if window is None:
+            return "cudnn", "auto: full causal attention runs cuDNN"
+        jla_why = "no operands to check" if qkv is None else jla_attention_reason(*qkv, platform=platform)
+        if jla_why is None:
+            return "jla", "auto: jla's Mosaic GPU kernel takes these operands"
+        if window <= PALLAS_SWA_MAX_WINDOW:
+            return "pallas", f"auto: window {window} <= PALLAS_SWA_MAX_WINDOW={PALLAS_SWA_MAX_WINDOW} (not jla: {jla_why})"
+        return "cudnn", f"auto: window {window} > PALLAS_SWA_MAX_WINDOW={PALLAS_SWA_MAX_WINDOW} (not jla: {jla_why})"
+    if impl in ("cudnn", "jla") and permuted:
+        raise ConfigError(f"attention_impl={impl!r} cannot express stochastic attention's mask "
+                          "(causal by original position in a permuted order); use pallas or xla")
+    if impl == "jla" and qkv is not None and (reason := jla_attention_reason(*qkv, platform=platform)) is not None:
+        raise ConfigError(f"attention_impl='jla' cannot run here: {reason}")
+    return impl, f"attention_impl={impl!r} set explicitly"
+
+
+def attention_op_name(window: int | None, permuted: bool) -> str:
+    """Label of one attention call in the record of backends, e.g. ``swa w=128``."""
+    if window is None and not permuted:
+        return "full"
+    return f"{'sa' if permuted else 'swa'} w={window}"
+
+
+# ----------------------------------------------------------------------------- block-sparse (MoBA, SSA)
+
+def moba_backend(impl: str, block_size: int, platform: str | None = None) -> tuple[str, str]:
+    """``(backend, reason)`` for MoBA's block-sparse attention: ``auto`` -> pallas on a GPU for
+    power-of-two blocks >= MOBA_PALLAS_MIN_BLOCK, else xla (the reference takes any block)."""
+    pow2 = block_size >= MOBA_PALLAS_MIN_BLOCK and not block_size & (block_size - 1)
+    if impl == "auto":
+        if not on_gpu(platform):
+            return "xla", f"auto: {_no_gpu(platform)}"
+        if pow2:
+            return "pallas", f"auto: block {block_size} is a power of two >= {MOBA_PALLAS_MIN_BLOCK} (our kernel)"
+        return "xla", (f"auto: block {block_size} is not a power of two >= {MOBA_PALLAS_MIN_BLOCK}, "
+                       "which our kernel needs")
+    if impl in ("cudnn", "jla"):
+        raise ConfigError(f"attention_impl={impl!r} cannot express MoBA's block-sparse mask; "
+                          "use auto, pallas or xla")
+    if impl == "pallas" and not pow2:
+        raise ConfigError(f"attention_impl='pallas' needs a MoBA block_size that is a power of two "
+                          f">= {MOBA_PALLAS_MIN_BLOCK}, got {block_size}; use auto or xla "
+                          "(the reference takes any block)")
+    return impl, f"attention_impl={impl!r} set explicitly"
+
+
+def topk_method(method: str, k: int, n: int, platform: str | None = None) -> tuple[str, str]:
+    """``(method, reason)`` for the top-``k`` of ``n`` block scores per row: ``sort`` (``lax.top_k``)
+    or ``passes`` (k argmax passes); ``auto`` -> passes on a GPU for k <= PASSES_MAX_K and
+    n >= PASSES_MIN_RATIO * k, else sort."""
+    if method not in TOPK_METHODS:
+        raise ValueError(f"method={method!r}: choose one of {TOPK_METHODS}")
+    if method != "auto":
+        return method, f"method={method!r} set explicitly"
+    if not on_gpu(platform):
+        return "sort", f"auto: {_no_gpu(platform)}"
+    if k <= PASSES_MAX_K and n >= PASSES_MIN_RATIO * k:
+        return "passes", f"auto: k={k} <= {PASSES_MAX_K} and n={n} >= {PASSES_MIN_RATIO}k"
+    return "sort", f"auto: k={k} > {PASSES_MAX_K} or n={n} < {PASSES_MIN_RATIO}k"
+
+
+# ----------------------------------------------------------------------------- linear attention
+
+def jla_linear_reason(op: str, q, k, v, gates: tuple, *, scale=None, initial_state=None,
+                      platform: str | None = None) -> str | None:
+    """Why the jla kernel cannot run this linear-attention call here (even with padded head widths);
+    ``None`` if it can. ``op`` is ``"simple_gla"`` or ``"gated_delta_rule"``; q/k/v/gates in jla's form
+    (arrays or ``jax.ShapeDtypeStruct``s, see ``hybrid_lm/ops/linear_attention_gpu.py``)."""
+    if not on_gpu(platform):
+        return f"{_no_gpu(platform)} (the jla kernels need an sm_90 GPU)"
+    if not jla_available():
+        return f"jax-linear-attention is not installed; {INSTALL_HINT}"
+    if scale is not None and not isinstance(scale, numbers.Real):
+        return f"scale must be a Python number for the kernel (it is static there), got {type(scale).__name__}"
+    from hybrid_lm.ops import linear_attention_gpu as lag
+    return lag.kernel_reason(op, q, k, v, gates, scale=scale, initial_state=initial_state)
+
+
+def linear_attention_backend(op: str, impl: str, q, k, v, gates: tuple, *, scale=None, initial_state=None,
+                             platform: str | None = None) -> tuple[str, str]:
+    """``(backend, reason)`` for one linear-attention call (``impl`` is ``linear_impl``): ``auto`` ->
+    ``jla`` where its kernel accepts the call, else ``xla``. An explicit ``jla`` that cannot run raises
+    :class:`FastPathUnavailable` (platform first, then package, then the call itself)."""
+    if impl not in LINEAR_IMPLS:
+        raise ValueError(f"impl={impl!r}: choose one of {LINEAR_IMPLS}")
+    if impl == "xla":
+        return "xla", "linear_impl='xla' set explicitly"
+    if impl == "jla":
+        if not on_gpu(platform):
+            raise FastPathUnavailable(f"impl='jla' needs a GPU (Hopper, sm_90); the default JAX backend is "
+                                      f"{platform or current_platform()!r}. Use impl='xla' or 'auto' here.")
+        import_jla()
+    reason = jla_linear_reason(op, q, k, v, gates, scale=scale, initial_state=initial_state, platform=platform)
+    if reason is None:
+        return "jla", f"{impl}: jla's Mosaic GPU kernel takes this call"
+    if impl == "jla":
+        raise FastPathUnavailable(f"impl='jla' cannot run {op}: {reason}")
+    return "xla", f"auto: {reason}"
+
+
+# ----------------------------------------------------------------------------- the record
+
 # Backends the traced model's calls resolved to, e.g. {"full": "cudnn", "swa w=128": "jla",
-# "moba block=128": "pallas"}.
+# "moba block=128": "pallas", "lightning": "xla"}, and the reason for each.
 _BACKENDS: dict[str, str] = {}
+_REASONS: dict[str, str] = {}
 
 
-def record_backend(op: str, backend: str) -> None:
+def record_backend(op: str, backend: str, reason: str = "") -> None:
     _BACKENDS[op] = backend
+    _REASONS[op] = reason
 
 
 def recorded_backends(clear: bool = False) -> dict[str, str]:
@@ -20,4 +220,62 @@ def recorded_backends(clear: bool = False) -> dict[str, str]:
     out = dict(_BACKENDS)
     if clear:
         _BACKENDS.clear()
+        _REASONS.clear()
     return out
+
+
+def recorded_reasons() -> dict[str, str]:
+    """The reason for each recorded backend (a copy)."""
+    return dict(_REASONS)
+
+
+# ----------------------------------------------------------------------------- per layer
+
+def _trace_mixer(cfg, mc, layer_idx: int, seq_len: int, batch: int) -> dict[str, tuple[str, str]]:
+    """``{op: (backend, reason)}`` one training forward of this mixer records, traced abstractly."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from hybrid_lm.model.registry import MixerContext, get_mixer
+
+    cls = get_mixer(mc.kind).cls
+
+    def forward(x):
+        mixer = cls(cfg, mc, layer_idx, rngs=nnx.Rngs(0))
+        pos = jnp.broadcast_to(jnp.arange(seq_len, dtype=jnp.int32), (batch, seq_len))
+        return mixer(x, MixerContext(positions=pos, attention_impl=cfg.attention_impl))
+
+    saved = (dict(_BACKENDS), dict(_REASONS))
+    _BACKENDS.clear()
+    _REASONS.clear()
+    try:
+        jax.eval_shape(forward, jax.ShapeDtypeStruct((batch, seq_len, cfg.d_model), jnp.dtype(cfg.compute_dtype)))
+        return {op: (b, _REASONS.get(op, "")) for op, b in _BACKENDS.items()}
+    finally:
+        _BACKENDS.clear()
+        _REASONS.clear()
+        _BACKENDS.update(saved[0])
+        _REASONS.update(saved[1])
+
+
+def describe_layers(model_cfg, seq_len: int, *, batch: int = 1) -> list[dict]:
+    """What each layer's ops resolve to on this platform for ``[batch, seq_len]`` inputs in the
+    compute dtype: one row per layer and op, ``{"layer", "slot", "kind", "window", "block", "op",
+    "backend", "reason"}`` (``op``/``backend`` ``None`` for a mixer that dispatches nothing). Each
+    slot's mixer is traced once (training forward, no compute) and its record read."""
+    from hybrid_lm.model.registry import get_mixer
+
+    slots = {"F": "full", "E": "efficient"}
+    traced: dict[str, dict] = {}
+    rows = []
+    for i, t in enumerate(model_cfg.layer_types()):
+        mc = model_cfg.mixer(t)
+        if t not in traced:
+            traced[t] = _trace_mixer(model_cfg, mc, i, seq_len, batch)
+        block = getattr(get_mixer(mc.kind).parse_options(mc), "block_size", None)
+        base = {"layer": i, "slot": slots[t], "kind": mc.kind, "window": mc.window, "block": block}
+        if not traced[t]:
+            rows.append({**base, "op": None, "backend": None, "reason": "no dispatched op"})
+        for op, (backend, reason) in traced[t].items():
+            rows.append({**base, "op": op, "backend": backend, "reason": reason})
+    return rows

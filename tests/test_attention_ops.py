@@ -169,22 +169,25 @@ def test_dispatch_pallas_matches_xla_in_interpret_mode(monkeypatch):
 def test_auto_dispatch_per_platform_and_mask(monkeypatch):
     """auto: xla on CPU; on a GPU SA -> pallas, full -> cudnn, SWA -> jla where its kernel takes the
     operands, else pallas up to w=256 and cudnn above. Explicit choices that cannot run say why."""
+    from hybrid_lm import backends
     from hybrid_lm.errors import ConfigError
-    from hybrid_lm.model import attention as att
+
+    def resolve_impl(impl, **kw):
+        return backends.attention_backend(impl, **kw)[0]
     spec = jax.ShapeDtypeStruct((1, 64, 4, 128), jnp.bfloat16)
     qkv = (spec, spec, spec)
-    assert att.resolve_impl("auto", permuted=False, window=128, qkv=qkv) == "xla"  # CPU
-    assert "no GPU" in att.jla_attention_reason(*qkv)
-    monkeypatch.setattr(att.jax, "default_backend", lambda: "gpu")
-    monkeypatch.setattr(att, "jla_attention_reason", lambda q, k, v: None)
-    assert att.resolve_impl("auto", permuted=True, window=128, qkv=qkv) == "pallas"
-    assert att.resolve_impl("auto", permuted=False, window=None, qkv=qkv) == "cudnn"
-    assert att.resolve_impl("auto", permuted=False, window=2048, qkv=qkv) == "jla"
-    monkeypatch.setattr(att, "jla_attention_reason", lambda q, k, v: "head dims must be 64 or 128")
-    assert att.resolve_impl("auto", permuted=False, window=128, qkv=qkv) == "pallas"
-    assert att.resolve_impl("auto", permuted=False, window=512, qkv=qkv) == "cudnn"
+    assert resolve_impl("auto", permuted=False, window=128, qkv=qkv) == "xla"  # CPU
+    assert "no GPU" in backends.jla_attention_reason(*qkv)
+    monkeypatch.setattr(backends.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(backends, "jla_attention_reason", lambda q, k, v, platform=None: None)
+    assert resolve_impl("auto", permuted=True, window=128, qkv=qkv) == "pallas"
+    assert resolve_impl("auto", permuted=False, window=None, qkv=qkv) == "cudnn"
+    assert resolve_impl("auto", permuted=False, window=2048, qkv=qkv) == "jla"
+    monkeypatch.setattr(backends, "jla_attention_reason", lambda q, k, v, platform=None: "head dims must be 64 or 128")
+    assert resolve_impl("auto", permuted=False, window=128, qkv=qkv) == "pallas"
+    assert resolve_impl("auto", permuted=False, window=512, qkv=qkv) == "cudnn"
     with pytest.raises(ConfigError, match="head dims"):
-        att.resolve_impl("jla", permuted=False, window=128, qkv=qkv)
+        resolve_impl("jla", permuted=False, window=128, qkv=qkv)
     for impl in ("cudnn", "jla"):
         with pytest.raises(ConfigError, match="stochastic"):
-            att.resolve_impl(impl, permuted=True, window=128, qkv=qkv)
+            resolve_impl(impl, permuted=True, window=128, qkv=qkv)

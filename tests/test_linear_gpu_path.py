@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from hybrid_lm import backends
 from hybrid_lm.config import MixerConfig, ModelConfig, load_config
 from hybrid_lm.errors import ConfigError
 from hybrid_lm.ops import linear_attention_gpu as lag
@@ -82,7 +83,7 @@ def test_jla_on_cpu_is_a_clear_error():
 
 def test_missing_package(monkeypatch):
     """As if on a GPU without jax-linear-attention: 'jla' says how to install it, 'auto' falls back."""
-    monkeypatch.setattr(lag, "on_gpu", lambda: True)
+    monkeypatch.setattr(backends, "on_gpu", lambda platform=None: True)
     monkeypatch.setitem(sys.modules, "jla", None)  # makes `import jla.ops` raise ImportError
     monkeypatch.setitem(sys.modules, "jla.ops", None)
     q, k, v, g, g_gamma, beta, _ = _inputs(0, T=8)
@@ -99,7 +100,7 @@ def test_unsupported_call_on_gpu_falls_back_or_explains(monkeypatch):
     """jla's predicate rejects a call: auto -> xla, jla -> the reason (simulated GPU, predicate stubbed)."""
     if not lag.jla_available():
         pytest.skip("jax-linear-attention not installed")
-    monkeypatch.setattr(lag, "on_gpu", lambda: True)
+    monkeypatch.setattr(backends, "on_gpu", lambda platform=None: True)
     monkeypatch.setattr(lag, "_jla_kernel_reason", lambda op, *a: "head dims K=16, V=8 must be in (64, 128)")
     q, k, v, g, *_ = _inputs(0, T=8)
     assert lag.resolve_simple_gla(q, k, v, g) == "xla"
@@ -287,7 +288,7 @@ def test_layers_through_the_jla_conversion(kind, monkeypatch):
     """linear_impl='jla' reaches the layer's op call with the layer's compute dtype as kernel_dtype; routed to
     jla's chunked ops through our conversions (a simulated GPU), the layer's output and final state equal
     its XLA path. (Gradients of the conversions are checked at the op level above.)"""
-    monkeypatch.setattr(lag, "on_gpu", lambda: True)
+    monkeypatch.setattr(backends, "on_gpu", lambda platform=None: True)
     monkeypatch.setattr(lag, "_jla_kernel_reason", lambda op, *a: None)
     calls = []
     for name in ("_jla_simple_gla", "_jla_gated_delta_rule"):

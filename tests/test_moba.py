@@ -234,10 +234,12 @@ def test_block_selection_ranks_by_the_previous_blocks_mean_query_and_shares_list
 
 
 def test_moba_impl_dispatch(monkeypatch):
-    from hybrid_lm.model import moba as moba_mod
-    from hybrid_lm.model.moba import resolve_moba_impl
+    from hybrid_lm import backends
+
+    def resolve_moba_impl(impl, block_size):
+        return backends.moba_backend(impl, block_size)[0]
     assert resolve_moba_impl("auto", 128) == "xla"  # CPU
-    monkeypatch.setattr(moba_mod.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(backends.jax, "default_backend", lambda: "gpu")
     assert resolve_moba_impl("auto", 128) == "pallas" and resolve_moba_impl("auto", 64) == "pallas"
     # SSA's block 16 too (measured ~100x faster than the reference); non-powers of two: reference
     assert resolve_moba_impl("auto", 16) == "pallas" and resolve_moba_impl("auto", 96) == "xla"
@@ -275,6 +277,7 @@ def test_top_k_by_passes_matches_lax_top_k():
 def test_top_k_method_auto_follows_the_measured_rule(monkeypatch):
     """auto: passes on a GPU for top-16 of 1024 (measured 5x faster), sort for top-32 of 256
     (measured 1.3x faster) and on the CPU."""
+    from hybrid_lm import backends
     from hybrid_lm.ops import block_sparse as bs
     used = []
     real = bs.top_k_by_passes
@@ -282,7 +285,7 @@ def test_top_k_method_auto_follows_the_measured_rule(monkeypatch):
     x = jnp.zeros((2, 1024))
     bs._top_blocks(x, 16)
     assert used == []  # CPU: sort
-    monkeypatch.setattr(bs.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(backends.jax, "default_backend", lambda: "gpu")
     bs._top_blocks(x, 16)
     bs._top_blocks(jnp.zeros((2, 256)), 32)
     assert used == [(1024, 16)]

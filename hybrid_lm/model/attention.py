@@ -12,69 +12,21 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from hybrid_lm.backends import attention_backend, attention_op_name, record_backend
 from hybrid_lm.config import MixerConfig, ModelConfig
 from hybrid_lm.errors import ConfigError
 from hybrid_lm.model.accounting import attention_mixing_flops
 from hybrid_lm.model.layers import apply_rope, out_proj_std, param
-from hybrid_lm.model.registry import MixerContext, record_backend, register_mixer
+from hybrid_lm.model.registry import MixerContext, register_mixer
 from hybrid_lm.ops import attention as ops
 
 
 # ----------------------------------------------------------------------------- dispatch
 
-# Measured on one H200 (docs/BENCHMARKS.md, session 3, one run): for plain SWA jax-linear-attention's
-# FA3-style Mosaic GPU kernel is fastest where it runs (fwd+bwd 0.79-1.04x cuDNN); without it our
-# Pallas kernel beats cuDNN up to this window and loses above it. Full causal attention: cuDNN
-# (jla's kernel 0.91x its speed fwd+bwd at T=32K). SA's mask only our kernel (or the XLA reference)
-# can express.
-PALLAS_SWA_MAX_WINDOW = 256
-
-
-def jla_attention_reason(q, k, v) -> str | None:
-    """Why jax-linear-attention's causal/SWA kernel cannot take these operands here (arrays or
-    ``jax.ShapeDtypeStruct``s); ``None`` if it can (sm_90, bf16/fp16, head dim 64/128, GQA)."""
-    from hybrid_lm.ops.linear_attention_gpu import INSTALL_HINT, jla_available, on_gpu
-    if not on_gpu():
-        return f"no GPU: the default JAX backend is {jax.default_backend()!r}"
-    if not jla_available():
-        return f"jax-linear-attention is not installed; {INSTALL_HINT}"
-    try:
-        from jla.ops.mosaic_gpu.attention import supported
-    except ImportError as e:  # a JAX build without the Mosaic GPU toolchain
-        return f"jla's Mosaic GPU attention does not import ({e})"
-    return supported(q, k, v)
-
-
-def resolve_impl(impl: str, *, permuted: bool, window: int | None = None, qkv=None) -> str:
-    """``auto`` -> the fastest correct backend for this platform, mask and operands (``qkv``: the
-    q, k, v arrays or shape structs; without them the jla kernel is not considered)."""
-    on_gpu = jax.default_backend() == "gpu"
-    if impl == "auto":
-        if not on_gpu:
-            return "xla"
-        if permuted:
-            return "pallas"
-        if window is not None and qkv is not None and jla_attention_reason(*qkv) is None:
-            return "jla"
-        return "pallas" if window is not None and window <= PALLAS_SWA_MAX_WINDOW else "cudnn"
-    if impl in ("cudnn", "jla") and permuted:
-        raise ConfigError(f"attention_impl={impl!r} cannot express stochastic attention's mask "
-                          "(causal by original position in a permuted order); use pallas or xla")
-    if impl == "jla" and qkv is not None and (reason := jla_attention_reason(*qkv)) is not None:
-        raise ConfigError(f"attention_impl='jla' cannot run here: {reason}")
-    return impl
-
-
-def attention_op_name(window: int | None, permuted: bool) -> str:
-    """Label of one attention call in the run's record of backends, e.g. ``swa w=128``."""
-    if window is None and not permuted:
-        return "full"
-    return f"{'sa' if permuted else 'swa'} w={window}"
-
-
 def attend(q, k, v, *, window: int | None, positions, impl: str, permuted: bool = False,
            window_right: int = 0):
-    """Causal attention with an optional window, dispatched to xla / cudnn / pallas / jla.
+    """Causal attention with an optional window, dispatched to xla / cudnn / pallas / jla
+    (``hybrid_lm.backends.attention_backend``).
 
     q ``[B,T,H,D]``, k/v ``[B,T,K,D]``, ``positions [B,T]`` original positions in the given order
     (only read when ``permuted``: otherwise the order is the identity). ``window_right``: the band
@@ -89,8 +41,8 @@ def attend(q, k, v, *, window: int | None, positions, impl: str, permuted: bool 
         window_right = 0  # identity order: every key right of the query is in the future
     if window is not None and window >= T and not permuted:
         window = None  # a window covering the sequence is plain causal attention
-    impl = resolve_impl(impl, permuted=permuted, window=window, qkv=(q, k, v))
-    record_backend(attention_op_name(window, permuted), impl)
+    impl, reason = attention_backend(impl, permuted=permuted, window=window, qkv=(q, k, v))
+    record_backend(attention_op_name(window, permuted), impl, reason)
     if impl == "pallas":
         try:
             import hybrid_lm_kernels as kernels

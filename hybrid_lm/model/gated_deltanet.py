@@ -183,7 +183,7 @@ class GatedDeltaNet(nnx.Module):
         o, S = gated_delta_rule(q, k, v, g, beta,
                                 initial_state=None if state is None else state["recurrent_state"],
                                 output_final_state=True, chunk_size=self.opts.chunk_size,
-                                impl=self.linear_impl, kernel_dtype=x.dtype)
+                                impl=self.linear_impl, kernel_dtype=x.dtype, label="gdn")
         return self._output(o, x), {"conv_state": (sq, sk, sv), "recurrent_state": S}
 
     def __call__(self, x, ctx: MixerContext):

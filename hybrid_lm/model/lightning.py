@@ -186,7 +186,7 @@ class LightningAttention(nnx.Module):
         o, S = simple_gla(q, k, v, g_gamma=jnp.asarray(self.g_gamma, jnp.float32), scale=self.scale,
                           initial_state=None if state is None else state["recurrent_state"],
                           output_final_state=True, chunk_size=self.opts.chunk_size,
-                          impl=self.linear_impl, kernel_dtype=x.dtype)
+                          impl=self.linear_impl, kernel_dtype=x.dtype, label="lightning")
         return self._output(o, x), {"recurrent_state": S}
 
     def __call__(self, x, ctx: MixerContext):

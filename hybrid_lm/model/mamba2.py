@@ -170,7 +170,7 @@ class Mamba2(nnx.Module):
         y, S = simple_gla(Cm, Bm, v, g=g, scale=1.0,
                           initial_state=None if state is None else state["recurrent_state"],
                           output_final_state=True, chunk_size=self.opts.chunk_size,
-                          impl=self.linear_impl, kernel_dtype=x.dtype)
+                          impl=self.linear_impl, kernel_dtype=x.dtype, label="mamba2")
         return self._output(y, xs, z, x.dtype), {"conv_state": conv_state, "recurrent_state": S}
 
     def __call__(self, x, ctx: MixerContext):

@@ -5,8 +5,8 @@ changes. Selection runs on the RoPE'd q and k, as in both references (MoBA and S
 
 Backends (``attention_impl``): ``xla`` = the O(T*k*block) reference in ``ops/block_sparse.py``;
 ``pallas`` = the block-sparse kernel (``hybrid_lm_kernels.block_sparse_attention``, blocks that are
-powers of two >= 16); ``auto`` = pallas on a GPU for those blocks, else xla (measured: even at
-SSA's block 16 the kernel is ~100x faster than the reference). cuDNN and jla cannot express the mask.
+powers of two >= 16); ``auto`` = pallas on a GPU for those blocks, else xla
+(``hybrid_lm.backends.moba_backend``). cuDNN and jla cannot express the mask.
 """
 
 from __future__ import annotations
@@ -14,15 +14,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from hybrid_lm.backends import moba_backend, record_backend
 from hybrid_lm.config import MixerConfig, ModelConfig
 from hybrid_lm.errors import ConfigError
 from hybrid_lm.model.accounting import attention_mixing_flops
 from hybrid_lm.model.attention import Attention, AttentionDecode, attention_projection_flops
-from hybrid_lm.model.registry import MixerContext, record_backend, register_mixer
+from hybrid_lm.model.registry import MixerContext, register_mixer
 from hybrid_lm.ops import block_sparse as ops
 
 
@@ -53,26 +53,12 @@ class MobaOptions:
             raise ConfigError(f"{self._mixer} option selection={self.selection!r}: choose one of {ops.SELECTIONS}")
 
 
-def resolve_moba_impl(impl: str, block_size: int) -> str:
-    """``auto`` -> pallas on a GPU for power-of-two blocks >= 16, else xla. Measured on an H200
-    (docs/BENCHMARKS.md): at SSA's block 16 (T=16K, top-k 16) the kernel's fwd+bwd takes 3.3-5.1 ms
-    against 474 ms for the XLA reference, so every block the kernel takes goes to it."""
-    pow2 = block_size >= 16 and not block_size & (block_size - 1)
-    if impl == "auto":
-        return "pallas" if jax.default_backend() == "gpu" and pow2 else "xla"
-    if impl in ("cudnn", "jla"):
-        raise ConfigError(f"attention_impl={impl!r} cannot express MoBA's block-sparse mask; "
-                          "use auto, pallas or xla")
-    if impl == "pallas" and not pow2:
-        raise ConfigError(f"attention_impl='pallas' needs a MoBA block_size that is a power of two >= 16, "
-                          f"got {block_size}; use auto or xla (the reference takes any block)")
-    return impl
-
-
-def moba_attend(q, k, v, *, block_size: int, top_k: int, gate: str, selection: str, impl: str):
-    """Selection + block-sparse causal attention on the chosen backend (shared by moba and ssa)."""
-    impl = resolve_moba_impl(impl, block_size)
-    record_backend(f"moba block={block_size}", impl)
+def moba_attend(q, k, v, *, block_size: int, top_k: int, gate: str, selection: str, impl: str,
+                label: str = "moba"):
+    """Selection + block-sparse causal attention on the chosen backend (shared by moba and ssa),
+    recorded as ``"{label} block={block_size}"``."""
+    impl, reason = moba_backend(impl, block_size)
+    record_backend(f"{label} block={block_size}", impl, reason)
     if impl == "pallas":
         try:
             import hybrid_lm_kernels as kernels

@@ -96,7 +96,7 @@ class SSAAttention(AttentionDecode, Attention):
         if name == "sparse":
             o = self.opts
             return moba_attend(q, k, v, block_size=o.block_size, top_k=o.top_k, gate=o.gate,
-                               selection=o.selection, impl=ctx.attention_impl)
+                               selection=o.selection, impl=ctx.attention_impl, label="ssa sparse")
         return attend(q, k, v, window=None, positions=ctx.positions, impl=ctx.attention_impl)
 
     def _streams(self, x, ctx: MixerContext, want_full: bool, want_sparse: bool):

@@ -37,6 +37,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from hybrid_lm.backends import topk_method
+
 _NEG = -1e30  # finite "minus infinity" for masked scores (keeps padded query rows NaN-free)
 GATES = ("moba", "ssa")
 SELECTIONS = ("token", "block")  # who selects: every query token, or every query block
@@ -99,16 +101,6 @@ def block_importance(q, kbar, t, *, block_size: int, gate: str, scale: float):
     return jnp.where(own, jnp.inf, imp)
 
 
-TOPK_METHODS = ("auto", "sort", "passes")
-# When the selection's top-k runs as k argmax passes on a GPU instead of XLA's sort-based top_k.
-# Measured on an H200 (docs/BENCHMARKS.md, rows = T x heads): top-16 of 1024 blocks on 262K rows
-# 4.7 ms by passes vs 24.5 ms sorted; top-32 of 256 on 524K rows 5.9 vs 4.5 ms. Passes cost ~k*n per
-# row, the sort ~n log n, so passes win for small k / n: the switch (n >= 16 k) lies between the two
-# measured points; k is capped because the passes are unrolled.
-PASSES_MIN_RATIO = 16
-PASSES_MAX_K = 32
-
-
 def top_k_by_passes(x, k: int):
     """``lax.top_k`` semantics (values descending, ties to the lower index) by ``k`` passes of one
     argmax over the last axis, each skipping what earlier passes took: O(k * n) reads and no sort.
@@ -131,15 +123,10 @@ def top_k_by_passes(x, k: int):
 
 def _top_blocks(imp, top_k: int, method: str = "auto"):
     """Indices ``[..., min(top_k, nb)]`` of the best blocks; -1 where nothing selectable is left.
-    ``method``: ``sort`` = ``lax.top_k``, ``passes`` = :func:`top_k_by_passes`, ``auto`` = passes
-    on a GPU when ``k <= PASSES_MAX_K`` and ``nb >= PASSES_MIN_RATIO * k``, else sort."""
-    if method not in TOPK_METHODS:
-        raise ValueError(f"method={method!r}: choose one of {TOPK_METHODS}")
+    ``method``: ``sort`` = ``lax.top_k``, ``passes`` = :func:`top_k_by_passes`, ``auto`` = the
+    choice of ``hybrid_lm.backends.topk_method``."""
     k = min(top_k, imp.shape[-1])
-    if method == "auto":
-        gpu = jax.default_backend() == "gpu"
-        method = ("passes" if gpu and k <= PASSES_MAX_K and imp.shape[-1] >= PASSES_MIN_RATIO * k
-                  else "sort")
+    method, _ = topk_method(method, k, imp.shape[-1])
     vals, idx = (top_k_by_passes if method == "passes" else jax.lax.top_k)(imp, k)
     return jnp.where(vals > -jnp.inf, idx, -1).astype(jnp.int32)
 

@@ -11,8 +11,8 @@ dtype), plus two keywords:
   ``"auto"`` picks ``"jla"`` when the default backend is a GPU, the package imports and its kernel
   accepts the call (its own ``supports`` predicate: sm_90, bf16/fp16 q/k/v of one dtype, head dims
   K, V in {64, 128}, and for the delta rule also (K, V) in {(128, 256), (256, 128..512)}, static
-  scale), else ``"xla"``. An explicit ``"jla"`` that cannot run raises :class:`FastPathUnavailable`
-  with the reason.
+  scale), else ``"xla"`` (decided in ``hybrid_lm.backends.linear_attention_backend``). An explicit
+  ``"jla"`` that cannot run raises :class:`FastPathUnavailable` with the reason.
 - ``kernel_dtype``: the dtype q, k and v are cast to *on the jla path only* (the layers pass their
   compute dtype, bf16). Mamba-2's ``v = x * dt`` and GDN's L2-normalised q, k are fp32 in the layers;
   the kernel takes bf16/fp16 only. The XLA path ignores it, so CPU numerics do not change. The output
@@ -49,47 +49,18 @@ exercised on more than one GPU here: ``bench_mixers.py`` runs on one.)
 from __future__ import annotations
 
 import contextlib
-import numbers
 
 import jax
 import jax.numpy as jnp
 
+from hybrid_lm.backends import FastPathUnavailable, jla_available  # noqa: F401  (part of this API)
+from hybrid_lm.backends import import_jla, linear_attention_backend, record_backend
 from hybrid_lm.ops.delta_rule import _check_gates, chunk_gated_delta_rule
 from hybrid_lm.ops.linear_attention import _check_qkv, _check_state, chunk_simple_gla
 
-IMPLS = ("auto", "xla", "jla")
-INSTALL_HINT = "install it with `pip install -e '.[gpu]'` (package jax-linear-attention==0.1.0)"
 # jla's logical rules for splitting a kernel call over the context mesh, in our mesh axis names
 # (MeshConfig.rules: batch -> data, fsdp; heads -> tensor).
 JLA_SHARD_RULES = {"batch": ("data", "fsdp"), "heads": ("tensor",)}
-
-
-class FastPathUnavailable(RuntimeError):
-    """``impl='jla'`` was asked for but cannot run here (no GPU, no package, or an unsupported call)."""
-
-
-# ----------------------------------------------------------------------------- availability
-
-def on_gpu() -> bool:
-    return jax.default_backend() == "gpu"
-
-
-def import_jla():
-    """``jla.ops`` (lazily), or raise :class:`FastPathUnavailable` saying how to install it."""
-    try:
-        import jla.ops as jla_ops
-    except ImportError as e:
-        raise FastPathUnavailable(f"impl='jla' needs jax-linear-attention, which does not import ({e}); "
-                                  f"{INSTALL_HINT}") from None
-    return jla_ops
-
-
-def jla_available() -> bool:
-    try:
-        import_jla()
-    except FastPathUnavailable:
-        return False
-    return True
 
 
 def _jla_kernel_reason(op: str, q, k, v, gates: tuple, options: dict) -> str | None:
@@ -139,45 +110,25 @@ def kernel_widths(op: str, q, k, v, gates: tuple, *, scale=None, initial_state=N
     return None
 
 
-def unsupported_reason(op: str, q, k, v, gates: tuple, *, scale=None, initial_state=None) -> str | None:
-    """Why the jla kernel cannot run this call here (even with padded head widths); ``None`` if it can.
+def kernel_reason(op: str, q, k, v, gates: tuple, *, scale=None, initial_state=None) -> str | None:
+    """Why the jla kernel rejects this call (even with padded head widths); ``None`` if it takes it.
 
     ``op`` is ``"simple_gla"`` or ``"gated_delta_rule"``; q/k/v/gates are in jla's form (after the
-    conversions below; arrays or ``jax.ShapeDtypeStruct``s).
+    conversions below; arrays or ``jax.ShapeDtypeStruct``s). The platform and package checks come
+    first, in ``hybrid_lm.backends.jla_linear_reason``.
     """
-    if not on_gpu():
-        return f"no GPU: the default JAX backend is {jax.default_backend()!r} (the jla kernels need an sm_90 GPU)"
-    if not jla_available():
-        return f"jax-linear-attention is not installed; {INSTALL_HINT}"
-    if scale is not None and not isinstance(scale, numbers.Real):
-        return f"scale must be a Python number for the kernel (it is static there), got {type(scale).__name__}"
     if kernel_widths(op, q, k, v, gates, scale=scale, initial_state=initial_state) is not None:
         return None
     return _jla_kernel_reason(op, q, k, v, gates, {"scale": scale, "initial_state": initial_state})
 
 
-def _check_impl(impl: str) -> None:
-    if impl not in IMPLS:
-        raise ValueError(f"impl={impl!r}: choose one of {IMPLS}")
-
-
-def _resolve(op: str, impl: str, q, k, v, gates, scale, initial_state) -> str:
-    """'xla' or 'jla' for this call; raises :class:`FastPathUnavailable` for an explicit 'jla' that can't run."""
-    _check_impl(impl)
-    if impl == "xla":
-        return "xla"
-    if impl == "jla":
-        # the clear errors first: platform, then package, then the call itself
-        if not on_gpu():
-            raise FastPathUnavailable(f"impl='jla' needs a GPU (Hopper, sm_90); the default JAX backend is "
-                                      f"{jax.default_backend()!r}. Use impl='xla' or 'auto' here.")
-        import_jla()
-    reason = unsupported_reason(op, q, k, v, gates, scale=scale, initial_state=initial_state)
-    if reason is None:
-        return "jla"
-    if impl == "jla":
-        raise FastPathUnavailable(f"impl='jla' cannot run {op}: {reason}")
-    return "xla"
+def _resolve(op: str, impl: str, q, k, v, gates, scale, initial_state, label: str | None = None) -> str:
+    """'xla' or 'jla' for this call (``hybrid_lm.backends.linear_attention_backend``), recorded under
+    ``label`` when given; raises :class:`FastPathUnavailable` for an explicit 'jla' that can't run."""
+    which, reason = linear_attention_backend(op, impl, q, k, v, gates, scale=scale, initial_state=initial_state)
+    if label is not None:
+        record_backend(label, which, reason)
+    return which
 
 
 # ----------------------------------------------------------------------------- conventions: ours -> jla
@@ -316,39 +267,36 @@ def _qkv_specs(q, k, v, kernel_dtype):
 
 
 def resolve_simple_gla(q, k, v, g=None, g_gamma=None, *, scale=None, initial_state=None, impl: str = "auto",
-                       kernel_dtype=None) -> str:
-    """Which implementation :func:`simple_gla` runs for these arguments: ``'xla'`` or ``'jla'``.
+                       kernel_dtype=None, label: str | None = None) -> str:
+    """Which implementation :func:`simple_gla` runs for these arguments: ``'xla'`` or ``'jla'``
+    (recorded under ``label`` when given).
 
     Raises :class:`FastPathUnavailable` for ``impl='jla'`` when the kernel cannot run the call here."""
     _check_qkv(q, k, v)
-    _check_impl(impl)
-    if impl == "xla":
-        return "xla"
     B, T, H, _ = q.shape
     jg = jax.ShapeDtypeStruct((B, T, H), jnp.float32)  # the converted gate (_to_jla_log_decay)
     return _resolve("simple_gla", impl, *_qkv_specs(q, k, v, kernel_dtype), (jg,), scale,
-                    _spec(initial_state, jnp.float32))
+                    _spec(initial_state, jnp.float32), label)
 
 
 def resolve_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, impl: str = "auto",
-                             kernel_dtype=None) -> str:
-    """Which implementation :func:`gated_delta_rule` runs for these arguments: ``'xla'`` or ``'jla'``.
+                             kernel_dtype=None, label: str | None = None) -> str:
+    """Which implementation :func:`gated_delta_rule` runs for these arguments: ``'xla'`` or ``'jla'``
+    (recorded under ``label`` when given).
 
     Raises :class:`FastPathUnavailable` for ``impl='jla'`` when the kernel cannot run the call here."""
     _check_qkv(q, k, v)
-    _check_impl(impl)
-    if impl == "xla":
-        return "xla"
     gates = (_spec(g, jnp.float32), _spec(beta, jnp.float32))
     return _resolve("gated_delta_rule", impl, *_qkv_specs(q, k, v, kernel_dtype), gates, scale,
-                    _spec(initial_state, jnp.float32))
+                    _spec(initial_state, jnp.float32), label)
 
 
 def simple_gla(q, k, v, g=None, g_gamma=None, *, scale: float | None = None, initial_state=None,
                output_final_state: bool = False, chunk_size: int = 64, precision=None, impl: str = "auto",
-               kernel_dtype=None):
+               kernel_dtype=None, label: str | None = None):
     """Scalar-decay linear attention; arguments and returns as :func:`chunk_simple_gla`, plus ``impl``
-    (``auto`` | ``xla`` | ``jla``) and ``kernel_dtype`` (see the module docstring).
+    (``auto`` | ``xla`` | ``jla``) and ``kernel_dtype`` (see the module docstring); the backend is
+    recorded under ``label`` (``hybrid_lm.backends.record_backend``) when given.
 
     Returns ``(o [B, T, H, Dv] in q.dtype, final_state [B, H, Dk, Dv] float32 or None)``.
     """
@@ -360,7 +308,7 @@ def simple_gla(q, k, v, g=None, g_gamma=None, *, scale: float | None = None, ini
     if g_gamma is not None and g_gamma.shape != (H,):
         raise ValueError(f"g_gamma must be [H] = {(H,)}, got {g_gamma.shape}")
     which = resolve_simple_gla(q, k, v, g, g_gamma, scale=scale, initial_state=initial_state, impl=impl,
-                               kernel_dtype=kernel_dtype)
+                               kernel_dtype=kernel_dtype, label=label)
     if which == "xla":
         return chunk_simple_gla(q, k, v, g, g_gamma, scale=scale, initial_state=initial_state,
                                 output_final_state=output_final_state, chunk_size=chunk_size, precision=precision)
@@ -370,9 +318,10 @@ def simple_gla(q, k, v, g=None, g_gamma=None, *, scale: float | None = None, ini
 
 def gated_delta_rule(q, k, v, g, beta, *, scale: float | None = None, initial_state=None,
                      output_final_state: bool = False, chunk_size: int = 64, precision=None, impl: str = "auto",
-                     kernel_dtype=None):
+                     kernel_dtype=None, label: str | None = None):
     """Gated delta rule; arguments and returns as :func:`chunk_gated_delta_rule` (q, k L2-normalised by the
-    caller), plus ``impl`` (``auto`` | ``xla`` | ``jla``) and ``kernel_dtype`` (see the module docstring).
+    caller), plus ``impl`` (``auto`` | ``xla`` | ``jla``), ``kernel_dtype`` (see the module docstring) and
+    ``label`` (as :func:`simple_gla`).
 
     Returns ``(o [B, T, H, Dv] in q.dtype, final_state [B, H, Dk, Dv] float32 or None)``.
     """
@@ -381,7 +330,7 @@ def gated_delta_rule(q, k, v, g, beta, *, scale: float | None = None, initial_st
     _check_gates(g, beta, B, T, H)
     _check_state(initial_state, B, H, Dk, v.shape[-1])
     which = resolve_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state, impl=impl,
-                                     kernel_dtype=kernel_dtype)
+                                     kernel_dtype=kernel_dtype, label=label)
     if which == "xla":
         return chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                                       output_final_state=output_final_state, chunk_size=chunk_size,
