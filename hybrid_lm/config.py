@@ -6,6 +6,15 @@ layers and ``efficient/MixerConfig.*`` for the efficient layers, e.g. NoPE on th
 
     full/MixerConfig.rope = False
 
+Slot defaults live in :data:`SLOT_DEFAULTS` (full: ``attention``; efficient: ``swa`` at window 128).
+A binding scoped by slot and kind is a default for that kind only, e.g. the quickstart's SWA window::
+
+    efficient/swa/MixerConfig.window = 32   # used while the efficient slot holds swa
+
+Plain slot bindings (``efficient/MixerConfig.window = 64``) win over kind-scoped ones. Each mixer
+declares the ``MixerConfig`` fields it reads; setting one it does not read is a ``ConfigError``
+(checked in :mod:`hybrid_lm.validate`), so the run id only varies with fields the mixer reads.
+
 Fields whose metadata says ``run_id=False`` (logging, paths, checkpoint cadence, mesh, run length)
 do not define the experiment and are left out of the run id. Extending ``TrainConfig.steps`` on
 resume is allowed; other experiment-defining changes need ``--force``.
@@ -19,7 +28,7 @@ import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 import gin
 
@@ -49,6 +58,20 @@ class MixerConfig:
     options: dict = field(default_factory=dict)  # mixer-specific; checked against the mixer's Options
 
 
+# The mixer of each layer slot when the config names none; the other fields apply while the slot
+# holds that kind (a moba efficient slot has no window).
+SLOT_DEFAULTS = {"full": MixerConfig(kind="attention"), "efficient": MixerConfig(kind="swa", window=128)}
+
+AttentionImpl = Literal["auto", "xla", "cudnn", "pallas", "jla"]  # resolved in hybrid_lm/backends.py
+LinearImpl = Literal["auto", "xla", "jla"]  # resolved in hybrid_lm/backends.py
+Remat = Literal["none", "full", "dots"]
+DType = Literal["float32", "bfloat16", "float16"]
+Source = Literal["embedded", "tokens"]  # tokens: a prepared dir with train.bin / val.bin
+Optimizer = Literal["adamw", "muon"]  # muon: Muon for hidden matrices, AdamW for the rest (train/optim.py)
+DecayShape = Literal["linear", "cosine", "1-sqrt"]
+NanPolicy = Literal["stop", "skip"]  # a non-finite loss/gradient never reaches the state
+
+
 @gin.configurable
 @dataclass(frozen=True)
 class ModelConfig:
@@ -63,15 +86,15 @@ class ModelConfig:
     tie_embeddings: bool = False
     norm_eps: float = 1e-6
     init_std: float = 0.02
-    compute_dtype: str = "bfloat16"
-    param_dtype: str = "float32"
-    attention_impl: str = "auto"  # auto | xla | cudnn | pallas | jla (hybrid_lm/model/attention.py)
+    compute_dtype: DType = "bfloat16"
+    param_dtype: DType = "float32"
+    attention_impl: AttentionImpl = "auto"
     # linear-attention ops of lightning/mamba2/gdn: auto | xla | jla (hybrid_lm/ops/linear_attention_gpu.py).
     # An execution detail (same math up to rounding), so not part of the run id; recorded in config.json.
-    linear_impl: str = _nid("auto")
-    remat: str = "none"  # none | full | dots
-    full: MixerConfig = field(default_factory=lambda: MixerConfig(kind="attention"))
-    efficient: MixerConfig = field(default_factory=lambda: MixerConfig(kind="swa", window=128))
+    linear_impl: LinearImpl = _nid("auto")
+    remat: Remat = "none"
+    full: MixerConfig = field(default_factory=lambda: SLOT_DEFAULTS["full"])
+    efficient: MixerConfig = field(default_factory=lambda: SLOT_DEFAULTS["efficient"])
 
     @property
     def resolved_head_dim(self) -> int:
@@ -88,7 +111,7 @@ class ModelConfig:
 @gin.configurable
 @dataclass(frozen=True)
 class DataConfig:
-    source: str = "embedded"  # embedded | tokens (a prepared dir with train.bin / val.bin)
+    source: Source = "embedded"
     path: str | None = field(default=None, metadata=_meta(False))  # default: data_cache/<source>
     tokenizer: str = "byte"
     seq_len: int = 256
@@ -98,7 +121,7 @@ class DataConfig:
 @gin.configurable
 @dataclass(frozen=True)
 class OptimConfig:
-    name: str = "adamw"  # adamw | muon (Muon for hidden matrices, AdamW for the rest; see train/optim.py)
+    name: Optimizer = "adamw"
     lr: float = 3e-3
     b1: float = 0.9
     b2: float = 0.95
@@ -107,7 +130,7 @@ class OptimConfig:
     grad_clip: float = 1.0
     warmup_steps: int = 100
     decay_fraction: float = 0.2  # WSD: final fraction of the run spent decaying
-    decay_shape: str = "linear"  # linear | cosine | 1-sqrt
+    decay_shape: DecayShape = "linear"
     min_lr_ratio: float = 0.0
     z_loss: float = 0.0
     muon_beta: float = 0.95
@@ -121,14 +144,13 @@ class TrainConfig:
     seed: int = 0
     log_every: int = _nid(10)
     eval_every: int = _nid(200)
-    eval_batches: int = _nid(4)
     progress: bool = _nid(True)
     tensorboard: bool = _nid(False)  # mirror metrics to <workdir>/tb (needs the [tb] extra)
     wandb: bool = _nid(False)  # mirror metrics to Weights & Biases (needs the [wandb] extra; WANDB_MODE=offline works)
     # Gradient accumulation: the global batch is split into this many equal micro-batches. It is an
     # execution detail (same math as the large batch), so it is not part of the run id.
     microbatches: int = _nid(1)
-    nan_policy: str = _nid("stop")  # stop | skip: a non-finite loss/gradient never reaches the state
+    nan_policy: NanPolicy = _nid("stop")
     profile_start: int = _nid(-1)  # trace steps [profile_start, profile_start + profile_steps) (-1: off)
     profile_steps: int = _nid(5)
 
@@ -231,28 +253,62 @@ def load_config(gin_files: list[str] | tuple[str, ...] = (), gin_params: list[st
         raise ConfigError(f"bad gin binding: {e}") from None
     finally:
         root.setLevel(level)
-    with gin.config_scope("full"):
-        full = MixerConfig()
-    with gin.config_scope("efficient"):
-        eff = MixerConfig()
-    full = dataclasses.replace(full, kind=full.kind or "attention")
-    if eff.kind is None:
-        eff = dataclasses.replace(eff, kind="swa", window=128 if eff.window is None else eff.window)
-    cfg = Config(model=ModelConfig(full=full, efficient=eff), data=DataConfig(), optim=OptimConfig(),
-                 train=TrainConfig(), checkpoint=CheckpointConfig(), mesh=MeshConfig())
+    cfg = Config(model=ModelConfig(full=_slot_mixer("full"), efficient=_slot_mixer("efficient")),
+                 data=DataConfig(), optim=OptimConfig(), train=TrainConfig(), checkpoint=CheckpointConfig(),
+                 mesh=MeshConfig())
     if validate:
-        validate_config(cfg)
+        from hybrid_lm.validate import validate_experiment  # the layer above: registry and tokenizers
+        validate_experiment(cfg)
     return cfg
+
+
+def _bound(scope: str, name: str) -> bool:
+    try:
+        gin.query_parameter(f"{scope}/MixerConfig.{name}" if scope else f"MixerConfig.{name}")
+        return True
+    except ValueError:
+        return False
+
+
+def _slot_mixer(slot: str) -> MixerConfig:
+    """The slot's mixer: slot bindings, else ``slot/kind`` bindings, else the slot's default for that kind."""
+    with gin.config_scope(slot):
+        plain = MixerConfig()
+    kind = plain.kind or SLOT_DEFAULTS[slot].kind
+    with gin.config_scope(f"{slot}/{kind}"):
+        kinded = MixerConfig()
+    base = SLOT_DEFAULTS[slot] if kind == SLOT_DEFAULTS[slot].kind else MixerConfig()
+    values = {"kind": kind}
+    for f in dataclasses.fields(MixerConfig):
+        if f.name == "kind":
+            continue
+        if _bound(slot, f.name) or _bound("", f.name):
+            values[f.name] = getattr(plain, f.name)
+        elif _bound(f"{slot}/{kind}", f.name):
+            values[f.name] = getattr(kinded, f.name)
+        else:
+            values[f.name] = getattr(base, f.name)
+    if kinded.kind not in (None, kind):
+        raise ConfigError(f"{slot}/{kind}/MixerConfig.kind={kinded.kind!r}: a kind-scoped binding "
+                          "cannot change the kind")
+    return MixerConfig(**values)
 
 
 def operative_gin() -> str:
     return gin.config_str()
 
 
+# Fields older versions wrote to config.json that no longer exist (none defined the experiment).
+REMOVED_FIELDS = {"train": ("eval_batches",)}
+
+
 def config_from_dict(d: dict) -> Config:
-    m = dict(d["model"])
+    """A :class:`Config` from ``config.json`` contents (extra top-level keys such as ``run_id`` are ignored)."""
+    d = {sec: {k: v for k, v in d[sec].items() if k not in REMOVED_FIELDS.get(sec, ())}
+         for sec in ("model", "data", "optim", "train", "checkpoint", "mesh")}
+    m = d["model"]
     m["full"], m["efficient"] = MixerConfig(**m["full"]), MixerConfig(**m["efficient"])
-    mesh = dict(d["mesh"])
+    mesh = d["mesh"]
     mesh["rules"] = tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in mesh["rules"])
     return Config(model=ModelConfig(**m), data=DataConfig(**d["data"]), optim=OptimConfig(**d["optim"]),
                   train=TrainConfig(**d["train"]), checkpoint=CheckpointConfig(**d["checkpoint"]),
@@ -261,10 +317,29 @@ def config_from_dict(d: dict) -> Config:
 
 # ----------------------------------------------------------------------------- validation
 
-def validate_config(cfg: Config) -> None:
-    from hybrid_lm.data.tokenizer import get_tokenizer
-    from hybrid_lm.model.registry import get_mixer
+def check_choices(obj) -> None:
+    """Every ``Literal``-typed field of a config dataclass (and the ones nested in it) holds one of its choices."""
+    hints = get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        v = getattr(obj, f.name)
+        if dataclasses.is_dataclass(v):
+            check_choices(v)
+            continue
+        choices = _literal_choices(hints[f.name])
+        if choices and v not in choices:
+            raise ConfigError(f"{type(obj).__name__}.{f.name}={v!r}: choose one of {', '.join(map(str, choices))}")
 
+
+def _literal_choices(tp) -> tuple:
+    if get_origin(tp) is Literal:
+        return get_args(tp)
+    return tuple(c for a in get_args(tp) for c in _literal_choices(a))  # Literal[...] | None
+
+
+def check_config(cfg: Config) -> None:
+    """The checks that need nothing beyond the config; :func:`hybrid_lm.validate.validate_experiment`
+    adds the mixer registry's and the tokenizer's."""
+    check_choices(cfg)
     m = cfg.model
     if m.d_model % m.n_heads:
         raise ConfigError(f"n_heads={m.n_heads} does not divide d_model={m.d_model}")
@@ -277,24 +352,9 @@ def validate_config(cfg: Config) -> None:
         if mc.window is not None and mc.window < 1:
             raise ConfigError(f"{slot}/MixerConfig.window={mc.window}: a window must be >= 1 "
                               "(a window >= seq_len is allowed and means causal full attention)")
-        get_mixer(mc.kind).check_config(mc, slot)  # unknown kind or options -> ConfigError
-    if m.attention_impl not in ("auto", "xla", "cudnn", "pallas", "jla"):
-        raise ConfigError(f"attention_impl={m.attention_impl!r}: choose auto, xla, cudnn, pallas or jla")
-    if m.linear_impl not in ("auto", "xla", "jla"):
-        raise ConfigError(f"linear_impl={m.linear_impl!r}: choose auto, xla or jla")
-    if m.remat not in ("none", "full", "dots"):
-        raise ConfigError(f"remat={m.remat!r}: choose none, full or dots")
-    tok = get_tokenizer(cfg.data.tokenizer)
-    if m.vocab_size < tok.vocab_size:
-        raise ConfigError(f"vocab_size={m.vocab_size} is smaller than the {cfg.data.tokenizer!r} "
-                          f"tokenizer's {tok.vocab_size}")
     o = cfg.optim
-    if o.decay_shape not in ("linear", "cosine", "1-sqrt"):
-        raise ConfigError(f"decay_shape={o.decay_shape!r}: choose linear, cosine or 1-sqrt")
     if not 0.0 <= o.decay_fraction <= 1.0:
         raise ConfigError(f"decay_fraction={o.decay_fraction} must be in [0, 1]")
-    if o.name not in ("adamw", "muon"):
-        raise ConfigError(f"OptimConfig.name={o.name!r}: choose adamw or muon")
     if o.lr <= 0:
         raise ConfigError(f"lr={o.lr} must be > 0")
     t = cfg.train
@@ -302,10 +362,14 @@ def validate_config(cfg: Config) -> None:
         raise ConfigError("train steps and global_batch must be >= 1")
     if t.microbatches < 1 or t.global_batch % t.microbatches:
         raise ConfigError(f"microbatches={t.microbatches} must divide global_batch={t.global_batch}")
-    if t.nan_policy not in ("stop", "skip"):
-        raise ConfigError(f"nan_policy={t.nan_policy!r}: choose stop or skip")
     if cfg.data.seq_len < 2:
         raise ConfigError(f"seq_len={cfg.data.seq_len} must be >= 2")
+
+
+def validate_config(cfg: Config) -> None:
+    """Every check, the registry's and tokenizer's included (:func:`hybrid_lm.validate.validate_experiment`)."""
+    from hybrid_lm.validate import validate_experiment
+    validate_experiment(cfg)
 
 
 # ----------------------------------------------------------------------------- run identity

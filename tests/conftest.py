@@ -22,7 +22,8 @@ def _data_dir(tmp_path_factory):
 TINY = [
     "ModelConfig.d_model = 32", "ModelConfig.n_layers = 2", "ModelConfig.n_heads = 2",
     "ModelConfig.n_kv_heads = 1", "ModelConfig.d_ff = 64", "ModelConfig.compute_dtype = 'float32'",
-    "efficient/MixerConfig.window = 8", "DataConfig.seq_len = 32", "TrainConfig.global_batch = 4",
+    "efficient/swa/MixerConfig.window = 8", "efficient/sa/MixerConfig.window = 8",  # windowed kinds only
+    "efficient/sa_swa/MixerConfig.window = 8", "DataConfig.seq_len = 32", "TrainConfig.global_batch = 4",
     "TrainConfig.log_every = 5", "TrainConfig.eval_every = 1000", "TrainConfig.progress = False",
     "DataConfig.eval_windows = 8", "OptimConfig.warmup_steps = 5", "OptimConfig.lr = 3e-3",
     "CheckpointConfig.every_steps = 5", "CheckpointConfig.async_save = False",

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from hybrid_lm.config import config_from_dict, diff_experiments, expand_pattern, load_config
+from hybrid_lm.config import CONFIGS_DIR, config_from_dict, diff_experiments, expand_pattern, load_config
 from hybrid_lm.errors import ConfigError
 from hybrid_lm.train.rundir import prepare_run_dir
 
@@ -86,3 +86,139 @@ def test_optional_import_names_the_extra(monkeypatch):
     monkeypatch.setattr(importlib, "import_module", missing)
     with pytest.raises(ImportError, match=r"pip install -e '\.\[tb\]'"):
         optional_import("tensorboardX")
+
+
+def test_importing_config_pulls_in_no_jax():
+    import subprocess
+    import sys
+    code = "import hybrid_lm.config, sys; assert not any(m=='jax' or m.startswith('jax.') for m in sys.modules)"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# run ids computed by the code before mixers declared their fields: existing default runs keep resuming
+@pytest.mark.parametrize("files,run_id", [
+    (["quickstart.gin"], "bc91a0bd964d"),
+    (["scale/s4.gin"], "b8611841d379"),
+    (["base.gin", "scale/s4.gin"], "b8611841d379"),
+    (["quickstart.gin", "arch/moba.gin"], "98f6984bef6f"),
+    (["quickstart.gin", "arch/mamba2.gin"], "8d8c32e3448e"),
+    (["quickstart.gin", "arch/sa.gin"], "fc86b6ba4c3a"),
+    (["scale/s1.gin", "arch/gdn.gin"], "fcf084f91e2d"),
+])
+def test_run_ids_are_unchanged(files, run_id):
+    assert load_config(files).run_id() == run_id
+
+
+@pytest.mark.parametrize("binding,field,choices", [
+    ("ModelConfig.attention_impl = 'magic'", "ModelConfig.attention_impl='magic'", "auto, xla, cudnn, pallas, jla"),
+    ("ModelConfig.linear_impl = 'magic'", "ModelConfig.linear_impl='magic'", "auto, xla, jla"),
+    ("ModelConfig.remat = 'all'", "ModelConfig.remat='all'", "none, full, dots"),
+    ("ModelConfig.compute_dtype = 'fp8'", "ModelConfig.compute_dtype='fp8'", "float32, bfloat16, float16"),
+    ("ModelConfig.param_dtype = 'int8'", "ModelConfig.param_dtype='int8'", "float32, bfloat16, float16"),
+    ("DataConfig.source = 'web'", "DataConfig.source='web'", "embedded, tokens"),
+    ("OptimConfig.name = 'sgd'", "OptimConfig.name='sgd'", "adamw, muon"),
+    ("OptimConfig.decay_shape = 'exp'", "OptimConfig.decay_shape='exp'", "linear, cosine, 1-sqrt"),
+    ("TrainConfig.nan_policy = 'ignore'", "TrainConfig.nan_policy='ignore'", "stop, skip"),
+])
+def test_literal_choices_are_checked_from_the_annotations(binding, field, choices):
+    with pytest.raises(ConfigError) as e:
+        load_config([], [binding])
+    assert str(e.value) == f"{field}: choose one of {choices}"
+
+
+def test_every_literal_default_is_one_of_its_choices():
+    from hybrid_lm.config import Config, check_choices
+    check_choices(Config())
+
+
+def test_slot_defaults_live_in_config_py():
+    from hybrid_lm.config import SLOT_DEFAULTS, ModelConfig
+    assert "MixerConfig" not in (CONFIGS_DIR / "base.gin").read_text()
+    assert not [p for p in CONFIGS_DIR.rglob("*.gin") if "window = None" in p.read_text()]
+    assert ModelConfig().full == SLOT_DEFAULTS["full"] == load_config([]).model.full
+    assert ModelConfig().efficient == SLOT_DEFAULTS["efficient"] == load_config([]).model.efficient
+    assert load_config([], ["efficient/MixerConfig.kind = 'swa'"]).model.efficient.window == 128
+
+
+def test_arch_files_work_in_either_order():
+    for arch in ("moba", "mamba2", "sa", "lightning"):
+        a = load_config(["quickstart.gin", f"arch/{arch}.gin"])
+        b = load_config([f"arch/{arch}.gin", "quickstart.gin"])
+        assert a == b and a.model.efficient.kind == arch
+        assert a.model.efficient.window == (128 if arch == "sa" else None)
+
+
+def test_kind_scoped_binding_is_a_default_for_that_kind():
+    assert load_config(["quickstart.gin"]).model.efficient.window == 32  # efficient/swa/MixerConfig.window
+    assert load_config(["quickstart.gin"], ["efficient/MixerConfig.window = 5"]).model.efficient.window == 5
+    sa = load_config(["quickstart.gin"], ["efficient/MixerConfig.kind = 'sa'", "efficient/sa/MixerConfig.window = 16"])
+    assert sa.model.efficient.window == 16
+    with pytest.raises(ConfigError, match="window must be set for mixer 'sa'"):
+        load_config(["quickstart.gin"], ["efficient/MixerConfig.kind = 'sa'"])  # the swa window is not inherited
+
+
+@pytest.mark.parametrize("params,match", [
+    (["efficient/MixerConfig.kind = 'moba'", "efficient/MixerConfig.window = 64"],
+     r"efficient/MixerConfig.window=64 is set, but mixer 'moba' does not read window"),
+    (["efficient/moba/MixerConfig.window = 64", "efficient/MixerConfig.kind = 'moba'"],
+     r"efficient/MixerConfig.window=64 is set, but mixer 'moba' does not read window"),
+    (["full/MixerConfig.window = 64"], r"full/MixerConfig.window=64 is set, but mixer 'attention' does not read"),
+    (["MixerConfig.window = 64"], r"full/MixerConfig.window=64 is set, but mixer 'attention'"),
+    (["efficient/MixerConfig.kind = 'mamba2'", "efficient/MixerConfig.rope = False"],
+     r"efficient/MixerConfig.rope=False is set, but mixer 'mamba2' does not read rope \(it reads: options\)"),
+    (["efficient/MixerConfig.kind = 'gdn'", "efficient/MixerConfig.rope_theta = 5e5"],
+     r"efficient/MixerConfig.rope_theta=500000.0 is set, but mixer 'gdn'"),
+])
+def test_a_field_the_mixer_does_not_read_is_an_error(params, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(["quickstart.gin"], params)
+
+
+def test_mixers_declare_what_they_read():
+    from hybrid_lm.model.registry import MIXER_FIELDS, register_mixer, registered_mixers
+    specs = registered_mixers()
+    assert specs["attention"].reads == ("rope", "rope_theta")
+    assert specs["swa"].reads == ("window", "rope", "rope_theta")
+    assert specs["moba"].reads == ("rope", "rope_theta", "options")
+    assert specs["mamba2"].reads == ("options",)
+    for spec in specs.values():
+        assert set(spec.reads) <= set(MIXER_FIELDS) and ("options" in spec.reads) == (spec.options is not None)
+        assert spec.needs_window == ("window" in spec.reads)
+    with pytest.raises(ValueError, match="exactly when an options dataclass"):
+        register_mixer("bad", flops=lambda *a: {}, reads=("options",))
+    with pytest.raises(ValueError, match="must be drawn from"):
+        register_mixer("bad", flops=lambda *a: {}, reads=("kind",))
+
+
+@pytest.mark.parametrize("files,params,expected", [
+    (["quickstart.gin"], [], []),
+    (["quickstart.gin"], ["TrainConfig.steps = 40"],
+     ["OptimConfig.warmup_steps=50 exceeds TrainConfig.steps=40"]),
+    (["quickstart.gin"], ["TrainConfig.steps = 50"], []),
+    (["quickstart.gin", "arch/sa.gin"], [],
+     ["efficient/MixerConfig.window=128 >= DataConfig.seq_len: mixer 'sa' sees every key at seq_len=128"]),
+    (["quickstart.gin", "arch/sa_swa.gin"], ["DataConfig.seq_len = 256"], []),
+    (["quickstart.gin"], ["efficient/MixerConfig.window = 128"],
+     ["efficient/MixerConfig.window=128 >= DataConfig.seq_len: mixer 'swa' sees every key"]),
+    (["quickstart.gin", "arch/moba.gin"], [],
+     ["efficient/MixerConfig.options block_size*top_k=16*16=256 >= DataConfig.seq_len: mixer 'moba' sees every "
+      "key at seq_len=128"]),
+    (["quickstart.gin", "arch/moba.gin"], ["DataConfig.seq_len = 512"], []),
+    (["quickstart.gin", "arch/ssa.gin"], [], ["full/MixerConfig.options block_size*top_k=16*16=256"]),
+    (["quickstart.gin"], ["ModelConfig.layer_pattern = 'F'", "efficient/MixerConfig.window = 500"], []),  # unused
+])
+def test_config_warnings(files, params, expected):
+    from hybrid_lm.validate import config_warnings
+    got = config_warnings(load_config(files, params))
+    assert len(got) == len(expected) and all(g.startswith(e) for g, e in zip(got, expected)), got
+
+
+def test_warnings_are_logged_once_at_validation(caplog, monkeypatch):
+    from hybrid_lm import validate
+    monkeypatch.setattr(validate, "_WARNED", set())
+    with caplog.at_level("WARNING", logger="hybrid_lm.validate"):
+        load_config(["quickstart.gin"], ["TrainConfig.steps = 10"])
+        load_config(["quickstart.gin"], ["TrainConfig.steps = 10"])
+        load_config(["quickstart.gin"], ["TrainConfig.steps = 10"], validate=False)
+    assert [r.getMessage() for r in caplog.records] == [
+        "OptimConfig.warmup_steps=50 exceeds TrainConfig.steps=10: the learning rate never reaches OptimConfig.lr"]

@@ -200,14 +200,14 @@ class AttentionDecode:
         return y, dict(state, pos=pos + 1)
 
 
-@register_mixer("attention", flops=_attention_flops(lambda mc: None),
+@register_mixer("attention", flops=_attention_flops(lambda mc: None), reads=("rope", "rope_theta"),
                 description="full causal softmax attention (GQA), RoPE or NoPE")
 class FullAttention(AttentionDecode, Attention):
     def __init__(self, cfg: ModelConfig, mc: MixerConfig, layer_idx: int, *, rngs: nnx.Rngs):
         super().__init__(cfg, mc, layer_idx, rngs=rngs, window=None)
 
 
-@register_mixer("swa", flops=_attention_flops(lambda mc: mc.window), needs_window=True,
+@register_mixer("swa", flops=_attention_flops(lambda mc: mc.window), reads=("window", "rope", "rope_theta"),
                 description="causal sliding-window attention, window w counts the query itself")
 class SlidingWindowAttention(AttentionDecode, Attention):
     def __init__(self, cfg: ModelConfig, mc: MixerConfig, layer_idx: int, *, rngs: nnx.Rngs):

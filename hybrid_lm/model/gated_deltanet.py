@@ -114,7 +114,7 @@ class _RMSNorm(nnx.Module):
         return (y * self.scale[...]).astype(x.dtype)
 
 
-@register_mixer("gdn", flops=gdn_flops, options=GDNOptions,
+@register_mixer("gdn", flops=gdn_flops, reads=("options",), options=GDNOptions,
                 description="Gated DeltaNet: short convs, L2-normed q/k, gated delta rule (chunked), "
                             "gated RMSNorm output")
 class GatedDeltaNet(nnx.Module):

@@ -125,7 +125,7 @@ def lightning_flops(cfg: ModelConfig, mc: MixerConfig, seq_len: int) -> dict:
 
 # ----------------------------------------------------------------------------- module
 
-@register_mixer("lightning", flops=lightning_flops, options=LightningOptions,
+@register_mixer("lightning", flops=lightning_flops, reads=("options",), options=LightningOptions,
                 description="Lightning attention: SiLU linear attention with a constant per-head decay "
                             "(ALiBi slopes x layer factor, or fla's), output norm and sigmoid gate")
 class LightningAttention(nnx.Module):

@@ -104,7 +104,7 @@ def mamba2_flops(cfg: ModelConfig, mc: MixerConfig, seq_len: int) -> dict:
     return {"matmul": matmul, "mixing": 2.0 * (ssd + o.conv_kernel * conv_dim)}
 
 
-@register_mixer("mamba2", flops=mamba2_flops, options=Mamba2Options,
+@register_mixer("mamba2", flops=mamba2_flops, reads=("options",), options=Mamba2Options,
                 description="Mamba-2 (SSD): in-projection, short causal conv, selective scalar-decay scan "
                             "(chunked), D skip, gated RMSNorm")
 class Mamba2(nnx.Module):

@@ -108,7 +108,7 @@ def moba_flops(cfg: ModelConfig, mc: MixerConfig, seq_len: int) -> dict:
             "mixing": attention_mixing_flops(cfg, keys) + moba_gate_flops(cfg, seq_len, o.block_size, o.selection)}
 
 
-@register_mixer("moba", flops=moba_flops, options=MobaOptions,
+@register_mixer("moba", flops=moba_flops, reads=("rope", "rope_theta", "options"), options=MobaOptions,
                 description="MoBA block-sparse causal attention: top-k key blocks per query (own block "
                             "included), official per-head gate or SSA/NSA group gate")
 class MobaAttention(AttentionDecode, Attention):

@@ -36,14 +36,23 @@ class MixerContext:
 FlopsFn = Callable[[ModelConfig, MixerConfig, int], dict]
 
 
+# MixerConfig fields besides ``kind`` that a mixer may read; the ones it does not read must stay unset
+MIXER_FIELDS = ("window", "rope", "rope_theta", "options")
+_UNSET = MixerConfig()
+
+
 @dataclass(frozen=True)
 class MixerSpec:
     name: str
     cls: type
     flops: FlopsFn
+    reads: tuple[str, ...]  # the MixerConfig fields (of MIXER_FIELDS) the mixer uses
     options: type | None = None  # dataclass of mixer-specific options (MixerConfig.options keys)
-    needs_window: bool = False
     description: str = ""
+
+    @property
+    def needs_window(self) -> bool:
+        return "window" in self.reads
 
     def parse_options(self, mc: MixerConfig):
         if self.options is None:
@@ -59,7 +68,11 @@ class MixerSpec:
     def check_config(self, mc: MixerConfig, slot: str) -> None:
         if self.needs_window and mc.window is None:
             raise ConfigError(f"{slot}/MixerConfig.window must be set for mixer {self.name!r}")
-        opts = self.parse_options(mc)
+        for f in MIXER_FIELDS:
+            if f != "options" and f not in self.reads and getattr(mc, f) != getattr(_UNSET, f):
+                raise ConfigError(f"{slot}/MixerConfig.{f}={getattr(mc, f)!r} is set, but mixer {self.name!r} "
+                                  f"does not read {f} (it reads: {', '.join(self.reads) or 'nothing'})")
+        opts = self.parse_options(mc)  # options for a mixer without any: "takes no options"
         check = getattr(opts, "validate", None)
         if check is not None:
             check()
@@ -68,12 +81,18 @@ class MixerSpec:
 _REGISTRY: dict[str, MixerSpec] = {}
 
 
-def register_mixer(name: str, *, flops: FlopsFn, options: type | None = None, needs_window: bool = False,
+def register_mixer(name: str, *, flops: FlopsFn, reads: tuple[str, ...], options: type | None = None,
                    description: str = ""):
+    """Register a mixer class; ``reads`` names the ``MixerConfig`` fields it uses ("options" iff it has
+    an ``options`` dataclass)."""
+    if set(reads) - set(MIXER_FIELDS) or ("options" in reads) != (options is not None):
+        raise ValueError(f"mixer {name!r}: reads={reads} must be drawn from {MIXER_FIELDS} and name "
+                         "'options' exactly when an options dataclass is given")
+
     def deco(cls):
         if name in _REGISTRY:
             raise ValueError(f"mixer {name!r} registered twice")
-        _REGISTRY[name] = MixerSpec(name, cls, flops, options, needs_window, description)
+        _REGISTRY[name] = MixerSpec(name, cls, flops, tuple(reads), options, description)
         return cls
     return deco
 

@@ -78,7 +78,7 @@ def _ssa_flops(cfg: ModelConfig, mc: MixerConfig, seq_len: int) -> dict:
             "mixing": attention_mixing_flops(cfg, keys) + moba_gate_flops(cfg, seq_len, o.block_size, o.selection)}
 
 
-@register_mixer("ssa", flops=_ssa_flops, options=SSAOptions,
+@register_mixer("ssa", flops=_ssa_flops, reads=("rope", "rope_theta", "options"), options=SSAOptions,
                 description="SSA: full + block-sparse streams, coin per micro-batch, alignment loss")
 class SSAAttention(AttentionDecode, Attention):
     def __init__(self, cfg: ModelConfig, mc: MixerConfig, layer_idx: int, *, rngs: nnx.Rngs):

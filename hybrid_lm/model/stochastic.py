@@ -194,7 +194,7 @@ def sa_swa_flops(cfg: ModelConfig, mc: MixerConfig, seq_len: int) -> dict:
 
 # ----------------------------------------------------------------------------- sa
 
-@register_mixer("sa", flops=sa_flops, options=SAOptions, needs_window=True,
+@register_mixer("sa", flops=sa_flops, reads=("window", "rope", "rope_theta", "options"), options=SAOptions,
                 description="stochastic attention: windowed attention in a random token order, causal by "
                             "original position, RoPE at original positions")
 class StochasticAttention(Attention):
@@ -232,7 +232,8 @@ class QKVProjection(nnx.Module):
         return project_qkv(x, self.wq, self.wk, self.wv, positions, self.rope, self.rope_theta)
 
 
-@register_mixer("sa_swa", flops=sa_swa_flops, options=SASWAOptions, needs_window=True,
+@register_mixer("sa_swa", flops=sa_swa_flops, reads=("window", "rope", "rope_theta", "options"),
+                options=SASWAOptions,
                 description="gated SA + SWA: sigmoid(x W_sa) * Y_sa + sigmoid(x W_swa) * Y_swa per head")
 class GatedSASWA(Attention):
     """``Y = Wo[sigmoid(x W_sa) ⊙ O_sa + sigmoid(x W_swa) ⊙ O_swa]`` on the per-head outputs O.
