@@ -279,3 +279,16 @@ def describe_layers(model_cfg, seq_len: int, *, batch: int = 1) -> list[dict]:
         for op, (backend, reason) in traced[t].items():
             rows.append({**base, "op": op, "backend": backend, "reason": reason})
     return rows
+
+
+def format_layers(rows: list[dict]) -> list[str]:
+    """:func:`describe_layers` rows as aligned text lines (a header, then one line per row)."""
+    def span(r):
+        parts = ([f"w={r['window']}"] if r["window"] is not None else []) + (
+            [f"block={r['block']}"] if r["block"] is not None else [])
+        return " ".join(parts) or "-"
+    table = [("layer", "slot", "mixer", "window/block", "op", "backend", "reason")]
+    table += [(str(r["layer"]), r["slot"], r["kind"], span(r), r["op"] or "-", r["backend"] or "-", r["reason"])
+              for r in rows]
+    widths = [max(len(row[i]) for row in table) for i in range(6)]
+    return ["  ".join(c.ljust(w) for c, w in zip(row[:6], widths)) + "  " + row[6] for row in table]

@@ -52,6 +52,8 @@ def cmd_info(args) -> int:
         return 0
     m = cfg.model
     print(f"run id {info['run_id']}   layers {m.n_layers} ({info['layer_types']})   d_model {m.d_model}   "
+    if args.backends:
+        return _info_backends(cfg, args.json)
           f"heads {m.n_heads} (kv {m.n_kv_heads}) x {m.resolved_head_dim}   d_ff {m.d_ff}   vocab {m.vocab_size}")
     print(f"\n{'parameters':<28}{'count':>16}{'millions':>12}")
     for k in ("total", "non_embedding", "embedding", "head"):
@@ -78,6 +80,21 @@ def cmd_data(args) -> int:
     else:
         out = Path(args.out) if args.out else default_dir("embedded")
         meta = prepare_embedded(out, args.tokenizer)
+def _info_backends(cfg, as_json: bool) -> int:
+    from hybrid_lm import backends
+
+    m = cfg.model
+    rows = backends.describe_layers(m, cfg.data.seq_len)
+    head = {"platform": backends.current_platform(), "seq_len": cfg.data.seq_len, "compute_dtype": m.compute_dtype,
+            "attention_impl": m.attention_impl, "linear_impl": m.linear_impl}
+    if as_json:
+        print(json.dumps({**head, "layers": rows}, indent=2))
+        return 0
+    print("   ".join(f"{k} {v}" for k, v in head.items()))
+    print("\n".join(backends.format_layers(rows)))
+    return 0
+
+
     print(f"prepared {out}:")
     print(json.dumps(meta, indent=2))
     return 0
@@ -106,6 +123,8 @@ def main(argv=None) -> int:
     q.add_argument("--out", default=None)
     q.add_argument("--tokenizer", default="byte")
     q.set_defaults(fn=cmd_data)
+    p.add_argument("--backends", action="store_true",
+                   help="instead: the backend each layer's ops resolve to on this platform, and why")
 
     from hybrid_lm.eval.cli import add_eval_commands
     add_eval_commands(sub)
