@@ -18,7 +18,8 @@ from flax import nnx
 
 from hybrid_lm.config import MixerConfig, ModelConfig, load_config
 from hybrid_lm.errors import ConfigError
-from hybrid_lm.eval.swap import SwapError, SwapEvaluator, apply_swaps, evaluate, parse_swap, read_eval_rows
+from hybrid_lm.eval.restore import RestoredRun, evaluate_checkpoint, read_eval_rows
+from hybrid_lm.eval.swap import SwapError, apply_swaps, parse_swap
 from hybrid_lm.model.accounting import flops_per_token
 from hybrid_lm.model.attention import FullAttention, SlidingWindowAttention
 from hybrid_lm.model.constrained_attention import SinkAttention, sink_flops
@@ -217,7 +218,7 @@ def trained(tmp_path_factory, _data_dir):
                                         "CheckpointConfig.every_steps = 1000"])
     assert cfg.model.layer_types() == ["F", "E"]
     res = train(cfg, wd)
-    return wd, res.final_eval, SwapEvaluator(wd)
+    return wd, res.final_eval, RestoredRun(wd)
 
 
 def test_unswapped_eval_reproduces_the_trainer(trained):
@@ -263,9 +264,9 @@ def test_sa_swap_runs_and_rows_are_recorded(trained):
 def test_a_swap_that_changes_the_parameters_is_refused_before_restoring(trained):
     wd = trained[0]
     with pytest.raises(SwapError, match=r"(?s)changes the parameters.*w_gate_sa.*not in the checkpoint"):
-        evaluate(wd, ["efficient=sa_swa:8"])
+        evaluate_checkpoint(wd, ["efficient=sa_swa:8"])
     with pytest.raises(FileNotFoundError, match="no checkpoint at step 7"):
-        SwapEvaluator(wd, step=7)
+        RestoredRun(wd, step=7)
 
 
 def test_cli_eval(trained, capsys):
@@ -321,7 +322,7 @@ def test_longppl_on_the_trained_run(trained, capsys):
     everything = KeyTokenRule(trunc_len=16, window=8, alpha=-1e9, beta=-1e9)
     row = evaluate_longppl(wd, length=48, docs=3, rule=everything, record=False, progress=False)
     assert row["self_evaluator"] and row["n_token"] == 3 * 47 and row["n_key"] == 3 * 32
-    docs = jnp.asarray(ev._streams(swapped_config(ev.cfg, seq_len=47, eval_windows=3)).eval_batch)
+    docs = jnp.asarray(ev.streams(swapped_config(ev.cfg, seq_len=47, eval_windows=3)).eval_batch)
     model = ModelFns(ev.cfg).model(ev.params)
     ctx = MixerContext(positions=jnp.broadcast_to(jnp.arange(47), (3, 47)), train=False)
     nll = np.asarray(nll_per_token(lambda x: model(x, ctx), docs))  # positions 1 .. 47

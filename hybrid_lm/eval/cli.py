@@ -1,13 +1,14 @@
 """``hybrid-lm eval``: training-free attention swaps and receptive-field constraints on a run's checkpoint;
-``hybrid-lm generate``: text continued by a run's checkpoint.
+``hybrid-lm generate``: text continued by a run's checkpoint; ``hybrid-lm longppl``: LongPPL.
 
     hybrid-lm eval WORKDIR [--swap full=swa:128] [--swap efficient=sa:128] [--horizon H --sinks S]
                            [--seq-len T] [--step N] [--baseline]
     hybrid-lm generate WORKDIR --prompt TEXT [--max-new N] [--temperature T --top-k K --seed S] [--step N]
     hybrid-lm longppl WORKDIR [--evaluator RUN] [--length T --docs N] [--trunc-len K --window W]
 
-Registered by ``add_eval_commands(sub)`` in ``hybrid_lm/cli.py``; the work is ``hybrid_lm/eval/swap.py``,
-``hybrid_lm/eval/generate.py`` and ``hybrid_lm/eval/longppl.py``.
+Registered by ``add_eval_commands(sub)`` in ``hybrid_lm/cli.py``. Each restores the checkpoint as a
+``hybrid_lm/eval/restore.py`` ``RestoredRun``; the work is ``RestoredRun.evaluate`` (swaps parsed by
+``hybrid_lm/eval/swap.py``), ``hybrid_lm/eval/generate.py`` and ``hybrid_lm/eval/longppl.py``.
 """
 
 from __future__ import annotations
@@ -72,23 +73,21 @@ def _generate(args) -> int:
     import jax
     import numpy as np
 
-    from hybrid_lm.data.tokenizer import get_tokenizer
     from hybrid_lm.eval.generate import generate
-    from hybrid_lm.eval.swap import SwapEvaluator
-    from hybrid_lm.train.step import ModelFns
+    from hybrid_lm.eval.restore import RestoredRun
 
-    ev = SwapEvaluator(args.workdir, step=args.step)
-    tok = get_tokenizer(ev.cfg.data.tokenizer)
+    run = RestoredRun(args.workdir, step=args.step)
+    tok = run.tokenizer
     ids = tok.encode(args.prompt)
     if len(ids) == 0:
         raise ValueError("the prompt is empty: give at least one character")
-    out = generate(ModelFns(ev.cfg).model(ev.params), np.asarray(ids)[None], args.max_new,
+    out = generate(run.model(), np.asarray(ids)[None], args.max_new,
                    temperature=args.temperature, top_k=args.top_k, key=jax.random.key(args.seed),
-                   attention_impl=args.attention_impl or ev.cfg.model.attention_impl)
+                   attention_impl=args.attention_impl or run.cfg.model.attention_impl)
     tokens = np.asarray(out[0]).tolist()
     text = tok.decode(tokens)
     if args.json:
-        print(json.dumps({"checkpoint_step": ev.step, "prompt": args.prompt, "continuation": text,
+        print(json.dumps({"checkpoint_step": run.step, "prompt": args.prompt, "continuation": text,
                           "tokens": tokens, "temperature": args.temperature, "top_k": args.top_k,
                           "seed": args.seed}, indent=2))
     else:
@@ -97,12 +96,13 @@ def _generate(args) -> int:
 
 
 def _run(args) -> int:
-    from hybrid_lm.eval.swap import SwapEvaluator, load_run_config, swapped_config
+    from hybrid_lm.eval.restore import RestoredRun, load_run_config
+    from hybrid_lm.eval.swap import swapped_config
 
     overrides = dict(seq_len=args.seq_len, eval_windows=args.eval_windows, attention_impl=args.attention_impl)
     # check the settings before restoring anything: a bad swap fails in a second, not after a restore
     swapped_config(load_run_config(args.workdir), args.swap, args.horizon, args.sinks, **overrides)
-    ev = SwapEvaluator(args.workdir, step=args.step)
+    ev = RestoredRun(args.workdir, step=args.step)
     rows = []
     if args.baseline:
         rows.append(ev.evaluate((), None, 0, **overrides, record=not args.no_record))
@@ -121,7 +121,7 @@ def _run(args) -> int:
 
 
 def add_eval_commands(sub) -> None:
-    """Add ``eval`` to the ``hybrid-lm`` subparsers."""
+    """Add ``eval``, ``generate`` and ``longppl`` to the ``hybrid-lm`` subparsers."""
     p = sub.add_parser(
         "eval", help="evaluate a run's checkpoint with attention swaps / receptive-field constraints",
         description="Evaluate WORKDIR's checkpoint (val loss, bits/byte on its fixed eval windows) with its "
@@ -152,19 +152,27 @@ def add_eval_commands(sub) -> None:
 
     p = sub.add_parser(
         "generate", help="continue a prompt with a run's checkpoint (greedy or sampled)",
-        description="Prefill PROMPT through WORKDIR's checkpoint, then decode one token at a time with the "
-                    "layers' caches (full attention, SWA, lightning, mamba2, gdn; not sa, moba, ssa).")
+        description="Tokenise PROMPT with the run's tokenizer, run it through WORKDIR's checkpoint in eval mode "
+                    "(prefill), then decode one token at a time from each layer's cache: a KV cache for "
+                    "attention, moba and ssa (its eval stream), a ring buffer of `window` slots for swa, the "
+                    "recurrent state for lightning, mamba2 and gdn. sa, sa_swa and attention_sink have no decode "
+                    "path: a model with such a layer is refused (score it with `hybrid-lm eval`). Prints the "
+                    "prompt followed by the decoded continuation.")
     p.add_argument("workdir", help="run directory (config.json + checkpoints/)")
-    p.add_argument("--prompt", required=True, help="text to continue (tokenised with the run's tokenizer)")
-    p.add_argument("--max-new", "--max_new", dest="max_new", type=int, default=200, help="tokens to generate")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--prompt", required=True, help="text to continue (at least one token)")
+    p.add_argument("--max-new", "--max_new", dest="max_new", type=int, default=200, help="tokens to generate (default 200)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature; 0 = greedy, the argmax (default 0)")
     p.add_argument("--top-k", "--top_k", dest="top_k", type=int, default=None,
-                   help="sample among the K most likely tokens only")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed")
-    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest that restores)")
+                   help="with --temperature > 0: sample among the K most likely tokens only (default: all)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed, with --temperature > 0 (default 0)")
+    p.add_argument("--step", type=int, default=None,
+                   help="checkpoint step (default: the latest that restores)")
     p.add_argument("--attention-impl", dest="attention_impl", default=None,
-                   choices=("auto", "xla", "cudnn", "pallas", "jla"), help="default: the run's")
-    p.add_argument("--json", action="store_true", help="print prompt, continuation and token ids as JSON")
+                   choices=("auto", "xla", "cudnn", "pallas", "jla"),
+                   help="attention kernel of the prefill (default: the run's ModelConfig.attention_impl)")
+    p.add_argument("--json", action="store_true",
+                   help="print checkpoint step, prompt, continuation, token ids and sampling settings as JSON")
     p.set_defaults(fn=cmd_generate)
 
     p = sub.add_parser(

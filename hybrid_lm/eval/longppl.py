@@ -16,9 +16,9 @@ compared against one evaluator is scored on the same tokens.
 
 With the evaluated model as its own evaluator ("self-LongPPL") every key token has NLL < -beta, so
 LongPPL < e^2 ~ 7.39 by construction, and a model that uses little context shows up as *fewer* key
-tokens: report the key-token rate with it, and prefer a fixed evaluator to compare checkpoints
-(``../shared/research/scaling_eval.md``, B.3). Key tokens are positions in our (byte-level)
-tokenisation, so evaluator and evaluated model must share the tokenizer (checked).
+tokens: report the key-token rate with it, and prefer a fixed evaluator to compare checkpoints.
+Key tokens are positions in our (byte-level) tokenisation, so evaluator and evaluated model must
+share the tokenizer (checked).
 """
 
 from __future__ import annotations
@@ -98,12 +98,11 @@ def longppl(nll_full, key) -> dict:
 # ----------------------------------------------------------------------------- runs
 
 def _nll_fn(evaluator):
-    """Per-token NLL of a restored run (a :class:`~hybrid_lm.eval.swap.SwapEvaluator`), eval mode."""
+    """Per-token NLL of a :class:`~hybrid_lm.eval.restore.RestoredRun`, eval mode."""
     from hybrid_lm.model.registry import MixerContext
     from hybrid_lm.ops.attention import default_positions
-    from hybrid_lm.train.step import ModelFns
 
-    fns, cfg = ModelFns(evaluator.cfg), evaluator.cfg
+    fns, cfg = evaluator.fns, evaluator.cfg
 
     def forward(params, tokens):
         def logits(x):
@@ -127,25 +126,25 @@ def evaluate_longppl(workdir, *, evaluator=None, length: int | None = None, docs
     """LongPPL of ``workdir``'s checkpoint on ``docs`` validation documents of ``length`` tokens (its
     fixed eval windows at that length), key tokens marked by ``evaluator`` (a run directory; default:
     the run itself, "self-LongPPL"). Appends a ``kind: longppl`` row to ``workdir/eval.jsonl``."""
-    import json
     import time
     from pathlib import Path
 
     from tqdm import tqdm
 
-    from hybrid_lm.eval.swap import SwapEvaluator, swapped_config
+    from hybrid_lm.eval.restore import RestoredRun
+    from hybrid_lm.eval.swap import swapped_config
 
     t0 = time.time()
-    run = SwapEvaluator(workdir, step=step)
+    run = RestoredRun(workdir, step=step)
     is_self = evaluator is None or Path(evaluator).resolve() == Path(workdir).resolve()
-    judge = run if is_self else SwapEvaluator(evaluator, step=evaluator_step)
+    judge = run if is_self else RestoredRun(evaluator, step=evaluator_step)
     if judge.cfg.data.tokenizer != run.cfg.data.tokenizer:
         raise ValueError(f"the evaluator tokenises with {judge.cfg.data.tokenizer!r}, the run with "
                          f"{run.cfg.data.tokenizer!r}: key tokens are positions, so they must agree")
     n = length or run.cfg.data.seq_len + 1
     rule.validate(n)
     cfg = swapped_config(run.cfg, seq_len=n - 1, eval_windows=docs)
-    documents = run._streams(cfg).eval_batch  # [docs, n]: the run's fixed validation windows
+    documents = run.streams(cfg).eval_batch  # [docs, n]: the run's fixed validation windows
     cache = _key_cache_path(judge, documents, rule)
     cached = _load_keys(cache, len(documents), n)
     nll_run, nll_judge = _nll_fn(run), (None if is_self else _nll_fn(judge))
@@ -167,9 +166,8 @@ def evaluate_longppl(workdir, *, evaluator=None, length: int | None = None, docs
            "evaluator_step": judge.step, "self_evaluator": is_self, "length": n, "docs": len(documents),
            **dataclasses.asdict(rule), **longppl(np.concatenate(fulls), keys),
            "keys_cached": cached is not None, "key_cache": str(cache), "wall_s": round(time.time() - t0, 3)}
-    if record and jax.process_index() == 0:
-        with (Path(workdir) / "eval.jsonl").open("a") as fh:
-            fh.write(json.dumps(row) + "\n")
+    if record:
+        run.record(row)
     return row
 
 
@@ -200,10 +198,7 @@ def _load_keys(path, docs: int, length: int):
 
 
 def _save_keys(path, keys) -> None:
-    """Written to a temporary file, then renamed: a crash never leaves a torn cache."""
-    import os
+    """Written atomically: a crash never leaves a torn cache."""
+    from hybrid_lm.files import atomic_write
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    with open(tmp, "wb") as fh:
-        np.save(fh, keys)
-    os.replace(tmp, path)
+    atomic_write(path, lambda fh: np.save(fh, keys))

@@ -1,6 +1,6 @@
-"""Training-free attention swaps and receptive-field constraints, evaluated on a run's checkpoint.
+"""Training-free attention swaps and receptive-field constraints: parsing and config rewriting.
 
-A trained run directory (``config.json`` + ``checkpoints/``) is evaluated, without retraining, with
+A trained run's config is rewritten, without retraining, with
 
 - its attention layers switched to another attention mixer: a slot (``full`` or ``efficient``)
   becomes ``swa`` / ``sa`` at window w, ``moba`` at a key budget w (= top_k x block_size), full
@@ -13,14 +13,9 @@ A trained run directory (``config.json`` + ``checkpoints/``) is evaluated, witho
   receptive-field constraint, ``eval_sliding_window`` / ``eval_attention_sink_size``): the full slot
   becomes ``attention_sink`` with ``{'horizon': H, 'sinks': S}`` (``model/constrained_attention.py``).
 
-The metrics are the trainer's: mean next-token cross-entropy and bits/byte on the run's fixed eval
-windows (``DataStreams.eval_batch``), batched exactly as ``train/loop.py`` does, so the unswapped
-evaluation of the final checkpoint reproduces the trainer's final eval loss. A different
-``seq_len`` cuts the same validation split into windows of that length. Every evaluation appends a
-row (settings, checkpoint step, metrics) to ``<workdir>/eval.jsonl``.
-
-Python: ``SwapEvaluator(workdir).evaluate(swaps=['full=swa:128'], horizon=..., sinks=...)`` restores
-once and evaluates any number of settings; CLI: ``hybrid-lm eval WORKDIR --swap full=swa:128``.
+:func:`swapped_config` applies swaps, constraint and eval overrides (``seq_len``, ``eval_windows``,
+``attention_impl``) to a run's config and validates them; nothing is restored or allocated. The
+evaluation on the checkpoint is :meth:`hybrid_lm.eval.restore.RestoredRun.evaluate`.
 """
 
 from __future__ import annotations
@@ -28,19 +23,13 @@ from __future__ import annotations
 import ast
 import dataclasses
 import json
-import logging
-import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import jax
-import numpy as np
 
-from hybrid_lm.config import Config, MixerConfig, ModelConfig, config_from_dict
+from hybrid_lm.config import Config, MixerConfig, ModelConfig
 from hybrid_lm.errors import ConfigError
 from hybrid_lm.model.registry import get_mixer
-
-log = logging.getLogger(__name__)
 
 SLOTS = {"full": "full", "f": "full", "efficient": "efficient", "e": "efficient"}
 SLOT_LETTER = {"full": "F", "efficient": "E"}
@@ -230,7 +219,7 @@ def check_params_match(trained: Config, swapped: Config) -> None:
                     f"parameters (attention, swa, sa, moba, attention_sink):\n  {shown}")
 
 
-# ----------------------------------------------------------------------------- evaluation
+# ----------------------------------------------------------------------------- the run's config
 
 def swapped_config(cfg: Config, swaps=(), horizon: int | None = None, sinks: int = 0, *,
                    seq_len: int | None = None, eval_windows: int | None = None,
@@ -258,155 +247,5 @@ def describe(model: ModelConfig) -> dict:
             for slot, mc in (("full", model.full), ("efficient", model.efficient))}
 
 
-def load_run_config(workdir: Path | str) -> Config:
-    path = Path(workdir) / "config.json"
-    if not path.exists():
-        raise FileNotFoundError(f"{workdir} is not a run directory: no config.json")
-    return config_from_dict(json.loads(path.read_text()))
-
-
-class SwapEvaluator:
-    """Restores a run's checkpoint once; :meth:`evaluate` runs any number of swap settings on it."""
-
-    def __init__(self, workdir: Path | str, *, step: int | None = None, devices=None):
-        from hybrid_lm.train import sharding as shd
-        from hybrid_lm.train.step import ModelFns
-
-        self.workdir = Path(workdir)
-        self.cfg = load_run_config(self.workdir)
-        try:
-            self.mesh = shd.make_mesh(self.cfg.mesh, devices)
-        except ConfigError as e:  # trained on another topology: evaluate data-parallel on what is here
-            log.warning("the run's mesh does not fit these devices (%s); evaluating data-parallel", e)
-            self.mesh = shd.make_mesh(dataclasses.replace(self.cfg.mesh, data=-1, fsdp=1, tensor=1), devices)
-        self.rules = self.cfg.mesh.rules
-        fns = ModelFns(self.cfg)
-        self.p_shard = shd.tree_shardings(fns.axes, fns.abstract_params, self.mesh, self.rules)
-        self.batch_shard = shd.batch_sharding(self.mesh, self.rules)
-        self.n_batch_shards = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
-        self.params, self.step = self._restore(fns, step)
-        self._data = {}
-
-    def _restore(self, fns, step: int | None):
-        """Parameters only (no optimizer state) of ``step``, or of the newest checkpoint that restores."""
-        import orbax.checkpoint as ocp
-
-        from hybrid_lm.train.checkpoint import Checkpointer, abstract_with_shardings
-
-        directory = self.workdir / "checkpoints"
-        if not directory.is_dir():
-            raise FileNotFoundError(f"{self.workdir} has no checkpoints/ directory")
-        ckpt = Checkpointer(directory, self.cfg.checkpoint)
-        try:
-            steps = ckpt.all_steps()
-            if not steps:
-                raise FileNotFoundError(f"{directory} holds no checkpoint")
-            if step is not None and step not in steps:
-                raise FileNotFoundError(f"{directory} has no checkpoint at step {step}; saved steps: {steps}")
-            abstract = {"params": abstract_with_shardings(fns.abstract_params, self.p_shard)}
-            restore_args = jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding), abstract)
-            for s in ([step] if step is not None else sorted(steps, reverse=True)):
-                try:
-                    # partial restore: the optimizer state stays on disk (no 3x parameter memory)
-                    args = ocp.args.Composite(state=ocp.args.PyTreeRestore(
-                        item=abstract, restore_args=restore_args, partial_restore=True))
-                    restored = ckpt.manager.restore(s, args=args)
-                    return restored.state["params"], int(s)
-                except Exception as e:  # torn or corrupt: fall back, as the trainer does
-                    if step is not None:
-                        raise
-                    log.warning("checkpoint at step %d in %s does not restore (%s: %s); trying an older one",
-                                s, directory, type(e).__name__, str(e)[:300])
-            raise FileNotFoundError(f"no checkpoint in {directory} restores")
-        finally:
-            ckpt.close()
-
-    def _streams(self, cfg: Config):
-        from hybrid_lm.data.pipeline import DataStreams
-
-        key = (cfg.data.seq_len, cfg.data.eval_windows)
-        if key not in self._data:
-            self._data[key] = DataStreams(cfg)
-        return self._data[key]
-
-    def trained_eval(self, seq_len: int) -> dict | None:
-        """The trainer's eval row at the restored step (same windows), if metrics.jsonl has it."""
-        from hybrid_lm.train.metrics import read_metrics
-
-        path = self.workdir / "metrics.jsonl"
-        if seq_len != self.cfg.data.seq_len or not path.exists():
-            return None
-        rows = [r for r in read_metrics(path, "eval") if r["step"] == self.step]
-        return rows[-1] if rows else None
-
-    def evaluate(self, swaps=(), horizon: int | None = None, sinks: int = 0, *, seq_len: int | None = None,
-                 eval_windows: int | None = None, attention_impl: str | None = None, record: bool = True) -> dict:
-        """Loss (nats/token) and bits/byte of the swapped / constrained model; appends to eval.jsonl."""
-        from hybrid_lm.data.corpus import bits_per_byte
-        from hybrid_lm.model.registry import recorded_backends
-        from hybrid_lm.train import sharding as shd
-        from hybrid_lm.train.loop import put_batch
-        from hybrid_lm.train.step import ModelFns, make_eval_step
-
-        t0 = time.time()
-        swaps = [parse_swap(s) if isinstance(s, str) else s for s in swaps]
-        cfg = swapped_config(self.cfg, swaps, horizon, sinks, seq_len=seq_len, eval_windows=eval_windows,
-                             attention_impl=attention_impl)
-        model, data = cfg.model, cfg.data
-        streams = self._streams(cfg)
-        eb = streams.eval_batch
-        # the trainer's batching (train/loop.py run_eval), so an unswapped eval reproduces its number
-        nbs = self.n_batch_shards
-        per = max(nbs, (min(cfg.train.global_batch, eb.shape[0]) // nbs) * nbs)
-        n = (eb.shape[0] // per) * per
-        if n == 0:
-            raise SwapError(f"{eb.shape[0]} eval windows of {data.seq_len} tokens cannot fill one batch of {per} "
-                            f"rows on {nbs} batch shards; use a shorter seq_len or more eval windows")
-        fns = ModelFns(cfg)
-        recorded_backends(clear=True)  # filled by the eval step's trace
-        with jax.set_mesh(self.mesh):
-            eval_fn = jax.jit(make_eval_step(fns), in_shardings=(self.p_shard, self.batch_shard),
-                              out_shardings=shd.replicated(self.mesh))
-            losses = [float(eval_fn(self.params, put_batch(eb[i:i + per], self.batch_shard)))
-                      for i in range(0, n, per)]
-        ce = float(np.mean(losses))
-        row = {"kind": "swap_eval", "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "step": self.step,
-               "checkpoint_step": self.step, "run_id": self.cfg.run_id(),
-               "swaps": [s.spec or s.to_dict() for s in swaps], "horizon": horizon,
-               "sinks": sinks if horizon is not None else None,
-               "seq_len": data.seq_len, "trained_seq_len": self.cfg.data.seq_len, "eval_windows": n,
-               "loss": ce, "bpb": bits_per_byte(ce, streams.bytes_per_token),
-               "layer_types": "".join(model.layer_types()), "mixers": describe(model),
-               "trained_mixers": describe(self.cfg.model), "attention_impl": model.attention_impl,
-               "attention_backends": recorded_backends(), "devices": int(self.mesh.devices.size), "wall_s": round(time.time() - t0, 3)}
-        ref = self.trained_eval(data.seq_len)
-        if ref is not None and ref.get("eval_windows", n) == n:
-            row["trained_eval_loss"] = ref["loss"]
-            row["delta_loss"] = ce - ref["loss"]
-        if record and jax.process_index() == 0:
-            with (self.workdir / "eval.jsonl").open("a") as fh:
-                fh.write(json.dumps(row) + "\n")
-        return row
-
-
-def evaluate(workdir: Path | str, swaps=(), horizon: int | None = None, sinks: int = 0, *,
-             seq_len: int | None = None, step: int | None = None, eval_windows: int | None = None,
-             attention_impl: str | None = None, record: bool = True) -> dict:
-    """One evaluation of ``workdir``'s checkpoint (``step`` or the latest) under the given settings.
-    The settings are checked before the checkpoint is restored."""
-    swapped_config(load_run_config(workdir), swaps, horizon, sinks, seq_len=seq_len, eval_windows=eval_windows,
-                   attention_impl=attention_impl)
-    return SwapEvaluator(workdir, step=step).evaluate(swaps, horizon, sinks, seq_len=seq_len,
-                                                      eval_windows=eval_windows, attention_impl=attention_impl,
-                                                      record=record)
-
-
-def read_eval_rows(workdir: Path | str) -> list[dict]:
-    path = Path(workdir) / "eval.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-__all__ = ["Swap", "SwapError", "SwapEvaluator", "apply_swaps", "check_params_match", "evaluate",
-           "parse_swap", "read_eval_rows", "swapped_config", "swapped_mixer"]
+__all__ = ["Swap", "SwapError", "apply_swaps", "check_params_match", "describe", "parse_swap", "swapped_config",
+           "swapped_mixer"]

@@ -62,12 +62,42 @@ class Checkpointer:
         ``abstract_state`` is a tree of ``jax.ShapeDtypeStruct`` with shardings: arrays are restored
         directly into that layout (any topology: the saved sharding does not matter).
         """
-        for step in sorted(self.manager.all_steps(), reverse=True):
+        args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore())
+        found = self._restore_newest(self.all_steps(), args)
+        if found is None:
+            return None
+        restored, _ = found
+        return restored.state, dict(restored.meta)
+
+    def restore_params(self, abstract_params, step: int | None = None):
+        """(params, step): only the parameters (the optimizer state stays on disk) of ``step``, or of
+        the newest checkpoint that restores. ``abstract_params`` as ``restore_latest``'s state.
+
+        Raises ``FileNotFoundError`` when there is no checkpoint, no checkpoint at ``step``, or none
+        restores; a given ``step`` that fails to restore raises its own error (no fallback).
+        """
+        steps = self.all_steps()
+        if not steps:
+            raise FileNotFoundError(f"{self.directory} holds no checkpoint")
+        if step is not None and step not in steps:
+            raise FileNotFoundError(f"{self.directory} has no checkpoint at step {step}; saved steps: {steps}")
+        abstract = {"params": abstract_params}
+        restore_args = jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding), abstract)
+        args = ocp.args.Composite(state=ocp.args.PyTreeRestore(item=abstract, restore_args=restore_args,
+                                                               partial_restore=True))
+        if step is not None:
+            return self.manager.restore(step, args=args).state["params"], int(step)
+        found = self._restore_newest(steps, args)
+        if found is None:
+            raise FileNotFoundError(f"no checkpoint in {self.directory} restores")
+        restored, s = found
+        return restored.state["params"], s
+
+    def _restore_newest(self, steps, args):
+        """(restored, step) of the newest of ``steps`` that restores with ``args``, else None."""
+        for step in sorted(steps, reverse=True):
             try:
-                args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state),
-                                          meta=ocp.args.JsonRestore())
-                restored = self.manager.restore(step, args=args)
-                return restored.state, dict(restored.meta)
+                return self.manager.restore(step, args=args), int(step)
             except Exception as e:  # a torn or corrupt checkpoint: warn and fall back
                 log.warning("checkpoint at step %d in %s does not restore (%s: %s); trying an older one",
                             step, self.directory, type(e).__name__, str(e)[:300])

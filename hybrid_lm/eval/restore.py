@@ -1,0 +1,185 @@
+"""A run's checkpoint restored for inference, shared by ``hybrid-lm eval``, ``generate`` and ``longppl``.
+
+``RestoredRun(workdir, step=None)`` reads the run directory's ``config.json``, restores the parameters
+(no optimizer state) of ``step`` or of the newest checkpoint that restores
+(:meth:`~hybrid_lm.train.checkpoint.Checkpointer.restore_params`), laid out on a mesh of this host's
+devices (the run's mesh, else data-parallel), and holds the ``ModelFns``; the tokenizer and the data
+streams (fixed eval windows, bytes per token) are built on first use. :meth:`RestoredRun.evaluate` is
+the trainer's eval on the checkpoint, optionally with attention swaps or a receptive-field constraint
+(``hybrid_lm/eval/swap.py`` rewrites the config); its rows are appended to ``<workdir>/eval.jsonl``.
+
+Python: ``RestoredRun(workdir).evaluate(swaps=['full=swa:128'], horizon=..., sinks=...)`` restores once
+and evaluates any number of settings; CLI: ``hybrid-lm eval WORKDIR --swap full=swa:128``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from pathlib import Path
+
+import jax
+
+from hybrid_lm.config import Config, config_from_dict
+from hybrid_lm.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+def load_run_config(workdir: Path | str) -> Config:
+    path = Path(workdir) / "config.json"
+    if not path.exists():
+        raise FileNotFoundError(f"{workdir} is not a run directory: no config.json")
+    return config_from_dict(json.loads(path.read_text()))
+
+
+def read_eval_rows(workdir: Path | str) -> list[dict]:
+    path = Path(workdir) / "eval.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+class RestoredRun:
+    """``workdir``'s config, the restored ``step`` and its ``params`` on ``mesh``, and the ``fns``.
+
+    Raises ``FileNotFoundError`` (with the reason) when ``workdir`` is not a run directory, has no
+    checkpoint, has none at ``step``, or none restores.
+    """
+
+    def __init__(self, workdir: Path | str, *, step: int | None = None, devices=None):
+        from hybrid_lm.train import sharding as shd
+        from hybrid_lm.train.checkpoint import Checkpointer, abstract_with_shardings
+        from hybrid_lm.train.step import ModelFns
+
+        self.workdir = Path(workdir)
+        self.cfg = load_run_config(self.workdir)
+        directory = self.workdir / "checkpoints"
+        if not directory.is_dir():
+            raise FileNotFoundError(f"{self.workdir} has no checkpoints/ directory")
+        try:
+            self.mesh = shd.make_mesh(self.cfg.mesh, devices)
+        except ConfigError as e:  # trained on another topology: evaluate data-parallel on what is here
+            log.warning("the run's mesh does not fit these devices (%s); evaluating data-parallel", e)
+            self.mesh = shd.make_mesh(dataclasses.replace(self.cfg.mesh, data=-1, fsdp=1, tensor=1), devices)
+        self.rules = self.cfg.mesh.rules
+        self.fns = ModelFns(self.cfg)
+        self.p_shard = shd.tree_shardings(self.fns.axes, self.fns.abstract_params, self.mesh, self.rules)
+        self.batch_shard = shd.batch_sharding(self.mesh, self.rules)
+        self.n_batch_shards = shd.n_batch_shards(self.mesh)
+        ckpt = Checkpointer(directory, self.cfg.checkpoint)
+        try:
+            self.params, self.step = ckpt.restore_params(
+                abstract_with_shardings(self.fns.abstract_params, self.p_shard), step)
+        finally:
+            ckpt.close()
+        self._streams = {}
+        self._tokenizer = None
+
+    # ------------------------------------------------------------------------- what a task needs
+
+    def model(self):
+        """The restored :class:`~hybrid_lm.model.transformer.HybridLM` (an NNX module)."""
+        return self.fns.model(self.params)
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            from hybrid_lm.data.tokenizer import get_tokenizer
+            self._tokenizer = get_tokenizer(self.cfg.data.tokenizer)
+        return self._tokenizer
+
+    def streams(self, cfg: Config | None = None):
+        """The :class:`~hybrid_lm.data.pipeline.DataStreams` of ``cfg`` (default: the run's), one per
+        (seq_len, eval_windows)."""
+        from hybrid_lm.data.pipeline import DataStreams
+
+        cfg = cfg or self.cfg
+        key = (cfg.data.seq_len, cfg.data.eval_windows)
+        if key not in self._streams:
+            self._streams[key] = DataStreams(cfg)
+        return self._streams[key]
+
+    def trained_eval(self, seq_len: int) -> dict | None:
+        """The trainer's eval row at the restored step (same windows), if metrics.jsonl has it."""
+        from hybrid_lm.train.metrics import read_metrics
+
+        path = self.workdir / "metrics.jsonl"
+        if seq_len != self.cfg.data.seq_len or not path.exists():
+            return None
+        rows = [r for r in read_metrics(path, "eval") if r["step"] == self.step]
+        return rows[-1] if rows else None
+
+    def record(self, row: dict) -> None:
+        """Append ``row`` to ``<workdir>/eval.jsonl`` (process 0 only)."""
+        if jax.process_index() == 0:
+            with (self.workdir / "eval.jsonl").open("a") as fh:
+                fh.write(json.dumps(row) + "\n")
+
+    # ------------------------------------------------------------------------- the trainer's eval
+
+    def evaluate(self, swaps=(), horizon: int | None = None, sinks: int = 0, *, seq_len: int | None = None,
+                 eval_windows: int | None = None, attention_impl: str | None = None, record: bool = True) -> dict:
+        """Loss (nats/token) and bits/byte on the run's fixed eval windows, batched as the trainer does
+        (``eval/loss.py``), of the swapped / constrained model; appends a row to eval.jsonl."""
+        from hybrid_lm.backends import recorded_backends
+        from hybrid_lm.eval import loss
+        from hybrid_lm.eval.swap import SwapError, describe, parse_swap, swapped_config
+        from hybrid_lm.train import sharding as shd
+        from hybrid_lm.train.step import ModelFns, make_eval_step
+
+        t0 = time.time()
+        swaps = [parse_swap(s) if isinstance(s, str) else s for s in swaps]
+        cfg = swapped_config(self.cfg, swaps, horizon, sinks, seq_len=seq_len, eval_windows=eval_windows,
+                             attention_impl=attention_impl)
+        model, data = cfg.model, cfg.data
+        streams = self.streams(cfg)
+        windows = streams.eval_batch
+        per, n = loss.eval_batching(windows.shape[0], cfg.train.global_batch, self.n_batch_shards)
+        if n == 0:
+            raise SwapError(f"{windows.shape[0]} eval windows of {data.seq_len} tokens cannot fill one batch of "
+                            f"{per} rows on {self.n_batch_shards} batch shards; use a shorter seq_len or more "
+                            f"eval windows")
+        fns = ModelFns(cfg)
+        recorded_backends(clear=True)  # filled by the eval step's trace
+        with jax.set_mesh(self.mesh):
+            eval_fn = jax.jit(make_eval_step(fns), in_shardings=(self.p_shard, self.batch_shard),
+                              out_shardings=shd.replicated(self.mesh))
+            metrics = loss.evaluate(eval_fn, self.params, windows, self.batch_shard,
+                                    global_batch=cfg.train.global_batch, n_batch_shards=self.n_batch_shards,
+                                    bytes_per_token=streams.bytes_per_token)
+        ce, n = metrics["loss"], metrics["eval_windows"]
+        row = {"kind": "swap_eval", "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "step": self.step,
+               "checkpoint_step": self.step, "run_id": self.cfg.run_id(),
+               "swaps": [s.spec or s.to_dict() for s in swaps], "horizon": horizon,
+               "sinks": sinks if horizon is not None else None,
+               "seq_len": data.seq_len, "trained_seq_len": self.cfg.data.seq_len, "eval_windows": n,
+               "loss": ce, "bpb": metrics["bpb"],
+               "layer_types": "".join(model.layer_types()), "mixers": describe(model),
+               "trained_mixers": describe(self.cfg.model), "attention_impl": model.attention_impl,
+               "attention_backends": recorded_backends(), "devices": int(self.mesh.devices.size),
+               "wall_s": round(time.time() - t0, 3)}
+        ref = self.trained_eval(data.seq_len)
+        if ref is not None and ref.get("eval_windows", n) == n:
+            row["trained_eval_loss"] = ref["loss"]
+            row["delta_loss"] = ce - ref["loss"]
+        if record:
+            self.record(row)
+        return row
+
+
+def evaluate_checkpoint(workdir: Path | str, swaps=(), horizon: int | None = None, sinks: int = 0, *,
+                        seq_len: int | None = None, step: int | None = None, eval_windows: int | None = None,
+                        attention_impl: str | None = None, record: bool = True) -> dict:
+    """One :meth:`RestoredRun.evaluate` of ``workdir``'s checkpoint (``step`` or the latest). The
+    settings are checked before the checkpoint is restored."""
+    from hybrid_lm.eval.swap import swapped_config
+
+    settings = dict(seq_len=seq_len, eval_windows=eval_windows, attention_impl=attention_impl)
+    swapped_config(load_run_config(workdir), swaps, horizon, sinks, **settings)
+    return RestoredRun(workdir, step=step).evaluate(swaps, horizon, sinks, **settings, record=record)
+
+
+__all__ = ["RestoredRun", "evaluate_checkpoint", "load_run_config", "read_eval_rows"]
