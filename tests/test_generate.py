@@ -115,3 +115,20 @@ def test_bad_requests_say_what_is_wrong():
                       compute_dtype="float32", full=FULL, efficient=MixerConfig(kind="sa", window=4))
     with pytest.raises(NotImplementedError, match="layer 1: mixer 'sa' has no decode path"):
         generate(HybridLM(cfg, rngs=nnx.Rngs(0)), prompt, 2)
+
+
+def test_generate_help_names_the_mixers_with_a_decode_path(capsys):
+    """`hybrid-lm generate --help` lists every registered mixer on the side of its decode path."""
+    import re
+
+    from hybrid_lm.cli import main
+    from hybrid_lm.model.registry import registered_mixers
+
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    decodes, refused = text.split("decode one token at a time")[1].split("have no decode path")[0].rsplit(".", 1)
+    for kind, spec in registered_mixers().items():
+        has = callable(getattr(spec.cls, "prefill", None)) and callable(getattr(spec.cls, "step", None))
+        word = rf"\b{kind}\b"
+        assert bool(re.search(word, decodes)) == has and bool(re.search(word, refused)) != has, kind
