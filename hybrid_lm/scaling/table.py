@@ -14,6 +14,8 @@ import json
 import math
 from pathlib import Path
 
+from hybrid_lm.files import atomic_write
+
 LEAD_COLUMNS = ("run_id", "arch", "scale", "N", "D")
 
 
@@ -87,16 +89,14 @@ def write_table(rows: list[dict], path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     cols = ordered_columns(rows)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    if path.suffix == ".csv":
-        with tmp.open("w", newline="") as fh:
+
+    def write(fh):
+        if path.suffix == ".csv":
             w = csv.writer(fh)
             w.writerow(cols)
             for r in rows:
                 w.writerow([_cell(r.get(c)) for c in cols])
-    else:
-        with tmp.open("w") as fh:
+        else:
             for r in rows:
                 fh.write(json.dumps({c: _plain(r.get(c)) for c in cols}) + "\n")
-    tmp.replace(path)
-    return path
+    return atomic_write(path, write, text=True)

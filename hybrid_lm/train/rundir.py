@@ -14,6 +14,7 @@ import jax
 
 from hybrid_lm.config import Config, diff_experiments, operative_gin
 from hybrid_lm.errors import ConfigError
+from hybrid_lm.files import atomic_write_json, atomic_write_text
 
 _PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grain", "gin-config", "numpy", "hybrid_lm")
 
@@ -50,12 +51,6 @@ def provenance() -> dict:
     }
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def prepare_run_dir(cfg: Config, workdir: Path, force: bool = False) -> Path:
     """Create or re-open ``workdir``; refuse a config that defines a different experiment."""
     workdir = Path(workdir)
@@ -70,9 +65,9 @@ def prepare_run_dir(cfg: Config, workdir: Path, force: bool = False) -> Path:
                 f"{workdir} holds a different experiment; differing fields: {', '.join(changed)}. "
                 "Use another --workdir, or --force to resume anyway.")
         if changed:
-            _atomic_write(workdir / f"config.forced-{len(list(workdir.glob('config.forced-*')))}.json",
-                          json.dumps(old, indent=2, default=str))
-    _atomic_write(cfg_path, json.dumps({**new, "run_id": cfg.run_id()}, indent=2, default=str))
-    _atomic_write(workdir / "operative.gin", operative_gin())
-    _atomic_write(workdir / "provenance.json", json.dumps(provenance(), indent=2))
+            atomic_write_json(workdir / f"config.forced-{len(list(workdir.glob('config.forced-*')))}.json",
+                              old, indent=2, default=str)
+    atomic_write_json(cfg_path, {**new, "run_id": cfg.run_id()}, indent=2, default=str)
+    atomic_write_text(workdir / "operative.gin", operative_gin())
+    atomic_write_json(workdir / "provenance.json", provenance(), indent=2)
     return workdir
