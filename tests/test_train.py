@@ -1,5 +1,7 @@
+import contextlib
 import json
 import math
+import signal
 
 import jax
 import numpy as np
@@ -7,6 +9,7 @@ import pytest
 
 from hybrid_lm.config import load_config
 from hybrid_lm.train.checkpoint import Checkpointer, abstract_with_shardings
+from hybrid_lm.train.distributed import PreemptionFlag
 from hybrid_lm.train.loop import train
 from hybrid_lm.train.metrics import read_metrics
 
@@ -45,7 +48,26 @@ def test_resume_continues_and_a_finished_run_ends_at_once(tiny_params, tmp_path)
     assert steps == sorted(set(steps)) and steps[-1] == 15
 
 
-def test_save_restore_round_trip_is_identical(tiny_params, tmp_path):
+@contextlib.contextmanager
+def _stop_after(steps: int):
+    """The training loop sees a SIGTERM request after ``steps`` steps (what the signal handler sets)."""
+    orig = PreemptionFlag.requested
+    calls = []
+
+    def requested(flag):
+        calls.append(1)
+        if len(calls) == steps:
+            flag._handle(signal.SIGTERM, None)
+        return orig.fget(flag)
+
+    PreemptionFlag.requested = property(requested)
+    try:
+        yield
+    finally:
+        PreemptionFlag.requested = orig
+
+
+def test_save_restore_round_trip_and_a_stopped_run_resume_bitwise(tiny_params, tmp_path):
     cfg = _cfg(tiny_params, "TrainConfig.steps = 7")
     train(cfg, tmp_path)
     ck = Checkpointer(tmp_path / "checkpoints", cfg.checkpoint)
@@ -68,13 +90,17 @@ def test_save_restore_round_trip_is_identical(tiny_params, tmp_path):
     assert len(leaves1) == len(leaves2) > 10
     for a, b in zip(leaves1, leaves2):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    # and it equals what training holds: an uninterrupted 7-step run ends with the same parameters
-    res = train(cfg, tmp_path / "straight")
-    ck3 = Checkpointer(tmp_path / "straight" / "checkpoints", cfg.checkpoint)
+    # and a run stopped after step 3 (the SIGTERM path: save, exit) and resumed ends with the same
+    # parameters and optimizer state, bitwise
+    with _stop_after(3):
+        stopped = train(cfg, tmp_path / "stopped")
+    assert stopped.preempted == "SIGTERM" and stopped.step == 3
+    res = train(cfg, tmp_path / "stopped")
+    assert res.resumed_from == 3 and res.step == 7
+    ck3 = Checkpointer(tmp_path / "stopped" / "checkpoints", cfg.checkpoint)
     state3, _ = ck3.restore_latest(abstract_with_shardings(abstract, jax.tree.map(lambda _: dev, abstract)))
-    for a, b in zip(jax.tree.leaves(state["params"]), jax.tree.leaves(state3["params"])):
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(state3)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    assert res.step == 7
 
 
 def test_corrupt_latest_checkpoint_falls_back(tiny_params, tmp_path, caplog):
