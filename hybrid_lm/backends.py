@@ -231,8 +231,9 @@ def recorded_reasons() -> dict[str, str]:
 
 # ----------------------------------------------------------------------------- per layer
 
-def _trace_mixer(cfg, mc, layer_idx: int, seq_len: int, batch: int) -> dict[str, tuple[str, str]]:
-    """``{op: (backend, reason)}`` one training forward of this mixer records, traced abstractly."""
+def _trace_mixer(cfg, mc, layer_idx: int, seq_len: int, batch: int) -> dict[str, tuple[str | None, str]]:
+    """``{op: (backend, reason)}`` one training forward of this mixer records, traced abstractly; an
+    error while tracing (say an explicit backend that cannot run here) ends it as op ``"error"``."""
     import jax.numpy as jnp
     from flax import nnx
 
@@ -249,8 +250,15 @@ def _trace_mixer(cfg, mc, layer_idx: int, seq_len: int, batch: int) -> dict[str,
     _BACKENDS.clear()
     _REASONS.clear()
     try:
-        jax.eval_shape(forward, jax.ShapeDtypeStruct((batch, seq_len, cfg.d_model), jnp.dtype(cfg.compute_dtype)))
-        return {op: (b, _REASONS.get(op, "")) for op, b in _BACKENDS.items()}
+        error = None
+        try:
+            jax.eval_shape(forward, jax.ShapeDtypeStruct((batch, seq_len, cfg.d_model), jnp.dtype(cfg.compute_dtype)))
+        except Exception as e:  # reported in the table, after what resolved before it
+            error = f"{type(e).__name__}: {e}"
+        out = {op: (b, _REASONS.get(op, "")) for op, b in _BACKENDS.items()}
+        if error is not None:
+            out["error"] = (None, error)
+        return out
     finally:
         _BACKENDS.clear()
         _REASONS.clear()
@@ -261,8 +269,9 @@ def _trace_mixer(cfg, mc, layer_idx: int, seq_len: int, batch: int) -> dict[str,
 def describe_layers(model_cfg, seq_len: int, *, batch: int = 1) -> list[dict]:
     """What each layer's ops resolve to on this platform for ``[batch, seq_len]`` inputs in the
     compute dtype: one row per layer and op, ``{"layer", "slot", "kind", "window", "block", "op",
-    "backend", "reason"}`` (``op``/``backend`` ``None`` for a mixer that dispatches nothing). Each
-    slot's mixer is traced once (training forward, no compute) and its record read."""
+    "backend", "reason"}`` (``op``/``backend`` ``None`` for a mixer that dispatches nothing; op
+    ``"error"`` with the message as reason where tracing failed). Each slot's mixer is traced once
+    (training forward, no compute) and its record read."""
     from hybrid_lm.model.registry import get_mixer
 
     slots = {"F": "full", "E": "efficient"}
