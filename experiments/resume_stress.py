@@ -20,8 +20,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from conftest import TINY  # noqa: E402  (the tiny CPU config the tests use)
-
-from hybrid_lm.train.resume_check import compare_runs, train_subprocess, write_gin  # noqa: E402
+from resume_check import compare_runs, train_subprocess, write_gin  # noqa: E402  (test tooling)
 
 
 def main() -> int:

@@ -8,7 +8,6 @@ _EXTRAS = {
     "tensorboardX": "tb",
     "wandb": "wandb",
     "tensorflow_datasets": "tfds",
-    "jax_triton": "triton",
 }
 
 

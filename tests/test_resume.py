@@ -6,7 +6,7 @@ import signal
 import pytest
 
 from conftest import TINY
-from hybrid_lm.train.resume_check import compare_runs, train_subprocess, write_gin
+from resume_check import compare_runs, train_subprocess, write_gin
 
 PARAMS = TINY + ["TrainConfig.steps = 20", "TrainConfig.log_every = 1", "CheckpointConfig.every_steps = 3",
                  "CheckpointConfig.async_save = True"]

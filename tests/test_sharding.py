@@ -7,11 +7,13 @@ import socket
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import numpy as np
 
 from conftest import TINY
 
+TESTS = str(Path(__file__).resolve().parent)  # the subprocesses import resume_check from here
 PARAMS = TINY + ["TrainConfig.steps = 4", "TrainConfig.log_every = 1", "TrainConfig.global_batch = 8",
                  "ModelConfig.tie_embeddings = False", "ModelConfig.n_heads = 4", "ModelConfig.n_kv_heads = 2"]
 
@@ -21,8 +23,9 @@ MESHES_SCRIPT = textwrap.dedent("""
     from hybrid_lm.config import load_config
     from hybrid_lm.train.loop import train
     from hybrid_lm.train.metrics import read_metrics
-    from hybrid_lm.train.resume_check import final_state
     params, out = json.loads(sys.argv[1]), sys.argv[2]
+    sys.path.insert(0, sys.argv[3])
+    from resume_check import final_state  # test tooling in tests/
     result = {}
     for name, mesh, devs in [("one", (1, 1, 1), jax.devices()[:1]), ("data", (8, 1, 1), None),
                              ("fsdp", (1, 8, 1), None), ("mixed", (2, 2, 2), None)]:
@@ -79,8 +82,8 @@ def _result(out):
 
 
 def test_data_fsdp_tensor_parallel_match_one_device_and_restore_across_topologies(tmp_path):
-    out = subprocess.run([sys.executable, "-c", MESHES_SCRIPT, json.dumps(PARAMS), str(tmp_path)], env=_env(8),
-                         capture_output=True, text=True, timeout=900)
+    out = subprocess.run([sys.executable, "-c", MESHES_SCRIPT, json.dumps(PARAMS), str(tmp_path), TESTS],
+                         env=_env(8), capture_output=True, text=True, timeout=900)
     res = _result(out)
     ref = np.load(tmp_path / "one.npz")
     for name in ("data", "fsdp", "mixed"):

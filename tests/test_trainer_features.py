@@ -7,8 +7,8 @@ from hybrid_lm.train.checkpoint import Checkpointer
 from hybrid_lm.train.loop import train
 from hybrid_lm.train.metrics import read_metrics
 from hybrid_lm.train.optim import make_optimizer, muon_routing
-from hybrid_lm.train.resume_check import final_state
 from hybrid_lm.train.step import ModelFns, make_train_step
+from resume_check import final_state  # test tooling in tests/
 
 
 def test_gradient_accumulation_equals_the_large_batch(tiny_params):

@@ -1,5 +1,7 @@
 """Exact-resume verification: a run killed from outside and resumed must equal an uninterrupted run,
-bitwise, in its loss curve and its final parameters. Used by tests and ``experiments/resume_stress.py``.
+bitwise, in its loss curve and its final parameters. Test tooling (not part of the package), used by
+tests and ``experiments/resume_stress.py`` (both put ``tests/`` on ``sys.path``). Run directly:
+``python tests/resume_check.py STRAIGHT_RUN RESUMED_RUN``.
 """
 
 from __future__ import annotations
