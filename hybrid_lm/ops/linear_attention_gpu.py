@@ -40,8 +40,7 @@ Conventions, ours -> jla (the conversions done in :func:`_jla_simple_gla` / :fun
 Multi-device: jla runs its kernels per shard inside ``shard_map`` over the context mesh
 (``jax.set_mesh``, set by our train loop); we hand it our default logical rules, batch over
 ``("data", "fsdp")`` and heads over ``("tensor",)`` (any other axis of size > 1 also splits the batch or
-the heads, jla's rule), so sharded activations are not all-gathered around the custom calls. (Not yet
-exercised on more than one GPU here: ``bench_mixers.py`` runs on one.)
+the heads, jla's rule), so sharded activations are not all-gathered around the custom calls.
 
 ``jla`` is imported lazily (``pip install -e '.[gpu]'``); importing this module needs only JAX.
 """
