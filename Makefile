@@ -12,7 +12,7 @@ $(or $(PYTHON),$(shell \
     if [ -x "$$p" ] && "$$p" -c 'import sys' >/dev/null 2>&1; then echo "$$p"; break; fi; done; fi))
 endef
 
-.PHONY: install train test data info clean
+.PHONY: install train test test-fast data info clean
 install: $(STAMP)
 
 $(STAMP): pyproject.toml
@@ -31,6 +31,10 @@ train: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --timeout 900 --durations=12
+
+# the suite without the long training / subprocess tests (marked slow) and the GPU ones
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -n 2 --timeout 900 --durations=12 -m "not slow and not gpu"
 
 data: $(STAMP)
 	$(VENV)/bin/hybrid-lm data prepare

@@ -70,12 +70,24 @@ def test_one_sa_layer_reaches_exactly_what_the_model_op_attends_to():
 
 
 def test_sa_coverage_is_monotone_and_beats_swa_at_small_depth():
-    n, w = 1024, 16
-    cov = C.simulate(C.Spec(n, w, "sa"), depth=24, stop_at_full=False)
+    n, w, depth = 1024, 16, 24
+    cov = C.simulate(C.Spec(n, w, "sa"), depth=depth, stop_at_full=False)
     assert all(b >= a for a, b in zip(cov, cov[1:]))
     assert cov[1] < cov[2] < cov[3] < cov[4]
-    assert cov[4] > 0.5 > C.swa_coverage(n, w, 4) * 2  # log_w n ~ 2.5 layers vs n/w ~ 68 layers
-    assert cov[-1] < 1.0  # adjacent pairs need a direct edge: pure SA is slow to cover everything
+    # log_w n ~ 2.5 layers vs n/w ~ 68 layers: at depth 4, three draws' mean minus 6 sample standard
+    # deviations is still above 0.5, and SWA's exact coverage is below half of that
+    draws = [cov[4]] + [C.simulate(C.Spec(n, w, "sa"), depth=4, sample=s, stop_at_full=False)[4] for s in (1, 2)]
+    assert np.mean(draws) - 6 * np.std(draws, ddof=1) > 0.5 > C.swa_coverage(n, w, 4) * 2
+    # adjacent tokens (i-1, i) have no position between them: only a direct edge in some layer joins
+    # them, so the U pairs that no layer's draw joins stay uncovered. E[U] = (n-1)(1-p)^24 ~ 720.
+    joined = np.zeros(n - 1, bool)
+    for layer in range(depth):
+        slot = np.argsort(C.sa_permutation(n, seed=0, sample=0, layer=layer))
+        d = slot[1:] - slot[:-1]  # key i-1 sits d slots before query i
+        joined |= (d >= 1) & (d <= w - 1)
+    uncovered = int((~joined).sum())
+    assert (n - 1) * (1 - C.sa_adjacent_edge_prob(n, w)) ** depth > 700 and uncovered > 0
+    assert cov[-1] <= 1 - uncovered / C.causal_pairs(n)  # pure SA is slow to cover everything
     mixed = C.simulate(C.Spec(n, w, "sa+swa"), depth=24)
     assert mixed[-1] == 1.0 and len(mixed) - 1 < 10
 
@@ -85,7 +97,16 @@ def test_window_covering_the_sequence_two_sided_is_full_attention_one_sided_is_n
     two = C.simulate(C.Spec(n, n, "sa2"), depth=5)
     assert len(two) == 2 and two[1] == 1.0
     one = C.simulate(C.Spec(n, n, "sa"), depth=1, stop_at_full=False)
-    assert 0.45 < one[1] < 0.6  # each query sees the keys before it in both orders: about half
+    # each query sees the keys before it in both orders: besides itself, the non-inversions of the draw
+    perm = C.sa_permutation(n, seed=0, sample=0, layer=0)
+    slot = np.argsort(perm)
+    before = int(np.tril(slot[None, :] < slot[:, None], -1).sum())  # [i, j]: j < i, j's slot first
+    total = C.causal_pairs(n)
+    assert one[1] == (n + before) / total
+    # about half: the non-inversion count of a uniform permutation has mean n(n-1)/4 and variance
+    # n(n-1)(2n+5)/72 (as the inversion count); the draw is within 6 standard deviations
+    mean, sd = (n + n * (n - 1) / 4) / total, math.sqrt(n * (n - 1) * (2 * n + 5) / 72) / total
+    assert abs(one[1] - mean) < 6 * sd and abs(mean - 0.5) < 0.01
 
 
 def test_gated_layer_is_the_union_of_sa_and_swa():

@@ -458,6 +458,7 @@ def test_s1_parameter_counts_per_layer():
     ("mamba2", "{'chunk_size': 16, 'd_state': 16, 'head_dim': 16}"),
     ("gdn", "{'chunk_size': 16}"),
 ])
+@pytest.mark.slow
 def test_tiny_hybrid_trains(kind, opts, tiny_params, tmp_path):
     from hybrid_lm.train.loop import train
     cfg = load_config([], tiny_params + [f"efficient/MixerConfig.kind = '{kind}'", "efficient/MixerConfig.window = None",

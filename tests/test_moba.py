@@ -195,6 +195,7 @@ def test_moba_mixer_with_all_blocks_equals_full_attention_mixer(selection):
                                rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_tiny_hybrid_with_moba_trains(tiny_params, tmp_path):
     cfg = load_config([], tiny_params + ["efficient/MixerConfig.kind = 'moba'", "TrainConfig.steps = 25",
                                          "efficient/MixerConfig.options = {'block_size': 4, 'top_k': 3}",

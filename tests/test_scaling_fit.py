@@ -37,6 +37,7 @@ def _chinchilla_points():
     return N, C / (6 * N), L  # D = FLOP / (6 N), Epoch's cell 3
 
 
+@pytest.mark.slow
 def test_chinchilla_acceptance():
     """Epoch AI's procedure on their data reproduces their refit (one test: the fit is shared, and pytest-xdist
     would otherwise repeat it on every worker)."""
@@ -234,6 +235,7 @@ def _write_two_arch_table(path: Path):
     write_table(rows, path)
 
 
+@pytest.mark.slow
 def test_fit_cli_writes_schema_figures_and_report(tmp_path):
     table = tmp_path / "table.csv"
     _write_two_arch_table(table)

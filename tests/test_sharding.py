@@ -10,6 +10,7 @@ import textwrap
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from conftest import TINY
 
@@ -81,6 +82,7 @@ def _result(out):
     return json.loads(line[len("RESULT "):])
 
 
+@pytest.mark.slow
 def test_data_fsdp_tensor_parallel_match_one_device_and_restore_across_topologies(tmp_path):
     out = subprocess.run([sys.executable, "-c", MESHES_SCRIPT, json.dumps(PARAMS), str(tmp_path), TESTS],
                          env=_env(8), capture_output=True, text=True, timeout=900)
@@ -120,6 +122,7 @@ def _free_port():
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_processes_train_together_like_one(tmp_path):
     one = _result(subprocess.run([sys.executable, "-c", PROCESS_SCRIPT, json.dumps(PARAMS), str(tmp_path / "one")],
                                  env=_env(2), capture_output=True, text=True, timeout=600))

@@ -69,6 +69,7 @@ def test_chosen_stream_feeds_the_output_and_the_other_only_the_alignment():
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_ssa_trains_and_logs_ce_align_and_stream(tiny_params, tmp_path):
     cfg = load_config(["arch/ssa.gin"], tiny_params + ["full/MixerConfig.options = {'block_size': 4, 'top_k': 2}",
                                                        "TrainConfig.steps = 24", "TrainConfig.log_every = 6"])

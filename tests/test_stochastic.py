@@ -411,6 +411,7 @@ def test_options_are_validated(tiny_params):
 
 # ----------------------------------------------------------------------------- training
 
+@pytest.mark.slow
 def test_tiny_hybrid_with_sa_and_sa_swa_trains(tiny_params, tmp_path):
     """Both mixers in one tiny hybrid (sa_swa in the full slot, sa in the efficient slot): one compile."""
     cfg = load_config([], tiny_params + ["full/MixerConfig.kind = 'sa_swa'", "full/MixerConfig.window = 8",

@@ -32,6 +32,7 @@ def test_gradient_accumulation_equals_the_large_batch(tiny_params):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-5)  # Adam amplifies fp rounding
 
 
+@pytest.mark.slow
 def test_muon_routes_by_logical_axes_and_trains(tiny_params, tmp_path):
     cfg = load_config([], tiny_params + ["OptimConfig.name = 'muon'", "ModelConfig.tie_embeddings = False",
                                          "TrainConfig.steps = 25", "OptimConfig.lr = 0.01"])
@@ -49,6 +50,7 @@ def test_muon_routes_by_logical_axes_and_trains(tiny_params, tmp_path):
     assert rows[-1]["loss"] < rows[0]["loss"] - 0.5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["stop", "skip"])
 def test_non_finite_loss_policy(tiny_params, tmp_path, policy):
     cfg = load_config([], tiny_params + ["OptimConfig.lr = 1e30", "OptimConfig.grad_clip = 0.0",
@@ -64,6 +66,7 @@ def test_non_finite_loss_policy(tiny_params, tmp_path, policy):
     assert all(np.all(np.isfinite(v)) for v in state.values() if v.dtype.kind == "f")
 
 
+@pytest.mark.slow
 def test_retention_keeps_newest_and_permanent(tiny_params, tmp_path):
     cfg = load_config([], tiny_params + ["TrainConfig.steps = 24", "CheckpointConfig.every_steps = 2",
                                          "CheckpointConfig.keep = 2", "CheckpointConfig.permanent_every = 10"])
@@ -88,6 +91,7 @@ def test_remat_gives_the_same_loss_and_gradients(tiny_params):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_profiler_traces_a_window(tiny_params, tmp_path):
     cfg = load_config([], tiny_params + ["TrainConfig.steps = 6", "TrainConfig.profile_start = 2",
                                          "TrainConfig.profile_steps = 2"])
@@ -95,6 +99,7 @@ def test_profiler_traces_a_window(tiny_params, tmp_path):
     assert any((tmp_path / "profile").rglob("*.xplane.pb"))
 
 
+@pytest.mark.slow
 def test_time_interval_saves_temporary_checkpoints(tiny_params, tmp_path):
     cfg = load_config([], tiny_params + ["TrainConfig.steps = 6", "CheckpointConfig.every_steps = 1000",
                                          "CheckpointConfig.interval_minutes = 1e-6", "CheckpointConfig.keep = 10"])
