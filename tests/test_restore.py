@@ -114,3 +114,21 @@ def test_missing_run_checkpoint_or_step_is_a_clear_error(run, tmp_path):
     (bare / "checkpoints").mkdir()
     with pytest.raises(FileNotFoundError, match="holds no checkpoint"):
         RestoredRun(bare)
+
+
+def test_a_config_json_from_before_mixers_declared_their_fields(run, tmp_path):
+    """An old record (a window on the full-attention slot, which does not read it) is read as the
+    trainer migrates it, without rewriting the run dir; the checkpoint evaluates the same."""
+    import json
+
+    wd, res = run
+    copy = tmp_path / "old"
+    shutil.copytree(wd, copy)
+    d = json.loads((copy / "config.json").read_text())
+    d["model"]["full"]["window"] = 32
+    old_text = json.dumps(d, indent=2)
+    (copy / "config.json").write_text(old_text)
+    ev = RestoredRun(copy)
+    assert ev.cfg == RestoredRun(wd).cfg and ev.cfg.model.full.window is None
+    assert ev.evaluate(record=False)["loss"] == res.final_eval["loss"]
+    assert (copy / "config.json").read_text() == old_text

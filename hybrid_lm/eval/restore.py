@@ -29,10 +29,14 @@ log = logging.getLogger(__name__)
 
 
 def load_run_config(workdir: Path | str) -> Config:
+    """The run's config in the current schema: a ``config.json`` written before mixers declared their
+    fields is read as ``train/rundir.py`` migrates it (unread mixer fields reset), the file left as is."""
+    from hybrid_lm.validate import read_fields_only
+
     path = Path(workdir) / "config.json"
     if not path.exists():
         raise FileNotFoundError(f"{workdir} is not a run directory: no config.json")
-    return config_from_dict(json.loads(path.read_text()))
+    return read_fields_only(config_from_dict(json.loads(path.read_text())))
 
 
 def read_eval_rows(workdir: Path | str) -> list[dict]:
