@@ -28,7 +28,7 @@ from hybrid_lm.train import sharding as shd
 from hybrid_lm.train.checkpoint import Checkpointer, abstract_with_shardings
 from hybrid_lm.train.metrics import MetricsWriter, plot_loss_curve
 from hybrid_lm.train.optim import optimizer_for_bounds, wsd_bounds
-from hybrid_lm.train.rundir import prepare_run_dir
+from hybrid_lm.train.rundir import accepted_run_ids, prepare_run_dir
 from hybrid_lm.train.step import ModelFns, make_eval_step, make_train_step
 
 log = logging.getLogger(__name__)
@@ -120,7 +120,7 @@ def train(cfg: Config, workdir: Path | str | None = None, *, force: bool = False
         if restored is not None:
             state, meta = restored
             start = resumed_from = int(meta["step"])
-            if meta.get("run_id") != cfg.run_id():
+            if meta.get("run_id") not in {cfg.run_id(), *accepted_run_ids(workdir)}:
                 log.warning("resuming a checkpoint of run %s under run id %s (forced)", meta.get("run_id"),
                             cfg.run_id())
         else:
