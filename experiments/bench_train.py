@@ -17,9 +17,9 @@ import numpy as np
 
 from hybrid_lm.config import load_config
 from hybrid_lm.model.accounting import PEAK_FLOPS_H200_BF16, count_params, flops_per_token
-from hybrid_lm.model.registry import recorded_backends
-from hybrid_lm.train.optim import make_optimizer
-from hybrid_lm.train.step import ModelFns, make_train_step
+from hybrid_lm.backends import recorded_backends
+from hybrid_lm.train.optim import optimizer_for_bounds, wsd_bounds
+from hybrid_lm.train.step import ModelFns, make_init, make_train_step
 
 ARCH = {  # efficient-slot settings per variant (full-attention slot unchanged)
     "full": ["ModelConfig.layer_pattern = 'F'"],
@@ -44,25 +44,20 @@ def bench(scale: str, arch: str, window: int, seq_len: int, batch: int, steps: i
                            f"ModelConfig.attention_impl = '{impl}'"]
     cfg = load_config([f"scale/{scale}.gin"], params)
     fns = ModelFns(cfg)
-    tx, sched = make_optimizer(cfg.optim, 1000, fns.axes)
-    step = jax.jit(make_train_step(fns, tx, sched), donate_argnums=0)
-
-    @jax.jit
-    def init(seed):  # traced seed: a constant key would be constant-folded at compile time
-        p = fns.init(seed)
-        return {"params": p, "opt_state": tx.init(p), "step": jnp.zeros((), jnp.int32)}
-
-    state = init(jnp.asarray(0, jnp.uint32))
+    build = optimizer_for_bounds(cfg.optim, fns.axes)
+    bounds = np.asarray(wsd_bounds(cfg.optim, 1000), np.int32)
+    step = jax.jit(make_train_step(fns, build), donate_argnums=0)
+    state = jax.jit(make_init(fns, build(bounds)[0]))(jnp.asarray(0, jnp.uint32))
     tokens = jax.random.randint(jax.random.key(0), (batch, seq_len + 1), 0, cfg.model.vocab_size)
     t0 = time.time()
     recorded_backends(clear=True)
-    state, stats = step(state, tokens)
+    state, stats = step(state, tokens, bounds)
     jax.block_until_ready(state)
     compile_s = time.time() - t0
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
-        state, stats = step(state, tokens)
+        state, stats = step(state, tokens, bounds)
         jax.block_until_ready(stats["loss"])
         times.append(time.perf_counter() - t0)
     ms = 1e3 * float(np.median(times))

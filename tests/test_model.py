@@ -119,8 +119,7 @@ def test_every_mixer_is_causal(name, train):
     toks = jax.random.randint(jax.random.key(1), (2, T), 0, 64)
     toks2 = toks.at[:, t + 1:].set((toks[:, t + 1:] + 7) % 64)
     ctx = MixerContext(positions=jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (2, T)), train=train,
-                       step=jnp.int32(3), seed=5, example_ids=jnp.arange(2, dtype=jnp.int32),
-                       ssa_sparse=jnp.asarray(True) if train else None)
+                       step=jnp.int32(3), seed=5, example_ids=jnp.arange(2, dtype=jnp.int32))  # SSA coin: sparse
     run = nnx.capture(model, nnx.Intermediate)  # as the trainer calls it (SSA sows its aux loss)
     a, b = run(toks, ctx)[0], run(toks2, ctx)[0]
     np.testing.assert_allclose(a[:, :t + 1], b[:, :t + 1], rtol=1e-5, atol=1e-5)

@@ -52,8 +52,8 @@ def test_chosen_stream_feeds_the_output_and_the_other_only_the_alignment():
 
     def run(params, x, sparse: bool, train: bool = True):
         m = nnx.merge(graphdef, params)
-        return nnx.capture(m, nnx.Intermediate)(x, MixerContext(positions=pos, ssa_sparse=jnp.asarray(sparse),
-                                                                train=train))
+        step = next(s for s in range(100) if bool(ssa_coin(0, s, 0)) == sparse)  # SSA draws its own coin
+        return nnx.capture(m, nnx.Intermediate)(x, MixerContext(positions=pos, step=step, train=train))
 
     y_full, inter = run(params, x, False)
     y_sparse, _ = run(params, x, True)

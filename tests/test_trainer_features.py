@@ -6,8 +6,8 @@ from hybrid_lm.config import load_config
 from hybrid_lm.train.checkpoint import Checkpointer
 from hybrid_lm.train.loop import train
 from hybrid_lm.train.metrics import read_metrics
-from hybrid_lm.train.optim import make_optimizer, muon_routing
-from hybrid_lm.train.step import ModelFns, make_train_step
+from hybrid_lm.train.optim import make_optimizer, muon_routing, optimizer_for_bounds, wsd_bounds
+from hybrid_lm.train.step import ModelFns, make_init, make_train_step
 from resume_check import final_state  # test tooling in tests/
 
 
@@ -17,13 +17,13 @@ def test_gradient_accumulation_equals_the_large_batch(tiny_params):
     outs = []
     for cfg in (cfg1, cfg4):
         fns = ModelFns(cfg)
-        tx, sched = make_optimizer(cfg.optim, 10, fns.axes)
-        params = fns.init(0)
-        state = {"params": params, "opt_state": tx.init(params), "step": jax.numpy.zeros((), jax.numpy.int32)}
+        build = optimizer_for_bounds(cfg.optim, fns.axes)
+        bounds = np.asarray(wsd_bounds(cfg.optim, 10), np.int32)
+        state = make_init(fns, build(bounds)[0])(0)
         tokens = jax.random.randint(jax.random.key(3), (8, 33), 0, 256)
-        step = jax.jit(make_train_step(fns, tx, sched))
+        step = jax.jit(make_train_step(fns, build))
         for _ in range(3):
-            state, stats = step(state, tokens)
+            state, stats = step(state, tokens, bounds)
         outs.append((state, stats))
     (s1, st1), (s4, st4) = outs
     assert float(st1["loss"]) == pytest.approx(float(st4["loss"]), rel=1e-5)
@@ -126,23 +126,21 @@ def test_z_loss_joins_the_objective_but_not_the_logged_loss(tiny_params):
 def test_run_length_is_a_runtime_input_of_the_step(tiny_params, optimizer):
     """One compiled step serves every run length (WSD bounds passed at run time) and equals the
     step with the run length compiled in, for a run in its decay phase and one still stable."""
-    from hybrid_lm.train.optim import optimizer_for_bounds, wsd_bounds
-
     cfg = load_config([], tiny_params + ["TrainConfig.global_batch = 4", f"OptimConfig.name = '{optimizer}'",
                                          "ModelConfig.tie_embeddings = False", "OptimConfig.warmup_steps = 1"])
     fns = ModelFns(cfg)
     build = optimizer_for_bounds(cfg.optim, fns.axes)
-    runtime_step = jax.jit(make_train_step(fns, None, None, optimizer_for=build))
+    runtime_step = jax.jit(make_train_step(fns, build))
     tokens = jax.random.randint(jax.random.key(4), (4, 33), 0, 256)
     last_lr = {}
     for total in (10, 400):  # decaying over the last 2 of 10 steps / constant
         tx, sched = make_optimizer(cfg.optim, total, fns.axes)
         params = fns.init(0)
         s_fixed = s_run = {"params": params, "opt_state": tx.init(params), "step": jax.numpy.zeros((), jax.numpy.int32)}
-        fixed_step = jax.jit(make_train_step(fns, tx, sched))
+        fixed_step = jax.jit(make_train_step(fns, lambda _bounds, fixed=(tx, sched): fixed))  # run length compiled in
         bounds = np.asarray(wsd_bounds(cfg.optim, total), np.int32)
         for _ in range(10):
-            s_fixed, st_fixed = fixed_step(s_fixed, tokens)
+            s_fixed, st_fixed = fixed_step(s_fixed, tokens, bounds)
             s_run, st_run = runtime_step(s_run, tokens, bounds)
             assert float(st_run["lr"]) == pytest.approx(float(st_fixed["lr"]), rel=1e-6)
         for a, b in zip(jax.tree.leaves(s_fixed), jax.tree.leaves(s_run)):

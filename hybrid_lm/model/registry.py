@@ -29,7 +29,7 @@ class MixerContext:
     seed: int = 0
     example_ids: Any = None  # [B] global example indices (never device-local)
     train: bool = True
-    ssa_sparse: Any = None  # SSA: traced bool, True = the block-sparse stream feeds the residual path
+    micro_index: Any = 0  # micro-batch index within the step (traced int), for per-micro-batch randomness
 
 
 # forward FLOPs per token of one layer: (model_cfg, mixer_cfg, seq_len) -> {"matmul": .., "mixing": ..}

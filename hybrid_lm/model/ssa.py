@@ -13,7 +13,7 @@ RoPE'd block-mean keys, softmax importance summed over the GQA group, own block 
 ``hybrid_lm/ops/block_sparse.py``. At eval the stream is fixed by ``eval_stream``.
 
 Aux outputs are sown as ``nnx.Intermediate``: ``aux_loss`` (added to the objective by the train
-step) and ``ssa_align`` / ``ssa_sparse`` (logged).
+step) and ``ssa_align`` / ``ssa_sparse`` (logged; ``ssa_sparse`` every step, see ``step_stats``).
 """
 
 from __future__ import annotations
@@ -81,6 +81,8 @@ def _ssa_flops(cfg: ModelConfig, mc: MixerConfig, seq_len: int) -> dict:
 @register_mixer("ssa", flops=_ssa_flops, reads=("rope", "rope_theta", "options"), options=SSAOptions,
                 description="SSA: full + block-sparse streams, coin per micro-batch, alignment loss")
 class SSAAttention(AttentionDecode, Attention):
+    step_stats = ("ssa_sparse",)  # sown stats the trainer logs every step (the stream each step used)
+
     def __init__(self, cfg: ModelConfig, mc: MixerConfig, layer_idx: int, *, rngs: nnx.Rngs):
         super().__init__(cfg, mc, layer_idx, rngs=rngs, window=None)
         self.opts = SSAOptions(**mc.options)
@@ -126,7 +128,7 @@ class SSAAttention(AttentionDecode, Attention):
             full, sparse = self._streams(x, ctx, not sparse_mode, sparse_mode)
             return self.project_out(sparse if sparse_mode else full)
         full, sparse = self._streams(x, ctx, True, True)
-        use_sparse = ctx.ssa_sparse if ctx.ssa_sparse is not None else jnp.asarray(False)
+        use_sparse = ssa_coin(ctx.seed, ctx.step, ctx.micro_index)
         align = alignment_loss(full, sparse)
         self.sow(nnx.Intermediate, "aux_loss", self.opts.align_weight * align / self.n_ssa_layers)
         self.sow(nnx.Intermediate, "ssa_align", align / self.n_ssa_layers)

@@ -16,20 +16,19 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from tqdm.auto import tqdm
 
+from hybrid_lm.backends import recorded_backends
 from hybrid_lm.config import Config
-from hybrid_lm.data.corpus import bits_per_byte
 from hybrid_lm.data.pipeline import DataStreams
-from hybrid_lm.model.accounting import PEAK_FLOPS_H200_BF16, count_params, flops_per_token
-from hybrid_lm.model.registry import recorded_backends
+from hybrid_lm.eval.loss import evaluate
 from hybrid_lm.train import distributed
 from hybrid_lm.train import sharding as shd
 from hybrid_lm.train.checkpoint import Checkpointer, abstract_with_shardings
-from hybrid_lm.train.metrics import MetricsWriter, plot_loss_curve
+from hybrid_lm.train.logger import StepLogger, check_extras, startup_summary
 from hybrid_lm.train.optim import optimizer_for_bounds, wsd_bounds
-from hybrid_lm.train.rundir import accepted_run_ids, prepare_run_dir
-from hybrid_lm.train.step import ModelFns, make_eval_step, make_train_step
+from hybrid_lm.train.rundir import prepare_run_dir
+from hybrid_lm.train.sharding import local_rows, put_batch  # noqa: F401  (moved; re-exported)
+from hybrid_lm.train.step import ModelFns, make_eval_step, make_init, make_train_step
 
 log = logging.getLogger(__name__)
 
@@ -43,19 +42,174 @@ class TrainResult:
     resumed_from: int | None
     preempted: str | None = None  # "SIGTERM" / "SIGUSR1" when stopped by a signal
     skipped_steps: int = 0
+    compile_seconds: float | None = None  # the train step's trace + compile (None: no step was run)
 
 
-def local_rows(sharding, global_shape) -> slice:
-    """The contiguous rows of a batch-sharded global array that this process feeds."""
-    idx = sharding.addressable_devices_indices_map(global_shape).values()
-    starts = [(i[0].start or 0) for i in idx]
-    stops = [(i[0].stop if i[0].stop is not None else global_shape[0]) for i in idx]
-    return slice(min(starts), max(stops))
+@dataclass
+class Program:
+    """A run's jitted functions and shardings on one mesh. The WSD bounds are a runtime input of the
+    step: one compiled step (and one persistent-cache entry) serves every run length."""
+
+    fns: ModelFns
+    init: object  # seed -> state, sharded
+    step: object  # (state, tokens, bounds) -> (state, stats)
+    eval: object  # (params, tokens) -> mean CE
+    state_shard: dict
+    batch_shard: object
+    n_batch_shards: int
+    bounds: np.ndarray
 
 
-def put_batch(batch: np.ndarray, sharding):
-    rows = local_rows(sharding, batch.shape)
-    return jax.make_array_from_process_local_data(sharding, batch[rows], batch.shape)
+def build_program(cfg: Config, mesh) -> Program:
+    fns = ModelFns(cfg)
+    optimizer_for = optimizer_for_bounds(cfg.optim, fns.axes)
+    bounds = np.asarray(wsd_bounds(cfg.optim, cfg.train.steps), np.int32)
+    tx, _ = optimizer_for(bounds)  # for the state's structure (independent of the bounds)
+    n_batch = shd.n_batch_shards(mesh)
+    micro = cfg.train.global_batch // cfg.train.microbatches
+    if micro % n_batch:
+        raise ValueError(f"micro-batch of {micro} sequences (global_batch {cfg.train.global_batch} / "
+                         f"{cfg.train.microbatches}) is not divisible by the batch mesh axes ({n_batch})")
+    # parameters are created directly in their sharded layout (never whole on one device)
+    p_shard = shd.tree_shardings(fns.axes, fns.abstract_params, mesh, cfg.mesh.rules)
+    abstract_opt = jax.eval_shape(tx.init, fns.abstract_params)
+    repl = shd.replicated(mesh)
+    opt_shard = shd.match_opt_shardings(abstract_opt, fns.abstract_params, p_shard,
+                                        jax.tree.map(lambda _: repl, abstract_opt))
+    state_shard = {"params": p_shard, "opt_state": opt_shard, "step": repl}
+    batch_shard = shd.batch_sharding(mesh, cfg.mesh.rules)
+    return Program(
+        fns=fns, init=jax.jit(make_init(fns, tx), out_shardings=state_shard),
+        step=jax.jit(make_train_step(fns, optimizer_for), in_shardings=(state_shard, batch_shard, repl),
+                     out_shardings=(state_shard, repl), donate_argnums=0),
+        eval=jax.jit(make_eval_step(fns), in_shardings=(p_shard, batch_shard), out_shardings=repl),
+        state_shard=state_shard, batch_shard=batch_shard, n_batch_shards=n_batch, bounds=bounds)
+
+
+def init_or_restore(cfg: Config, prog: Program, ckpt: Checkpointer):
+    """``(state, resumed_from)``: the newest checkpoint that restores, else a fresh init (from a
+    traced seed: with a constant key XLA constant-folds the whole random init at compile time)."""
+    seed = jnp.asarray(cfg.train.seed, jnp.uint32)
+    abstract = abstract_with_shardings(jax.eval_shape(prog.init, seed), prog.state_shard)
+    restored = ckpt.restore_latest(abstract)
+    if restored is None:
+        return prog.init(seed), None
+    state, meta = restored
+    if meta.get("run_id") != cfg.run_id():
+        log.warning("resuming a checkpoint of run %s under run id %s (forced)", meta.get("run_id"), cfg.run_id())
+    return state, int(meta["step"])
+
+
+def train(cfg: Config, workdir: Path | str | None = None, *, force: bool = False, devices=None) -> TrainResult:
+    t_start = time.time()
+    check_extras(cfg.train)  # a missing [tb] / [wandb] extra fails before the run dir exists
+    distributed.maybe_initialize()
+    main = jax.process_index() == 0
+    workdir = Path(workdir) if workdir else Path("runs") / cfg.run_id()
+    if main:
+        prepare_run_dir(cfg, workdir, force=force)
+    _sync("run dir ready")
+    mesh = shd.make_mesh(cfg.mesh, devices)
+    data, prog, tc = DataStreams(cfg), build_program(cfg, mesh), cfg.train
+    tokens_per_step = tc.global_batch * cfg.data.seq_len
+    with jax.set_mesh(mesh):
+        ckpt = Checkpointer(workdir / "checkpoints", cfg.checkpoint)
+        state, resumed_from = init_or_restore(cfg, prog, ckpt)
+        start = resumed_from or 0
+        logger = StepLogger(cfg, workdir, main=main, start=start, n_devices=mesh.devices.size,
+                            every_step=bool(prog.fns.step_stats))
+        if main:
+            logger.summary(startup_summary(cfg, data, mesh))
+        recorded_backends(clear=True)  # the first trace of the step fills it (attention_backends)
+        final_eval, preempted, pending = None, None, None
+        profile = _Profiler(tc, workdir, main)
+        try:
+            with distributed.PreemptionFlag() as flag:
+                if start < tc.steps:
+                    logger.compiling()
+                if start == 0:
+                    _eval(logger, prog, data, state, 0)  # the curve starts at the untrained model
+                for step in range(start, tc.steps):
+                    profile.before(step)
+                    state, stats = prog.step(state, put_batch(data.batch(step), prog.batch_shard), prog.bounds)
+                    if step == start:
+                        logger.compiled(step)  # jit compiled synchronously inside that first call
+                    done = step + 1
+                    if pending is not None:
+                        _finish_step(logger, *pending)
+                    pending = (done, stats)
+                    profile.after(done, state)
+                    if done % tc.eval_every == 0 or done == tc.steps:
+                        _finish_step(logger, *pending)
+                        pending, final_eval = None, _eval(logger, prog, data, state, done)
+                    stop = _any_process(flag.requested)
+                    if stop or ckpt.should_save(done) or done == tc.steps:
+                        ckpt.save(done, state, {"step": done, "data_position": done,
+                                                "tokens_seen": done * tokens_per_step, "run_id": cfg.run_id()},
+                                  force=stop)
+                    logger.advance()
+                    if stop:
+                        preempted = signal.Signals(flag.signal).name if flag.signal else "signal"
+                        break
+                if pending is not None:
+                    _finish_step(logger, *pending)
+                if final_eval is None and preempted is None:  # nothing left to train: report the model
+                    final_eval = _eval(logger, prog, data, state, int(jax.device_get(state["step"])))
+        finally:
+            profile.close()
+            logger.close()
+            ckpt.close()
+    if preempted == "SIGUSR1":
+        distributed.requeue_if_slurm()
+    return TrainResult(workdir=workdir, step=int(jax.device_get(state["step"])), final_eval=final_eval,
+                       wall_seconds=time.time() - t_start, resumed_from=resumed_from, preempted=preempted,
+                       skipped_steps=logger.skipped, compile_seconds=logger.compile_seconds)
+
+
+def _eval(logger: StepLogger, prog: Program, data: DataStreams, state, step: int) -> dict:
+    result = evaluate(prog.eval, state["params"], data.eval_batch, prog.batch_shard,
+                      global_batch=logger.cfg.train.global_batch, n_batch_shards=prog.n_batch_shards,
+                      bytes_per_token=data.bytes_per_token)
+    return logger.eval_row(step, result, data.meta.get("val_order0_entropy_bits"))
+
+
+def _finish_step(logger: StepLogger, done: int, stats) -> None:
+    """Host-side bookkeeping of a finished step (called one step late): the NaN policy, then its row."""
+    stats = jax.device_get(stats)
+    if not bool(stats["finite"]) and logger.cfg.train.nan_policy == "stop":
+        raise FloatingPointError(
+            f"non-finite loss or gradient at step {done} (loss={float(stats['loss'])}, grad_norm="
+            f"{float(stats['grad_norm'])}); the state was not updated by that step. "
+            "Set TrainConfig.nan_policy='skip' to skip such steps instead.")
+    logger.train_row(done, stats)
+
+
+class _Profiler:
+    """A jax.profiler trace of steps [profile_start, profile_start + profile_steps) on process 0."""
+
+    def __init__(self, tc, workdir: Path, main: bool):
+        self.tc, self.dir, self.main, self.on = tc, workdir / "profile", main, False
+
+    def before(self, step: int) -> None:
+        if step == self.tc.profile_start and self.main:
+            jax.profiler.start_trace(str(self.dir))
+            self.on = True
+
+    def after(self, done: int, state) -> None:
+        if self.on and done >= self.tc.profile_start + self.tc.profile_steps:
+            jax.block_until_ready(state)
+            self.close()
+
+    def close(self) -> None:
+        if self.on:
+            jax.profiler.stop_trace()
+            self.on = False
+
+
+def _sync(name: str) -> None:
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices(name)
 
 
 def _any_process(flag: bool) -> bool:
@@ -63,206 +217,3 @@ def _any_process(flag: bool) -> bool:
         return flag
     from jax.experimental import multihost_utils
     return bool(np.any(multihost_utils.process_allgather(np.asarray(flag))))
-
-
-def train(cfg: Config, workdir: Path | str | None = None, *, force: bool = False, devices=None) -> TrainResult:
-    t_start = time.time()
-    distributed.maybe_initialize()
-    main = jax.process_index() == 0
-    workdir = Path(workdir) if workdir else Path("runs") / cfg.run_id()
-    if main:
-        prepare_run_dir(cfg, workdir, force=force)
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-        multihost_utils.sync_global_devices("run dir ready")
-
-    mesh = shd.make_mesh(cfg.mesh, devices)
-    rules = cfg.mesh.rules
-    data = DataStreams(cfg)
-    fns = ModelFns(cfg)
-    # the WSD bounds are a runtime input of the step: one compiled step (and one persistent-cache
-    # entry) serves every run length, so WSD branches and extended runs do not recompile
-    optimizer_for = optimizer_for_bounds(cfg.optim, fns.axes)
-    bounds = np.asarray(wsd_bounds(cfg.optim, cfg.train.steps), np.int32)
-    tx, _ = optimizer_for(bounds)  # for the state's structure (independent of the bounds)
-    n_batch_shards = mesh.shape["data"] * mesh.shape["fsdp"]
-    micro = cfg.train.global_batch // cfg.train.microbatches
-    if micro % n_batch_shards:
-        raise ValueError(f"micro-batch of {micro} sequences (global_batch {cfg.train.global_batch} / "
-                         f"{cfg.train.microbatches}) is not divisible by the batch mesh axes ({n_batch_shards})")
-
-    # ---- shardings; parameters are created directly in their sharded layout (never whole on one device)
-    p_shard = shd.tree_shardings(fns.axes, fns.abstract_params, mesh, rules)
-    abstract_opt = jax.eval_shape(tx.init, fns.abstract_params)
-    opt_shard = _match_opt_shardings(abstract_opt, fns.abstract_params, p_shard,
-                                     jax.tree.map(lambda _: shd.replicated(mesh), abstract_opt))
-    state_shard = {"params": p_shard, "opt_state": opt_shard, "step": shd.replicated(mesh)}
-    batch_shard = shd.batch_sharding(mesh, rules)
-    repl = shd.replicated(mesh)
-
-    def init_state(seed):
-        # the seed is a traced argument: with a constant key XLA constant-folds the whole random
-        # init at compile time (7+ minutes for S5 on an H200)
-        params = fns.init(seed)
-        return {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32)}
-
-    with jax.set_mesh(mesh):
-        seed0 = jnp.asarray(cfg.train.seed, jnp.uint32)
-        init_fn = jax.jit(init_state, out_shardings=state_shard)
-        step_fn = jax.jit(make_train_step(fns, None, None, optimizer_for=optimizer_for),
-                          in_shardings=(state_shard, batch_shard, repl), out_shardings=(state_shard, repl),
-                          donate_argnums=0)
-        eval_fn = jax.jit(make_eval_step(fns), in_shardings=(p_shard, batch_shard), out_shardings=repl)
-
-        ckpt = Checkpointer(workdir / "checkpoints", cfg.checkpoint)
-        abstract_state = abstract_with_shardings(jax.eval_shape(init_state, seed0), state_shard)
-        restored = ckpt.restore_latest(abstract_state)
-        if restored is not None:
-            state, meta = restored
-            start = resumed_from = int(meta["step"])
-            if meta.get("run_id") not in {cfg.run_id(), *accepted_run_ids(workdir)}:
-                log.warning("resuming a checkpoint of run %s under run id %s (forced)", meta.get("run_id"),
-                            cfg.run_id())
-        else:
-            state = init_fn(seed0)
-            start, resumed_from = 0, None
-
-        counts = count_params(cfg.model)
-        flops = flops_per_token(cfg.model, cfg.data.seq_len)
-        tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
-        on_gpu = jax.default_backend() == "gpu"
-        n_dev = mesh.devices.size
-        metrics = MetricsWriter(workdir / "metrics.jsonl", tensorboard=cfg.train.tensorboard) if main else None
-        entropy0 = data.meta.get("val_order0_entropy_bits")
-
-        def write(row):
-            if metrics is not None:
-                metrics.write(row)
-
-        def run_eval(step: int) -> dict:
-            eb = data.eval_batch
-            per = max(n_batch_shards, (min(cfg.train.global_batch, eb.shape[0]) // n_batch_shards) * n_batch_shards)
-            n = (eb.shape[0] // per) * per
-            losses = [float(eval_fn(state["params"], put_batch(eb[i:i + per], batch_shard))) for i in range(0, n, per)]
-            ce = float(np.mean(losses))
-            row = {"kind": "eval", "step": step, "tokens": step * tokens_per_step, "loss": ce,
-                   "bpb": bits_per_byte(ce, data.bytes_per_token), "order0_entropy_bits": entropy0,
-                   "eval_windows": n}
-            write(row)
-            return row
-
-        final_eval, preempted, skipped = None, None, 0
-        window = {"t": time.time(), "step": start}
-        bar = tqdm(total=cfg.train.steps, initial=min(start, cfg.train.steps), desc=f"train {workdir.name}",
-                   disable=not (cfg.train.progress and main), dynamic_ncols=True)
-
-        def handle_stats(done: int, stats) -> None:
-            """Host-side bookkeeping of a finished step (called one step late)."""
-            nonlocal skipped
-            stats = jax.device_get(stats)
-            loss = float(stats["loss"])
-            if not bool(stats["finite"]):
-                if cfg.train.nan_policy == "stop":
-                    raise FloatingPointError(
-                        f"non-finite loss or gradient at step {done} (loss={loss}, grad_norm="
-                        f"{float(stats['grad_norm'])}); the state was not updated by that step. "
-                        "Set TrainConfig.nan_policy='skip' to skip such steps instead.")
-                skipped += 1
-                log.warning("step %d: non-finite loss/gradient, update skipped (%d so far)", done, skipped)
-            every_step = "ssa_sparse" in stats  # SSA: log the stream each step used
-            if done % cfg.train.log_every == 0 or done == cfg.train.steps or not bool(stats["finite"]) or every_step:
-                now = time.time()
-                n_steps = max(done - window["step"], 1)
-                step_time = (now - window["t"]) / n_steps
-                tps = tokens_per_step / max(step_time, 1e-9)
-                window.update(t=now, step=done)
-                row = {"kind": "train", "step": done, "tokens": done * tokens_per_step, "loss": loss,
-                       "objective": float(stats["objective"]), "lr": float(stats["lr"]),
-                       "grad_norm": float(stats["grad_norm"]), "param_norm": float(stats["param_norm"]),
-                       "update_norm": float(stats["update_norm"]), "step_time": step_time,
-                       "tokens_per_sec": tps, "skipped": not bool(stats["finite"]), "skipped_total": skipped,
-                       "attention_impl": cfg.model.attention_impl,
-                       "attention_backends": recorded_backends()}
-                row.update({k: float(v) for k, v in stats.items() if k not in row and k != "finite"})
-                if on_gpu:
-                    row["mfu"] = tps * flops["train"] / (PEAK_FLOPS_H200_BF16 * n_dev)
-                write(row)
-                bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tps:,.0f}")
-
-        recorded_backends(clear=True)  # the first trace of the step fills it (attention_backends)
-        pending = None
-        profiling = False
-        try:
-            with distributed.PreemptionFlag() as flag:
-                if start == 0:
-                    run_eval(0)  # the curve starts at the untrained model
-                window["t"] = time.time()
-                for step in range(start, cfg.train.steps):
-                    if step == cfg.train.profile_start and main:
-                        jax.profiler.start_trace(str(workdir / "profile"))
-                        profiling = True
-                    tokens = put_batch(data.batch(step), batch_shard)
-                    state, stats = step_fn(state, tokens, bounds)
-                    done = step + 1
-                    if pending is not None:
-                        handle_stats(*pending)
-                    pending = (done, stats)
-                    if profiling and done >= cfg.train.profile_start + cfg.train.profile_steps:
-                        jax.block_until_ready(state)
-                        jax.profiler.stop_trace()
-                        profiling = False
-                    if done % cfg.train.eval_every == 0 or done == cfg.train.steps:
-                        handle_stats(*pending)
-                        pending = None
-                        final_eval = run_eval(done)
-                        if main:
-                            bar.write(f"step {done}: val loss {final_eval['loss']:.4f} nats, "
-                                      f"{final_eval['bpb']:.3f} bits/byte")
-                    stop = _any_process(flag.requested)
-                    if stop or ckpt.should_save(done) or done == cfg.train.steps:
-                        ckpt.save(done, state, {"step": done, "data_position": done,
-                                                "tokens_seen": done * tokens_per_step, "run_id": cfg.run_id()},
-                                  force=stop)
-                    bar.update(1)
-                    if stop:
-                        preempted = signal.Signals(flag.signal).name if flag.signal else "signal"
-                        break
-                if pending is not None:
-                    handle_stats(*pending)
-                    pending = None
-                if final_eval is None and preempted is None:  # nothing left to train: report the model
-                    final_eval = run_eval(int(jax.device_get(state["step"])))
-        finally:
-            if profiling:
-                jax.profiler.stop_trace()
-            bar.close()
-            ckpt.close()
-            if metrics is not None:
-                metrics.close()
-
-        if preempted == "SIGUSR1":
-            distributed.requeue_if_slurm()
-        if main and preempted is None:
-            plot_loss_curve(workdir / "metrics.jsonl", workdir / "loss_curve.png",
-                            title=f"{workdir.name}: {counts['non_embedding']:,} non-embedding params")
-    return TrainResult(workdir=workdir, step=int(jax.device_get(state["step"])), final_eval=final_eval,
-                       wall_seconds=time.time() - t_start, resumed_from=resumed_from, preempted=preempted,
-                       skipped_steps=skipped)
-
-
-def _match_opt_shardings(abstract_opt, abstract_params, p_shard, default):
-    """Optimizer leaves whose path ends in a parameter's path (moments) take that parameter's sharding;
-    the rest (step counts) keep ``default``."""
-    by_path = {}
-    for (path, leaf), s in zip(jax.tree_util.tree_leaves_with_path(abstract_params), jax.tree.leaves(p_shard)):
-        by_path[tuple(map(str, path))] = (leaf.shape, s)
-
-    def pick(path, leaf, dflt):
-        keys = tuple(map(str, path))
-        for i in range(len(keys)):
-            hit = by_path.get(keys[i:])
-            if hit is not None and hit[0] == leaf.shape:
-                return hit[1]
-        return dflt
-
-    return jax.tree_util.tree_map_with_path(pick, abstract_opt, default)

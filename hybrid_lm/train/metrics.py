@@ -12,28 +12,18 @@ from pathlib import Path
 
 
 class MetricsWriter:
-    """Appends rows to ``metrics.jsonl``; optionally mirrors scalars to TensorBoard (``[tb]`` extra)."""
+    """Appends rows to ``metrics.jsonl`` (the mirrors to TensorBoard / W&B live in ``train/logger.py``)."""
 
-    def __init__(self, path: Path, tensorboard: bool = False):
+    def __init__(self, path: Path):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._fh = self.path.open("a", buffering=1)  # line-buffered: a kill loses at most one row
-        self._tb = None
-        if tensorboard:
-            from hybrid_lm.optional import optional_import
-            self._tb = optional_import("tensorboardX").SummaryWriter(str(self.path.parent / "tb"))
 
     def write(self, row: dict) -> None:
         self._fh.write(json.dumps({k: _clean(v) for k, v in row.items()}) + "\n")
-        if self._tb is not None:
-            for k, v in row.items():
-                if isinstance(v, (int, float)) and k != "step":
-                    self._tb.add_scalar(f"{row.get('kind', 'train')}/{k}", v, row["step"])
 
     def close(self) -> None:
         self._fh.close()
-        if self._tb is not None:
-            self._tb.close()
 
 
 def _clean(v):

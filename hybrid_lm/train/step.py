@@ -11,13 +11,17 @@ import jax.numpy as jnp
 from flax import nnx
 
 from hybrid_lm.config import Config
-from hybrid_lm.model.registry import MixerContext
+from hybrid_lm.model.registry import MixerContext, get_mixer
 from hybrid_lm.model.transformer import HybridLM, cross_entropy
 from hybrid_lm.ops.attention import default_positions
 
 
 class ModelFns:
-    """Pure functions around one model definition: init, apply, loss and the logical-axes tree."""
+    """Pure functions around one model definition: init, apply, loss and the logical-axes tree.
+
+    ``step_stats``: names of sown stats that some layer's mixer asks to be logged every step (a
+    mixer class's ``step_stats`` attribute, e.g. SSA's stream choice).
+    """
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
@@ -27,6 +31,8 @@ class ModelFns:
         axes = jax.tree.map(lambda v: v.get_metadata()["logical_axes"], self._abstract_state,
                             is_leaf=lambda x: isinstance(x, nnx.Variable))
         self.axes = nnx.to_pure_dict(axes)
+        self.step_stats = frozenset(name for t in set(cfg.model.layer_types())
+                                    for name in getattr(get_mixer(cfg.model.mixer(t).kind).cls, "step_stats", ()))
 
     def init(self, seed):
         """Parameters from an int seed (a Python int or a traced integer scalar)."""
@@ -44,18 +50,15 @@ class ModelFns:
         ``aux`` holds ``ce`` (mean cross-entropy, nats) and the sums over layers of values mixers sow
         as ``nnx.Intermediate`` (e.g. SSA's ``ssa_align``); sown ``aux_loss`` terms join the objective.
         ``example_ids [B]`` are global example indices: per-example randomness (SA permutations)
-        depends on them, never on a row's device-local position. ``micro_index`` keys per-micro-batch
-        randomness (SSA's stream coin).
+        depends on them, never on a row's device-local position. ``micro_index`` (the micro-batch
+        within the step) keys per-micro-batch randomness.
         """
-        from hybrid_lm.model.ssa import ssa_coin
-
         cfg = self.cfg
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
         B, T = inputs.shape
         ctx = MixerContext(positions=default_positions(B, T),
                            attention_impl=cfg.model.attention_impl, step=step, seed=cfg.train.seed,
-                           example_ids=example_ids, train=train,
-                           ssa_sparse=ssa_coin(cfg.train.seed, step, micro_index) if train else None)
+                           example_ids=example_ids, train=train, micro_index=micro_index)
         model = self.model(params)
         logits, sown = nnx.capture(model, nnx.Intermediate)(inputs, ctx)
         obj, ce = cross_entropy(logits, targets, cfg.optim.z_loss if train else 0.0)
@@ -70,17 +73,25 @@ class ModelFns:
         return obj, aux
 
 
+def make_init(fns: ModelFns, tx):
+    """``init(seed) -> state`` (``params``, ``opt_state``, ``step``). Pass the seed traced (an array):
+    with a constant key XLA constant-folds the whole random init at compile time."""
+    def init_state(seed):
+        params = fns.init(seed)
+        return {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32)}
+    return init_state
+
+
 def global_norm(tree):
     return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)))
 
 
-def make_train_step(fns: ModelFns, tx, schedule, optimizer_for=None):
-    """``step(state, tokens) -> (state, stats)`` with gradient accumulation and a non-finite guard.
+def make_train_step(fns: ModelFns, optimizer_for):
+    """``step(state, tokens, bounds) -> (state, stats)`` with gradient accumulation and a non-finite guard.
 
-    With ``optimizer_for`` (``train.optim.optimizer_for_bounds``) the step is
-    ``step(state, tokens, bounds)`` and the optimizer is built inside it from the runtime WSD bounds
-    ``[decay_start, decay_steps]`` (int32): the run length is not compiled in (``tx``/``schedule``
-    are then unused and may be None).
+    ``optimizer_for`` (``train.optim.optimizer_for_bounds``) maps the WSD bounds
+    ``[decay_start, decay_steps]`` (int32, a runtime input) to ``(tx, schedule)``: the optimizer is
+    built inside the step, so the run length is not compiled in.
 
     The global batch is split into ``TrainConfig.microbatches`` equal parts whose gradients are
     averaged in fp32 (equal to the large batch up to float rounding). A step whose loss or gradient
@@ -96,8 +107,8 @@ def make_train_step(fns: ModelFns, tx, schedule, optimizer_for=None):
             lambda p: fns.loss(p, tokens, step, example_ids, micro_index=micro_index), has_aux=True)(params)
         return obj, aux, g
 
-    def train_step(state, tokens, bounds=None):
-        tx_, schedule_ = (tx, schedule) if optimizer_for is None else optimizer_for(bounds)
+    def train_step(state, tokens, bounds):
+        tx, schedule = optimizer_for(bounds)
         params, step = state["params"], state["step"]
         ids = step * B + jnp.arange(B, dtype=jnp.int32)
         if M == 1:
@@ -121,13 +132,13 @@ def make_train_step(fns: ModelFns, tx, schedule, optimizer_for=None):
         ce = aux.pop("ce")
         gnorm = global_norm(grads)
         finite = jnp.isfinite(obj) & jnp.isfinite(gnorm)
-        updates, opt_state = tx_.update(grads, state["opt_state"], params)
+        updates, opt_state = tx.update(grads, state["opt_state"], params)
         new_params = jax.tree.map(lambda p, u: p + u, params, updates)
         keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
         new_state = {"params": keep(new_params, params), "opt_state": keep(opt_state, state["opt_state"]),
                      "step": step + 1}
         stats = {"loss": ce, "objective": obj, "grad_norm": gnorm, "param_norm": global_norm(params),
-                 "update_norm": global_norm(updates), "lr": schedule_(step), "finite": finite, **aux}
+                 "update_norm": global_norm(updates), "lr": schedule(step), "finite": finite, **aux}
         return new_state, stats
 
     return train_step
