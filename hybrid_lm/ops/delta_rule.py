@@ -46,7 +46,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from hybrid_lm.ops.linear_attention import _check_qkv, _check_state, _pad_time, compute_dtype
+from hybrid_lm.ops.linear_attention import _check_qkv, _check_state, _chunk_setup, _pad_time, compute_dtype
 
 
 def _check_gates(g, beta, B, T, H):
@@ -62,26 +62,12 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, scale: float | None = None, init
     Args:
       q, k: ``[B, T, H, Dk]`` (L2-normalised by the caller); v: ``[B, T, H, Dv]``.
       g: log decay ``[B, T, H]``; beta: write strength in (0, 1) ``[B, T, H]``.
-      scale: query scale, default ``1/sqrt(Dk)``.
-      initial_state: optional ``[B, H, Dk, Dv]``.
-      output_final_state: return the final state (else ``None``).
-      chunk_size: tokens per chunk (clamped to T).
-      precision: ``lax.Precision`` of the matmuls (None: backend default; HIGHEST for an oracle).
-    Returns:
-      ``(o [B, T, H, Dv] in q.dtype, final_state [B, H, Dk, Dv] float32 or None)``.
+      scale, initial_state, output_final_state, chunk_size, precision and the return value: as
+      :func:`hybrid_lm.ops.linear_attention.chunk_simple_gla`.
     """
-    _check_qkv(q, k, v)
-    B, T, H, Dk = q.shape
-    Dv = v.shape[-1]
+    B, T, H, Dk, Dv, dt, scale, C, N = _chunk_setup(q, k, v, initial_state, scale, chunk_size, (g, beta))
     _check_gates(g, beta, B, T, H)
-    _check_state(initial_state, B, H, Dk, Dv)
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    dt = compute_dtype(q, k, v, g, beta, initial_state)
     out_dtype = q.dtype
-    scale = Dk ** -0.5 if scale is None else scale
-    C = min(chunk_size, T)
-    N = -(-T // C)
     Tp = N * C
 
     # Zero tail: k = beta = 0 writes nothing, g = 0 does not decay the state.

@@ -71,6 +71,21 @@ def _log_decay(g, g_gamma, B, T, H, dtype):
     return out
 
 
+def _chunk_setup(q, k, v, initial_state, scale, chunk_size, gates=()):
+    """Checks and constants shared by the chunked forms: ``(B, T, H, Dk, Dv, dtype, scale, C, N)``
+    with C tokens per chunk (clamped to T) and N chunks."""
+    _check_qkv(q, k, v)
+    B, T, H, Dk = q.shape
+    Dv = v.shape[-1]
+    _check_state(initial_state, B, H, Dk, Dv)
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    dt = compute_dtype(q, k, v, *gates, initial_state)
+    scale = Dk ** -0.5 if scale is None else scale
+    C = min(chunk_size, T)
+    return B, T, H, Dk, Dv, dt, scale, C, -(-T // C)
+
+
 def _pad_time(x, Tp):
     """Zero-pad axis 1 (time) to length Tp."""
     if x.shape[1] == Tp:
@@ -96,17 +111,8 @@ def chunk_simple_gla(q, k, v, g=None, g_gamma=None, *, scale: float | None = Non
     Returns:
       ``(o [B, T, H, Dv] in q.dtype, final_state [B, H, Dk, Dv] float32 or None)``.
     """
-    _check_qkv(q, k, v)
-    B, T, H, Dk = q.shape
-    Dv = v.shape[-1]
-    _check_state(initial_state, B, H, Dk, Dv)
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    dt = compute_dtype(q, k, v, g, g_gamma, initial_state)
+    B, T, H, Dk, Dv, dt, scale, C, N = _chunk_setup(q, k, v, initial_state, scale, chunk_size, (g, g_gamma))
     out_dtype = q.dtype
-    scale = Dk ** -0.5 if scale is None else scale
-    C = min(chunk_size, T)
-    N = -(-T // C)
     Tp = N * C
 
     # Pad the tail with zeros: k = 0 adds nothing to the state and g = 0 does not decay it.
