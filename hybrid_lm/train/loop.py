@@ -26,7 +26,7 @@ from hybrid_lm.train import sharding as shd
 from hybrid_lm.train.checkpoint import Checkpointer, abstract_with_shardings
 from hybrid_lm.train.logger import StepLogger, check_extras, startup_summary
 from hybrid_lm.train.optim import optimizer_for_bounds, wsd_bounds
-from hybrid_lm.train.rundir import prepare_run_dir
+from hybrid_lm.train.rundir import accepted_run_ids, prepare_run_dir
 from hybrid_lm.train.sharding import local_rows, put_batch  # noqa: F401  (moved; re-exported)
 from hybrid_lm.train.step import ModelFns, make_eval_step, make_init, make_train_step
 
@@ -95,7 +95,7 @@ def init_or_restore(cfg: Config, prog: Program, ckpt: Checkpointer):
     if restored is None:
         return prog.init(seed), None
     state, meta = restored
-    if meta.get("run_id") != cfg.run_id():
+    if meta.get("run_id") not in {cfg.run_id(), *accepted_run_ids(ckpt.directory.parent)}:
         log.warning("resuming a checkpoint of run %s under run id %s (forced)", meta.get("run_id"), cfg.run_id())
     return state, int(meta["step"])
 
