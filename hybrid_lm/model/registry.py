@@ -14,7 +14,6 @@ from typing import Any, Callable
 
 import jax
 
-from hybrid_lm.backends import record_backend, recorded_backends  # noqa: F401  (moved; re-exported)
 from hybrid_lm.config import MixerConfig, ModelConfig
 from hybrid_lm.errors import ConfigError
 
