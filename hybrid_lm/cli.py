@@ -43,6 +43,8 @@ def cmd_info(args) -> int:
     from hybrid_lm.model.accounting import count_params, flops_per_token
 
     cfg = load_config(args.config, args.gin_param)
+    if args.backends:
+        return _info_backends(cfg, args.json)
     counts = count_params(cfg.model)
     flops = flops_per_token(cfg.model, cfg.data.seq_len)
     info = {"run_id": cfg.run_id(), "layer_types": "".join(cfg.model.layer_types()),
@@ -52,8 +54,6 @@ def cmd_info(args) -> int:
         return 0
     m = cfg.model
     print(f"run id {info['run_id']}   layers {m.n_layers} ({info['layer_types']})   d_model {m.d_model}   "
-    if args.backends:
-        return _info_backends(cfg, args.json)
           f"heads {m.n_heads} (kv {m.n_kv_heads}) x {m.resolved_head_dim}   d_ff {m.d_ff}   vocab {m.vocab_size}")
     print(f"\n{'parameters':<28}{'count':>16}{'millions':>12}")
     for k in ("total", "non_embedding", "embedding", "head"):
@@ -71,15 +71,6 @@ def cmd_info(args) -> int:
     return 0
 
 
-def cmd_data(args) -> int:
-    from hybrid_lm.data.corpus import default_dir, prepare_embedded, prepare_text_files
-
-    if args.text:
-        out = Path(args.out) if args.out else default_dir("text")
-        meta = prepare_text_files(args.text, out, args.tokenizer)
-    else:
-        out = Path(args.out) if args.out else default_dir("embedded")
-        meta = prepare_embedded(out, args.tokenizer)
 def _info_backends(cfg, as_json: bool) -> int:
     from hybrid_lm import backends
 
@@ -95,6 +86,15 @@ def _info_backends(cfg, as_json: bool) -> int:
     return 0
 
 
+def cmd_data(args) -> int:
+    from hybrid_lm.data.corpus import default_dir, prepare_embedded, prepare_text_files
+
+    if args.text:
+        out = Path(args.out) if args.out else default_dir("text")
+        meta = prepare_text_files(args.text, out, args.tokenizer)
+    else:
+        out = Path(args.out) if args.out else default_dir("embedded")
+        meta = prepare_embedded(out, args.tokenizer)
     print(f"prepared {out}:")
     print(json.dumps(meta, indent=2))
     return 0
@@ -114,6 +114,8 @@ def main(argv=None) -> int:
     p = sub.add_parser("info", help="parameter counts and FLOPs per token per layer type")
     _add_config_args(p)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--backends", action="store_true",
+                   help="instead: the backend each layer's ops resolve to on this platform, and why")
     p.set_defaults(fn=cmd_info)
 
     p = sub.add_parser("data", help="prepare a token corpus")
@@ -123,8 +125,6 @@ def main(argv=None) -> int:
     q.add_argument("--out", default=None)
     q.add_argument("--tokenizer", default="byte")
     q.set_defaults(fn=cmd_data)
-    p.add_argument("--backends", action="store_true",
-                   help="instead: the backend each layer's ops resolve to on this platform, and why")
 
     from hybrid_lm.eval.cli import add_eval_commands
     add_eval_commands(sub)
