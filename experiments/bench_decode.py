@@ -125,6 +125,44 @@ def bench_model(scale, arch, context, batch, steps, reps, dtype):
             "context": context, "batch": batch, "ms_per_step": 1e3 * sec, "tokens_per_sec": batch / sec}
 
 
+def bench_sparse_parts(context, batch, heads, kv_heads, head_dim, block, top_k, steps, reps, dtype):
+    """The parts of one MoBA/SSA decode read at cache length ``context``: the gate's scores, its
+    top-k (sort vs argmax passes), the attention over the selected blocks, the block-sum update."""
+    from hybrid_lm.ops import block_sparse as bs
+
+    ks = jax.random.split(jax.random.key(4), 4)
+    nb = context // block
+    q = jax.random.normal(ks[0], (batch, 1, heads, head_dim), jnp.float32).astype(dtype)
+    kc = jax.random.normal(ks[1], (batch, context, kv_heads, head_dim), jnp.float32).astype(dtype)
+    vc = jax.random.normal(ks[2], (batch, context, kv_heads, head_dim), jnp.float32).astype(dtype)
+    kbar_sum = jax.random.normal(ks[3], (batch, nb, kv_heads, head_dim), jnp.float32)
+    pos = jnp.asarray(context - 1, jnp.int32)
+    scale = 1.0 / head_dim ** 0.5
+    imp0 = bs.block_importance(q, kbar_sum / block, pos[None], block_size=block, gate="ssa", scale=scale)
+    idx0 = bs._top_blocks(imp0, top_k, "sort")
+    parts = {
+        "gate scores": lambda c: c + bs.block_importance(q + c.astype(dtype), kbar_sum / block, pos[None],
+                                                         block_size=block, gate="ssa", scale=scale)[..., :1].sum(),
+        "top-k sort": lambda c: c + jax.lax.top_k(imp0 + c, top_k)[0][..., :1].sum() * 0,
+        "top-k passes": lambda c: c + bs.top_k_by_passes(imp0 + c, top_k)[0][..., :1].sum() * 0,
+        "attend selected": lambda c: c + bs.decode_attend(q + c.astype(dtype), kc, vc, idx0, pos,
+                                                          block_size=block)[..., :1].sum(),
+        "block-sum update": None,
+    }
+    out = []
+    for name, fn in parts.items():
+        if fn is None:
+            def upd(carry):
+                sums, c = carry
+                return bs.add_block_sums(sums, q[:, :, :kv_heads] + c.astype(dtype), pos, block), c
+            sec = timed_scan(upd, (kbar_sum, jnp.zeros((), jnp.float32)), steps, reps)
+        else:
+            sec = timed_scan(fn, jnp.zeros((), jnp.float32), steps, reps)
+        out.append({"level": "part", "part": name, "context": context, "batch": batch, "ms": 1e3 * sec})
+        print(f"part  {name:<18}{context:>8}{batch:>4}{1e3 * sec:>10.3f} ms", flush=True)
+    return out
+
+
 def check(dtype: str) -> list[dict]:
     """Prefill + cached decode against the forward pass's logits on this device (small model)."""
     out = []
@@ -158,6 +196,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--parts", action="store_true", help="time the parts of the sparse decode read too")
     ap.add_argument("--check", action="store_true", help="decode == forward on this device, then exit")
     ap.add_argument("--out", default="bench_decode.json")
     args = ap.parse_args()
@@ -190,6 +229,13 @@ def main() -> None:
             r = bench_layer(args.scale, arch, C, args.batch, args.steps, args.reps, args.dtype)
             base = r if arch == "full" else base
             report(r, base)
+    if args.parts:
+        m = config(args.scale, "moba", 1024, args.dtype).model
+        o = m.efficient.options
+        for C in (int(c) for c in args.contexts.split(",") if c):
+            rows.extend(bench_sparse_parts(C, args.batch, m.n_heads, m.n_kv_heads, m.resolved_head_dim,
+                                           o["block_size"], o["top_k"], args.steps, args.reps, args.dtype))
+            save()
     for C in (int(c) for c in args.model_contexts.split(",") if c):
         base = None
         for arch in args.model_archs.split(","):

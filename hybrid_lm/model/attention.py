@@ -158,10 +158,13 @@ class AttentionDecode:
         if self.window is not None:
             visible &= slot_pos > pos - self.window
         B, _, Kh, Dh = kc.shape
-        qg = q_t[:, 0].astype(jnp.float32).reshape(B, Kh, -1, Dh)  # [B, K, G, Dh]
-        s = jnp.einsum("bkgd,bckd->bkgc", qg, kc.astype(jnp.float32)) * (1.0 / math.sqrt(Dh))
+        # the cache is read in its own dtype with fp32 accumulation (no fp32 copy of the cache);
+        # the probabilities meet V in V's dtype, as in flash attention
+        qg = q_t[:, 0].astype(kc.dtype).reshape(B, Kh, -1, Dh)  # [B, K, G, Dh]
+        s = jnp.einsum("bkgd,bckd->bkgc", qg, kc, preferred_element_type=jnp.float32) * (1.0 / math.sqrt(Dh))
         p = jax.nn.softmax(jnp.where(visible[None, None, None, :], s, -jnp.inf), axis=-1)
-        return jnp.einsum("bkgc,bckd->bkgd", p, vc.astype(jnp.float32)).reshape(B, 1, -1, Dh)
+        o = jnp.einsum("bkgc,bckd->bkgd", p.astype(vc.dtype), vc, preferred_element_type=jnp.float32)
+        return o.reshape(B, 1, -1, Dh)
 
     def decode_output(self, o, x):
         """``o [B, n, H, Dh]`` (the stream's attention output) -> the mixer's output for input ``x``."""
