@@ -18,6 +18,14 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
                    help="extra gin binding, e.g. TrainConfig.steps=100 (repeatable)")
 
 
+def order0_comparison(bpb: float, h0: float) -> str:
+    """How a model's bits/byte compares with the order-0 (unigram) entropy ``h0``."""
+    rel = 100 * (bpb - h0) / h0
+    if rel <= 0:
+        return f"{-rel:.1f}% below the order-0 entropy"
+    return f"{rel:.1f}% above the order-0 entropy: worse than a unigram model"
+
+
 def cmd_train(args) -> int:
     from hybrid_lm.train.loop import train
 
@@ -34,7 +42,7 @@ def cmd_train(args) -> int:
         h0 = ev.get("order0_entropy_bits")
         line = f"val bits/byte {ev['bpb']:.3f}"
         if h0:
-            line += f"   val order-0 entropy {h0:.3f} bits/byte   ({100 * (1 - ev['bpb'] / h0):.1f}% below)"
+            line += f"   val order-0 entropy {h0:.3f} bits/byte   ({order0_comparison(ev['bpb'], h0)})"
         print(line)
     return 0
 

@@ -36,6 +36,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from contextlib import contextmanager
@@ -318,6 +319,29 @@ def launch_local(plan: Plan, gpus: list[str] | None = None, only: str | None = N
     return summary
 
 
+class _PrefixedLog:
+    """A worker's merged stdout/stderr appended to its log file, each line prefixed with ``[run]``."""
+
+    def __init__(self, path: Path, name: str):
+        self._fh = path.open("ab")
+        self._prefix = f"[{name}] ".encode()
+        self._thread: threading.Thread | None = None
+
+    def pump(self, stream) -> None:
+        self._thread = threading.Thread(target=self._copy, args=(stream,), daemon=True)
+        self._thread.start()
+
+    def _copy(self, stream) -> None:
+        for line in iter(stream.readline, b""):
+            self._fh.write(self._prefix + line)
+            self._fh.flush()
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+        self._fh.close()
+
+
 def _gpu_pool(plan: Plan, todo: list[Job], gpus: list[str], summary: dict, progress: bool) -> dict:
     """One worker subprocess per GPU (CUDA_VISIBLE_DEVICES); branches start as soon as they are seeded."""
     root = plan.root
@@ -337,11 +361,12 @@ def _gpu_pool(plan: Plan, todo: list[Job], gpus: list[str], summary: dict, progr
                 if ready is None:
                     break
                 pending.remove(ready)
-                fh = (logs / f"{ready.name}.log").open("a")
+                fh = _PrefixedLog(logs / f"{ready.name}.log", ready.name)
                 env = {**os.environ, "CUDA_VISIBLE_DEVICES": g}
                 cmd = [sys.executable, "-m", "hybrid_lm.scaling.launch", "--root", str(root), "--job", ready.name]
-                running[g] = (subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=os.getcwd()),
-                              ready, fh)
+                proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=os.getcwd())
+                fh.pump(proc.stdout)
+                running[g] = (proc, ready, fh)
                 summary["launched"] += 1
                 bar.set_postfix_str(f"gpu{g}: {ready.name}")
             for g, (proc, job, fh) in list(running.items()):
@@ -368,8 +393,9 @@ def _gpu_pool(plan: Plan, todo: list[Job], gpus: list[str], summary: dict, progr
                     summary["blocked"].append(j.name)
                     bar.update(1)
             if summary["preempted"]:
-                for proc, _, _ in running.values():
+                for proc, _, fh in running.values():
                     proc.wait()
+                    fh.close()
                 break
             time.sleep(0.5)
     finally:

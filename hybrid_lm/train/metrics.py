@@ -62,7 +62,7 @@ def plot_loss_curve(metrics_path: Path, out_png: Path, title: str = "") -> Path:
                 label="train (bits/token)")
     if ev:
         ax.plot([r["tokens"] for r in ev], [r["bpb"] for r in ev], "o-", label="val bits/byte")
-        if "order0_entropy_bits" in ev[-1]:
+        if ev[-1].get("order0_entropy_bits") is not None:
             ax.axhline(ev[-1]["order0_entropy_bits"], color="gray", ls="--", lw=1, label="val order-0 entropy")
     ax.set_xlabel("tokens seen")
     ax.set_ylabel("bits")
