@@ -20,11 +20,14 @@ from __future__ import annotations
 import numbers
 
 import jax
+import jax.numpy as jnp
 
 from hybrid_lm.errors import ConfigError
 
 # SWA under ``auto`` on a GPU where jla's kernel cannot run: our Pallas kernel up to this window, cuDNN above.
 PALLAS_SWA_MAX_WINDOW = 256
+# cuDNN's fused attention takes these compute dtypes only (fp32 runs xla or our kernel under ``auto``).
+CUDNN_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 # MoBA's block-sparse kernel takes blocks that are powers of two from this size up.
 MOBA_PALLAS_MIN_BLOCK = 16
 # Selection top-k on a GPU: ``k`` argmax passes when k <= PASSES_MAX_K (the passes are unrolled) and
@@ -102,13 +105,19 @@ def attention_backend(impl: str, *, permuted: bool, window: int | None = None, q
             return "xla", f"auto: {_no_gpu(platform)}"
         if permuted:
             return "pallas", "auto: only our kernel expresses SA's permuted mask"
+        dtype = None if qkv is None else jnp.dtype(qkv[0].dtype)
+        cudnn_ok = dtype is None or dtype in CUDNN_DTYPES
         if window is None:
-            return "cudnn", "auto: full causal attention runs cuDNN"
+            if cudnn_ok:
+                return "cudnn", "auto: full causal attention runs cuDNN"
+            return "xla", f"auto: cuDNN takes {', '.join(map(str, CUDNN_DTYPES))}, not {dtype}"
         jla_why = "no operands to check" if qkv is None else jla_attention_reason(*qkv, platform=platform)
         if jla_why is None:
             return "jla", "auto: jla's Mosaic GPU kernel takes these operands"
         if window <= PALLAS_SWA_MAX_WINDOW:
             return "pallas", f"auto: window {window} <= PALLAS_SWA_MAX_WINDOW={PALLAS_SWA_MAX_WINDOW} (not jla: {jla_why})"
+        if not cudnn_ok:
+            return "pallas", f"auto: cuDNN does not take {dtype}; our kernel takes any window (not jla: {jla_why})"
         return "cudnn", f"auto: window {window} > PALLAS_SWA_MAX_WINDOW={PALLAS_SWA_MAX_WINDOW} (not jla: {jla_why})"
     if impl in ("cudnn", "jla") and permuted:
         raise ConfigError(f"attention_impl={impl!r} cannot express stochastic attention's mask "

@@ -252,12 +252,16 @@ def test_describe_layers_on_a_faked_gpu(fake_gpu, monkeypatch):
     """What each layer would run on a GPU (cuDNN itself cannot run here: stubbed)."""
     from hybrid_lm.ops import attention as ops
     monkeypatch.setattr(ops, "causal_attention", lambda q, k, v, implementation: q)
-    cfg = load_config([str(ROOT / "configs" / "quickstart.gin"), str(ROOT / "configs" / "arch" / "ssa.gin")])
+    cfg = load_config([str(ROOT / "configs" / "quickstart.gin"), str(ROOT / "configs" / "arch" / "ssa.gin")],
+                      ["ModelConfig.compute_dtype = 'bfloat16'"])  # cuDNN takes bf16/fp16 only
     rows = backends.describe_layers(cfg.model, cfg.data.seq_len)
     assert [(r["op"], r["backend"]) for r in rows[:2]] == [("full", "cudnn"), ("ssa sparse block=16", "pallas")]
-    cfg = load_config([str(ROOT / "configs" / "quickstart.gin")])
+    cfg = load_config([str(ROOT / "configs" / "quickstart.gin")], ["ModelConfig.compute_dtype = 'bfloat16'"])
     rows = backends.describe_layers(cfg.model, cfg.data.seq_len)
     assert [(r["op"], r["backend"]) for r in rows[:2]] == [("full", "cudnn"), ("swa w=32", "pallas")]
+    cfg = load_config([str(ROOT / "configs" / "quickstart.gin")])  # fp32: cuDNN would reject it
+    rows = backends.describe_layers(cfg.model, cfg.data.seq_len)
+    assert [(r["op"], r["backend"]) for r in rows[:2]] == [("full", "xla"), ("swa w=32", "pallas")]
 
 
 def test_describe_layers_reports_an_impossible_choice():
@@ -279,3 +283,21 @@ def test_cli_info_backends(capsys):
     info = json.loads(capsys.readouterr().out)
     assert info["platform"] == "cpu" and info["seq_len"] == 128 and len(info["layers"]) == 4
     assert all(r["backend"] == "xla" for r in info["layers"])
+
+
+def test_auto_never_sends_fp32_to_cudnn():
+    """cuDNN rejects fp32 q/k/v: under auto on a GPU, fp32 full attention runs xla and fp32 SWA our kernel."""
+    import jax
+    import jax.numpy as jnp
+
+    from hybrid_lm import backends
+
+    def qkv(dtype):
+        return tuple(jax.ShapeDtypeStruct((1, 64, 2, 64), dtype) for _ in range(3))
+
+    full32, why = backends.attention_backend("auto", permuted=False, window=None, qkv=qkv(jnp.float32), platform="gpu")
+    assert full32 == "xla" and "float32" in why
+    full16, _ = backends.attention_backend("auto", permuted=False, window=None, qkv=qkv(jnp.bfloat16), platform="gpu")
+    assert full16 == "cudnn"
+    swa32, _ = backends.attention_backend("auto", permuted=False, window=512, qkv=qkv(jnp.float32), platform="gpu")
+    assert swa32 != "cudnn"
