@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import sys
 import time
 from pathlib import Path
@@ -60,7 +61,7 @@ class WandbSink:
     def __init__(self, cfg: Config, workdir: Path):
         wandb = optional_import("wandb")
         id_file = workdir / "wandb_id"
-        run_id = id_file.read_text().strip() if id_file.exists() else wandb.util.generate_id()
+        run_id = id_file.read_text().strip() if id_file.exists() else secrets.token_hex(4)
         id_file.write_text(run_id + "\n")
         self._run = wandb.init(project=os.environ.get("WANDB_PROJECT", "hybrid_lm"), name=workdir.name, id=run_id,
                                resume="allow", dir=str(workdir), config={**cfg.to_dict(), "run_id": cfg.run_id()},
