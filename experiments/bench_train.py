@@ -1,13 +1,26 @@
-"""Train-step throughput and MFU of hybrid stacks on the local accelerator (random tokens).
+"""Train-step throughput, MFU, memory and compile time of hybrid stacks (random tokens).
 
-    python experiments/bench_train.py --scale s4 --arch swa --seq-len 16384 --batch 2 --out bench_train.json
+    python experiments/bench_train.py --scale s4 --arch full,swa,sa --seq-len 16384 --batch 2
+    python experiments/bench_train.py --scale s1,s3 --arch full,swa,sa --sweep-microbatch 1,2,4,8,16
 
-Prints ms/step, tokens/s and MFU (FLOPs counted per layer type, 989 TF/s bf16 dense) per variant.
+Every variant is one jitted train step of the trainer (``make_train_step`` with one micro-batch of
+``batch`` sequences). The steps are compiled ahead of time in a pool of threads (XLA compiles outside
+the GIL), so compiles overlap while the main thread times the ready ones one at a time on the device.
+``compile_s`` is therefore measured under that contention; ``--compile-alone`` compiles one at a
+time. Peak memory is XLA's own account of the compiled step (arguments + outputs + temporaries,
+``memory_analysis``); a step whose account exceeds the device's memory is reported as ``oom``
+without running it, and one that fails to allocate at run time likewise.
+
+``--sweep-microbatch`` picks, per (scale, arch), the micro-batch (sequences per device) with the
+highest tokens/s among those that fit, and writes them as the measured table that
+``hybrid_lm.train.microbatch`` reads (``--table-out``). MFU counts FLOPs per layer type
+(``hybrid_lm.model.accounting``) against 989 TF/s dense bf16.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures as cf
 import json
 import time
 
@@ -15,86 +28,204 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hybrid_lm.backends import recorded_backends
 from hybrid_lm.config import load_config
 from hybrid_lm.model.accounting import PEAK_FLOPS_H200_BF16, count_params, flops_per_token
-from hybrid_lm.backends import recorded_backends
 from hybrid_lm.train.optim import optimizer_for_bounds, wsd_bounds
 from hybrid_lm.train.step import ModelFns, make_init, make_train_step
 
-ARCH = {  # efficient-slot settings per variant (full-attention slot unchanged)
+ARCH = {  # gin bindings per variant (the full-attention slot unchanged unless said)
     "full": ["ModelConfig.layer_pattern = 'F'"],
-    "swa": ["efficient/MixerConfig.kind = 'swa'"],
-    "sa": ["efficient/MixerConfig.kind = 'sa'"],
-    "sa_swa": ["efficient/MixerConfig.kind = 'sa_swa'"],
+    "swa": ["efficient/MixerConfig.kind = 'swa'", "efficient/MixerConfig.window = 128"],
+    "sa": ["efficient/MixerConfig.kind = 'sa'", "efficient/MixerConfig.window = 128"],
+    "sa_swa": ["efficient/MixerConfig.kind = 'sa_swa'", "efficient/MixerConfig.window = 128"],
+    "lightning": ["efficient/MixerConfig.kind = 'lightning'"],
+    "mamba2": ["efficient/MixerConfig.kind = 'mamba2'"],
+    "gdn": ["efficient/MixerConfig.kind = 'gdn'"],
     # MoBA at the official gate's scale of blocks (configs/arch/moba.gin has SSA's block 16)
-    "moba": ["efficient/MixerConfig.kind = 'moba'", "efficient/MixerConfig.window = None",
+    "moba": ["efficient/MixerConfig.kind = 'moba'",
              "efficient/MixerConfig.options = {'block_size': 128, 'top_k': 16, 'gate': 'moba'}"],
-    "moba_block": ["efficient/MixerConfig.kind = 'moba'", "efficient/MixerConfig.window = None",
+    "moba_block": ["efficient/MixerConfig.kind = 'moba'",
                    "efficient/MixerConfig.options = {'block_size': 128, 'top_k': 16, 'gate': 'moba', "
                    "'selection': 'block'}"],
-    "moba16": ["efficient/MixerConfig.kind = 'moba'", "efficient/MixerConfig.window = None",  # arch/moba.gin
-               "efficient/MixerConfig.options = {'block_size': 16, 'top_k': 16, 'gate': 'ssa'}"],
+    "moba16": ["include 'arch/moba.gin'"],
+    "ssa": ["include 'arch/ssa.gin'"],
 }
 
 
-def bench(scale: str, arch: str, window: int, seq_len: int, batch: int, steps: int, remat: str, impl: str) -> dict:
-    window_param = [] if "moba" in arch else [f"efficient/MixerConfig.window = {window}"]
-    params = ARCH[arch] + window_param + [ f"DataConfig.seq_len = {seq_len}",
-                           f"TrainConfig.global_batch = {batch}", f"ModelConfig.remat = '{remat}'",
-                           f"ModelConfig.attention_impl = '{impl}'"]
-    cfg = load_config([f"scale/{scale}.gin"], params)
-    fns = ModelFns(cfg)
-    build = optimizer_for_bounds(cfg.optim, fns.axes)
-    bounds = np.asarray(wsd_bounds(cfg.optim, 1000), np.int32)
-    step = jax.jit(make_train_step(fns, build), donate_argnums=0)
-    state = jax.jit(make_init(fns, build(bounds)[0]))(jnp.asarray(0, jnp.uint32))
-    tokens = jax.random.randint(jax.random.key(0), (batch, seq_len + 1), 0, cfg.model.vocab_size)
-    t0 = time.time()
-    recorded_backends(clear=True)
-    state, stats = step(state, tokens, bounds)
-    jax.block_until_ready(state)
-    compile_s = time.time() - t0
-    times = []
-    for _ in range(steps):
+def make_config(scale: str, arch: str, seq_len: int, batch: int, remat: str, impl: str, extra=()):
+    gin_files = [f"scale/{scale}.gin"] + [b.split("'")[1] for b in ARCH[arch] if b.startswith("include")]
+    params = [b for b in ARCH[arch] if not b.startswith("include")] + [
+        f"DataConfig.seq_len = {seq_len}", f"TrainConfig.global_batch = {batch}",
+        f"ModelConfig.remat = '{remat}'", f"ModelConfig.attention_impl = '{impl}'", *extra]
+    return load_config(gin_files, params)
+
+
+class Variant:
+    """One (scale, arch, batch) train step: its config, compiled executable and measurements."""
+
+    def __init__(self, scale, arch, batch, args):
+        self.key = dict(scale=scale, arch=arch, batch=batch, seq_len=args.seq_len, remat=args.remat,
+                        attention_impl=args.impl, loss_impl=args.loss)
+        extra = ([f"ModelConfig.loss_impl = '{args.loss}'"] if args.loss != "default" else []) + args.gin_param
+        self.cfg = make_config(scale, arch, args.seq_len, batch, args.remat, args.impl, extra)
+        self.fns = ModelFns(self.cfg)
+        self.build = optimizer_for_bounds(self.cfg.optim, self.fns.axes)
+        self.bounds = np.asarray(wsd_bounds(self.cfg.optim, 1000), np.int32)
+        self.init = jax.jit(make_init(self.fns, self.build(self.bounds)[0]))
+        self.seed = jnp.asarray(0, jnp.uint32)
+
+    def lower(self):
+        """(lowered step, seconds, backends): tracing runs in the main thread, one variant at a time,
+        so the record of backends is this variant's alone."""
         t0 = time.perf_counter()
-        state, stats = step(state, tokens, bounds)
+        state = jax.eval_shape(self.init, self.seed)
+        tokens = jax.ShapeDtypeStruct((self.key["batch"], self.key["seq_len"] + 1), jnp.int32)
+        recorded_backends(clear=True)
+        lowered = jax.jit(make_train_step(self.fns, self.build), donate_argnums=0).lower(state, tokens, self.bounds)
+        return lowered, time.perf_counter() - t0, recorded_backends()
+
+    @staticmethod
+    def compile(lowered, lower_s):
+        """(compiled step, lower + compile seconds, XLA's memory account in bytes)."""
+        t0 = time.perf_counter()
+        compiled = lowered.compile()
+        m = compiled.memory_analysis()
+        peak = None if m is None else int(m.argument_size_in_bytes + m.output_size_in_bytes
+                                          + m.temp_size_in_bytes - m.alias_size_in_bytes)
+        return compiled, lower_s + time.perf_counter() - t0, peak
+
+    def run(self, compiled, steps: int) -> dict:
+        state = self.init(self.seed)
+        tokens = jax.random.randint(jax.random.key(0), (self.key["batch"], self.key["seq_len"] + 1), 0,
+                                    self.cfg.model.vocab_size)
+        state, stats = compiled(state, tokens, self.bounds)  # warm-up
         jax.block_until_ready(stats["loss"])
-        times.append(time.perf_counter() - t0)
-    ms = 1e3 * float(np.median(times))
-    tps = batch * seq_len / (ms / 1e3)
-    f = flops_per_token(cfg.model, seq_len)
-    return {"scale": scale, "arch": arch, "window": window, "seq_len": seq_len, "batch": batch, "remat": remat,
-            "attention_impl": impl, "attention_backends": recorded_backends(), "non_embedding": count_params(cfg.model)["non_embedding"],
-            "ms_per_step": ms, "tokens_per_sec": tps, "train_flops_per_token": f["train"],
-            "mfu": tps * f["train"] / (PEAK_FLOPS_H200_BF16 * jax.device_count()), "compile_s": compile_s,
-            "loss": float(stats["loss"])}
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            state, stats = compiled(state, tokens, self.bounds)
+            jax.block_until_ready(stats["loss"])
+            times.append(time.perf_counter() - t0)
+        loss = float(stats["loss"])
+        del state, stats
+        ms = 1e3 * float(np.median(times))
+        return {"ms_per_step": ms, "loss": loss}
+
+
+def device_memory() -> int | None:
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get("bytes_limit")
+
+
+def measure(variants, args) -> list[dict]:
+    limit = device_memory()
+    rows = []
+    workers = 1 if args.compile_alone else args.compile_workers
+    with cf.ThreadPoolExecutor(max_workers=workers) as pool:
+        futures = []
+        for v in variants:
+            try:
+                lowered, lower_s, backends = v.lower()
+                futures.append((v, backends, pool.submit(v.compile, lowered, lower_s)))
+            except Exception as e:  # noqa: BLE001 - a variant that cannot trace is reported, not fatal
+                futures.append((v, {}, e))
+        for v, backends, fut in futures:
+            row = dict(v.key, attention_backends=backends)
+            f = flops_per_token(v.cfg.model, v.key["seq_len"])
+            row.update(non_embedding=count_params(v.cfg.model)["non_embedding"], train_flops_per_token=f["train"],
+                       tokens_per_step=v.key["batch"] * v.key["seq_len"])
+            try:
+                if isinstance(fut, Exception):
+                    raise fut
+                compiled, row["compile_s"], row["peak_bytes"] = fut.result()
+            except Exception as e:  # noqa: BLE001 - a variant that cannot compile is reported, not fatal
+                row.update(status="compile_error", error=str(e).splitlines()[0][:300])
+                rows.append(row)
+                report(row)
+                continue
+            if limit and row["peak_bytes"] and row["peak_bytes"] > limit:
+                row["status"] = "oom"
+            else:
+                try:
+                    row.update(v.run(compiled, args.steps))
+                    row["status"] = "ok"
+                    tps = row["tokens_per_step"] / (row["ms_per_step"] / 1e3)
+                    row.update(tokens_per_sec=tps, mfu=tps * f["train"] / (PEAK_FLOPS_H200_BF16 * jax.device_count()))
+                except Exception as e:  # noqa: BLE001
+                    msg = str(e)
+                    row.update(status="oom" if "RESOURCE_EXHAUSTED" in msg or "out of memory" in msg.lower()
+                               else "run_error", error=msg.splitlines()[0][:300])
+            del compiled
+            rows.append(row)
+            report(row)
+            if args.out:
+                save(args.out, rows)
+    return rows
+
+
+def report(r):
+    gib = (r.get("peak_bytes") or 0) / 2 ** 30
+    if r.get("status") == "ok":
+        print(f"{r['scale']:<5}{r['arch']:<11}{r['batch']:>4}{r['ms_per_step']:>10.1f}{r['tokens_per_sec'] / 1e3:>10.1f}"
+              f"{100 * r['mfu']:>7.1f}%{gib:>8.1f}{r['compile_s']:>9.1f}  {r['attention_backends']}", flush=True)
+    else:
+        print(f"{r['scale']:<5}{r['arch']:<11}{r['batch']:>4}  {r.get('status')}  peak {gib:.1f} GiB  "
+              f"{r.get('error', '')}", flush=True)
+
+
+def best_microbatches(rows) -> dict:
+    """Per (scale, arch, seq_len): the micro-batch with the highest tokens/s among those that ran."""
+    best: dict = {}
+    for r in rows:
+        if r.get("status") != "ok":
+            continue
+        k = f"{r['scale']}/{r['arch']}/{r['seq_len']}"
+        if k not in best or r["tokens_per_sec"] > best[k]["tokens_per_sec"]:
+            best[k] = {"batch": r["batch"], "tokens_per_sec": r["tokens_per_sec"], "mfu": r["mfu"]}
+    return best
+
+
+def save(path, rows, extra=None):
+    with open(path, "w") as fh:
+        json.dump({"device": jax.devices()[0].device_kind, "rows": rows, **(extra or {})}, fh, indent=2)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--scale", default="s4")
-    ap.add_argument("--arch", default="full,swa,sa")
-    ap.add_argument("--window", type=int, default=128)
+    ap.add_argument("--scale", default="s4", help="comma-separated scales")
+    ap.add_argument("--arch", default="full,swa,sa", help=f"comma-separated, from {sorted(ARCH)}")
     ap.add_argument("--seq-len", type=int, default=16384)
-    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=2, help="sequences per step (one micro-batch)")
+    ap.add_argument("--sweep-microbatch", default=None, metavar="B1,B2,...",
+                    help="micro-batch sizes to try per (scale, arch); the best that fits is kept")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--remat", default="dots")
     ap.add_argument("--impl", default="auto")
+    ap.add_argument("--loss", default="default", help="ModelConfig.loss_impl (default: the config's)")
+    ap.add_argument("--gin_param", action="append", default=[], help="extra gin binding (repeatable)")
+    ap.add_argument("--compile-workers", type=int, default=8)
+    ap.add_argument("--compile-alone", action="store_true", help="compile one variant at a time")
     ap.add_argument("--out", default="bench_train.json")
+    ap.add_argument("--table-out", default=None, help="with --sweep-microbatch: the measured best table")
     args = ap.parse_args()
-    rows = []
-    print(f"device: {jax.devices()[0].device_kind} x{jax.device_count()}")
-    print(f"{'scale':<6}{'arch':<8}{'w':>6}{'T':>7}{'B':>3}{'ms/step':>10}{'ktok/s':>9}{'MFU':>7}{'vs full':>9}")
-    for arch in args.arch.split(","):
-        r = bench(args.scale, arch, args.window, args.seq_len, args.batch, args.steps, args.remat, args.impl)
-        rows.append(r)
-        base = next((x for x in rows if x["arch"] == "full"), None)
-        ratio = f"{r['ms_per_step'] / base['ms_per_step']:.2f}" if base else "-"
-        print(f"{r['scale']:<6}{arch:<8}{r['window']:>6}{r['seq_len']:>7}{r['batch']:>3}{r['ms_per_step']:>10.1f}"
-              f"{r['tokens_per_sec'] / 1e3:>9.1f}{100 * r['mfu']:>6.1f}%{ratio:>9}  {r['attention_backends']}",
-              flush=True)
-    with open(args.out, "w") as fh:
-        json.dump({"device": jax.devices()[0].device_kind, "rows": rows}, fh, indent=2)
+    batches = [int(b) for b in args.sweep_microbatch.split(",")] if args.sweep_microbatch else [args.batch]
+    print(f"device: {jax.devices()[0].device_kind} x{jax.device_count()}   memory limit "
+          f"{(device_memory() or 0) / 2 ** 30:.1f} GiB")
+    print(f"{'scale':<5}{'arch':<11}{'B':>4}{'ms/step':>10}{'ktok/s':>10}{'MFU':>8}{'GiB':>8}{'compile':>9}")
+    variants = [Variant(s, a, b, args) for s in args.scale.split(",") for a in args.arch.split(",") for b in batches]
+    rows = measure(variants, args)
+    best = best_microbatches(rows)
+    save(args.out, rows, {"best": best})
+    if args.sweep_microbatch:
+        print("\nbest micro-batch (sequences per device):")
+        for k, b in sorted(best.items()):
+            print(f"  {k:<28} {b['batch']:>3}   {b['tokens_per_sec'] / 1e3:.1f} ktok/s   {100 * b['mfu']:.1f}% MFU")
+        if args.table_out:
+            with open(args.table_out, "w") as fh:
+                json.dump({"device": jax.devices()[0].device_kind, "measured": time.strftime("%Y-%m-%d"),
+                           "command": "experiments/bench_train.py --sweep-microbatch " + args.sweep_microbatch,
+                           "best": {k: b["batch"] for k, b in sorted(best.items())}}, fh, indent=2)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,8 @@ import json
 import os
 import subprocess
 import sys
+
+import pytest
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,6 +42,7 @@ def test_bench_selection(tmp_path):
     assert [r["selection"] for r in rows] == ["block", "token"] and all(r["ms"] > 0 for r in rows)
 
 
+@pytest.mark.slow
 def test_bench_decode_check_and_tables(tmp_path):
     """bench_decode: the decode == forward check passes, and both tables (layer, model) are written."""
     out = tmp_path / "decode.json"
@@ -54,3 +57,20 @@ def test_bench_decode_check_and_tables(tmp_path):
         ("layer", "full"), ("layer", "swa"), ("layer", "ssa_sparse"), ("layer", "mamba2"),
         ("model", "full"), ("model", "ssa_sparse")]
     assert all(r["tokens_per_sec"] > 0 and r["vs_full"] > 0 for r in rows)
+
+
+@pytest.mark.slow
+def test_bench_train_sweep_microbatch(tmp_path):
+    """bench_train --sweep-microbatch: every variant compiles and runs, the best table is written."""
+    out, table = tmp_path / "train.json", tmp_path / "mb.json"
+    tiny = ["ModelConfig.vocab_size = 256", "ModelConfig.d_model = 64", "ModelConfig.n_heads = 2",
+            "ModelConfig.d_ff = 128", "ModelConfig.n_layers = 2", "ModelConfig.compute_dtype = 'float32'"]
+    _run(["experiments/bench_train.py", "--scale", "s1", "--arch", "full,sa,mamba2", "--seq-len", "64",
+          "--sweep-microbatch", "1,2", "--steps", "1", "--compile-workers", "2", "--out", str(out),
+          "--table-out", str(table), *[a for b in tiny for a in ("--gin_param", b)]], tmp_path)
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["arch"], r["batch"], r["status"]) for r in rows] == [
+        (a, b, "ok") for a in ("full", "sa", "mamba2") for b in (1, 2)]
+    assert all(r["peak_bytes"] > 0 and r["compile_s"] > 0 for r in rows)
+    assert rows[2]["attention_backends"].get("sa w=128") == "xla"
+    assert set(json.loads(table.read_text())["best"]) == {"s1/full/64", "s1/sa/64", "s1/mamba2/64"}

@@ -1,0 +1,74 @@
+"""The micro-batch rule: how many gradient-accumulation steps a global batch needs on this mesh.
+
+The fastest micro-batch that fits one device was measured per (scale, arch, seq_len) by
+``experiments/bench_train.py --sweep-microbatch`` and stored in ``configs/microbatch_h200.json``
+(sequences per device). For a run, :func:`microbatches_for` picks the fewest micro-batches ``M`` that
+divide the global batch, keep each micro-batch divisible by the batch mesh axes, and put at most the
+measured number of sequences on each device. Unmeasured configs keep ``TrainConfig.microbatches``.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from pathlib import Path
+
+from hybrid_lm.config import CONFIGS_DIR, Config, ModelConfig
+
+TABLE = CONFIGS_DIR / "microbatch_h200.json"
+
+# (d_model, n_layers) of the scale presets (configs/scale/s*.gin)
+SCALES = {(384, 10): "s1", (512, 12): "s2", (640, 16): "s3", (768, 18): "s4", (1280, 30): "s5"}
+
+
+def scale_name(m: ModelConfig) -> str | None:
+    return SCALES.get((m.d_model, m.n_layers))
+
+
+def arch_name(m: ModelConfig) -> str:
+    """``full`` for an all-full-attention stack, ``ssa`` for SSA, else the efficient slot's mixer kind."""
+    kinds = {m.mixer(t).kind for t in set(m.layer_types())}
+    if kinds == {"attention"}:
+        return "full"
+    if "ssa" in kinds:
+        return "ssa"
+    return m.efficient.kind
+
+
+@lru_cache(maxsize=4)
+def _load(path: str) -> dict:
+    p = Path(path)
+    return json.loads(p.read_text())["best"] if p.exists() else {}
+
+
+def measured_per_device(cfg: Config, table: str | Path = TABLE) -> int | None:
+    """The measured best sequences per device for this config's scale, arch and seq_len, if any."""
+    scale = scale_name(cfg.model)
+    if scale is None:
+        return None
+    return _load(str(table)).get(f"{scale}/{arch_name(cfg.model)}/{cfg.data.seq_len}")
+
+
+def microbatches_for(global_batch: int, per_device: int, batch_shards: int) -> int:
+    """The fewest ``M`` dividing ``global_batch`` with ``global_batch / M`` divisible by
+    ``batch_shards`` and at most ``per_device * batch_shards`` sequences per micro-batch."""
+    if global_batch < 1 or per_device < 1 or batch_shards < 1:
+        raise ValueError(f"need global_batch, per_device and batch_shards >= 1, got "
+                         f"{global_batch}, {per_device}, {batch_shards}")
+    if global_batch % batch_shards:
+        raise ValueError(f"global_batch={global_batch} is not divisible by the {batch_shards} batch shards")
+    for M in range(1, global_batch + 1):
+        micro = global_batch // M
+        if global_batch % M == 0 and micro % batch_shards == 0 and micro <= per_device * batch_shards:
+            return M
+    return global_batch // batch_shards  # one sequence per device
+
+
+def rule_for(cfg: Config, batch_shards: int, table: str | Path = TABLE) -> tuple[int, str]:
+    """``(microbatches, reason)`` for ``cfg`` on ``batch_shards`` devices along the batch axes."""
+    per = measured_per_device(cfg, table)
+    if per is None:
+        return cfg.train.microbatches, "not measured: TrainConfig.microbatches as configured"
+    M = microbatches_for(cfg.train.global_batch, per, batch_shards)
+    return M, (f"measured best {per} x {cfg.data.seq_len} tokens per device "
+               f"({scale_name(cfg.model)}/{arch_name(cfg.model)}, {Path(table).name})")
