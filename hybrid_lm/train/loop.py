@@ -27,7 +27,6 @@ from hybrid_lm.train.checkpoint import Checkpointer, abstract_with_shardings
 from hybrid_lm.train.logger import StepLogger, check_extras, startup_summary
 from hybrid_lm.train.optim import optimizer_for_bounds, wsd_bounds
 from hybrid_lm.train.rundir import accepted_run_ids, prepare_run_dir
-from hybrid_lm.train.sharding import local_rows, put_batch  # noqa: F401  (moved; re-exported)
 from hybrid_lm.train.step import ModelFns, make_eval_step, make_init, make_train_step
 
 log = logging.getLogger(__name__)
@@ -131,7 +130,7 @@ def train(cfg: Config, workdir: Path | str | None = None, *, force: bool = False
                     _eval(logger, prog, data, state, 0)  # the curve starts at the untrained model
                 for step in range(start, tc.steps):
                     profile.before(step)
-                    state, stats = prog.step(state, put_batch(data.batch(step), prog.batch_shard), prog.bounds)
+                    state, stats = prog.step(state, shd.put_batch(data.batch(step), prog.batch_shard), prog.bounds)
                     if step == start:
                         logger.compiled(step)  # jit compiled synchronously inside that first call
                     done = step + 1
