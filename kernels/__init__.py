@@ -6,8 +6,8 @@
   token or per query block), forward and backward, same backend.
 """
 
-from .block_sparse_triton import SparseBlockSizes, block_sparse_attention
-from .windowed_triton import BlockSizes, default_block_sizes, windowed_attention
+from .block_sparse_pallas import SparseBlockSizes, block_sparse_attention
+from .windowed_pallas import BlockSizes, default_block_sizes, windowed_attention
 
 __all__ = ["BlockSizes", "SparseBlockSizes", "block_sparse_attention", "default_block_sizes",
            "windowed_attention"]

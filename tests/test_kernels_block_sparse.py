@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from hybrid_lm.ops.attention import dense_attention
 from hybrid_lm.ops.block_sparse import block_sparse_attention as ref_block_sparse
 from hybrid_lm_kernels import SparseBlockSizes, block_sparse_attention
-from hybrid_lm_kernels import block_sparse_triton as bs_mod
+from hybrid_lm_kernels import block_sparse_pallas as bs_mod
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
 

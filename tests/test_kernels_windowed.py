@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from hybrid_lm.ops.attention import dense_attention, windowed_attention as ref_windowed
 from hybrid_lm_kernels import BlockSizes, windowed_attention
-from hybrid_lm_kernels import windowed_triton as wa_mod
+from hybrid_lm_kernels import windowed_pallas as wa_mod
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
 
