@@ -3,6 +3,7 @@ parameters (both forms), hold-out metrics, bounds, compute-optimal allocation, C
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,8 +15,8 @@ from scipy.optimize import minimize_scalar
 from hybrid_lm.scaling import fit as F
 
 REPO = Path(__file__).resolve().parents[1]
-CHINCHILLA = [REPO.parent / "shared" / "anchors" / "chinchilla" / "svg_extracted_data.csv",
-              Path("/work/shared/anchors/chinchilla/svg_extracted_data.csv")]
+# Epoch AI's data (no licence upstream, so not in the repository): where to get it, docs/SOURCES.md section 7
+CHINCHILLA_ENV = "HYBRID_LM_CHINCHILLA_CSV"
 
 # Besiroglu et al. 2024 (Epoch AI), data_analysis.ipynb cells 25-26: estimate, bootstrap SE, 95% CI
 EPOCH = {"E": (1.81686, 0.02566, (1.769, 1.871)), "A": (482.006, 124.52, (285.214, 743.626)),
@@ -25,11 +26,10 @@ EPOCH = {"E": (1.81686, 0.02566, (1.769, 1.871)), "A": (482.006, 124.52, (285.21
 
 def _chinchilla_points():
     import csv
-    path = next((p for p in CHINCHILLA if p.exists()), None)
-    if path is None:
-        pytest.skip("Chinchilla anchor data not found at ../shared/anchors/chinchilla/svg_extracted_data.csv "
-                    "(or /work/shared/...); it is not part of the repository (no licence), so this test needs the "
-                    "shared directory next to the checkout")
+    path = Path(os.environ.get(CHINCHILLA_ENV) or "/nonexistent")
+    if not path.is_file():
+        pytest.skip(f"set {CHINCHILLA_ENV} to Epoch AI's svg_extracted_data.csv (not in the repository: no licence "
+                    "upstream; docs/SOURCES.md section 7 names the file and its sha256)")
     rows = list(csv.DictReader(path.open()))
     N = np.array([float(r["Model Size"]) for r in rows])
     C = np.array([float(r["Training FLOP"]) for r in rows])

@@ -2,7 +2,7 @@
 
 Qiao et al. (arXiv 2606.15378) evaluate their hybrids with the full-attention layers limited to a
 horizon H (``eval_sliding_window``), keeping S "attention sink" tokens (``eval_attention_sink_size``)
-visible; research notes §3.7. Query i sees key j iff ``j <= i`` and (``i - H < j`` or ``j < S``);
+visible (docs/SOURCES.md section 5). Query i sees key j iff ``j <= i`` and (``i - H < j`` or ``j < S``);
 the op and its dense oracle are ``hybrid_lm/ops/sink_attention.py``.
 
 The parameters are exactly those of ``attention`` (wq, wk, wv, wo; RoPE or NoPE per slot), so a

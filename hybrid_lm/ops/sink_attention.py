@@ -1,6 +1,6 @@
 """Causal attention limited to a horizon of H tokens plus S sink tokens: pure jnp, O(T * (H + S)).
 
-The receptive-field constraint of Qiao et al. (arXiv 2606.15378; research notes §3.7; their HF
+The receptive-field constraint of Qiao et al. (arXiv 2606.15378; docs/SOURCES.md section 5; their HF
 ``modeling.py`` knobs ``eval_sliding_window`` / ``eval_attention_sink_size``): a full-attention layer
 may only look at the last H tokens, plus the first S positions of the sequence (the "attention
 sinks"), which stay visible to every later query. Query i sees key j iff

@@ -40,7 +40,7 @@ from hybrid_lm.errors import ConfigError
 from hybrid_lm.files import atomic_write_json
 
 SCHEMA = "hybrid_lm.sweep/1"
-MFU_H200_MEASURED = 0.385  # ../shared/anchors/ANCHORS.md: 375M GPT at T=16K, 38.3% (full) / 39.0% (SWA-128)
+MFU_H200_MEASURED = 0.385  # measured on one H200: 375M GPT, T=16K, bf16, 38.3% / 39.0% MFU (docs/SOURCES.md)
 PEAK_FLOPS = 989e12  # H200 dense bf16, the MFU denominator used by the trainer
 
 _TOP_KEYS = {"name", "description", "root", "gin", "params", "seeds", "budgets", "n_definition", "mfu",
