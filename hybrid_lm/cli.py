@@ -10,6 +10,7 @@ from pathlib import Path
 
 from hybrid_lm.config import load_config
 from hybrid_lm.errors import ConfigError
+from hybrid_lm.train.compile_cache import enable_compilation_cache
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -140,6 +141,7 @@ def main(argv=None) -> int:
     add_scaling_commands(sub)
 
     args = ap.parse_args(argv)
+    enable_compilation_cache()
     try:
         return args.fn(args)
     except ConfigError as e:

@@ -93,6 +93,7 @@ class ModelConfig:
     # An execution detail (same math up to rounding), so not part of the run id; recorded in config.json.
     linear_impl: LinearImpl = _nid("auto")
     remat: Remat = "none"
+    scan_layers: bool = _nid(False)  # lax.scan over repeated layer groups (same params; hybrid_lm/model/transformer.py)
     full: MixerConfig = field(default_factory=lambda: SLOT_DEFAULTS["full"])
     efficient: MixerConfig = field(default_factory=lambda: SLOT_DEFAULTS["efficient"])
 

@@ -4,6 +4,7 @@ import pytest
 
 # One CPU device per test process; the sharding tests set their own device count in subprocesses.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("HYBRID_LM_COMPILATION_CACHE", "off")  # parallel tests: no shared on-disk cache
 
 
 @pytest.fixture(scope="session", autouse=True)

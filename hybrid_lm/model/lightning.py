@@ -146,11 +146,22 @@ class LightningAttention(nnx.Module):
         elif o.gate == "full":
             self.wg = param(rngs, (d, H, D), ("embed", "heads", "head_dim"), std)
         self.opts = o
-        self.layer_idx = layer_idx
+        self.layer_idx, self.n_layers = layer_idx, cfg.n_layers
         self.n_heads, self.head_dim = H, D
-        self.g_gamma = tuple(lightning_log_decay(o.decay, H, layer_idx, cfg.n_layers))  # static floats
         self.scale = o.scale if o.scale is not None else (1.0 if o.decay == "alibi" else D ** -0.5)
         self.linear_impl = cfg.linear_impl  # auto | xla | jla (ops/linear_attention_gpu.py)
+
+    @property
+    def g_gamma(self) -> tuple[float, ...]:
+        """This layer's per-head log decay (static floats)."""
+        return tuple(lightning_log_decay(self.opts.decay, self.n_heads, self.layer_idx, self.n_layers))
+
+    def log_decay(self, layer=None):
+        """``g_gamma [H]`` fp32 of ``layer`` (a traced index under ``scan_layers``; None: this layer)."""
+        if layer is None:
+            return jnp.asarray(self.g_gamma, jnp.float32)
+        table = [lightning_log_decay(self.opts.decay, self.n_heads, i, self.n_layers) for i in range(self.n_layers)]
+        return jnp.asarray(table, jnp.float32)[layer]
 
     # -- pieces shared by the chunked forward and the decode step (any leading shape [..., d])
 
@@ -180,17 +191,17 @@ class LightningAttention(nnx.Module):
 
     # -- training / prefill
 
-    def forward(self, x, state=None):
+    def forward(self, x, state=None, layer=None):
         """``x [B, T, d]`` -> ``(y [B, T, d], state)``; ``state`` as :meth:`init_state` (None = zeros)."""
         q, k, v = self._qkv(x)
-        o, S = simple_gla(q, k, v, g_gamma=jnp.asarray(self.g_gamma, jnp.float32), scale=self.scale,
+        o, S = simple_gla(q, k, v, g_gamma=self.log_decay(layer), scale=self.scale,
                           initial_state=None if state is None else state["recurrent_state"],
                           output_final_state=True, chunk_size=self.opts.chunk_size,
                           impl=self.linear_impl, kernel_dtype=x.dtype, label="lightning")
         return self._output(o, x), {"recurrent_state": S}
 
     def __call__(self, x, ctx: MixerContext):
-        return self.forward(x)[0]
+        return self.forward(x, layer=ctx.layer)[0]
 
     def prefill(self, x, ctx: MixerContext, max_len: int):
         """The forward pass over a prompt plus the state it leaves (``max_len``: not needed)."""
@@ -204,6 +215,6 @@ class LightningAttention(nnx.Module):
     def step(self, x_t, state: dict):
         """One token: ``x_t [B, d]`` -> ``(y_t [B, d], new state)``."""
         q, k, v = self._qkv(x_t)
-        o, S = simple_gla_step(state["recurrent_state"], q, k, v, jnp.asarray(self.g_gamma, jnp.float32),
+        o, S = simple_gla_step(state["recurrent_state"], q, k, v, self.log_decay(),
                                scale=self.scale)
         return self._output(o, x_t), {"recurrent_state": S}

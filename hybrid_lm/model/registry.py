@@ -29,6 +29,7 @@ class MixerContext:
     example_ids: Any = None  # [B] global example indices (never device-local)
     train: bool = True
     micro_index: Any = 0  # micro-batch index within the step (traced int), for per-micro-batch randomness
+    layer: Any = None  # absolute layer index (traced int) under ModelConfig.scan_layers; None: the mixer's own
 
 
 # forward FLOPs per token of one layer: (model_cfg, mixer_cfg, seq_len) -> {"matmul": .., "mixing": ..}

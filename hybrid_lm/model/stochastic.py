@@ -95,7 +95,9 @@ def sa_permutations(opts: SAOptions, ctx: MixerContext, layer: int, batch: int, 
     Training draws from ``(ctx.seed, ctx.step)``; eval from ``(eval_seed, EVAL_STREAM + draw)`` so
     that every checkpoint is evaluated under the same permutations. ``ctx.example_ids`` are global
     example indices; without them (a caller outside the trainer) the global row index is used.
+    ``ctx.layer`` (the traced index under ``scan_layers``), when set, replaces ``layer``.
     """
+    layer = layer if ctx.layer is None else ctx.layer
     ids = ctx.example_ids if ctx.example_ids is not None else jnp.arange(batch, dtype=jnp.int32)
     if ctx.train:
         streams = [(ctx.seed, ctx.step)]

@@ -1,6 +1,17 @@
-"""The hybrid language model: embedding, a stack of (mixer + SwiGLU) blocks from a layer pattern, head."""
+"""The hybrid language model: embedding, a stack of (mixer + SwiGLU) blocks from a layer pattern, head.
+
+``ModelConfig.scan_layers`` runs the stack as one ``jax.lax.scan`` over repeated layer groups (one
+period of the layer pattern, e.g. (full, efficient) for ``'1:1'``), so the compiled program holds
+one group instead of every layer. The parameters keep their per-layer layout (the ``blocks`` list):
+each call stacks the groups' variables leaf by leaf and scans one group's graph over them, so
+checkpoints, parameter paths, logical axes and shapes are the same with or without it. Mixers that
+depend on their layer index at call time read it from ``MixerContext.layer`` (traced under scan).
+"""
 
 from __future__ import annotations
+
+import dataclasses
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -11,10 +22,26 @@ from hybrid_lm.model.layers import Embedding, RMSNorm, SwiGLU, param
 from hybrid_lm.model.registry import MixerContext, get_mixer
 from hybrid_lm.ops.attention import default_positions
 
+log = logging.getLogger(__name__)
+
 _REMAT_POLICIES = {
     "full": None,  # save nothing: recompute the whole block
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
+
+
+def pattern_period(layer_types: list[str]) -> int:
+    """The shortest period of the per-layer types that tiles them (the scan's group size)."""
+    n = len(layer_types)
+    return next(p for p in range(1, n + 1) if n % p == 0 and layer_types == layer_types[:p] * (n // p))
+
+
+def _structure(graphdef):
+    """A block's graph definition with its layer index left out (static ``layer_idx`` attributes)."""
+    if not hasattr(graphdef, "attributes"):  # another flax layout: compare whole (scan_plan then declines)
+        return graphdef
+    attrs = [(k, nnx.graph.Static(None)) if k == "layer_idx" else (k, a) for k, a in graphdef.attributes]
+    return dataclasses.replace(graphdef, attributes=attrs)
 
 
 class Block(nnx.Module):
@@ -69,12 +96,73 @@ class HybridLM(nnx.Module):
             B, T = tokens.shape
             ctx = MixerContext(positions=default_positions(B, T))
         x = self.embed(tokens, dtype)
+        return self.logits(self.run_blocks(x, ctx))
+
+    def _apply(self, block, x, ctx: MixerContext):
+        if self.cfg.remat == "none":
+            return block(x, ctx)
+        return nnx.remat(lambda b, h: b(h, ctx), policy=_REMAT_POLICIES[self.cfg.remat])(block, x)
+
+    def run_blocks(self, x, ctx: MixerContext):
+        """The residual stream after every block: unrolled, or scanned under ``scan_layers``."""
+        if self.cfg.scan_layers:
+            period, reason = self.scan_plan()
+            if reason is None:
+                return self._scan_blocks(x, ctx, period)
+            log.warning("scan_layers: running the layers unrolled (%s)", reason)
         for block in self.blocks:
-            if cfg.remat == "none":
-                x = block(x, ctx)
-            else:
-                x = nnx.remat(lambda b, h: b(h, ctx), policy=_REMAT_POLICIES[cfg.remat])(block, x)
-        return self.logits(x)
+            x = self._apply(block, x, ctx)
+        return x
+
+    def scan_plan(self) -> tuple[int, str | None]:
+        """``(group size, None)`` when the blocks can be scanned, else ``(group size, why not)``."""
+        n = len(self.blocks)
+        period = pattern_period(self.cfg.layer_types())
+        if n // period < 2:
+            return period, f"the {n} layers form a single group of the layer pattern"
+        first = [_structure(nnx.graphdef(b)) for b in self.blocks[:period]]
+        for i in range(period, n):
+            if _structure(nnx.graphdef(self.blocks[i])) != first[i % period]:
+                return period, f"layer {i} is not built like layer {i % period}"
+        return period, None
+
+    def _scan_blocks(self, x, ctx: MixerContext, period: int):
+        """``lax.scan`` over the ``n_layers // period`` groups. Values the blocks sow
+        (``nnx.Intermediate``) are returned by the scan and sown again into each layer's own
+        module, so ``nnx.capture`` sees the same tree as unrolled. Blocks must not update other
+        variables in the forward pass (none does)."""
+        n = len(self.blocks)
+        groups = n // period
+        split = [nnx.split(b) for b in self.blocks]
+        graphdefs = [split[j][0] for j in range(period)]
+        stacked = [jax.tree.map(lambda *a: jnp.stack(a), *[split[g * period + j][1] for g in range(groups)])
+                   for j in range(period)]
+        layers = jnp.arange(n, dtype=jnp.int32).reshape(groups, period)
+
+        def body(h, xs):
+            states, idx = xs
+            sown = []
+            for j in range(period):
+                c = dataclasses.replace(ctx, layer=idx[j])
+                block = nnx.merge(graphdefs[j], states[j])
+                h, s = nnx.capture(lambda b, y: self._apply(b, y, c), nnx.Intermediate)(block, h)
+                sown.append(s)
+            return h, sown
+
+        x, sown = jax.lax.scan(body, x, (stacked, layers))
+        for j in range(period):
+            for path, var in nnx.to_flat_state(sown[j]):
+                values = var.get_value()
+                if not isinstance(values, tuple):
+                    raise NotImplementedError(f"scan_layers: {'/'.join(map(str, path))} was sown with a custom "
+                                              "reduce_fn; only the default (a tuple of values) is supported")
+                for g in range(groups):
+                    module = self.blocks[g * period + j]
+                    for key in path[:-1]:
+                        module = module[key] if isinstance(key, int) else getattr(module, key)
+                    for value in values:
+                        module.sow(nnx.Intermediate, path[-1], value[g])
+        return x
 
     def logits(self, x):
         """fp32 logits from the last block's output ``x [..., d]``."""
