@@ -22,6 +22,7 @@ def _inputs(N, d, V, dtype, seed=0):
     (64, 8, 77, 1000, 0.0),      # one chunk larger than N
     (129, 24, 256, 1, 1e-2),     # one token per chunk
 ])
+@pytest.mark.slow
 def test_chunked_matches_reference_fp32(N, d, V, chunk, z):
     h, w, t = _inputs(N, d, V, jnp.float32, seed=N)
 

@@ -20,6 +20,7 @@ def _run(args, tmp_path, timeout=600):
     return r.stdout
 
 
+@pytest.mark.slow
 def test_bench_attention_parallel_workers_merge(tmp_path):
     """--parallel: one worker per shape and one for MoBA, GPU turns under a file lock, one merged
     table and JSON."""

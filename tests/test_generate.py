@@ -60,6 +60,7 @@ def _tokens(seed: int, B: int = 2, n: int = T):
 
 @pytest.mark.parametrize("kind,rope_full", [(k, r) for k in sorted(EFFICIENT) for r in (True, False)]
                          + [(k, True) for k in sorted(SSA)])  # SSA sits in the full slot
+@pytest.mark.slow
 def test_prefill_then_steps_equal_the_forward_pass(kind, rope_full):
     if kind in SSA:
         model = _model(kind)

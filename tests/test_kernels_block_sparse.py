@@ -79,6 +79,7 @@ def _check(B, T, H, K, D, block_size, top_k, Hs, per_token, dtype=jnp.float32, b
 TINY = SparseBlockSizes(block_q=16, block_k=16)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("per_token", [True, False], ids=["per_token", "per_block"])
 @pytest.mark.parametrize("heads", ["moba", "ssa"])
 def test_fp32_against_reference(per_token, heads):

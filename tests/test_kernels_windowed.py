@@ -109,6 +109,7 @@ def test_fp32_odd_head_dim_and_window_one_block():
     _check(B=1, T=97, H=2, K=2, D=24, w=16, dtype=jnp.float32, permuted=False, seed=3)
 
 
+@pytest.mark.slow
 def test_against_blocked_reference_and_identity_positions():
     """Positions = identity must equal the position-free SWA path and the blocked reference."""
     B, T, H, K, D, w = 2, 130, 4, 4, 16, 40

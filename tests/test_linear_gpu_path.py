@@ -176,6 +176,7 @@ def test_simple_gla_conversion_matches_reference(case):
         assert _rel(a, b) < 1e-4, (case, i, _rel(a, b))
 
 
+@pytest.mark.slow
 @needs_jla
 def test_gated_delta_rule_conversion_matches_reference():
     q, k, v, g, _, beta, S0 = _inputs(3, T=70, unit_qk=True)
@@ -282,6 +283,7 @@ def test_layer_jla_on_cpu_raises():
         _build("lightning", "jla").forward(x)
 
 
+@pytest.mark.slow
 @needs_jla
 @pytest.mark.parametrize("kind", ["lightning", "mamba2", "gdn"])
 def test_layers_through_the_jla_conversion(kind, monkeypatch):

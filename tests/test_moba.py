@@ -206,6 +206,7 @@ def test_tiny_hybrid_with_moba_trains(tiny_params, tmp_path):
     assert np.isfinite(res.final_eval["loss"]) and res.final_eval["loss"] < rows[0]["loss"]
 
 
+@pytest.mark.slow
 def test_block_selection_ranks_by_the_previous_blocks_mean_query_and_shares_lists():
     """selection='block': one list per query block, ranked by the preceding block's mean query
     . mean(k_c) (moba gate), own block forced; moba_attention with it equals the given-blocks

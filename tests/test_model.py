@@ -99,6 +99,7 @@ EVERY_EFFICIENT_MIXER = {  # tiny options; the full slot stays full attention
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(EVERY_EFFICIENT_MIXER))
 @pytest.mark.parametrize("train", [True, False])
 def test_every_mixer_is_causal(name, train):

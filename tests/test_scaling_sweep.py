@@ -111,6 +111,7 @@ def test_dry_run_cli():
         assert j.name in r.stdout
 
 
+@pytest.mark.slow
 def test_parameter_matching_equalises_N():
     raw = _spec_dict(RETHINKING)
     raw["scales"] = {k: raw["scales"][k] for k in ("S1", "S2")}

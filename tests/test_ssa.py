@@ -46,6 +46,7 @@ def _layer_and_inputs():
     return layer, x, pos
 
 
+@pytest.mark.slow
 def test_chosen_stream_feeds_the_output_and_the_other_only_the_alignment():
     layer, x, pos = _layer_and_inputs()
     graphdef, params = nnx.split(layer)

@@ -309,6 +309,7 @@ def test_cli_generate(trained, capsys):
     assert main(["generate", str(wd / "nowhere"), "--prompt", "x"]) == 2
 
 
+@pytest.mark.slow
 def test_longppl_on_the_trained_run(trained, capsys):
     """Thresholds that make every token past K key turn LongPPL into the perplexity of those tokens
     (checked against the model's own forward pass); a fixed evaluator marks keys that score the

@@ -11,6 +11,7 @@ from hybrid_lm.train.step import ModelFns, make_init, make_train_step
 from resume_check import final_state  # test tooling in tests/
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_equals_the_large_batch(tiny_params):
     cfg1 = load_config([], tiny_params + ["TrainConfig.global_batch = 8"])
     cfg4 = load_config([], tiny_params + ["TrainConfig.global_batch = 8", "TrainConfig.microbatches = 4"])
@@ -75,6 +76,7 @@ def test_retention_keeps_newest_and_permanent(tiny_params, tmp_path):
     assert steps == [10, 20, 22, 24], steps
 
 
+@pytest.mark.slow
 def test_remat_gives_the_same_loss_and_gradients(tiny_params):
     losses = []
     for remat in ("none", "full", "dots"):
@@ -122,6 +124,7 @@ def test_z_loss_joins_the_objective_but_not_the_logged_loss(tiny_params):
     assert float(o1) == pytest.approx(float(a1["ce"]) + 1e-2 * float(jax.numpy.mean(lse ** 2)), rel=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
 def test_run_length_is_a_runtime_input_of_the_step(tiny_params, optimizer):
     """One compiled step serves every run length (WSD bounds passed at run time) and equals the
