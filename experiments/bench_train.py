@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hybrid_lm.backends import recorded_backends
+from hybrid_lm.backends import loss_backend, recorded_backends
 from hybrid_lm.config import load_config
 from hybrid_lm.model.accounting import PEAK_FLOPS_H200_BF16, count_params, flops_per_token
 from hybrid_lm.train.optim import optimizer_for_bounds, wsd_bounds
@@ -131,7 +131,9 @@ def measure(variants, args) -> list[dict]:
             except Exception as e:  # noqa: BLE001 - a variant that cannot trace is reported, not fatal
                 futures.append((v, {}, e))
         for v, backends, fut in futures:
-            row = dict(v.key, attention_backends=backends)
+            row = dict(v.key, attention_backends=backends,
+                       loss_backend=loss_backend(v.cfg.model.loss_impl, v.key["batch"] * v.key["seq_len"],
+                                                 v.cfg.model.vocab_size)[0])
             f = flops_per_token(v.cfg.model, v.key["seq_len"])
             row.update(non_embedding=count_params(v.cfg.model)["non_embedding"], train_flops_per_token=f["train"],
                        tokens_per_step=v.key["batch"] * v.key["seq_len"])

@@ -28,6 +28,8 @@ from hybrid_lm.errors import ConfigError
 PALLAS_SWA_MAX_WINDOW = 256
 # cuDNN's fused attention takes these compute dtypes only (fp32 runs xla or our kernel under ``auto``).
 CUDNN_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+# The next-token loss runs in token chunks under ``auto`` once whole fp32 logits would take this much.
+CHUNKED_LOSS_MIN_BYTES = 2 ** 30
 # MoBA's block-sparse kernel takes blocks that are powers of two from this size up.
 MOBA_PALLAS_MIN_BLOCK = 16
 # Selection top-k on a GPU: ``k`` argmax passes when k <= PASSES_MAX_K (the passes are unrolled) and
@@ -125,6 +127,17 @@ def attention_backend(impl: str, *, permuted: bool, window: int | None = None, q
     if impl == "jla" and qkv is not None and (reason := jla_attention_reason(*qkv, platform=platform)) is not None:
         raise ConfigError(f"attention_impl='jla' cannot run here: {reason}")
     return impl, f"attention_impl={impl!r} set explicitly"
+
+
+def loss_backend(impl: str, n_tokens: int, vocab: int) -> tuple[str, str]:
+    """``(backend, reason)`` of the next-token loss: ``full`` (whole fp32 logits) or ``chunked``
+    (``hybrid_lm.ops.cross_entropy.chunked_cross_entropy``, never more than a chunk of logits)."""
+    whole = 4 * n_tokens * vocab
+    if impl != "auto":
+        return impl, f"loss_impl={impl!r} set explicitly"
+    if whole >= CHUNKED_LOSS_MIN_BYTES:
+        return "chunked", f"auto: whole logits {whole / 2 ** 30:.1f} GiB >= CHUNKED_LOSS_MIN_BYTES"
+    return "full", f"auto: whole logits {whole / 2 ** 20:.1f} MiB < CHUNKED_LOSS_MIN_BYTES"
 
 
 def attention_op_name(window: int | None, permuted: bool) -> str:

@@ -56,8 +56,13 @@ def cmd_info(args) -> int:
         return _info_backends(cfg, args.json)
     counts = count_params(cfg.model)
     flops = flops_per_token(cfg.model, cfg.data.seq_len)
+    from hybrid_lm.train.microbatch import measured_per_device, rule_for
+
+    micro, why = rule_for(cfg, batch_shards=1)
     info = {"run_id": cfg.run_id(), "layer_types": "".join(cfg.model.layer_types()),
-            "seq_len": cfg.data.seq_len, "params": counts, "flops_per_token": flops}
+            "seq_len": cfg.data.seq_len, "params": counts, "flops_per_token": flops,
+            "microbatch": {"measured_per_device": measured_per_device(cfg), "microbatches_on_one_device": micro,
+                           "reason": why}}
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
@@ -77,6 +82,7 @@ def cmd_info(args) -> int:
               f"{f['per_layer']:>14.4g}")
     print(f"{'lm head':<29}{flops['head']:>14.4g}")
     print(f"total forward {flops['forward']:.4g}   train (3x) {flops['train']:.4g} FLOPs/token")
+    print(f"\nmicro-batches for global_batch {cfg.train.global_batch} on one device: {micro} ({why})")
     return 0
 
 

@@ -69,6 +69,7 @@ DType = Literal["float32", "bfloat16", "float16"]
 Source = Literal["embedded", "tokens"]  # tokens: a prepared dir with train.bin / val.bin
 Optimizer = Literal["adamw", "muon"]  # muon: Muon for hidden matrices, AdamW for the rest (train/optim.py)
 DecayShape = Literal["linear", "cosine", "1-sqrt"]
+LossImpl = Literal["auto", "full", "chunked"]  # resolved in hybrid_lm/backends.py (loss_backend)
 NanPolicy = Literal["stop", "skip"]  # a non-finite loss/gradient never reaches the state
 
 
@@ -93,6 +94,10 @@ class ModelConfig:
     # An execution detail (same math up to rounding), so not part of the run id; recorded in config.json.
     linear_impl: LinearImpl = _nid("auto")
     remat: Remat = "none"
+    # next-token loss: whole fp32 logits, or chunks of loss_chunk tokens (hybrid_lm/ops/cross_entropy.py);
+    # the same math up to float rounding, so not part of the run id
+    loss_impl: LossImpl = _nid("auto")
+    loss_chunk: int = _nid(8192)
     scan_layers: bool = _nid(False)  # lax.scan over repeated layer groups (same params; hybrid_lm/model/transformer.py)
     full: MixerConfig = field(default_factory=lambda: SLOT_DEFAULTS["full"])
     efficient: MixerConfig = field(default_factory=lambda: SLOT_DEFAULTS["efficient"])
@@ -349,6 +354,8 @@ def check_config(cfg: Config) -> None:
     if min(m.d_model, m.n_layers, m.d_ff, m.vocab_size) < 1:
         raise ConfigError("d_model, n_layers, d_ff and vocab_size must be >= 1")
     m.layer_types()  # raises on a bad pattern
+    if m.loss_chunk < 1:
+        raise ConfigError(f"ModelConfig.loss_chunk={m.loss_chunk} must be >= 1 (tokens per loss chunk)")
     for slot, mc in (("full", m.full), ("efficient", m.efficient)):
         if mc.window is not None and mc.window < 1:
             raise ConfigError(f"{slot}/MixerConfig.window={mc.window}: a window must be >= 1 "

@@ -67,3 +67,36 @@ def test_chunked_never_materialises_whole_logits():
     # a few chunks of logits plus the fp32 head-gradient accumulator, far below the whole logits
     assert temp_chk < 4 * logits_bytes(chunk, V) + 4 * d * V * 4, (temp_chk, whole)
     assert temp_chk < whole / 8
+
+
+def test_train_loss_chunked_equals_full():
+    """The train step's loss and gradients with loss_impl='chunked' equal loss_impl='full' (tiny model,
+    z-loss on), and auto picks by the size of the whole logits."""
+    from hybrid_lm.backends import CHUNKED_LOSS_MIN_BYTES, loss_backend
+    from hybrid_lm.config import load_config
+    from hybrid_lm.train.step import ModelFns
+
+    assert loss_backend("auto", 4096, 256)[0] == "full"  # the quickstart: 4 MiB of logits
+    assert loss_backend("auto", 131072, 73448)[0] == "chunked"  # 8 x 16K tokens at the presets' vocab
+    at = -(-CHUNKED_LOSS_MIN_BYTES // 4000)  # tokens whose logits at vocab 1000 reach the threshold
+    assert loss_backend("auto", at, 1000)[0] == "chunked" and loss_backend("auto", at - 1, 1000)[0] == "full"
+    base = ["ModelConfig.vocab_size = 300", "ModelConfig.d_model = 32", "ModelConfig.n_heads = 2",
+            "ModelConfig.n_kv_heads = 1", "ModelConfig.d_ff = 64", "ModelConfig.n_layers = 2",
+            "ModelConfig.compute_dtype = 'float32'", "DataConfig.seq_len = 48", "OptimConfig.z_loss = 1e-3",
+            "efficient/MixerConfig.window = 16"]
+    out = {}
+    for impl, tie in (("full", False), ("chunked", False), ("full", True), ("chunked", True)):
+        cfg = load_config([], base + [f"ModelConfig.loss_impl = '{impl}'", "ModelConfig.loss_chunk = 40",
+                                      f"ModelConfig.tie_embeddings = {tie}"])
+        fns = ModelFns(cfg)
+        params = fns.init(0)
+        tokens = jax.random.randint(jax.random.key(1), (3, 49), 0, 300)
+        (obj, aux), g = jax.value_and_grad(
+            lambda p: fns.loss(p, tokens, jnp.int32(0), jnp.arange(3)), has_aux=True)(params)
+        out[impl, tie] = (obj, aux["ce"], g)
+    for tie in (False, True):
+        (o1, c1, g1), (o2, c2, g2) = out["full", tie], out["chunked", tie]
+        np.testing.assert_allclose(float(o2), float(o1), rtol=1e-6)
+        np.testing.assert_allclose(float(c2), float(c1), rtol=1e-6)
+        for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
+            np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-6 * float(jnp.max(jnp.abs(a))))

@@ -88,15 +88,16 @@ class HybridLM(nnx.Module):
         if not cfg.tie_embeddings:
             self.lm_head = param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg.init_std)
 
-    def __call__(self, tokens, ctx: MixerContext | None = None):
-        """Logits (fp32) ``[B, T, vocab]`` for ``tokens [B, T]``."""
+    def __call__(self, tokens, ctx: MixerContext | None = None, *, features: bool = False):
+        """Logits (fp32) ``[B, T, vocab]`` for ``tokens [B, T]``; with ``features=True`` the final
+        normed hidden state ``[B, T, d]`` instead (the head's input: ``logits = h @ head_matrix()``)."""
         cfg = self.cfg
         dtype = jnp.dtype(cfg.compute_dtype)
         if ctx is None:
             B, T = tokens.shape
             ctx = MixerContext(positions=default_positions(B, T))
-        x = self.embed(tokens, dtype)
-        return self.logits(self.run_blocks(x, ctx))
+        x = self.run_blocks(self.embed(tokens, dtype), ctx)
+        return self.final_norm(x) if features else self.logits(x)
 
     def _apply(self, block, x, ctx: MixerContext):
         if self.cfg.remat == "none":
@@ -164,6 +165,10 @@ class HybridLM(nnx.Module):
                         module.sow(nnx.Intermediate, path[-1], value[g])
         return x
 
+    def head_matrix(self):
+        """The LM head ``[d_model, vocab]`` (fp32 parameters; the embedding table's transpose when tied)."""
+        return self.embed.table[...].T if self.cfg.tie_embeddings else self.lm_head[...]
+
     def logits(self, x):
         """fp32 logits from the last block's output ``x [..., d]``."""
         x = self.final_norm(x)
@@ -198,11 +203,3 @@ class HybridLM(nnx.Module):
             new.append(state)
         return self.logits(x), new
 
-
-def cross_entropy(logits, targets, z_loss: float = 0.0):
-    """Mean token cross-entropy (nats) and the mean log-partition, both fp32."""
-    lse = jax.nn.logsumexp(logits, axis=-1)
-    tgt = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-    ce = jnp.mean(lse - tgt)
-    loss = ce + z_loss * jnp.mean(lse ** 2) if z_loss else ce
-    return loss, ce

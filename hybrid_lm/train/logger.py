@@ -200,6 +200,9 @@ def startup_summary(cfg: Config, data: DataStreams, mesh) -> list[str]:
     for (kind, op, backend, why), layers in uses.items():
         use = f"{op} -> {backend}" + (f" ({why})" if why else "") if op is not None else why
         lines.append(f"backend  layer {','.join(map(str, layers))} {kind}: {use}")
+    micro = cfg.train.global_batch // cfg.train.microbatches * cfg.data.seq_len
+    loss, why = backends.loss_backend(m.loss_impl, micro, m.vocab_size)
+    lines.append(f"backend  loss: {loss} ({why}; {micro:,} tokens per micro-batch)")
     train_tokens = data.meta.get("train_tokens")
     lines += [f"data     {cfg.data.source}: " + (f"{train_tokens:,} train tokens, " if train_tokens else "")
               + f"{len(data.train_windows):,} train windows of {cfg.data.seq_len} tokens, "

@@ -12,8 +12,10 @@ from flax import nnx
 
 from hybrid_lm.config import Config
 from hybrid_lm.model.registry import MixerContext, get_mixer
-from hybrid_lm.model.transformer import HybridLM, cross_entropy
+from hybrid_lm.backends import loss_backend
+from hybrid_lm.model.transformer import HybridLM
 from hybrid_lm.ops.attention import default_positions
+from hybrid_lm.ops.cross_entropy import chunked_cross_entropy, cross_entropy
 
 
 class ModelFns:
@@ -60,8 +62,14 @@ class ModelFns:
                            attention_impl=cfg.model.attention_impl, step=step, seed=cfg.train.seed,
                            example_ids=example_ids, train=train, micro_index=micro_index)
         model = self.model(params)
-        logits, sown = nnx.capture(model, nnx.Intermediate)(inputs, ctx)
-        obj, ce = cross_entropy(logits, targets, cfg.optim.z_loss if train else 0.0)
+        z_loss = cfg.optim.z_loss if train else 0.0
+        if loss_backend(cfg.model.loss_impl, B * T, cfg.model.vocab_size)[0] == "chunked":  # never more than loss_chunk tokens of logits at a time
+            h, sown = nnx.capture(model, nnx.Intermediate)(inputs, ctx, features=True)
+            obj, ce = chunked_cross_entropy(h.reshape(B * T, -1), model.head_matrix(), targets.reshape(-1),
+                                            z_loss, chunk=cfg.model.loss_chunk)
+        else:
+            logits, sown = nnx.capture(model, nnx.Intermediate)(inputs, ctx)
+            obj, ce = cross_entropy(logits, targets, z_loss)
         aux = {"ce": ce}
         totals: dict[str, jax.Array] = {}
         for path, value in jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(sown)):
