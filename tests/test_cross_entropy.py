@@ -69,6 +69,7 @@ def test_chunked_never_materialises_whole_logits():
     assert temp_chk < whole / 8
 
 
+@pytest.mark.slow
 def test_train_loss_chunked_equals_full():
     """The train step's loss and gradients with loss_impl='chunked' equal loss_impl='full' (tiny model,
     z-loss on), and auto picks by the size of the whole logits."""

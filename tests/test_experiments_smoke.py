@@ -36,6 +36,7 @@ def test_bench_attention_parallel_workers_merge(tmp_path):
     assert r["moba"]["rows"]["pallas_block[m64]"]["fwd_bwd"] is not None
 
 
+@pytest.mark.slow
 def test_bench_selection(tmp_path):
     out = tmp_path / "selection.json"
     _run(["experiments/bench_selection.py", "--cases", "256:16:4:ssa", "--out", str(out)], tmp_path)

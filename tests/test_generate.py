@@ -76,6 +76,7 @@ def test_prefill_then_steps_equal_the_forward_pass(kind, rope_full):
         np.testing.assert_allclose(got, want[:, t], rtol=1e-4, atol=1e-4, err_msg=f"position {t}")
 
 
+@pytest.mark.slow
 def test_generate_greedy_equals_argmax_of_the_forward_pass():
     model = _model("swa")
     prompt = _tokens(5, n=PROMPT)
@@ -87,6 +88,7 @@ def test_generate_greedy_equals_argmax_of_the_forward_pass():
     assert got.dtype == jnp.int32 and got.shape == (2, 6)
 
 
+@pytest.mark.slow
 def test_sampling():
     model = _model("gdn")
     prompt = _tokens(6, n=PROMPT)

@@ -88,22 +88,26 @@ def test_fp32_against_reference(per_token, heads):
     _check(1, 200, H, K, 32, block_size=32, top_k=3, Hs=Hs, per_token=per_token, blocks=TINY)
 
 
+@pytest.mark.slow
 def test_per_token_tiles_wider_than_block():
     # query tiles of 64 span two blocks of 32: the own zone mixes own-block and selected rows
     _check(2, 150, 2, 1, 16, block_size=32, top_k=2, Hs=2, per_token=True,
            blocks=SparseBlockSizes(block_q=64, block_k=32), seed=1)
 
 
+@pytest.mark.slow
 def test_per_block_rectangular_tiles_and_odd_head_dim():
     _check(1, 300, 3, 1, 40, block_size=64, top_k=3, Hs=3, per_token=False,
            blocks=SparseBlockSizes(block_q=32, block_k=16), seed=2)
 
 
+@pytest.mark.slow
 def test_bf16_default_tiles():
     _check(1, 256, 2, 1, 64, block_size=64, top_k=2, Hs=1, per_token=False, dtype=jnp.bfloat16,
            tol=2e-2, seed=3)
 
 
+@pytest.mark.slow
 def test_top_k_covering_all_blocks_is_causal_attention():
     B, T, H, K, D, bs = 1, 160, 2, 1, 32, 32
     q, k, v, do, idx, _ = _inputs(4, B, T, H, K, D, jnp.float32, bs, 99, K, True)

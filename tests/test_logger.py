@@ -90,6 +90,7 @@ def test_wandb_sink_offline(tiny_params, tmp_path, monkeypatch):
     assert len(read_metrics(tmp_path / "metrics.jsonl")) == 2  # the JSONL stays the record
 
 
+@pytest.mark.slow
 def test_startup_summary_compile_time_and_first_row_speed(tiny_params, tmp_path, capsys):
     cfg = load_config([], tiny_params + ["TrainConfig.steps = 4", "TrainConfig.log_every = 2",
                                          "TrainConfig.progress = True"])

@@ -263,6 +263,7 @@ def _decode_and_chunked(m, prefix, x, cot):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["lightning", "mamba2", "gdn"])
 def test_decode_steps_equal_chunked_forward_values_states_and_gradients(name):
     """T decode steps from the zero state over [prefix | x] equal a chunked pass over the prefix and a
