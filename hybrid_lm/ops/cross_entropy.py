@@ -2,13 +2,15 @@
 
 ``cross_entropy`` is the reference: it takes fp32 logits ``[..., V]``. ``chunked_cross_entropy`` takes
 the final hidden state ``h [N, d]`` and the head matrix ``w [d, V]`` instead and never holds more than
-``chunk`` rows of logits: a scan over token chunks whose body is rematerialised, so the backward pass
-recomputes each chunk's logits instead of storing them. Peak memory is ``chunk x V`` fp32, not
-``N x V``. Both return ``(objective, ce)``: the mean cross-entropy in nats plus the z-loss term
+``chunk`` rows of logits: one scan over token chunks computes the loss and its gradients together
+(a custom VJP), so no logits are stored for the backward pass and none are recomputed. Peak memory
+is a few ``chunk x V`` fp32 blocks plus the ``d x V`` head gradient, not ``N x V``. Both return ``(objective, ce)``: the mean cross-entropy in nats plus the z-loss term
 ``z_loss * mean(logsumexp**2)``, and the plain mean cross-entropy.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -30,33 +32,74 @@ def head_logits(h, w):
 
 def chunked_cross_entropy(h, w, targets, z_loss: float = 0.0, chunk: int = 8192):
     """:func:`cross_entropy` of ``head_logits(h, w)`` for ``h [N, d]``, ``targets [N]``, computed
-    ``chunk`` tokens at a time. Rows past ``N`` in the last chunk are padding with weight 0."""
+    ``chunk`` tokens at a time.
+
+    The gradient is computed in the same pass as the loss (a custom VJP): each chunk's logits give
+    ``dlogits = softmax + 2 z lse softmax - onehot`` at once, then ``dh = dlogits w^T`` and ``dw +=
+    h^T dlogits``. So the head's matmuls run three times per chunk, as for whole logits (one forward,
+    two backward), with no recomputation, and the backward only scales the stored gradients.
+    With a z-loss the returned ``ce`` carries no gradient (differentiate the objective)."""
+    loss, ce = _fused(h, w, targets, float(z_loss), int(chunk))
+    return loss, (jax.lax.stop_gradient(ce) if z_loss else ce)
+
+
+def _chunk(h, targets, chunk: int):
+    """``h``, ``targets`` and 0/1 weights padded to whole chunks and reshaped ``[n_chunks, chunk, ...]``."""
     N, d = h.shape
     chunk = max(1, min(chunk, N))
-    n_chunks = -(-N // chunk)
-    pad = n_chunks * chunk - N
-    weight = jnp.ones((N,), jnp.float32)
-    if pad:
-        h = jnp.concatenate([h, jnp.zeros((pad, d), h.dtype)])
-        targets = jnp.concatenate([targets, jnp.zeros((pad,), targets.dtype)])
-        weight = jnp.concatenate([weight, jnp.zeros((pad,), jnp.float32)])
-    xs = (h.reshape(n_chunks, chunk, d), targets.reshape(n_chunks, chunk), weight.reshape(n_chunks, chunk))
+    n = -(-N // chunk)
+    pad = n * chunk - N
+    weight = jnp.concatenate([jnp.ones((N,), jnp.float32), jnp.zeros((pad,), jnp.float32)])
+    h = jnp.concatenate([h, jnp.zeros((pad, d), h.dtype)]) if pad else h
+    targets = jnp.concatenate([targets, jnp.zeros((pad,), targets.dtype)]) if pad else targets
+    return h.reshape(n, chunk, d), targets.reshape(n, chunk), weight.reshape(n, chunk)
 
-    @jax.checkpoint
-    def sums(w, hc, tc, wc):
-        logits = head_logits(hc, w)
-        lse = jax.nn.logsumexp(logits, axis=-1)
-        tgt = jnp.take_along_axis(logits, tc[:, None], axis=-1)[:, 0]
-        return jnp.sum((lse - tgt) * wc), jnp.sum(lse ** 2 * wc)
+
+def _chunked_loss_and_grads(h, w, targets, z_loss: float, chunk: int):
+    """``(loss, ce, dloss/dh, dloss/dw)``, one scan over token chunks."""
+    N = h.shape[0]
+    hs, ts, ws = _chunk(h, targets, chunk)
+    wc = w.astype(h.dtype)
 
     def body(carry, x):
-        ce_sum, z_sum = sums(w, *x)
-        return (carry[0] + ce_sum, carry[1] + z_sum), None
+        ce_sum, z_sum, dw = carry
+        hc, tc, mc = x
+        logits = (hc @ wc).astype(jnp.float32)
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        tgt = jnp.take_along_axis(logits, tc[:, None], axis=-1)[:, 0]
+        p = jnp.exp(logits - lse[:, None])
+        dlogits = p * (1.0 + 2.0 * z_loss * lse)[:, None] - jax.nn.one_hot(tc, logits.shape[-1], dtype=jnp.float32)
+        dlogits = (dlogits * (mc / N)[:, None]).astype(h.dtype)
+        dh = (dlogits @ wc.T).astype(h.dtype)
+        dw = dw + jnp.einsum("cd,cv->dv", hc, dlogits, preferred_element_type=jnp.float32)
+        return (ce_sum + jnp.sum((lse - tgt) * mc), z_sum + jnp.sum(lse ** 2 * mc), dw), dh
 
-    (ce_sum, z_sum), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32)), xs)
+    zero = jnp.zeros((), jnp.float32)
+    (ce_sum, z_sum, dw), dh = jax.lax.scan(body, (zero, zero, jnp.zeros(w.shape, jnp.float32)), (hs, ts, ws))
     ce = ce_sum / N
     loss = ce + z_loss * (z_sum / N) if z_loss else ce
+    return loss, ce, dh.reshape(-1, h.shape[1])[:N], dw.astype(w.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _fused(h, w, targets, z_loss, chunk):
+    loss, ce, _, _ = _chunked_loss_and_grads(h, w, targets, z_loss, chunk)
     return loss, ce
+
+
+def _fused_fwd(h, w, targets, z_loss, chunk):
+    loss, ce, dh, dw = _chunked_loss_and_grads(h, w, targets, z_loss, chunk)
+    return (loss, ce), (dh, dw, targets)
+
+
+def _fused_bwd(z_loss, chunk, res, g):
+    dh, dw, targets = res
+    # without a z-loss ce is the loss; with one, ce is stop_gradient'ed by the caller (g_ce = 0)
+    scale = g[0] + g[1]
+    return (scale * dh).astype(dh.dtype), (scale * dw).astype(dw.dtype), None
+
+
+_fused.defvjp(_fused_fwd, _fused_bwd)
 
 
 def logits_bytes(n_tokens: int, vocab: int) -> int:
