@@ -223,12 +223,15 @@ def main() -> None:
         save()  # after every row: a timed-out call keeps what it measured
 
     print(f"{'level':<6}{'arch':<12}{'context':>8}{'B':>4}{'ms/step':>10}{'tokens/s':>12}{'vs full':>10}")
-    for C in (int(c) for c in args.contexts.split(",") if c):
-        base = None
-        for arch in args.layer_archs.split(","):
-            r = bench_layer(args.scale, arch, C, args.batch, args.steps, args.reps, args.dtype)
-            base = r if arch == "full" else base
-            report(r, base)
+    def table(bench, contexts, archs):  # each row against the full-attention row of its context
+        for C in (int(c) for c in contexts.split(",") if c):
+            base = None
+            for arch in archs.split(","):
+                r = bench(args.scale, arch, C, args.batch, args.steps, args.reps, args.dtype)
+                base = r if arch == "full" else base
+                report(r, base)
+
+    table(bench_layer, args.contexts, args.layer_archs)
     if args.parts:
         m = config(args.scale, "moba", 1024, args.dtype).model
         o = m.efficient.options
@@ -236,12 +239,7 @@ def main() -> None:
             rows.extend(bench_sparse_parts(C, args.batch, m.n_heads, m.n_kv_heads, m.resolved_head_dim,
                                            o["block_size"], o["top_k"], args.steps, args.reps, args.dtype))
             save()
-    for C in (int(c) for c in args.model_contexts.split(",") if c):
-        base = None
-        for arch in args.model_archs.split(","):
-            r = bench_model(args.scale, arch, C, args.batch, args.steps, args.reps, args.dtype)
-            base = r if arch == "full" else base
-            report(r, base)
+    table(bench_model, args.model_contexts, args.model_archs)
     with open(args.out, "w") as fh:
         json.dump(result, fh, indent=2)
 
