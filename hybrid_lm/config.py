@@ -366,12 +366,25 @@ def check_config(cfg: Config) -> None:
     if o.lr <= 0:
         raise ConfigError(f"lr={o.lr} must be > 0")
     t = cfg.train
+    for name, v in (("TrainConfig.steps", t.steps), ("TrainConfig.global_batch", t.global_batch)):
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise ConfigError(f"{name}={v!r} must be an integer")
     if t.steps < 1 or t.global_batch < 1:
         raise ConfigError("train steps and global_batch must be >= 1")
     if t.microbatches < 1 or t.global_batch % t.microbatches:
         raise ConfigError(f"microbatches={t.microbatches} must divide global_batch={t.global_batch}")
     if cfg.data.seq_len < 2:
         raise ConfigError(f"seq_len={cfg.data.seq_len} must be >= 2")
+    c = cfg.checkpoint
+    for name, v, lo in (("TrainConfig.log_every", t.log_every, 1), ("TrainConfig.eval_every", t.eval_every, 1),
+                        ("DataConfig.eval_windows", cfg.data.eval_windows, 1),
+                        ("CheckpointConfig.every_steps", c.every_steps, 1), ("CheckpointConfig.keep", c.keep, 1),
+                        ("CheckpointConfig.permanent_every", c.permanent_every, 0)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+            raise ConfigError(f"{name}={v!r} must be an integer >= {lo}")
+    im = c.interval_minutes
+    if isinstance(im, bool) or not isinstance(im, (int, float)) or not im >= 0 or im == float("inf"):
+        raise ConfigError(f"CheckpointConfig.interval_minutes={im!r} must be a finite number >= 0 (0: off)")
 
 
 def validate_config(cfg: Config) -> None:

@@ -1,0 +1,33 @@
+"""Faults and user mistakes: one-line errors, no silent damage."""
+import pytest
+
+from hybrid_lm.cli import main
+from hybrid_lm.config import CONFIGS_DIR, load_config
+from hybrid_lm.errors import ConfigError
+
+
+@pytest.mark.parametrize("binding,match", [
+    ("CheckpointConfig.keep = 0", r"CheckpointConfig.keep=0 must be an integer >= 1"),
+    ("CheckpointConfig.keep = -1", r"CheckpointConfig.keep=-1 "),
+    ("CheckpointConfig.every_steps = 0", r"CheckpointConfig.every_steps=0 "),
+    ("CheckpointConfig.permanent_every = -5", r"CheckpointConfig.permanent_every=-5 must be an integer >= 0"),
+    ("CheckpointConfig.interval_minutes = -1.0", r"CheckpointConfig.interval_minutes=-1.0 "),
+    ("TrainConfig.log_every = 0", r"TrainConfig.log_every=0 "),
+    ("TrainConfig.eval_every = 0", r"TrainConfig.eval_every=0 "),
+    ("DataConfig.eval_windows = 0", r"DataConfig.eval_windows=0 "),
+    ("TrainConfig.steps = 'abc'", r"TrainConfig.steps='abc' must be an integer"),
+    ("TrainConfig.steps = 2.5", r"TrainConfig.steps=2.5 must be an integer"),
+])
+def test_bad_train_and_checkpoint_config(binding, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(["quickstart.gin"], [binding])
+
+
+def test_bad_config_fails_in_one_line_before_the_run_dir(tmp_path, capsys):
+    workdir = tmp_path / "run"
+    rc = main(["train", str(CONFIGS_DIR / "quickstart.gin"), "--gin_param", "CheckpointConfig.keep=0",
+               "--workdir", str(workdir)])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2
+    assert err.count("\n") == 0 and "CheckpointConfig.keep=0" in err
+    assert not workdir.exists()
