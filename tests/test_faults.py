@@ -1,9 +1,12 @@
 """Faults and user mistakes: one-line errors, no silent damage."""
+import json
+
 import pytest
 
 from hybrid_lm.cli import main
 from hybrid_lm.config import CONFIGS_DIR, load_config
 from hybrid_lm.errors import ConfigError
+from hybrid_lm.train.metrics import MetricsWriter, plot_loss_curve, read_metrics
 
 
 @pytest.mark.parametrize("binding,match", [
@@ -31,3 +34,23 @@ def test_bad_config_fails_in_one_line_before_the_run_dir(tmp_path, capsys):
     assert rc == 2
     assert err.count("\n") == 0 and "CheckpointConfig.keep=0" in err
     assert not workdir.exists()
+
+
+def test_nonfinite_metrics_are_null_and_plot(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    w = MetricsWriter(path)
+    w.write({"kind": "train", "step": 1, "tokens": 10, "loss": 5.0})
+    w.write({"kind": "train", "step": 2, "tokens": 20, "loss": float("nan"), "grad_norm": float("inf")})
+    w.write({"kind": "eval", "step": 2, "tokens": 20, "loss": float("nan"), "bpb": float("-inf")})
+    w.close()
+    with path.open("a") as fh:  # as older versions wrote it
+        fh.write(json.dumps({"kind": "train", "step": 3, "tokens": 30, "loss": "nan"}) + "\n")
+    raw = [json.loads(x) for x in path.read_text().splitlines()]
+    assert raw[0] == {"kind": "train", "step": 1, "tokens": 10, "loss": 5.0}
+    assert raw[1]["loss"] is None and raw[1]["grad_norm"] is None and raw[1]["nonfinite"] is True
+    assert raw[2]["bpb"] is None and raw[2]["nonfinite"] is True
+    train = read_metrics(path, "train")
+    assert [r["loss"] for r in train] == [5.0, None, None]
+    assert [r.get("nonfinite", False) for r in train] == [False, True, True]
+    out = plot_loss_curve(path, tmp_path / "loss_curve.png")
+    assert out.stat().st_size > 0

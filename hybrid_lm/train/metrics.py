@@ -20,20 +20,33 @@ class MetricsWriter:
         self._fh = self.path.open("a", buffering=1)  # line-buffered: a kill loses at most one row
 
     def write(self, row: dict) -> None:
-        self._fh.write(json.dumps({k: _clean(v) for k, v in row.items()}) + "\n")
+        self._fh.write(json.dumps(clean_row(row)) + "\n")
 
     def close(self) -> None:
         self._fh.close()
 
 
-def _clean(v):
-    if isinstance(v, float) and not math.isfinite(v):
-        return str(v)
-    return v
+_NONFINITE = ("nan", "inf", "-inf")  # how older versions wrote a non-finite value
+
+
+def clean_row(row: dict) -> dict:
+    """Numbers stay numbers: a NaN or inf value becomes ``null`` and the row gets ``"nonfinite": true``."""
+    out = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}
+    if any(out[k] is None and row[k] is not None for k in row):
+        out["nonfinite"] = True
+    return out
+
+
+def _read_row(r: dict) -> dict:
+    old = [k for k, v in r.items() if isinstance(v, str) and v in _NONFINITE]
+    if old:
+        r = {**{k: None if k in old else v for k, v in r.items()}, "nonfinite": True}
+    return r
 
 
 def read_metrics(path: Path, kind: str | None = None) -> list[dict]:
-    """Rows sorted by step, keeping the last row written for each (kind, step)."""
+    """Rows sorted by step, keeping the last row written for each (kind, step). A non-finite value is
+    ``None`` (the row has ``"nonfinite": true``)."""
     rows: dict[tuple, dict] = {}
     with Path(path).open() as fh:
         for line in fh:
@@ -45,7 +58,7 @@ def read_metrics(path: Path, kind: str | None = None) -> list[dict]:
             except json.JSONDecodeError:
                 continue  # a row torn by a kill
             if kind is None or r.get("kind") == kind:
-                rows[(r.get("kind"), r["step"])] = r
+                rows[(r.get("kind"), r["step"])] = _read_row(r)
     return [rows[k] for k in sorted(rows, key=lambda k: (str(k[0]), k[1]))]
 
 
@@ -57,11 +70,11 @@ def plot_loss_curve(metrics_path: Path, out_png: Path, title: str = "") -> Path:
     train = read_metrics(metrics_path, "train")
     ev = read_metrics(metrics_path, "eval")
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    if train:
-        ax.plot([r["tokens"] for r in train], [r["loss"] / math.log(2) for r in train], lw=1.2,
+    if train:  # a null (non-finite) value is a gap in the curve
+        ax.plot([r["tokens"] for r in train], [_num(r.get("loss")) / math.log(2) for r in train], lw=1.2,
                 label="train (bits/token)")
     if ev:
-        ax.plot([r["tokens"] for r in ev], [r["bpb"] for r in ev], "o-", label="val bits/byte")
+        ax.plot([r["tokens"] for r in ev], [_num(r.get("bpb")) for r in ev], "o-", label="val bits/byte")
         if ev[-1].get("order0_entropy_bits") is not None:
             ax.axhline(ev[-1]["order0_entropy_bits"], color="gray", ls="--", lw=1, label="val order-0 entropy")
     ax.set_xlabel("tokens seen")
@@ -73,3 +86,7 @@ def plot_loss_curve(metrics_path: Path, out_png: Path, title: str = "") -> Path:
     fig.savefig(out_png, dpi=120)
     plt.close(fig)
     return out_png
+
+
+def _num(v) -> float:
+    return float("nan") if v is None else float(v)
