@@ -54,3 +54,22 @@ def test_nonfinite_metrics_are_null_and_plot(tmp_path):
     assert [r.get("nonfinite", False) for r in train] == [False, True, True]
     out = plot_loss_curve(path, tmp_path / "loss_curve.png")
     assert out.stat().st_size > 0
+
+
+def test_fit_prints_the_rows_it_dropped(tmp_path, capsys):
+    table = tmp_path / "table.jsonl"
+    rows = [{"run_id": f"r{n}-{k}", "arch": "a", "N": n, "D": n * k, "final": 1,
+             "loss": 1.7 + 400 / n ** 0.33 + 1500 / (n * k) ** 0.3}
+            for n in (2e7, 5e7, 1.2e8, 3e8, 7e8, 1.5e9) for k in (5, 10, 20, 40, 80)]
+    rows += [{"run_id": "nan", "arch": "a", "N": 1e8, "D": 1e9, "final": 1, "loss": float("nan")},
+             {"run_id": "inf", "arch": "a", "N": 1e8, "D": 1e9, "final": 1, "loss": float("inf")},
+             {"run_id": "zeroN", "arch": "a", "N": 0, "D": 1e9, "final": 1, "loss": 3.0},
+             {"run_id": "negD", "arch": "a", "N": 1e8, "D": -1, "final": 1, "loss": 3.0}]
+    table.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "fit"
+    rc = main(["fit", str(table), "--bootstrap", "0", "--no-plots", "--out", str(out)])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "dropped 4 of 34 rows: 2 NaN or inf loss, 2 N or D missing or <= 0" in printed
+    dropped = json.loads((out / "fit.json").read_text())["dropped_rows"]
+    assert dropped["nonfinite_metric"] == 2 and dropped["nonpositive_N_or_D"] == 2

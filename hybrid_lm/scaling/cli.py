@@ -103,7 +103,7 @@ def cmd_collect(args) -> int:
 
 
 def cmd_fit(args) -> int:
-    from hybrid_lm.scaling.fit import fit_table, get_form, parse_bound_args
+    from hybrid_lm.scaling.fit import describe_dropped, fit_table, get_form, parse_bound_args
     from hybrid_lm.scaling.table import read_table
 
     rows = read_table(args.table)
@@ -115,6 +115,9 @@ def cmd_fit(args) -> int:
                     bounds=parse_bound_args(args.bound), n_boot=args.bootstrap, seed=args.seed, holdout=args.holdout,
                     flops_per_nd=k, compute_at=compute, multistart=args.multistart, loso=args.loso,
                     table_path=str(args.table), plots=not args.no_plots)
+    note = describe_dropped(doc["dropped_rows"], args.metric, len(rows))
+    if note:
+        print(note)
     print(f"\n{form} fit of log({args.metric}); {args.bootstrap} bootstrap resamples; results in {out}/fit.json")
     print(f"{'arch':<16}{'pts':>5}{'E':>10}{'A':>11}{'B':>11}{'alpha':>14}{'beta':>14}{'a=N* exp':>10}"
           f"{'hold-out RMSE':>15}")

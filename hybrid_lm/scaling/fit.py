@@ -731,7 +731,7 @@ def select_rows(rows: list[dict], metric: str, which: str = "final") -> tuple[li
     for col in ("N", "D"):
         if not any(col in r for r in rows):
             raise FitError(f"the table has no {col!r} column (N = parameters, D = tokens)")
-    dropped = {"not_final": 0, "missing_metric": 0, "nonpositive_N_or_D": 0}
+    dropped = {"not_final": 0, "missing_metric": 0, "nonfinite_metric": 0, "nonpositive_N_or_D": 0}
     out = []
     for r in rows:
         if which == "final" and "final" in r and not _truthy(r.get("final")):
@@ -741,13 +741,26 @@ def select_rows(rows: list[dict], metric: str, which: str = "final") -> tuple[li
             dropped["nonpositive_N_or_D"] += 1
             continue
         v = r.get(metric)
-        if v is None or not isinstance(v, (int, float)) or not math.isfinite(v):
+        if v is None or not isinstance(v, (int, float)):
             dropped["missing_metric"] += 1
+            continue
+        if not math.isfinite(v):
+            dropped["nonfinite_metric"] += 1
             continue
         if v <= 0:
             raise FitError(f"metric {metric!r} must be > 0 for a log-space fit; run {r.get('run_id')} has {v}")
         out.append(r)
     return out, dropped
+
+
+def describe_dropped(dropped: dict, metric: str, total: int) -> str | None:
+    """One line naming how many rows :func:`select_rows` dropped and why (None if it dropped none)."""
+    why = {"not_final": "not final", "missing_metric": f"no {metric} value",
+           "nonfinite_metric": f"NaN or inf {metric}", "nonpositive_N_or_D": "N or D missing or <= 0"}
+    parts = [f"{n} {why.get(k, k)}" for k, n in dropped.items() if n]
+    if not parts:
+        return None
+    return f"dropped {sum(dropped.values())} of {total} rows: {', '.join(parts)}"
 
 
 def _truthy(v) -> bool:
