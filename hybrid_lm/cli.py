@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from hybrid_lm.config import load_config
-from hybrid_lm.errors import ConfigError
+from hybrid_lm.errors import ConfigError, WorkdirError
 from hybrid_lm.train.compile_cache import enable_compilation_cache
 
 
@@ -152,6 +152,9 @@ def main(argv=None) -> int:
         return args.fn(args)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
+        return 2
+    except WorkdirError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
 
 

@@ -3,3 +3,8 @@
 
 class ConfigError(ValueError):
     """A config that cannot run; the message says which field and why."""
+
+
+class WorkdirError(RuntimeError):
+    """A run directory that cannot be used as asked (locked by another trainer, nothing restores, a
+    checkpoint that cannot be saved); the message names the path and what to do."""

@@ -24,6 +24,7 @@ from hybrid_lm.eval.loss import evaluate
 from hybrid_lm.train import distributed
 from hybrid_lm.train import sharding as shd
 from hybrid_lm.train.checkpoint import Checkpointer, abstract_with_shardings
+from hybrid_lm.train.lock import workdir_lock
 from hybrid_lm.train.logger import StepLogger, check_extras, startup_summary
 from hybrid_lm.train.optim import optimizer_for_bounds, wsd_bounds
 from hybrid_lm.train.rundir import accepted_run_ids, prepare_run_dir
@@ -100,11 +101,18 @@ def init_or_restore(cfg: Config, prog: Program, ckpt: Checkpointer):
 
 
 def train(cfg: Config, workdir: Path | str | None = None, *, force: bool = False, devices=None) -> TrainResult:
+    """Train in ``workdir`` (default ``runs/<run id>``), resuming its newest checkpoint; process 0
+    holds the workdir lock throughout."""
     t_start = time.time()
     check_extras(cfg.train)  # a missing [tb] / [wandb] extra fails before the run dir exists
     distributed.maybe_initialize()
     main = jax.process_index() == 0
     workdir = Path(workdir) if workdir else Path("runs") / cfg.run_id()
+    with workdir_lock(workdir, enabled=main):
+        return _train(cfg, workdir, force, devices, main, t_start)
+
+
+def _train(cfg: Config, workdir: Path, force: bool, devices, main: bool, t_start: float) -> TrainResult:
     if main:
         prepare_run_dir(cfg, workdir, force=force)
     _sync("run dir ready")

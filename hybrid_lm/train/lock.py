@@ -1,0 +1,134 @@
+"""One trainer per workdir: ``<workdir>/.lock``, created atomically (``O_CREAT | O_EXCL``), records the
+holder's host, pid and start time. A lock whose pid is dead on this host, or older than
+``HYBRID_LM_LOCK_STALE_HOURS`` (default 24), is stale and taken over with a warning."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import socket
+import time
+import uuid
+from datetime import datetime, timezone
+from pathlib import Path
+
+from hybrid_lm.errors import WorkdirError
+
+log = logging.getLogger(__name__)
+
+LOCK_NAME = ".lock"
+
+
+def _stale_seconds() -> float:
+    return 3600.0 * float(os.environ.get("HYBRID_LM_LOCK_STALE_HOURS", "24"))
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by another user
+        return True
+    return True
+
+
+def _read(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return {}  # torn or unreadable: judged by its age alone
+
+
+def _describe(holder: dict) -> str:
+    return (f"host {holder.get('host', '?')} pid {holder.get('pid', '?')} since "
+            f"{holder.get('started_utc', '?')}")
+
+
+def _why_stale(path: Path, holder: dict) -> str | None:
+    """Why the lock ``holder`` read from ``path`` is stale, or None while it is live."""
+    if holder.get("host") == socket.gethostname() and isinstance(holder.get("pid"), int) \
+            and not _pid_alive(holder["pid"]):
+        return f"its pid {holder['pid']} is not running on this host"
+    try:
+        age = time.time() - float(holder.get("started", path.stat().st_mtime))
+    except (OSError, ValueError, TypeError):
+        return None
+    if age > _stale_seconds():
+        return f"it is {age / 3600:.1f} h old (HYBRID_LM_LOCK_STALE_HOURS={_stale_seconds() / 3600:g})"
+    return None
+
+
+class WorkdirLock:
+    def __init__(self, workdir: Path):
+        self.path = Path(workdir) / LOCK_NAME
+        self.record = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time(),
+                       "started_utc": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+                       "token": uuid.uuid4().hex}
+        self.held = False
+
+    def acquire(self) -> WorkdirLock:
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            for _ in range(3):
+                if self._create():
+                    self.held = True
+                    return self
+                holder = _read(self.path)
+                if holder is None:  # released meanwhile
+                    continue
+                why = _why_stale(self.path, holder)
+                if why is None:
+                    raise WorkdirError(f"{self.path.parent} is in use by another trainer ({_describe(holder)}); "
+                                       f"wait for it to finish, or remove {self.path} if it is gone")
+                self._take_over(holder, why)
+        except PermissionError as e:
+            raise WorkdirError(f"cannot write the lock {self.path}: {e.strerror or e}") from e
+        raise WorkdirError(f"could not take the lock {self.path}: other trainers keep taking it")
+
+    def _create(self) -> bool:
+        try:
+            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "w") as f:
+            json.dump(self.record, f)
+            f.flush()
+            os.fsync(f.fileno())
+        return True
+
+    def _take_over(self, holder: dict, why: str) -> None:
+        """Move the stale lock aside; if what moved is not the lock judged stale (another trainer
+        took it over meanwhile), put it back."""
+        aside = self.path.with_name(f"{LOCK_NAME}.stale-{self.record['token']}")
+        try:
+            os.rename(self.path, aside)
+        except FileNotFoundError:
+            return
+        if _read(aside) != holder:
+            with contextlib.suppress(OSError):
+                os.link(aside, self.path)  # fails if a lock exists again: then that one holds
+            aside.unlink(missing_ok=True)
+            return
+        aside.unlink(missing_ok=True)
+        log.warning("taking over the stale lock %s (%s): %s", self.path, _describe(holder), why)
+
+    def release(self) -> None:
+        if self.held and _read(self.path) == self.record:
+            self.path.unlink(missing_ok=True)
+        self.held = False
+
+
+@contextlib.contextmanager
+def workdir_lock(workdir: Path, enabled: bool = True):
+    """Hold ``workdir``'s lock for the block (only where ``enabled``: process 0 of a job)."""
+    lock = WorkdirLock(workdir).acquire() if enabled else None
+    try:
+        yield lock
+    finally:
+        if lock is not None:
+            lock.release()
