@@ -73,3 +73,31 @@ def test_fit_prints_the_rows_it_dropped(tmp_path, capsys):
     assert "dropped 4 of 34 rows: 2 NaN or inf loss, 2 N or D missing or <= 0" in printed
     dropped = json.loads((out / "fit.json").read_text())["dropped_rows"]
     assert dropped["nonfinite_metric"] == 2 and dropped["nonpositive_N_or_D"] == 2
+
+
+@pytest.mark.parametrize("before", [
+    '{"kind": "train", "step": 5, "tokens": 50, "loss": 4.0}\n',
+    '',  # the torn row is the file's only line
+])
+def test_torn_last_metrics_line_does_not_swallow_the_next_row(tmp_path, caplog, before):
+    path = tmp_path / "metrics.jsonl"
+    torn = '{"kind": "train", "step": 10, "tok'
+    path.write_text(before + torn)
+    with caplog.at_level("WARNING", logger="hybrid_lm.train.metrics"):
+        w = MetricsWriter(path)
+    w.write({"kind": "train", "step": 6, "tokens": 60, "loss": 3.5})
+    w.close()
+    assert [r["step"] for r in read_metrics(path)] == ([5, 6] if before else [6])
+    assert path.read_text() == before + '{"kind": "train", "step": 6, "tokens": 60, "loss": 3.5}\n'
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 1 and f"{len(torn)} bytes" in warned[0] and "torn" in warned[0]
+
+
+def test_last_row_missing_only_its_newline_is_kept(tmp_path, caplog):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"kind": "train", "step": 5, "tokens": 50, "loss": 4.0}')
+    with caplog.at_level("WARNING", logger="hybrid_lm.train.metrics"):
+        w = MetricsWriter(path)
+    w.write({"kind": "train", "step": 6, "tokens": 60, "loss": 3.5})
+    w.close()
+    assert [r["step"] for r in read_metrics(path)] == [5, 6] and not caplog.records

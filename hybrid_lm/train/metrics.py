@@ -7,8 +7,12 @@ After a resume, rows past the restored step are written again: readers keep the 
 from __future__ import annotations
 
 import json
+import logging
 import math
+import os
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 
 class MetricsWriter:
@@ -17,6 +21,8 @@ class MetricsWriter:
     def __init__(self, path: Path):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self.path.exists():
+            _drop_torn_tail(self.path)
         self._fh = self.path.open("a", buffering=1)  # line-buffered: a kill loses at most one row
 
     def write(self, row: dict) -> None:
@@ -24,6 +30,39 @@ class MetricsWriter:
 
     def close(self) -> None:
         self._fh.close()
+
+
+def _drop_torn_tail(path: Path, chunk: int = 1 << 16) -> None:
+    """A file not ending in a newline ends in a row torn by a kill: cut it off, so the next row starts its
+    own line (a tail that is a whole row, missing only its newline, gets the newline instead)."""
+    with path.open("r+b") as fh:
+        end = fh.seek(0, os.SEEK_END)
+        if end == 0:
+            return
+        fh.seek(end - 1)
+        if fh.read(1) == b"\n":
+            return
+        start = end
+        while start > 0:  # the last newline, searched backwards a chunk at a time
+            lo = max(0, start - chunk)
+            fh.seek(lo)
+            nl = fh.read(start - lo).rfind(b"\n")
+            if nl >= 0:
+                start = lo + nl + 1
+                break
+            start = lo
+        fh.seek(start)
+        tail = fh.read()
+        try:
+            whole = isinstance(json.loads(tail), dict)
+        except ValueError:
+            whole = False
+        if whole:
+            fh.write(b"\n")
+            return
+        fh.truncate(start)
+    log.warning("%s: dropped a torn last line, %d bytes: %r", path, end - start,
+                tail[:60] + (b"..." if len(tail) > 60 else b""))
 
 
 _NONFINITE = ("nan", "inf", "-inf")  # how older versions wrote a non-finite value
