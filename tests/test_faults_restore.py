@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 from hybrid_lm.errors import WorkdirError
@@ -62,3 +63,91 @@ def test_train_refuses_a_locked_workdir_in_one_line(tmp_path, capsys):
         lock.release()
     err = capsys.readouterr().err.strip()
     assert rc == 2 and err.startswith("error: ") and "in use by another trainer" in err and "\n" not in err
+
+
+# --- a failing checkpoint save -------------------------------------------------------------------
+
+def _tiny(tiny_params, *extra):
+    return [p for p in tiny_params if "every_steps" not in p and "async_save" not in p] + \
+        ["CheckpointConfig.every_steps = 2", *extra]
+
+
+def _cli_train(workdir, params, timeout=240):
+    args = [sys.executable, "-m", "hybrid_lm.cli", "train", "base.gin", "--workdir", str(workdir)]
+    for p in params:
+        args += ["--gin_param", p]
+    t = time.monotonic()
+    out = subprocess.run(args, capture_output=True, text=True, timeout=timeout)
+    return out, time.monotonic() - t
+
+
+def _make_unwritable(d):
+    """Make directory ``d`` refuse new entries: chmod, or (as root, who ignores modes) chattr +i.
+    Returns the undo function, or None when neither blocks writes here."""
+    probe = d / ".probe"
+    d.chmod(0o555)
+    try:
+        probe.mkdir()
+    except PermissionError:
+        return lambda: d.chmod(0o755)
+    probe.rmdir()
+    d.chmod(0o755)
+    if subprocess.run(["chattr", "+i", str(d)], capture_output=True).returncode == 0:
+        try:
+            probe.mkdir()
+        except PermissionError:
+            return lambda: subprocess.run(["chattr", "-i", str(d)], check=True)
+        probe.rmdir()
+        subprocess.run(["chattr", "-i", str(d)], check=True)
+    return None
+
+
+@pytest.mark.timeout(300)
+def test_a_failed_save_is_fatal_fast_and_keeps_the_previous_checkpoint(tmp_path, tiny_params):
+    params = _tiny(tiny_params, "CheckpointConfig.async_save = True")
+    out, _ = _cli_train(tmp_path, params + ["TrainConfig.steps = 2"])
+    assert out.returncode == 0, out.stderr[-2000:]
+    ckdir = tmp_path / "checkpoints"
+    undo = _make_unwritable(ckdir)
+    if undo is None:
+        pytest.skip("neither chmod nor chattr makes a directory read-only here")
+    try:
+        out, seconds = _cli_train(tmp_path, params + ["TrainConfig.steps = 4"])
+    finally:
+        undo()
+    last = out.stderr.strip().splitlines()[-1]
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert last.startswith("error: saving the checkpoint at step 4 in ") and str(ckdir) in last
+    assert "PermissionError" in last and "earlier checkpoints are kept" in last
+    assert seconds < 120  # compile + 2 steps; the failing save itself returns at once
+    assert not (tmp_path / ".lock").exists()
+    from hybrid_lm.eval.restore import RestoredRun
+    assert RestoredRun(tmp_path).step == 2
+
+
+def test_a_background_save_error_is_one_clear_error(tmp_path, monkeypatch):
+    from hybrid_lm.config import CheckpointConfig
+    from hybrid_lm.train import checkpoint as ck
+
+    c = ck.Checkpointer(tmp_path / "checkpoints", CheckpointConfig())
+
+    def fail():
+        raise PermissionError(13, "Permission denied", str(tmp_path / "checkpoints" / "4"))
+
+    monkeypatch.setattr(c.manager, "wait_until_finished", fail)
+    with pytest.raises(ck.CheckpointSaveError, match="a background checkpoint save in .*checkpoints failed "
+                                                     "\\(PermissionError: .*Permission denied"):
+        c.save(4, {"x": np.zeros(2)}, {"step": 4})
+    c.close()  # after a reported failure: shuts down without raising it again
+
+    def hang():
+        time.sleep(30)
+
+    c = ck.Checkpointer(tmp_path / "other", CheckpointConfig())
+    monkeypatch.setattr(c.manager, "wait_until_finished", hang)
+    monkeypatch.setenv("HYBRID_LM_SAVE_TIMEOUT_S", "0.5")
+    t = time.monotonic()
+    with pytest.raises(ck.CheckpointSaveError, match="did not finish within 0.5 s"):
+        c.wait()
+    assert time.monotonic() - t < 5
+    c.close()

@@ -7,11 +7,16 @@ rolling ones. Orbax writes into a temporary directory and renames it when comple
 checkpoints only after a newer one is finalised, so the last good checkpoint is never deleted first.
 A checkpoint that fails to restore (torn, corrupt) is skipped with a warning, falling back to the
 previous one.
+
+A failed save raises :class:`CheckpointSaveError` naming the directory and the cause; no wait on orbax
+is unbounded (``HYBRID_LM_SAVE_TIMEOUT_S``, default 600), so a failing save never hangs the trainer.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import threading
 import time
 from pathlib import Path
 
@@ -20,8 +25,43 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from hybrid_lm.config import CheckpointConfig
+from hybrid_lm.errors import WorkdirError
 
 log = logging.getLogger(__name__)
+
+
+class CheckpointSaveError(WorkdirError):
+    """A checkpoint save that failed or did not finish in time; earlier checkpoints are kept."""
+
+
+def save_timeout_s() -> float:
+    return float(os.environ.get("HYBRID_LM_SAVE_TIMEOUT_S", "600"))
+
+
+def _bounded(fn, what: str, directory: Path) -> None:
+    """Run ``fn`` (a blocking orbax call) for at most ``save_timeout_s()``; any failure becomes one
+    :class:`CheckpointSaveError`."""
+    box: dict = {}
+
+    def target():
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001 - re-raised on the calling thread
+            box["error"] = e
+
+    t = threading.Thread(target=target, name=f"hybrid_lm {what}", daemon=True)
+    t.start()
+    t.join(save_timeout_s())
+    if t.is_alive():
+        raise CheckpointSaveError(f"{what} in {directory} did not finish within {save_timeout_s():g} s "
+                                  "(HYBRID_LM_SAVE_TIMEOUT_S); earlier checkpoints are kept")
+    if "error" in box:
+        raise _save_error(what, directory, box["error"]) from box["error"]
+
+
+def _save_error(what: str, directory: Path, e: BaseException) -> CheckpointSaveError:
+    cause = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+    return CheckpointSaveError(f"{what} in {directory} failed ({cause}); earlier checkpoints are kept")
 
 
 class Checkpointer:
@@ -30,13 +70,25 @@ class Checkpointer:
         self.cc = cc
         options = ocp.CheckpointManagerOptions(
             max_to_keep=cc.keep, keep_period=cc.permanent_every or None,
-            enable_async_checkpointing=cc.async_save, create=True)
+            enable_async_checkpointing=cc.async_save, create=True,
+            # the step directory is made on the calling thread, so a read-only checkpoints/ fails
+            # the save call itself rather than stranding background threads
+            async_options=ocp.AsyncOptions(timeout_secs=max(1, int(save_timeout_s())),
+                                           create_directories_asynchronously=False))
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
         self._last_save = time.monotonic()
+        self._failed = False  # a save error was raised: close() only shuts down
 
     def save(self, step: int, state, meta: dict, force: bool = False) -> bool:
+        """Save ``step`` (in the background when async); raises :class:`CheckpointSaveError` when this
+        save, or the previous background one, fails."""
         args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
-        saved = self.manager.save(step, args=args, force=force)
+        self.wait()  # the previous save's error, if any, surfaces here (bounded)
+        try:
+            saved = self.manager.save(step, args=args, force=force)
+        except Exception as e:
+            self._failed = True
+            raise _save_error(f"saving the checkpoint at step {step}", self.directory, e) from e
         self._last_save = time.monotonic()
         return saved
 
@@ -104,11 +156,26 @@ class Checkpointer:
         return None
 
     def wait(self) -> None:
-        self.manager.wait_until_finished()
+        """Wait (bounded) for a background save; raises :class:`CheckpointSaveError` if it failed."""
+        try:
+            _bounded(self.manager.wait_until_finished, "a background checkpoint save", self.directory)
+        except CheckpointSaveError:
+            self._failed = True
+            raise
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
-        self.manager.close()
+        """Finish (bounded) and close. Raises a save error not raised before; after one, only shuts down."""
+        failed_before = self._failed
+        try:
+            self.wait()
+        except CheckpointSaveError:
+            if not failed_before:
+                raise
+        finally:
+            try:
+                _bounded(self.manager.close, "closing the checkpoint manager", self.directory)
+            except CheckpointSaveError as e:
+                log.debug("%s", e)
 
 
 def abstract_with_shardings(tree, shardings):
