@@ -31,7 +31,7 @@ def cmd_train(args) -> int:
     from hybrid_lm.train.loop import train
 
     cfg = load_config(args.config, args.gin_param)
-    res = train(cfg, args.workdir, force=args.force)
+    res = train(cfg, args.workdir, force=args.force, restart=args.restart)
     if res.preempted:
         print(f"\n{res.preempted}: saved a checkpoint at step {res.step} in {res.workdir} and stopped; "
               "run the same command to resume")
@@ -124,6 +124,8 @@ def main(argv=None) -> int:
     _add_config_args(p)
     p.add_argument("--workdir", default=None, help="run directory (default runs/<run id>)")
     p.add_argument("--force", action="store_true", help="resume even if the workdir holds a different experiment")
+    p.add_argument("--restart", action="store_true",
+                   help="archive the workdir's metrics and checkpoints to archive/<UTC time>/ and train from step 0")
     p.set_defaults(fn=cmd_train)
 
     p = sub.add_parser("info", help="parameter counts and FLOPs per token per layer type")

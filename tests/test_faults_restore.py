@@ -151,3 +151,101 @@ def test_a_background_save_error_is_one_clear_error(tmp_path, monkeypatch):
         c.wait()
     assert time.monotonic() - t < 5
     c.close()
+
+
+# --- no silent restart ---------------------------------------------------------------------------
+
+STEPS = 10  # checkpoints at 5 and 10 (TINY: every_steps = 5)
+
+
+@pytest.fixture(scope="module")
+def done_run(tmp_path_factory, _data_dir):
+    from conftest import TINY
+    from hybrid_lm.config import load_config
+    from hybrid_lm.train.loop import train
+
+    wd = tmp_path_factory.mktemp("done_run")
+    train(load_config([], list(TINY) + [f"TrainConfig.steps = {STEPS}"]), wd)
+    return wd
+
+
+def _copy(done_run, tmp_path):
+    import shutil
+    wd = tmp_path / "run"
+    shutil.copytree(done_run, wd)
+    return wd
+
+
+def _corrupt(wd, step):
+    for f in (wd / "checkpoints" / str(step) / "state").rglob("*"):
+        if f.is_file() and f.stat().st_size > 0:
+            f.write_bytes(b"garbage")
+
+
+def _cfg(steps=STEPS):
+    from conftest import TINY
+    from hybrid_lm.config import load_config
+    return load_config([], list(TINY) + [f"TrainConfig.steps = {steps}"])
+
+
+def _train_steps(wd):
+    return [r["step"] for r in map(json.loads, (wd / "metrics.jsonl").read_text().splitlines()) if "loss" in r
+            and "bpb" not in r]
+
+
+def test_all_checkpoints_corrupt_refuses_listing_each(done_run, tmp_path):
+    from hybrid_lm.train.loop import train
+
+    wd = _copy(done_run, tmp_path)
+    _corrupt(wd, 5)
+    _corrupt(wd, 10)
+    rows = (wd / "metrics.jsonl").read_text()
+    with pytest.raises(WorkdirError, match=r"no checkpoint restores \(moved to .*corrupt\): step 10: .*; "
+                                           r"step 5: .*--restart") as e:
+        train(_cfg(), wd)
+    assert "\n" not in str(e.value)
+    assert sorted(p.name for p in (wd / "checkpoints" / "corrupt").iterdir()) == ["10", "5"]
+    assert (wd / "metrics.jsonl").read_text() == rows and not (wd / ".lock").exists()
+    with pytest.raises(WorkdirError, match="holds rows but .*checkpoints holds no checkpoint"):
+        train(_cfg(), wd)  # the next attempt: metrics, and only the moved-aside checkpoints
+
+
+def test_metrics_but_no_checkpoints_refuses(done_run, tmp_path):
+    import shutil
+    from hybrid_lm.train.loop import train
+
+    wd = _copy(done_run, tmp_path)
+    shutil.rmtree(wd / "checkpoints")
+    (wd / "checkpoints").mkdir()
+    with pytest.raises(WorkdirError, match=r"metrics.jsonl holds rows but .* holds no checkpoint.*--restart"):
+        train(_cfg(), wd)
+
+
+def test_restart_archives_and_trains_from_zero(done_run, tmp_path, tiny_params):
+    from hybrid_lm.cli import main
+
+    wd = _copy(done_run, tmp_path)
+    _corrupt(wd, 5)
+    _corrupt(wd, 10)
+    old_rows = (wd / "metrics.jsonl").read_text()
+    args = ["train", "base.gin", "--workdir", str(wd), "--restart"]
+    for p in tiny_params + ["TrainConfig.steps = 5"]:
+        args += ["--gin_param", p]
+    assert main(args) == 0
+    (archive,) = (wd / "archive").iterdir()
+    assert (archive / "metrics.jsonl").read_text() == old_rows
+    assert sorted(p.name for p in (archive / "checkpoints").iterdir() if p.name.isdigit()) == ["10", "5"]
+    assert _train_steps(wd) == [5] and (wd / "checkpoints" / "5").is_dir()
+
+
+def test_a_corrupt_newest_is_moved_aside_and_its_step_saved_again(done_run, tmp_path, caplog):
+    from hybrid_lm.eval.restore import RestoredRun
+    from hybrid_lm.train.loop import train
+
+    wd = _copy(done_run, tmp_path)
+    _corrupt(wd, 10)
+    res = train(_cfg(), wd)
+    assert res.resumed_from == 5 and res.step == STEPS
+    assert "moved the checkpoint at step 10" in caplog.text
+    assert (wd / "checkpoints" / "corrupt" / "10").is_dir()
+    assert RestoredRun(wd).step == STEPS  # the new save at step 10 replaced the corrupt one

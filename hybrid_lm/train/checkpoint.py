@@ -6,7 +6,8 @@ Retention: the newest ``keep`` checkpoints, plus every step divisible by ``perma
 rolling ones. Orbax writes into a temporary directory and renames it when complete, and deletes old
 checkpoints only after a newer one is finalised, so the last good checkpoint is never deleted first.
 A checkpoint that fails to restore (torn, corrupt) is skipped with a warning, falling back to the
-previous one.
+previous one; the trainer moves it aside to ``checkpoints/corrupt/<step>``, so it takes no keep slot
+and a new save at its step is written.
 
 A failed save raises :class:`CheckpointSaveError` naming the directory and the cause; no wait on orbax
 is unbounded (``HYBRID_LM_SAVE_TIMEOUT_S``, default 600), so a failing save never hangs the trainer.
@@ -78,6 +79,8 @@ class Checkpointer:
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
         self._last_save = time.monotonic()
         self._failed = False  # a save error was raised: close() only shuts down
+        self.restore_failures: list[tuple[int, str]] = []
+        self.moved_aside: list[Path] = []
 
     def save(self, step: int, state, meta: dict, force: bool = False) -> bool:
         """Save ``step`` (in the background when async); raises :class:`CheckpointSaveError` when this
@@ -108,14 +111,18 @@ class Checkpointer:
     def all_steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
 
-    def restore_latest(self, abstract_state):
+    def restore_latest(self, abstract_state, move_corrupt: bool = False):
         """(state, meta) of the newest checkpoint that restores, falling back to older ones; else None.
 
         ``abstract_state`` is a tree of ``jax.ShapeDtypeStruct`` with shardings: arrays are restored
-        directly into that layout (any topology: the saved sharding does not matter).
+        directly into that layout (any topology: the saved sharding does not matter). Each checkpoint
+        that failed is in ``restore_failures`` as (step, reason); ``move_corrupt`` moves those aside
+        to ``corrupt/<step>`` (``moved_aside``).
         """
         args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore())
         found = self._restore_newest(self.all_steps(), args)
+        if move_corrupt and self.restore_failures:
+            self._move_aside([s for s, _ in self.restore_failures])
         if found is None:
             return None
         restored, _ = found
@@ -147,13 +154,34 @@ class Checkpointer:
 
     def _restore_newest(self, steps, args):
         """(restored, step) of the newest of ``steps`` that restores with ``args``, else None."""
+        self.restore_failures = []
         for step in sorted(steps, reverse=True):
             try:
                 return self.manager.restore(step, args=args), int(step)
             except Exception as e:  # a torn or corrupt checkpoint: warn and fall back
-                log.warning("checkpoint at step %d in %s does not restore (%s: %s); trying an older one",
-                            step, self.directory, type(e).__name__, str(e)[:300])
+                why = f"{type(e).__name__}: {str(e)[:300]}"
+                self.restore_failures.append((int(step), why.splitlines()[0]))
+                log.warning("checkpoint at step %d in %s does not restore (%s); trying an older one",
+                            step, self.directory, why)
         return None
+
+    def _move_aside(self, steps: list[int]) -> None:
+        """Move the step dirs ``steps`` to ``corrupt/<step>`` (process 0; all processes then re-read)."""
+        if jax.process_index() == 0:
+            for step in steps:
+                dest = self.directory / "corrupt" / str(step)
+                n = 0
+                while dest.exists():
+                    n += 1
+                    dest = self.directory / "corrupt" / f"{step}.{n}"
+                dest.parent.mkdir(exist_ok=True)
+                os.rename(self.directory / str(step), dest)
+                self.moved_aside.append(dest)
+                log.warning("moved the checkpoint at step %d, which does not restore, to %s", step, dest)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+            multihost_utils.sync_global_devices("corrupt checkpoints moved aside")
+        self.manager.reload()
 
     def wait(self) -> None:
         """Wait (bounded) for a background save; raises :class:`CheckpointSaveError` if it failed."""

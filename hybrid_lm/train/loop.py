@@ -20,6 +20,7 @@ import numpy as np
 from hybrid_lm.backends import recorded_backends
 from hybrid_lm.config import Config
 from hybrid_lm.data.pipeline import DataStreams
+from hybrid_lm.errors import WorkdirError
 from hybrid_lm.eval.loss import evaluate
 from hybrid_lm.train import distributed
 from hybrid_lm.train import sharding as shd
@@ -27,7 +28,7 @@ from hybrid_lm.train.checkpoint import Checkpointer, abstract_with_shardings
 from hybrid_lm.train.lock import workdir_lock
 from hybrid_lm.train.logger import StepLogger, check_extras, startup_summary
 from hybrid_lm.train.optim import optimizer_for_bounds, wsd_bounds
-from hybrid_lm.train.rundir import accepted_run_ids, prepare_run_dir
+from hybrid_lm.train.rundir import accepted_run_ids, archive_run, prepare_run_dir
 from hybrid_lm.train.step import ModelFns, make_eval_step, make_init, make_train_step
 
 log = logging.getLogger(__name__)
@@ -88,11 +89,14 @@ def build_program(cfg: Config, mesh) -> Program:
 
 def init_or_restore(cfg: Config, prog: Program, ckpt: Checkpointer):
     """``(state, resumed_from)``: the newest checkpoint that restores, else a fresh init (from a
-    traced seed: with a constant key XLA constant-folds the whole random init at compile time)."""
+    traced seed: with a constant key XLA constant-folds the whole random init at compile time).
+    Checkpoints that do not restore are moved aside; a workdir with metrics or checkpoints of which
+    none restores is refused (``WorkdirError``) rather than silently trained from step 0."""
     seed = jnp.asarray(cfg.train.seed, jnp.uint32)
     abstract = abstract_with_shardings(jax.eval_shape(prog.init, seed), prog.state_shard)
-    restored = ckpt.restore_latest(abstract)
+    restored = ckpt.restore_latest(abstract, move_corrupt=True)
     if restored is None:
+        _refuse_a_silent_restart(ckpt)
         return prog.init(seed), None
     state, meta = restored
     if meta.get("run_id") not in {cfg.run_id(), *accepted_run_ids(ckpt.directory.parent)}:
@@ -100,20 +104,41 @@ def init_or_restore(cfg: Config, prog: Program, ckpt: Checkpointer):
     return state, int(meta["step"])
 
 
-def train(cfg: Config, workdir: Path | str | None = None, *, force: bool = False, devices=None) -> TrainResult:
+def _refuse_a_silent_restart(ckpt: Checkpointer) -> None:
+    workdir = ckpt.directory.parent
+    metrics = workdir / "metrics.jsonl"
+    has_rows = metrics.exists() and metrics.stat().st_size > 0
+    if not (has_rows or ckpt.restore_failures):
+        return
+    if ckpt.restore_failures:
+        what = "; ".join(f"step {s}: {why}" for s, why in ckpt.restore_failures)
+        moved = f" (moved to {ckpt.directory / 'corrupt'})" if ckpt.moved_aside else ""
+        found = f"no checkpoint restores{moved}: {what}"
+    else:
+        found = f"{metrics} holds rows but {ckpt.directory} holds no checkpoint"
+    raise WorkdirError(f"{workdir}: {found}. Not starting over silently: rerun with --restart to archive "
+                       "the old metrics and checkpoints and train from step 0, or use another --workdir")
+
+
+def train(cfg: Config, workdir: Path | str | None = None, *, force: bool = False, restart: bool = False,
+          devices=None) -> TrainResult:
     """Train in ``workdir`` (default ``runs/<run id>``), resuming its newest checkpoint; process 0
-    holds the workdir lock throughout."""
+    holds the workdir lock throughout. ``restart``: first move the workdir's metrics and checkpoints
+    to ``archive/<UTC time>/`` and train from step 0."""
     t_start = time.time()
     check_extras(cfg.train)  # a missing [tb] / [wandb] extra fails before the run dir exists
     distributed.maybe_initialize()
     main = jax.process_index() == 0
     workdir = Path(workdir) if workdir else Path("runs") / cfg.run_id()
     with workdir_lock(workdir, enabled=main):
-        return _train(cfg, workdir, force, devices, main, t_start)
+        return _train(cfg, workdir, force, restart, devices, main, t_start)
 
 
-def _train(cfg: Config, workdir: Path, force: bool, devices, main: bool, t_start: float) -> TrainResult:
+def _train(cfg: Config, workdir: Path, force: bool, restart: bool, devices, main: bool,
+           t_start: float) -> TrainResult:
     if main:
+        if restart:
+            archive_run(workdir)
         prepare_run_dir(cfg, workdir, force=force)
     _sync("run dir ready")
     mesh = shd.make_mesh(cfg.mesh, devices)

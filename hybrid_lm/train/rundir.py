@@ -8,6 +8,7 @@ import os
 import platform
 import subprocess
 import sys
+from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
 
@@ -80,6 +81,28 @@ def prepare_run_dir(cfg: Config, workdir: Path, force: bool = False) -> Path:
     atomic_write_text(workdir / "operative.gin", operative_gin())
     atomic_write_json(workdir / "provenance.json", provenance(), indent=2)
     return workdir
+
+
+_RUN_RECORDS = ("metrics.jsonl", "checkpoints", "loss_curve.png", "eval.jsonl", "tb", "wandb_id", "profile")
+
+
+def archive_run(workdir: Path) -> Path | None:
+    """Move ``workdir``'s metrics, checkpoints and what was derived from them to
+    ``workdir/archive/<UTC time>/`` (nothing is deleted); the archive dir, or None if nothing was there."""
+    workdir = Path(workdir)
+    present = [n for n in _RUN_RECORDS if (workdir / n).exists()]
+    if not present:
+        return None
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    dest, n = workdir / "archive" / stamp, 0
+    while dest.exists():
+        n += 1
+        dest = workdir / "archive" / f"{stamp}.{n}"
+    dest.mkdir(parents=True)
+    for name in present:
+        os.rename(workdir / name, dest / name)
+    log.warning("--restart: moved %s of %s to %s; training from step 0", ", ".join(present), workdir, dest)
+    return dest
 
 
 def accepted_run_ids(workdir: Path) -> set[str]:
