@@ -49,9 +49,12 @@ ARCHS = {
 LAYER_SLOT = {"full": "F", "ssa_sparse": "F", "ssa_full": "F"}
 
 
+GIN_PARAMS: list[str] = []  # --gin_param bindings applied to every config (e.g. a tiny model for smoke runs)
+
+
 def config(scale: str, arch: str, context: int, dtype: str, extra=()):
     params = list(ARCHS[arch]) + [f"DataConfig.seq_len = {context}", f"ModelConfig.compute_dtype = '{dtype}'",
-                                  *extra]
+                                  *GIN_PARAMS, *extra]
     return load_config([f"scale/{scale}.gin"], params)
 
 
@@ -163,10 +166,10 @@ def bench_sparse_parts(context, batch, heads, kv_heads, head_dim, block, top_k, 
     return out
 
 
-def check(dtype: str) -> list[dict]:
+def check(dtype: str, archs=("full", "swa", "moba", "ssa_sparse", "lightning", "mamba2", "gdn")) -> list[dict]:
     """Prefill + cached decode against the forward pass's logits on this device (small model)."""
     out = []
-    for arch in ("full", "swa", "moba", "ssa_sparse", "lightning", "mamba2", "gdn"):
+    for arch in archs:
         cfg = config("s1", arch, 96, dtype, ["ModelConfig.n_layers = 2", "ModelConfig.vocab_size = 512"])
         model = HybridLM(cfg.model, rngs=nnx.Rngs(0))
         tokens = jax.random.randint(jax.random.key(0), (2, 96), 0, 512)
@@ -197,15 +200,18 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--parts", action="store_true", help="time the parts of the sparse decode read too")
+    ap.add_argument("--check-archs", default="full,swa,moba,ssa_sparse,lightning,mamba2,gdn")
+    ap.add_argument("--gin_param", action="append", default=[], help="extra gin binding (repeatable)")
     ap.add_argument("--check", action="store_true", help="decode == forward on this device, then exit")
     ap.add_argument("--out", default="bench_decode.json")
     args = ap.parse_args()
+    GIN_PARAMS.extend(args.gin_param)
     dev = jax.devices()[0].device_kind
     print(f"device: {dev}")
     rows: list[dict] = []
     result = {"device": dev, "args": vars(args), "rows": rows}
     if args.check:
-        result["check"] = check(args.dtype)
+        result["check"] = check(args.dtype, args.check_archs.split(","))
         with open(args.out, "w") as fh:
             json.dump(result, fh, indent=2)
         raise SystemExit(0 if all(r["ok"] for r in result["check"]) else 1)
