@@ -112,6 +112,7 @@ def test_symmetric_window_covering_T_is_causal_attention_for_any_order():
     assert np.abs(np.asarray(one_sided - ref)).max() > 1e-2  # the one-sided default is not causal attention
 
 
+@pytest.mark.slow
 def test_windowed_full_window_equals_causal():
     q, k, v = _inputs(jax.random.key(3), 2, 45, 4, 2, 16)
     np.testing.assert_allclose(windowed_attention(q, k, v, 45), causal_attention(q, k, v), rtol=1e-5, atol=1e-5)

@@ -42,6 +42,7 @@ def test_chunked_matches_reference_fp32(N, d, V, chunk, z):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5 * scale, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_chunked_matches_reference_bf16():
     h, w, t = _inputs(512, 64, 1024, jnp.bfloat16, seed=3)
     lr = cross_entropy(head_logits(h, w), t)[0]

@@ -15,6 +15,9 @@ from hybrid_lm.errors import WorkdirError
 from hybrid_lm.train.lock import WorkdirLock
 
 
+pytestmark = pytest.mark.slow  # trains runs or runs subprocesses
+
+
 def test_a_second_lock_on_a_workdir_refuses_naming_the_holder(tmp_path):
     first = WorkdirLock(tmp_path).acquire()
     with pytest.raises(WorkdirError, match=f"in use by another trainer \\(host {socket.gethostname()} "

@@ -103,6 +103,7 @@ def test_sampling():
                                   generate(model, prompt, 5))
 
 
+@pytest.mark.slow
 def test_bad_requests_say_what_is_wrong():
     model = _model("swa")
     prompt = _tokens(7, n=PROMPT)

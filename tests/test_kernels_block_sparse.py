@@ -179,6 +179,7 @@ def test_triton_lowering_for_cuda(per_token):
     assert exp.mlir_module().count("__gpu$xla.gpu.triton") == 3  # fwd, dq, dkv
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("selection,gate", [("token", "moba"), ("block", "ssa")])
 def test_kernel_runs_the_reference_selection_end_to_end(selection, gate):
     """ops.select_blocks -> kernel equals ops.moba_attention (the model's xla path), fwd and grads."""

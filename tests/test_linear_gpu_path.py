@@ -150,6 +150,7 @@ SIMPLE_GLA_CASES = {
 }
 
 
+@pytest.mark.slow
 @needs_jla
 @pytest.mark.parametrize("case", list(SIMPLE_GLA_CASES))
 def test_simple_gla_conversion_matches_reference(case):
@@ -194,6 +195,7 @@ def test_gated_delta_rule_conversion_matches_reference():
         assert _rel(a, b) < 1e-4, (i, _rel(a, b))
 
 
+@pytest.mark.slow
 @needs_jla
 @pytest.mark.parametrize("op", ["simple_gla", "gated_delta_rule"])
 def test_zero_padded_head_widths_are_exact(op):

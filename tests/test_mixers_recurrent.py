@@ -408,6 +408,7 @@ def test_flops_formula_counts_the_executed_matmuls(kind, opts):
     assert executed == pytest.approx(f["matmul"] + scan_flops, rel=1e-12)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["lightning", "mamba2", "gdn"])
 def test_info_counts_match_the_real_parameter_arrays(kind, capsys):
     from hybrid_lm.cli import main

@@ -100,6 +100,7 @@ CASES = [  # (T, block, top_k): partial last blocks, k below and at the block co
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("gate", ["moba", "ssa"])
 @pytest.mark.parametrize("t,block,top_k", CASES)
 def test_moba_matches_dense_oracle_forward_and_gradients(t, block, top_k, gate):
@@ -142,6 +143,7 @@ def test_large_blocks_and_chunked_queries():
                   _moba_vjp(q, k, v, cot, block_size=4, top_k=3, gate="ssa"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("t,block,gate", [(37, 4, "moba"), (37, 16, "ssa"), (40, 64, "moba")])
 def test_top_k_covering_all_blocks_is_causal_full_attention(t, block, gate):
     q, k, v = _qkv(t + block, 2, t, 4, 2, 8)
@@ -183,6 +185,7 @@ def test_options_are_validated(tiny_params):
                                            f"efficient/MixerConfig.options = {opts}"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("selection", ["token", "block"])
 def test_moba_mixer_with_all_blocks_equals_full_attention_mixer(selection):
     cfg = ModelConfig(d_model=32, n_heads=4, n_kv_heads=2, head_dim=8, n_layers=2, compute_dtype="float32")
@@ -293,6 +296,7 @@ def test_top_k_method_auto_follows_the_measured_rule(monkeypatch):
     assert used == [(1024, 16)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("selection", ["token", "block"])
 @pytest.mark.parametrize("gate", ["moba", "ssa"])
 def test_moba_is_causal(selection, gate):

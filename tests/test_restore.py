@@ -14,6 +14,9 @@ from hybrid_lm.eval.restore import RestoredRun
 STEPS = 10  # checkpoints at 5 and 10 (TINY: every_steps = 5)
 
 
+pytestmark = pytest.mark.slow  # trains runs or runs subprocesses
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory, _data_dir):
     from conftest import TINY

@@ -125,6 +125,7 @@ def test_noisy_synthetic_parameters_inside_bootstrap_cis():
     assert e["holdout"]["skipped"]
 
 
+@pytest.mark.slow
 def test_holdout_metrics_measure_a_shifted_largest_size():
     N, D, L = _synthetic(TRUE)
     big = N == N.max()

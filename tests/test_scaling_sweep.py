@@ -68,6 +68,7 @@ def test_expansion_is_deterministic_and_budgets_are_exact():
         L.select_jobs(a.jobs, "nothing-like-this")
 
 
+@pytest.mark.slow
 def test_rethinking_dry_run_numbers():
     plan = expand(load_spec(RETHINKING), root="/tmp/rethinking")
     jobs = plan.jobs

@@ -28,6 +28,9 @@ from hybrid_lm.ops.attention import causal_attention, windowed_attention
 from hybrid_lm.ops.sink_attention import dense_sink_attention, mean_keys_per_query, sink_attention, sink_mask
 
 
+pytestmark = pytest.mark.slow  # trains runs or runs subprocesses
+
+
 def _qkv(seed, B, T, H, K, D, Dv=None):
     rng = np.random.default_rng(seed)  # numpy draws: eager jax.random compiles per shape (seconds)
     return tuple(jnp.asarray(rng.standard_normal(s, np.float32))

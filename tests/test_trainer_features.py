@@ -110,6 +110,7 @@ def test_time_interval_saves_temporary_checkpoints(tiny_params, tmp_path):
     assert steps == [1, 2, 3, 4, 5, 6], steps  # the step cadence alone would save only the final step
 
 
+@pytest.mark.slow
 def test_z_loss_joins_the_objective_but_not_the_logged_loss(tiny_params):
     base = load_config([], tiny_params)
     zl = load_config([], tiny_params + ["OptimConfig.z_loss = 1e-2"])
