@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from hybrid_lm.config import load_config
-from hybrid_lm.errors import ConfigError, WorkdirError
+from hybrid_lm.errors import ConfigError, DataError, WorkdirError
 from hybrid_lm.train.compile_cache import enable_compilation_cache
 
 
@@ -101,20 +101,6 @@ def _info_backends(cfg, as_json: bool) -> int:
     return 0
 
 
-def cmd_data(args) -> int:
-    from hybrid_lm.data.corpus import default_dir, prepare_embedded, prepare_text_files
-
-    if args.text:
-        out = Path(args.out) if args.out else default_dir("text")
-        meta = prepare_text_files(args.text, out, args.tokenizer)
-    else:
-        out = Path(args.out) if args.out else default_dir("embedded")
-        meta = prepare_embedded(out, args.tokenizer)
-    print(f"prepared {out}:")
-    print(json.dumps(meta, indent=2))
-    return 0
-
-
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     ap = argparse.ArgumentParser(prog="hybrid-lm", description=__doc__)
@@ -135,14 +121,8 @@ def main(argv=None) -> int:
                    help="instead: the backend each layer's ops resolve to on this platform, and why")
     p.set_defaults(fn=cmd_info)
 
-    p = sub.add_parser("data", help="prepare a token corpus")
-    dsub = p.add_subparsers(dest="data_cmd", required=True)
-    q = dsub.add_parser("prepare", help="build train/val token files (default: the embedded corpus)")
-    q.add_argument("--text", nargs="*", help="plain-text or JSONL files instead of the embedded corpus")
-    q.add_argument("--out", default=None)
-    q.add_argument("--tokenizer", default="byte")
-    q.set_defaults(fn=cmd_data)
-
+    from hybrid_lm.data.cli import add_data_commands
+    add_data_commands(sub)
     from hybrid_lm.eval.cli import add_eval_commands
     add_eval_commands(sub)
     from hybrid_lm.scaling.cli import add_scaling_commands
@@ -157,6 +137,9 @@ def main(argv=None) -> int:
         return 2
     except WorkdirError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except DataError as e:
+        print(f"data error: {e}", file=sys.stderr)
         return 2
 
 

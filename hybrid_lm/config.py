@@ -46,6 +46,12 @@ def _nid(default, **kw):
     return field(default=default, metadata=_meta(False), **kw)
 
 
+def _added(default, **kw):
+    """An experiment-defining field added after run ids were first published: it enters the run id
+    only when set to a non-default value, so the ids of configs that leave it alone do not change."""
+    return field(default=default, metadata=_meta(True, omit_default=True), **kw)
+
+
 @gin.configurable
 @dataclass(frozen=True)
 class MixerConfig:
@@ -66,7 +72,7 @@ AttentionImpl = Literal["auto", "xla", "cudnn", "pallas", "jla"]  # resolved in 
 LinearImpl = Literal["auto", "xla", "jla"]  # resolved in hybrid_lm/backends.py
 Remat = Literal["none", "full", "dots"]
 DType = Literal["float32", "bfloat16", "float16"]
-Source = Literal["embedded", "tokens"]  # tokens: a prepared dir with train.bin / val.bin
+Source = Literal["embedded", "tokens"]  # tokens: a prepared token store (hybrid_lm/data/store.py) at DataConfig.path
 Optimizer = Literal["adamw", "muon"]  # muon: Muon for hidden matrices, AdamW for the rest (train/optim.py)
 DecayShape = Literal["linear", "cosine", "1-sqrt"]
 LossImpl = Literal["auto", "full", "chunked"]  # resolved in hybrid_lm/backends.py (loss_backend)
@@ -118,10 +124,19 @@ class ModelConfig:
 @dataclass(frozen=True)
 class DataConfig:
     source: Source = "embedded"
-    path: str | None = field(default=None, metadata=_meta(False))  # default: data_cache/<source>
-    tokenizer: str = "byte"
+    path: str | None = field(default=None, metadata=_meta(False))  # the store; default: data_cache/<source>
+    tokenizer: str = "byte"  # 'byte', or a local tokenizer.json / SentencePiece .model (hybrid_lm/data/tokenizer.py)
     seq_len: int = 256
     eval_windows: int = field(default=64, metadata=_meta(False))  # fixed held-out windows for eval
+    # several stores mixed by weight, e.g. (('data_cache/web', 0.7), ('data_cache/code', 0.3));
+    # when set it replaces source/path (hybrid_lm/data/pipeline.py)
+    mixture: tuple = _added(())
+    # long/short mixing: documents of >= long_min_tokens tokens are "long"; long_fraction of the
+    # training tokens come from them, the rest from the other documents (0: off, plain packing)
+    long_min_tokens: int = _added(0)
+    long_fraction: float = _added(0.5)
+    # attention never crosses a document boundary and positions restart per document
+    document_mask: bool = _added(False)
 
 
 @gin.configurable
@@ -156,6 +171,9 @@ class TrainConfig:
     # Gradient accumulation: the global batch is split into this many equal micro-batches. It is an
     # execution detail (same math as the large batch), so it is not part of the run id.
     microbatches: int = _nid(1)
+    # continued pretraining: start from another run's parameters ("RUN_DIR@STEP"), with a fresh
+    # optimizer state and schedule (hybrid_lm/train/loop.py); set by `hybrid-lm train --init-from`
+    init_from: str | None = _added(None)
     nan_policy: NanPolicy = _nid("stop")
     profile_start: int = _nid(-1)  # trace steps [profile_start, profile_start + profile_steps) (-1: off)
     profile_steps: int = _nid(5)
@@ -316,6 +334,7 @@ def config_from_dict(d: dict) -> Config:
     m["full"], m["efficient"] = MixerConfig(**m["full"]), MixerConfig(**m["efficient"])
     mesh = d["mesh"]
     mesh["rules"] = tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in mesh["rules"])
+    d["data"]["mixture"] = tuple(tuple(e) for e in d["data"].get("mixture", ()))
     return Config(model=ModelConfig(**m), data=DataConfig(**d["data"]), optim=OptimConfig(**d["optim"]),
                   train=TrainConfig(**d["train"]), checkpoint=CheckpointConfig(**d["checkpoint"]),
                   mesh=MeshConfig(**mesh))
@@ -382,9 +401,24 @@ def check_config(cfg: Config) -> None:
                         ("CheckpointConfig.permanent_every", c.permanent_every, 0)):
         if isinstance(v, bool) or not isinstance(v, int) or v < lo:
             raise ConfigError(f"{name}={v!r} must be an integer >= {lo}")
+    check_data_config(cfg.data)
     im = c.interval_minutes
     if isinstance(im, bool) or not isinstance(im, (int, float)) or not im >= 0 or im == float("inf"):
         raise ConfigError(f"CheckpointConfig.interval_minutes={im!r} must be a finite number >= 0 (0: off)")
+
+
+def check_data_config(d: DataConfig) -> None:
+    if isinstance(d.long_min_tokens, bool) or not isinstance(d.long_min_tokens, int) or d.long_min_tokens < 0:
+        raise ConfigError(f"DataConfig.long_min_tokens={d.long_min_tokens!r} must be an integer >= 0 (0: off)")
+    if not 0.0 < d.long_fraction < 1.0:
+        raise ConfigError(f"DataConfig.long_fraction={d.long_fraction!r} must be in (0, 1): the share of "
+                          "training tokens from long documents")
+    if not isinstance(d.mixture, tuple):
+        raise ConfigError(f"DataConfig.mixture={d.mixture!r} must be a tuple of (store path, weight) pairs")
+    for e in d.mixture:
+        if not (isinstance(e, tuple) and len(e) == 2 and isinstance(e[0], str)
+                and isinstance(e[1], (int, float)) and not isinstance(e[1], bool) and e[1] > 0):
+            raise ConfigError(f"DataConfig.mixture entry {e!r} must be a (store path, weight > 0) pair")
 
 
 def validate_config(cfg: Config) -> None:
@@ -404,12 +438,18 @@ def experiment_fields(cfg: Config) -> dict[str, Any]:
             if not f.metadata.get("run_id", True):
                 continue
             v = getattr(obj, f.name)
+            if f.metadata.get("omit_default") and v == _field_default(f):
+                continue
             if dataclasses.is_dataclass(v):
                 for sf in dataclasses.fields(v):
                     out[f"{sec.name}.{f.name}.{sf.name}"] = _jsonable(getattr(v, sf.name))
             else:
                 out[f"{sec.name}.{f.name}"] = _jsonable(v)
     return out
+
+
+def _field_default(f: dataclasses.Field):
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
 
 
 def _jsonable(v):

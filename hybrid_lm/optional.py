@@ -8,6 +8,10 @@ _EXTRAS = {
     "tensorboardX": "tb",
     "wandb": "wandb",
     "tensorflow_datasets": "tfds",
+    "tokenizers": "tokenizers",
+    "sentencepiece": "sentencepiece",
+    "pyarrow": "parquet",
+    "datasets": "datasets",
 }
 
 
