@@ -10,12 +10,13 @@ import dataclasses
 import logging
 
 from hybrid_lm.config import Config, MixerConfig, check_config
-from hybrid_lm.data.tokenizer import get_tokenizer
+from hybrid_lm.data.tokenizer import Tokenizer, load_tokenizer
 from hybrid_lm.errors import ConfigError
 from hybrid_lm.model.registry import MIXER_FIELDS, get_mixer
 
 log = logging.getLogger(__name__)
 _WARNED: set[str] = set()
+VOCAB_MULTIPLE = 128  # a model vocab up to the tokenizer's rounded up to this is not warned about
 
 
 def validate_experiment(cfg: Config) -> None:
@@ -24,14 +25,30 @@ def validate_experiment(cfg: Config) -> None:
     m = cfg.model
     for slot, mc in (("full", m.full), ("efficient", m.efficient)):
         get_mixer(mc.kind).check_config(mc, slot)  # unknown kind, unread field or bad options
-    tok = get_tokenizer(cfg.data.tokenizer)
-    if m.vocab_size < tok.vocab_size:
-        raise ConfigError(f"vocab_size={m.vocab_size} is smaller than the {cfg.data.tokenizer!r} "
-                          f"tokenizer's {tok.vocab_size}")
+    check_tokenizer(load_tokenizer(cfg.data.tokenizer), m.vocab_size)
     for msg in config_warnings(cfg):
         if msg not in _WARNED:
             _WARNED.add(msg)
             log.warning(msg)
+
+
+def padded_vocab(vocab_size: int, multiple: int = VOCAB_MULTIPLE) -> int:
+    """``vocab_size`` rounded up to a multiple of ``multiple`` (the usual embedding-table size)."""
+    return -(-vocab_size // multiple) * multiple
+
+
+def check_tokenizer(tok: Tokenizer, model_vocab: int) -> None:
+    """Raise :class:`ConfigError` unless every id ``tok`` produces (its special ids included) has a
+    row in a ``model_vocab`` embedding table."""
+    if model_vocab < tok.vocab_size:
+        raise ConfigError(f"ModelConfig.vocab_size={model_vocab} is smaller than the {tok.spec!r} tokenizer's "
+                          f"{tok.vocab_size}: set ModelConfig.vocab_size to at least {tok.vocab_size} "
+                          f"(e.g. {padded_vocab(tok.vocab_size)}, a multiple of {VOCAB_MULTIPLE})")
+    for role in ("eos", "bos", "pad"):
+        i = getattr(tok, f"{role}_id")
+        if i is not None and not 0 <= i < model_vocab:
+            raise ConfigError(f"the {tok.spec!r} tokenizer's {role} id {i} is not below "
+                              f"ModelConfig.vocab_size={model_vocab}: raise ModelConfig.vocab_size above {i}")
 
 
 def config_warnings(cfg: Config) -> list[str]:
@@ -41,6 +58,12 @@ def config_warnings(cfg: Config) -> list[str]:
     if o.warmup_steps > t.steps:
         out.append(f"OptimConfig.warmup_steps={o.warmup_steps} exceeds TrainConfig.steps={t.steps}: "
                    "the learning rate never reaches OptimConfig.lr")
+    tok = load_tokenizer(cfg.data.tokenizer)
+    v, padded = cfg.model.vocab_size, padded_vocab(tok.vocab_size)
+    if v > padded:
+        out.append(f"ModelConfig.vocab_size={v} exceeds the {tok.spec!r} tokenizer's {tok.vocab_size} "
+                   f"(rounded up to a multiple of {VOCAB_MULTIPLE}: {padded}): {v - tok.vocab_size} embedding "
+                   "rows stand for ids the tokenizer never produces")
     used = set(cfg.model.layer_types())
     for slot, letter in (("full", "F"), ("efficient", "E")):
         mc = cfg.model.mixer(letter)
