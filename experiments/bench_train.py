@@ -11,6 +11,11 @@ time. Peak memory is XLA's own account of the compiled step (arguments + outputs
 ``memory_analysis``); a step whose account exceeds the device's memory is reported as ``oom``
 without running it, and one that fails to allocate at run time likewise.
 
+An arch name may end in ``+scan`` (``gdn+scan``): the same variant with ``ModelConfig.scan_layers``
+on, so one call times the scanned and unrolled stacks side by side. ``--deadline`` bounds the whole
+call: variants whose compile has not finished by then are reported as ``not_compiled`` and the
+process exits without waiting for the compile threads.
+
 ``--sweep-microbatch`` picks, per (scale, arch), the micro-batch (sequences per device) with the
 highest tokens/s among those that fit, and writes them as the measured table that
 ``hybrid_lm.train.microbatch`` reads (``--table-out``). MFU counts FLOPs per layer type
@@ -22,6 +27,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures as cf
 import json
+import os
 import time
 
 import jax
@@ -53,9 +59,21 @@ ARCH = {  # gin bindings per variant (the full-attention slot unchanged unless s
 }
 
 
+SCAN = "+scan"  # arch suffix: the same stack under ModelConfig.scan_layers
+
+
+def arch_bindings(arch: str) -> list[str]:
+    """The gin bindings of ``arch`` (``name`` or ``name+scan``)."""
+    base = arch.removesuffix(SCAN)
+    if base not in ARCH:
+        raise SystemExit(f"unknown arch {arch!r}: choose from {sorted(ARCH)}, optionally with {SCAN!r}")
+    return ARCH[base] + (["ModelConfig.scan_layers = True"] if arch.endswith(SCAN) else [])
+
+
 def make_config(scale: str, arch: str, seq_len: int, batch: int, remat: str, impl: str, extra=()):
-    gin_files = [f"scale/{scale}.gin"] + [b.split("'")[1] for b in ARCH[arch] if b.startswith("include")]
-    params = [b for b in ARCH[arch] if not b.startswith("include")] + [
+    bindings = arch_bindings(arch)
+    gin_files = [f"scale/{scale}.gin"] + [b.split("'")[1] for b in bindings if b.startswith("include")]
+    params = [b for b in bindings if not b.startswith("include")] + [
         f"DataConfig.seq_len = {seq_len}", f"TrainConfig.global_batch = {batch}",
         f"ModelConfig.remat = '{remat}'", f"ModelConfig.attention_impl = '{impl}'", *extra]
     return load_config(gin_files, params)
@@ -66,7 +84,7 @@ class Variant:
 
     def __init__(self, scale, arch, batch, args):
         self.key = dict(scale=scale, arch=arch, batch=batch, seq_len=args.seq_len, remat=args.remat,
-                        attention_impl=args.impl, loss_impl=args.loss)
+                        attention_impl=args.impl, loss_impl=args.loss, gin_param=list(args.gin_param))
         extra = ([f"ModelConfig.loss_impl = '{args.loss}'"] if args.loss != "default" else []) + args.gin_param
         self.cfg = make_config(scale, arch, args.seq_len, batch, args.remat, args.impl, extra)
         self.fns = ModelFns(self.cfg)
@@ -109,8 +127,9 @@ class Variant:
             times.append(time.perf_counter() - t0)
         loss = float(stats["loss"])
         del state, stats
-        ms = 1e3 * float(np.median(times))
-        return {"ms_per_step": ms, "loss": loss}
+        ms = 1e3 * np.asarray(times)
+        return {"ms_per_step": float(np.median(ms)), "ms_min": float(ms.min()), "ms_max": float(ms.max()),
+                "loss": loss}
 
 
 def device_memory() -> int | None:
@@ -118,52 +137,71 @@ def device_memory() -> int | None:
     return stats.get("bytes_limit")
 
 
-def measure(variants, args) -> list[dict]:
+def measure(variants, args, deadline: float | None = None) -> tuple[list[dict], bool]:
+    """(rows in the order of ``variants``, whether compiles were left running at the deadline).
+    Ready variants are timed in the order their compiles finish, one at a time on the device."""
     limit = device_memory()
-    rows = []
+    rows: dict[int, dict] = {}
     workers = 1 if args.compile_alone else args.compile_workers
-    with cf.ThreadPoolExecutor(max_workers=workers) as pool:
-        futures = []
-        for v in variants:
-            try:
-                lowered, lower_s, backends = v.lower()
-                futures.append((v, backends, pool.submit(v.compile, lowered, lower_s)))
-            except Exception as e:  # noqa: BLE001 - a variant that cannot trace is reported, not fatal
-                futures.append((v, {}, e))
-        for v, backends, fut in futures:
-            row = dict(v.key, attention_backends=backends,
-                       loss_backend=loss_backend(v.cfg.model.loss_impl, v.key["batch"] * v.key["seq_len"],
-                                                 v.cfg.model.vocab_size)[0])
-            f = flops_per_token(v.cfg.model, v.key["seq_len"])
-            row.update(non_embedding=count_params(v.cfg.model)["non_embedding"], train_flops_per_token=f["train"],
-                       tokens_per_step=v.key["batch"] * v.key["seq_len"])
-            try:
-                if isinstance(fut, Exception):
-                    raise fut
-                compiled, row["compile_s"], row["peak_bytes"] = fut.result()
-            except Exception as e:  # noqa: BLE001 - a variant that cannot compile is reported, not fatal
-                row.update(status="compile_error", error=str(e).splitlines()[0][:300])
-                rows.append(row)
-                report(row)
-                continue
-            if limit and row["peak_bytes"] and row["peak_bytes"] > limit:
-                row["status"] = "oom"
-            else:
-                try:
-                    row.update(v.run(compiled, args.steps))
-                    row["status"] = "ok"
-                    tps = row["tokens_per_step"] / (row["ms_per_step"] / 1e3)
-                    row.update(tokens_per_sec=tps, mfu=tps * f["train"] / (PEAK_FLOPS_H200_BF16 * jax.device_count()))
-                except Exception as e:  # noqa: BLE001
-                    msg = str(e)
-                    row.update(status="oom" if "RESOURCE_EXHAUSTED" in msg or "out of memory" in msg.lower()
-                               else "run_error", error=msg.splitlines()[0][:300])
-            del compiled
-            rows.append(row)
-            report(row)
+    pool = cf.ThreadPoolExecutor(max_workers=workers)
+    pending: dict = {}  # future -> (index, variant, backends)
+    for i, v in enumerate(variants):
+        try:
+            lowered, lower_s, backends = v.lower()
+            pending[pool.submit(v.compile, lowered, lower_s)] = (i, v, dict(backends, lower_s=lower_s))
+        except Exception as e:  # noqa: BLE001 - a variant that cannot trace is reported, not fatal
+            rows[i] = finish(v, {}, e, limit, args)
+    left_running = False
+    try:
+        for fut in cf.as_completed(pending, timeout=None if deadline is None else max(0.0, deadline - time.time())):
+            i, v, backends = pending[fut]
+            rows[i] = finish(v, backends, fut, limit, args)
             if args.out:
-                save(args.out, rows)
-    return rows
+                save(args.out, [rows[k] for k in sorted(rows)])
+    except cf.TimeoutError:
+        left_running = True
+        for fut, (i, v, backends) in pending.items():
+            if i not in rows:
+                fut.cancel()
+                rows[i] = dict(v.key, status="not_compiled", error="compile not finished by the --deadline")
+                report(rows[i])
+    pool.shutdown(wait=not left_running, cancel_futures=True)
+    return [rows[k] for k in sorted(rows)], left_running
+
+
+def finish(v: Variant, backends: dict, fut, limit: int | None, args) -> dict:
+    """The row of one variant: compile result (or error), then its timed steps unless it cannot fit."""
+    backends = dict(backends)
+    lower_s = backends.pop("lower_s", None)
+    row = dict(v.key, attention_backends=backends, lower_s=lower_s,
+               loss_backend=loss_backend(v.cfg.model.loss_impl, v.key["batch"] * v.key["seq_len"],
+                                         v.cfg.model.vocab_size)[0])
+    f = flops_per_token(v.cfg.model, v.key["seq_len"])
+    row.update(non_embedding=count_params(v.cfg.model)["non_embedding"], train_flops_per_token=f["train"],
+               tokens_per_step=v.key["batch"] * v.key["seq_len"])
+    try:
+        if isinstance(fut, Exception):
+            raise fut
+        compiled, row["compile_s"], row["peak_bytes"] = fut.result()
+    except Exception as e:  # noqa: BLE001 - a variant that cannot compile is reported, not fatal
+        row.update(status="compile_error", error=str(e).splitlines()[0][:300])
+        report(row)
+        return row
+    if limit and row["peak_bytes"] and row["peak_bytes"] > limit:
+        row["status"] = "oom"
+    else:
+        try:
+            row.update(v.run(compiled, args.steps))
+            row["status"] = "ok"
+            tps = row["tokens_per_step"] / (row["ms_per_step"] / 1e3)
+            row.update(tokens_per_sec=tps, mfu=tps * f["train"] / (PEAK_FLOPS_H200_BF16 * jax.device_count()))
+        except Exception as e:  # noqa: BLE001
+            msg = str(e)
+            row.update(status="oom" if "RESOURCE_EXHAUSTED" in msg or "out of memory" in msg.lower()
+                       else "run_error", error=msg.splitlines()[0][:300])
+    del compiled
+    report(row)
+    return row
 
 
 def report(r):
@@ -190,7 +228,25 @@ def best_microbatches(rows) -> dict:
 
 def save(path, rows, extra=None):
     with open(path, "w") as fh:
-        json.dump({"device": jax.devices()[0].device_kind, "rows": rows, **(extra or {})}, fh, indent=2)
+        json.dump({"device": jax.devices()[0].device_kind, "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                   "rows": rows, **(extra or {})}, fh, indent=2)
+
+
+def write_table(path: str, best: dict, command: str) -> dict:
+    """Merge ``best`` (per scale/arch/seq_len, ``+scan`` variants left out: the rule keys on the
+    architecture) into the micro-batch table at ``path``; entries of other keys are kept.
+    Returns the table written."""
+    table = json.loads(open(path).read()) if os.path.exists(path) else {}
+    merged = dict(table.get("best", {}))
+    merged.update({k: b["batch"] for k, b in best.items() if SCAN not in k})
+    commands = table.get("commands", [table["command"]] if "command" in table else [])
+    out = {"device": jax.devices()[0].device_kind, "measured": time.strftime("%Y-%m-%d"),
+           "commands": [*commands, command] if command not in commands else commands,
+           "best": dict(sorted(merged.items()))}
+    with open(path, "w") as fh:
+        json.dump(out, fh, indent=2)
+        fh.write("\n")
+    return out
 
 
 def main() -> None:
@@ -208,6 +264,10 @@ def main() -> None:
     ap.add_argument("--gin_param", action="append", default=[], help="extra gin binding (repeatable)")
     ap.add_argument("--compile-workers", type=int, default=8)
     ap.add_argument("--compile-alone", action="store_true", help="compile one variant at a time")
+    ap.add_argument("--order", choices=("scale", "arch"), default="scale",
+                    help="variant order (compiles start in this order): scale-major or arch-major")
+    ap.add_argument("--deadline", type=float, default=None,
+                    help="seconds from start: report unfinished compiles as not_compiled and exit")
     ap.add_argument("--out", default="bench_train.json")
     ap.add_argument("--table-out", default=None, help="with --sweep-microbatch: the measured best table")
     args = ap.parse_args()
@@ -215,19 +275,25 @@ def main() -> None:
     print(f"device: {jax.devices()[0].device_kind} x{jax.device_count()}   memory limit "
           f"{(device_memory() or 0) / 2 ** 30:.1f} GiB")
     print(f"{'scale':<5}{'arch':<11}{'B':>4}{'ms/step':>10}{'ktok/s':>10}{'MFU':>8}{'GiB':>8}{'compile':>9}")
-    variants = [Variant(s, a, b, args) for s in args.scale.split(",") for a in args.arch.split(",") for b in batches]
-    rows = measure(variants, args)
+    t_start = time.time()
+    scales, archs = args.scale.split(","), args.arch.split(",")
+    for a in archs:
+        arch_bindings(a)
+    keys = ([(s, a, b) for s in scales for a in archs for b in batches] if args.order == "scale"
+            else [(s, a, b) for a in archs for s in scales for b in batches])
+    variants = [Variant(s, a, b, args) for s, a, b in keys]
+    rows, left_running = measure(variants, args, None if args.deadline is None else t_start + args.deadline)
     best = best_microbatches(rows)
-    save(args.out, rows, {"best": best})
+    save(args.out, rows, {"best": best, "wall_s": time.time() - t_start})
     if args.sweep_microbatch:
         print("\nbest micro-batch (sequences per device):")
         for k, b in sorted(best.items()):
             print(f"  {k:<28} {b['batch']:>3}   {b['tokens_per_sec'] / 1e3:.1f} ktok/s   {100 * b['mfu']:.1f}% MFU")
         if args.table_out:
-            with open(args.table_out, "w") as fh:
-                json.dump({"device": jax.devices()[0].device_kind, "measured": time.strftime("%Y-%m-%d"),
-                           "command": "experiments/bench_train.py --sweep-microbatch " + args.sweep_microbatch,
-                           "best": {k: b["batch"] for k, b in sorted(best.items())}}, fh, indent=2)
+            write_table(args.table_out, best, f"experiments/bench_train.py --scale {args.scale} --arch {args.arch} "
+                                              f"--sweep-microbatch {args.sweep_microbatch}")
+    if left_running:  # compile threads cannot be stopped: leave without joining them
+        os._exit(0)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,146 @@
+"""Where the time of one train step goes: a ``jax.profiler`` trace of a few steps, summarised by op.
+
+    python experiments/profile_train.py --scale s3 --arch full --batch 8 --out-dir $OUT/profile
+    python experiments/profile_train.py --summarize path/to/host.trace.json.gz
+
+The step is ``bench_train``'s (the trainer's ``make_train_step``, random tokens). After two warm-up
+steps, ``--steps`` steps run under ``jax.profiler.trace``; the trace's ``*.trace.json.gz`` is copied to
+``--out-dir`` and summarised: device time per kernel name over the GPU's stream lines, the share of
+each kind of op (matmul, attention, loss, copies, other fusions; a name-based guess), and the busy
+fraction of the step (device time over wall time). ``--summarize`` reads a saved trace instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import re
+import shutil
+import sys
+import time
+from pathlib import Path
+
+# the first pattern that matches a kernel's name gives its kind
+KINDS = [
+    ("attention", r"flash|fmha|cudnn|attention|attn|mosaic|pallas|windowed"),
+    ("matmul", r"gemm|gemv|cublas|nvjet|xmma|cutlass|sm90_|sm80_|dot|wgmma|matmul"),
+    ("copy", r"memcpy|memset|copy|transpose|dynamic.update.slice|concatenate"),
+    ("reduce", r"reduce|softmax|argmax|scatter"),
+    ("fusion", r"fusion|loop_|input_|triton|elementwise|convert|multiply|add"),
+]
+
+
+def kind_of(name: str) -> str:
+    low = name.lower()
+    return next((k for k, pat in KINDS if re.search(pat, low)), "other")
+
+
+def summarize(trace_path: str | Path, steps: int, wall_ms: float | None = None, top: int = 25) -> dict:
+    """Device time by kernel and by kind from a trace.json.gz: returns {"lines", "kernels", "kinds", ...}
+    (milliseconds per step)."""
+    with gzip.open(trace_path, "rb") as fh:
+        events = json.load(fh)["traceEvents"]
+    procs = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
+               if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    lines: collections.Counter = collections.Counter()
+    kernels: collections.Counter = collections.Counter()
+    counts: collections.Counter = collections.Counter()
+    for e in events:
+        if e.get("ph") != "X" or "GPU" not in procs.get(e["pid"], ""):
+            continue
+        line = threads.get((e["pid"], e["tid"]), str(e["tid"]))
+        lines[line] += e.get("dur", 0.0)
+        if line.lower().startswith("stream"):  # the kernels themselves (not the XLA op/module lines)
+            kernels[e["name"]] += e.get("dur", 0.0)
+            counts[e["name"]] += 1
+    per = 1e-3 / max(steps, 1)  # us in the whole trace -> ms per step
+    total = sum(kernels.values()) * per
+    kinds: collections.Counter = collections.Counter()
+    for name, us in kernels.items():
+        kinds[kind_of(name)] += us * per
+    out = {
+        "trace": str(trace_path), "steps": steps, "device_ms_per_step": total, "wall_ms_per_step": wall_ms,
+        "busy_fraction": (total / wall_ms) if wall_ms else None,
+        "lines": {k: v * per for k, v in lines.most_common()},
+        "kinds": {k: {"ms": v, "share": v / total if total else 0.0} for k, v in kinds.most_common()},
+        "kernels": [{"name": n, "ms": us * per, "share": us * per / total if total else 0.0,
+                     "calls_per_step": counts[n] / max(steps, 1), "kind": kind_of(n)}
+                    for n, us in kernels.most_common(top)],
+    }
+    return out
+
+
+def print_summary(s: dict) -> None:
+    busy = f"   busy {100 * s['busy_fraction']:.1f}% of {s['wall_ms_per_step']:.1f} ms wall" if s["busy_fraction"] else ""
+    print(f"device time {s['device_ms_per_step']:.2f} ms/step over stream lines{busy}")
+    print("by kind: " + ", ".join(f"{k} {v['ms']:.2f} ms ({100 * v['share']:.1f}%)" for k, v in s["kinds"].items()))
+    print(f"{'ms/step':>9} {'share':>6} {'calls':>6}  kind       kernel")
+    for k in s["kernels"]:
+        print(f"{k['ms']:>9.3f} {100 * k['share']:>5.1f}% {k['calls_per_step']:>6.1f}  {k['kind']:<10} {k['name'][:110]}")
+
+
+def profile(args) -> dict:
+    import jax
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_train import Variant
+
+    bench_args = argparse.Namespace(seq_len=args.seq_len, remat=args.remat, impl=args.impl, loss="default",
+                                    gin_param=args.gin_param)
+    v = Variant(args.scale, args.arch, args.batch, bench_args)
+    lowered, lower_s, backends = v.lower()
+    compiled, compile_s, peak = v.compile(lowered, lower_s)
+    state = v.init(v.seed)
+    tokens = jax.random.randint(jax.random.key(0), (args.batch, args.seq_len + 1), 0, v.cfg.model.vocab_size)
+    for _ in range(2):
+        state, stats = compiled(state, tokens, v.bounds)
+    jax.block_until_ready(stats["loss"])
+    out_dir = Path(args.out_dir)
+    trace_dir = out_dir / "trace"
+    with jax.profiler.trace(str(trace_dir)):
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            state, stats = compiled(state, tokens, v.bounds)
+        jax.block_until_ready(stats["loss"])
+        wall_ms = 1e3 * (time.perf_counter() - t0) / args.steps
+    found = sorted(glob.glob(str(trace_dir / "**" / "*.trace.json.gz"), recursive=True))
+    if not found:
+        raise SystemExit(f"no *.trace.json.gz under {trace_dir}")
+    saved = out_dir / f"trace_{args.scale}_{args.arch}_b{args.batch}.json.gz"
+    shutil.copy(found[-1], saved)
+    s = summarize(saved, args.steps, wall_ms, args.top)
+    s.update(scale=args.scale, arch=args.arch, batch=args.batch, seq_len=args.seq_len, compile_s=compile_s,
+             peak_bytes=peak, attention_backends=backends, device=jax.devices()[0].device_kind)
+    shutil.rmtree(trace_dir, ignore_errors=True)  # the copy above is the one that travels
+    return s
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--scale", default="s3")
+    ap.add_argument("--arch", default="full")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq-len", type=int, default=16384)
+    ap.add_argument("--steps", type=int, default=3, help="steps under the profiler")
+    ap.add_argument("--remat", default="dots")
+    ap.add_argument("--impl", default="auto")
+    ap.add_argument("--gin_param", action="append", default=[])
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--out-dir", default="profile_out")
+    ap.add_argument("--summarize", default=None, metavar="TRACE_JSON_GZ", help="summarise a saved trace instead")
+    args = ap.parse_args()
+    if args.summarize:
+        s = summarize(args.summarize, args.steps, None, args.top)
+    else:
+        Path(args.out_dir).mkdir(parents=True, exist_ok=True)
+        s = profile(args)
+        (Path(args.out_dir) / "profile_summary.json").write_text(json.dumps(s, indent=2))
+    print_summary(s)
+
+
+if __name__ == "__main__":
+    main()
