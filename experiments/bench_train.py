@@ -145,26 +145,36 @@ def measure(variants, args, deadline: float | None = None) -> tuple[list[dict], 
     workers = 1 if args.compile_alone else args.compile_workers
     pool = cf.ThreadPoolExecutor(max_workers=workers)
     pending: dict = {}  # future -> (index, variant, backends)
+
+    def take(fut):  # time one compiled variant and save the rows so far
+        i, v, backends = pending.pop(fut)
+        rows[i] = finish(v, backends, fut, limit, args)
+        if args.out:
+            save(args.out, [rows[k] for k in sorted(rows)])
+
+    left_running = False
     for i, v in enumerate(variants):
+        if deadline is not None and time.time() > deadline:
+            rows[i] = dict(v.key, status="not_compiled", error="not lowered by the --deadline")
+            report(rows[i])
+            continue
         try:
             lowered, lower_s, backends = v.lower()
             pending[pool.submit(v.compile, lowered, lower_s)] = (i, v, dict(backends, lower_s=lower_s))
         except Exception as e:  # noqa: BLE001 - a variant that cannot trace is reported, not fatal
             rows[i] = finish(v, {}, e, limit, args)
-    left_running = False
+        for fut in [f for f in pending if f.done()]:  # time what is ready while later ones lower
+            take(fut)
     try:
-        for fut in cf.as_completed(pending, timeout=None if deadline is None else max(0.0, deadline - time.time())):
-            i, v, backends = pending[fut]
-            rows[i] = finish(v, backends, fut, limit, args)
-            if args.out:
-                save(args.out, [rows[k] for k in sorted(rows)])
+        for fut in cf.as_completed(list(pending),
+                                   timeout=None if deadline is None else max(0.0, deadline - time.time())):
+            take(fut)
     except cf.TimeoutError:
         left_running = True
         for fut, (i, v, backends) in pending.items():
-            if i not in rows:
-                fut.cancel()
-                rows[i] = dict(v.key, status="not_compiled", error="compile not finished by the --deadline")
-                report(rows[i])
+            fut.cancel()
+            rows[i] = dict(v.key, status="not_compiled", error="compile not finished by the --deadline")
+            report(rows[i])
     pool.shutdown(wait=not left_running, cancel_futures=True)
     return [rows[k] for k in sorted(rows)], left_running
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 17's session-5 train-step measurements on one H200, two device calls (docs/BENCHMARKS.md):
 #
-#   bash experiments/gpu_s5_train.sh table    # S2-S4 x 7 archs x micro-batch {4, 8}, then a profile of S3 full
+#   bash experiments/gpu_s5_train.sh table    # S2-S4 x 7 archs x micro-batch {4, 8} until a deadline, then S5 scan
+#   bash experiments/gpu_s5_train.sh profile  # jax.profiler trace of S3 full at 8 x 16K
 #   bash experiments/gpu_s5_train.sh s5       # S5: full unrolled vs scan_layers compiled alone (B 8), then 7 archs at B 4
 #
 # Run from the repo root (or a `git archive` of it) on the device machine with `.whl` beside or
@@ -16,16 +17,18 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTI
 unset JAX_COMPILATION_CACHE_DIR
 date -u +"start %Y-%m-%dT%H:%M:%SZ"; nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv,noheader
 ARCHS=full,swa,sa,sa_swa,lightning,mamba2,gdn
-B() { timeout "$1" python3 experiments/bench_train.py "${@:2}" 2>&1 | grep -v -e gin_param -e "^W0000" -e "^I0000"; }
+B() { timeout "$1" python3 experiments/bench_train.py "${@:2}" 2>&1 | grep -v -e gin_param -e "^W1201" -e "slow_operation" \
+  -e "Constant folding" -e "isn.t necessarily" -e "If you.d like" -e "reduce-window" -e "%map" -e "^$"; }
 
 case "${1:-table}" in
-  table)
-    B 540 --scale s2,s3,s4 --arch $ARCHS --order arch --sweep-microbatch 4,8 --steps 6 --compile-workers 10 \
-      --deadline 470 --out "$OUT/bench_train_s2_s4.json" --table-out "$OUT/microbatch_h200.json"
-    left=$(( 585 - SECONDS ))
-    echo "== $left s left for the profile"
-    [ $left -gt 45 ] && timeout $left python3 experiments/profile_train.py --scale s3 --arch full --batch 8 \
-      --steps 3 --out-dir "$OUT/profile" 2>&1 | grep -v -e "^W0000" -e "^I0000" | tail -40
+  table)  # the one-call plan after the first call of session 5 (see docs/BENCHMARKS.md)
+    B 300 --scale s2,s3,s4 --arch full,swa,sa,lightning,sa_swa,mamba2,gdn --order arch --sweep-microbatch 4,8 \
+      --steps 5 --compile-workers 6 --deadline 270 --out "$OUT/bench_train_s2_s4.json" \
+      --table-out "$OUT/microbatch_h200.json"
+    left=$(( 540 - SECONDS ))
+    echo "== $left s left for S5 full, unrolled and scanned, compiled alone"
+    [ $left -gt 60 ] && B $left --scale s5 --arch full,full+scan --batch 8 --compile-alone --steps 4 \
+      --deadline $(( left - 15 )) --out "$OUT/bench_train_s5_scan.json"
     ;;
   s5)
     # compile alone: the all-full stack unrolled, then scanned, at 8 x 16K tokens (the memory target)
@@ -35,6 +38,10 @@ case "${1:-table}" in
     echo "== $left s left for the S5 table"
     B $left --scale s5 --arch full,swa,sa,sa_swa,lightning,mamba2,gdn,gdn+scan --batch 4 --steps 4 \
       --compile-workers 9 --deadline $(( left - 25 )) --out "$OUT/bench_train_s5.json"
+    ;;
+  profile)
+    timeout 200 python3 experiments/profile_train.py --scale s3 --arch full --batch 8 \
+      --steps 3 --out-dir "$OUT/profile" 2>&1 | grep -v -e "^W0000" -e "^I0000" | tail -40
     ;;
   *) echo "usage: $0 table|s5"; exit 2 ;;
 esac
