@@ -25,7 +25,7 @@ case "${1:-table}" in
     B 300 --scale s2,s3,s4 --arch full,swa,sa,lightning,sa_swa,mamba2,gdn --order arch --sweep-microbatch 4,8 \
       --steps 5 --compile-workers 6 --deadline 270 --out "$OUT/bench_train_s2_s4.json" \
       --table-out "$OUT/microbatch_h200.json"
-    left=$(( 540 - SECONDS ))
+    left=$(( 525 - SECONDS ))
     echo "== $left s left for S5 full, unrolled and scanned, compiled alone"
     [ $left -gt 60 ] && B $left --scale s5 --arch full,full+scan --batch 8 --compile-alone --steps 4 \
       --deadline $(( left - 15 )) --out "$OUT/bench_train_s5_scan.json"
