@@ -7,6 +7,9 @@ One function per op family, each returning ``(backend, reason)``:
 - :func:`topk_method`: the top-k of the block selection (sort or argmax passes);
 - :func:`linear_attention_backend`: the linear-attention ops of lightning / mamba2 / gdn.
 
+:func:`check_document_mask` says whether a model can run with ``DataConfig.document_mask`` (the
+mixers' declared support, then the attention backend), before anything is allocated.
+
 ``platform`` is a JAX platform name (``"cpu"``, ``"gpu"``, ...), by default the default backend's. The
 thresholds below were measured; ``docs/KERNELS.md`` ("Dispatch") has the table behind each.
 :func:`describe_layers` resolves every layer of a model config (``hybrid-lm info CONFIG --backends``).
@@ -97,11 +100,17 @@ def jla_attention_reason(q, k, v, platform: str | None = None) -> str | None:
 
 
 def attention_backend(impl: str, *, permuted: bool, window: int | None = None, qkv=None,
-                      platform: str | None = None) -> tuple[str, str]:
+                      platform: str | None = None, segments: bool = False) -> tuple[str, str]:
     """``(backend, reason)`` for one causal attention call: ``impl`` is ``attention_impl``, ``permuted``
     marks SA's mask (causal by original position in a permuted order), ``window=None`` full attention,
-    ``qkv`` the q, k, v arrays or shape structs (without them the jla kernel is not considered).
+    ``qkv`` the q, k, v arrays or shape structs (without them the jla kernel is not considered),
+    ``segments`` a document mask (``DataConfig.document_mask``: only xla takes it).
     ``auto`` -> the fastest correct backend; an explicit choice that cannot run raises ConfigError."""
+    if segments and impl != "xla":
+        if impl == "auto":
+            return "xla", f"auto: document_mask: {_NO_SEGMENTS}"
+        raise ConfigError(f"attention_impl={impl!r} cannot mask documents (DataConfig.document_mask=True): "
+                          f"{_NO_SEGMENTS}; use auto or xla")
     if impl == "auto":
         if not on_gpu(platform):
             return "xla", f"auto: {_no_gpu(platform)}"
@@ -127,6 +136,37 @@ def attention_backend(impl: str, *, permuted: bool, window: int | None = None, q
     if impl == "jla" and qkv is not None and (reason := jla_attention_reason(*qkv, platform=platform)) is not None:
         raise ConfigError(f"attention_impl='jla' cannot run here: {reason}")
     return impl, f"attention_impl={impl!r} set explicitly"
+
+
+_SLOTS = {"F": "full", "E": "efficient"}  # layer type -> config slot
+
+# Why a document mask runs the XLA reference: what the other attention backends take.
+_NO_SEGMENTS = ("only the XLA reference takes segment ids (jax.nn.dot_product_attention passes cuDNN no "
+                "segment ids, only a dense O(T^2) mask; our Pallas kernels and jla's take none)")
+
+
+def check_document_mask(model_cfg, seq_len: int) -> None:
+    """Raise a one-line :class:`ConfigError` unless every layer of ``model_cfg`` can run with
+    ``DataConfig.document_mask`` at ``seq_len``: each used slot's mixer declares support
+    (``register_mixer(document_mask=...)``), then the attention backend takes segment ids."""
+    for t in dict.fromkeys(model_cfg.layer_types()):
+        msg = document_mask_error(model_cfg.mixer(t), _SLOTS[t], seq_len)
+        if msg is not None:
+            raise ConfigError(msg)
+    # every mixer that takes a document mask today is softmax attention through model.attention.attend
+    attention_backend(model_cfg.attention_impl, permuted=False, segments=True)
+
+
+def document_mask_error(mc, slot: str, seq_len: int) -> str | None:
+    """The one-line refusal of mixer config ``mc`` (in ``slot``) under ``DataConfig.document_mask``;
+    None when its mixer masks documents."""
+    from hybrid_lm.model.registry import get_mixer
+
+    why = get_mixer(mc.kind).document_mask_refusal(mc, seq_len)
+    if why is None:
+        return None
+    return (f"DataConfig.document_mask=True: {slot}/MixerConfig.kind={mc.kind!r} cannot mask documents: {why}; "
+            "turn document_mask off or use attention / swa (docs/MIXERS.md, 'Document masking')")
 
 
 def loss_backend(impl: str, n_tokens: int, vocab: int) -> tuple[str, str]:
@@ -253,20 +293,29 @@ def recorded_reasons() -> dict[str, str]:
 
 # ----------------------------------------------------------------------------- per layer
 
-def _trace_mixer(cfg, mc, layer_idx: int, seq_len: int, batch: int) -> dict[str, tuple[str | None, str]]:
+def _trace_mixer(cfg, mc, layer_idx: int, seq_len: int, batch: int,
+                 document_mask: bool = False) -> dict[str, tuple[str | None, str]]:
     """``{op: (backend, reason)}`` one training forward of this mixer records, traced abstractly; an
-    error while tracing (say an explicit backend that cannot run here) ends it as op ``"error"``."""
+    error while tracing (say an explicit backend that cannot run here) ends it as op ``"error"``, and
+    so does a mixer that cannot mask documents under ``document_mask``."""
     import jax.numpy as jnp
     from flax import nnx
 
     from hybrid_lm.model.registry import MixerContext, get_mixer
+    from hybrid_lm.ops.attention import default_positions, segment_positions
 
     cls = get_mixer(mc.kind).cls
+    if document_mask and (msg := document_mask_error(mc, _SLOTS[cfg.layer_types()[layer_idx]], seq_len)):
+        return {"error": (None, msg)}
 
     def forward(x):
         mixer = cls(cfg, mc, layer_idx, rngs=nnx.Rngs(0))
-        pos = jnp.broadcast_to(jnp.arange(seq_len, dtype=jnp.int32), (batch, seq_len))
-        return mixer(x, MixerContext(positions=pos, attention_impl=cfg.attention_impl))
+        if document_mask:  # one document per row: the same dispatch as any packing
+            seg = jnp.zeros((batch, seq_len), jnp.int32)
+            ctx = MixerContext(positions=segment_positions(seg), attention_impl=cfg.attention_impl, segment_ids=seg)
+        else:
+            ctx = MixerContext(positions=default_positions(batch, seq_len), attention_impl=cfg.attention_impl)
+        return mixer(x, ctx)
 
     saved = (dict(_BACKENDS), dict(_REASONS))
     _BACKENDS.clear()
@@ -288,23 +337,23 @@ def _trace_mixer(cfg, mc, layer_idx: int, seq_len: int, batch: int) -> dict[str,
         _REASONS.update(saved[1])
 
 
-def describe_layers(model_cfg, seq_len: int, *, batch: int = 1) -> list[dict]:
+def describe_layers(model_cfg, seq_len: int, *, batch: int = 1, document_mask: bool = False) -> list[dict]:
     """What each layer's ops resolve to on this platform for ``[batch, seq_len]`` inputs in the
     compute dtype: one row per layer and op, ``{"layer", "slot", "kind", "window", "block", "op",
     "backend", "reason"}`` (``op``/``backend`` ``None`` for a mixer that dispatches nothing; op
     ``"error"`` with the message as reason where tracing failed). Each slot's mixer is traced once
-    (training forward, no compute) and its record read."""
+    (training forward, no compute; with segment ids under ``document_mask``, i.e.
+    ``DataConfig.document_mask``) and its record read."""
     from hybrid_lm.model.registry import get_mixer
 
-    slots = {"F": "full", "E": "efficient"}
     traced: dict[str, dict] = {}
     rows = []
     for i, t in enumerate(model_cfg.layer_types()):
         mc = model_cfg.mixer(t)
         if t not in traced:
-            traced[t] = _trace_mixer(model_cfg, mc, i, seq_len, batch)
+            traced[t] = _trace_mixer(model_cfg, mc, i, seq_len, batch, document_mask)
         block = getattr(get_mixer(mc.kind).parse_options(mc), "block_size", None)
-        base = {"layer": i, "slot": slots[t], "kind": mc.kind, "window": mc.window, "block": block}
+        base = {"layer": i, "slot": _SLOTS[t], "kind": mc.kind, "window": mc.window, "block": block}
         if not traced[t]:
             rows.append({**base, "op": None, "backend": None, "reason": "no dispatched op"})
         for op, (backend, reason) in traced[t].items():

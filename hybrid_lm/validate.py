@@ -25,6 +25,9 @@ def validate_experiment(cfg: Config) -> None:
     m = cfg.model
     for slot, mc in (("full", m.full), ("efficient", m.efficient)):
         get_mixer(mc.kind).check_config(mc, slot)  # unknown kind, unread field or bad options
+    if cfg.data.document_mask:  # every layer must mask documents (one-line refusal otherwise)
+        from hybrid_lm.backends import check_document_mask
+        check_document_mask(m, cfg.data.seq_len)
     check_tokenizer(load_tokenizer(cfg.data.tokenizer), m.vocab_size)
     for msg in config_warnings(cfg):
         if msg not in _WARNED:

@@ -24,7 +24,7 @@ from hybrid_lm.ops import attention as ops
 # ----------------------------------------------------------------------------- dispatch
 
 def attend(q, k, v, *, window: int | None, positions, impl: str, permuted: bool = False,
-           window_right: int = 0):
+           window_right: int = 0, segment_ids=None):
     """Causal attention with an optional window, dispatched to xla / cudnn / pallas / jla
     (``hybrid_lm.backends.attention_backend``).
 
@@ -33,6 +33,8 @@ def attend(q, k, v, *, window: int | None, positions, impl: str, permuted: bool 
     also covers keys up to ``window_right`` slots right of the query in the given order, still
     causal by position (SA's ``window_mode='symmetric'`` passes ``window - 1``). It only acts when
     ``permuted``: in the identity order those keys are all in the future, so it is dropped there.
+    ``segment_ids [B, T]`` (``DataConfig.document_mask``, in the given order): keys of the query's
+    document only; the backend resolver sends it to xla (or refuses an explicit other backend).
     """
     T = q.shape[1]
     if window_right < 0:
@@ -41,7 +43,8 @@ def attend(q, k, v, *, window: int | None, positions, impl: str, permuted: bool 
         window_right = 0  # identity order: every key right of the query is in the future
     if window is not None and window >= T and not permuted:
         window = None  # a window covering the sequence is plain causal attention
-    impl, reason = attention_backend(impl, permuted=permuted, window=window, qkv=(q, k, v))
+    impl, reason = attention_backend(impl, permuted=permuted, window=window, qkv=(q, k, v),
+                                     segments=segment_ids is not None)
     record_backend(attention_op_name(window, permuted), impl, reason)
     if impl == "pallas":
         try:
@@ -55,12 +58,14 @@ def attend(q, k, v, *, window: int | None, positions, impl: str, permuted: bool 
         # the default "ranged" backward: deterministic (bitwise resume), unlike "fused"
         return flash_attention(q, k, v, sliding_window=window)
     if window is None and not permuted:
+        if segment_ids is not None:  # xla (the resolver's choice)
+            return ops.causal_attention(q, k, v, implementation="xla", segment_ids=segment_ids)
         return ops.causal_attention(q, k, v, implementation="cudnn" if impl == "cudnn" else "xla")
     if impl == "cudnn":
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=(window - 1, 0),
                                             implementation="cudnn")
     return ops.windowed_attention(q, k, v, window if window is not None else T, positions=positions,
-                                  window_right=window_right)
+                                  window_right=window_right, segment_ids=segment_ids)
 
 
 # ----------------------------------------------------------------------------- FLOPs
@@ -128,7 +133,8 @@ class Attention(nnx.Module):
 
     def __call__(self, x, ctx: MixerContext):
         q, k, v = self.project_qkv(x, ctx.positions)
-        o = attend(q, k, v, window=self.window, positions=ctx.positions, impl=ctx.attention_impl)
+        o = attend(q, k, v, window=self.window, positions=ctx.positions, impl=ctx.attention_impl,
+                   segment_ids=ctx.segment_ids)
         return self.project_out(o)
 
 
@@ -144,7 +150,8 @@ class AttentionDecode:
         return max_len if self.window is None else min(self.window, max_len)
 
     def attend_prompt(self, q, k, v, ctx: MixerContext):
-        return attend(q, k, v, window=self.window, positions=ctx.positions, impl=ctx.attention_impl)
+        return attend(q, k, v, window=self.window, positions=ctx.positions, impl=ctx.attention_impl,
+                      segment_ids=ctx.segment_ids)
 
     def extend_state(self, state: dict, q, k, pos) -> dict:
         """Extra decode state after writing ``q, k [B, n, heads, Dh]`` at positions ``pos ... pos+n-1``
@@ -204,14 +211,14 @@ class AttentionDecode:
 
 
 @register_mixer("attention", flops=_attention_flops(lambda mc: None), reads=("rope", "rope_theta"),
-                description="full causal softmax attention (GQA), RoPE or NoPE")
+                description="full causal softmax attention (GQA), RoPE or NoPE", document_mask=True)
 class FullAttention(AttentionDecode, Attention):
     def __init__(self, cfg: ModelConfig, mc: MixerConfig, layer_idx: int, *, rngs: nnx.Rngs):
         super().__init__(cfg, mc, layer_idx, rngs=rngs, window=None)
 
 
 @register_mixer("swa", flops=_attention_flops(lambda mc: mc.window), reads=("window", "rope", "rope_theta"),
-                description="causal sliding-window attention, window w counts the query itself")
+                description="causal sliding-window attention, window w counts the query itself", document_mask=True)
 class SlidingWindowAttention(AttentionDecode, Attention):
     def __init__(self, cfg: ModelConfig, mc: MixerConfig, layer_idx: int, *, rngs: nnx.Rngs):
         super().__init__(cfg, mc, layer_idx, rngs=rngs, window=mc.window)

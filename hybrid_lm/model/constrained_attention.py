@@ -47,6 +47,16 @@ class SinkOptions:
             raise ConfigError(f"attention_sink option sinks={s!r} must be an int >= 0")
 
 
+def sink_document_mask(mc: MixerConfig, seq_len: int) -> str | None:
+    """Document masking runs where the layer is ``attention`` (horizon >= T) or ``swa`` (no sinks);
+    sinks are the first positions of the *window*, and per-document sinks are not implemented."""
+    o = SinkOptions(**mc.options)
+    if o.sinks and o.horizon < seq_len:
+        return (f"its sinks ({o.sinks}) are the window's first tokens (per-document sinks are not "
+                f"implemented); only sinks=0 or horizon >= seq_len={seq_len} masks documents")
+    return None
+
+
 def sink_flops(cfg: ModelConfig, mc: MixerConfig, seq_len: int) -> dict:
     """Visible pairs, exact (as ``attention`` counts its causal triangle)."""
     o = SinkOptions(**mc.options)
@@ -56,21 +66,26 @@ def sink_flops(cfg: ModelConfig, mc: MixerConfig, seq_len: int) -> dict:
 
 @register_mixer("attention_sink", flops=sink_flops, reads=("rope", "rope_theta", "options"), options=SinkOptions,
                 description="causal attention limited to the last `horizon` tokens plus `sinks` first "
-                            "positions (receptive-field constraint); same parameters as attention")
+                            "positions (receptive-field constraint); same parameters as attention",
+                document_mask=sink_document_mask)
 class SinkAttention(Attention):
     def __init__(self, cfg: ModelConfig, mc: MixerConfig, layer_idx: int, *, rngs: nnx.Rngs):
         super().__init__(cfg, mc, layer_idx, rngs=rngs, window=None)
         self.opts = SinkOptions(**mc.options)
         self.opts.validate()
+        self.mc = mc
 
     def __call__(self, x, ctx: MixerContext):
         q, k, v = self.project_qkv(x, ctx.positions)
         T = q.shape[1]
         H, S = self.opts.horizon, self.opts.sinks
+        seg = ctx.segment_ids
         if H >= T:  # no constraint: exactly the full-attention call
-            o = attend(q, k, v, window=None, positions=ctx.positions, impl=ctx.attention_impl)
+            o = attend(q, k, v, window=None, positions=ctx.positions, impl=ctx.attention_impl, segment_ids=seg)
         elif S == 0:
-            o = attend(q, k, v, window=H, positions=ctx.positions, impl=ctx.attention_impl)
+            o = attend(q, k, v, window=H, positions=ctx.positions, impl=ctx.attention_impl, segment_ids=seg)
+        elif seg is not None:
+            raise ConfigError(f"attention_sink with DataConfig.document_mask: {sink_document_mask(self.mc, T)}")
         else:
             o = ops.sink_attention(q, k, v, H, S)
         return self.project_out(o)

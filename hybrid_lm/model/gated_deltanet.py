@@ -35,8 +35,9 @@ from flax import nnx
 from hybrid_lm.config import MixerConfig, ModelConfig
 from hybrid_lm.errors import ConfigError
 from hybrid_lm.model.layers import out_proj_std, param
-from hybrid_lm.model.recurrent_common import (INNER_NORM_EPS, GatedRMSNorm, ShortConv, a_log_init, const_param,
-                                              delta_rule_chunk_macs, dt_bias_init, l2norm)
+from hybrid_lm.model.recurrent_common import (INNER_NORM_EPS, RECURRENT_DOCUMENT_MASK, GatedRMSNorm, ShortConv,
+                                              a_log_init, const_param, delta_rule_chunk_macs, dt_bias_init,
+                                              l2norm)
 from hybrid_lm.model.registry import MixerContext, register_mixer
 from hybrid_lm.ops.delta_rule import gated_delta_rule_step
 from hybrid_lm.ops.linear_attention_gpu import gated_delta_rule
@@ -116,7 +117,7 @@ class _RMSNorm(nnx.Module):
 
 @register_mixer("gdn", flops=gdn_flops, reads=("options",), options=GDNOptions,
                 description="Gated DeltaNet: short convs, L2-normed q/k, gated delta rule (chunked), "
-                            "gated RMSNorm output")
+                            "gated RMSNorm output", document_mask=RECURRENT_DOCUMENT_MASK)
 class GatedDeltaNet(nnx.Module):
     def __init__(self, cfg: ModelConfig, mc: MixerConfig, layer_idx: int, *, rngs: nnx.Rngs):
         o = GDNOptions(**mc.options)

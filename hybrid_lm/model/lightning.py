@@ -46,7 +46,8 @@ from flax import nnx
 from hybrid_lm.config import MixerConfig, ModelConfig
 from hybrid_lm.errors import ConfigError
 from hybrid_lm.model.layers import out_proj_std, param
-from hybrid_lm.model.recurrent_common import INNER_NORM_EPS, const_param, simple_gla_chunk_macs
+from hybrid_lm.model.recurrent_common import (INNER_NORM_EPS, RECURRENT_DOCUMENT_MASK, const_param,
+                                              simple_gla_chunk_macs)
 from hybrid_lm.model.registry import MixerContext, register_mixer
 from hybrid_lm.ops.linear_attention import simple_gla_step
 from hybrid_lm.ops.linear_attention_gpu import simple_gla
@@ -127,7 +128,8 @@ def lightning_flops(cfg: ModelConfig, mc: MixerConfig, seq_len: int) -> dict:
 
 @register_mixer("lightning", flops=lightning_flops, reads=("options",), options=LightningOptions,
                 description="Lightning attention: SiLU linear attention with a constant per-head decay "
-                            "(ALiBi slopes x layer factor, or fla's), output norm and sigmoid gate")
+                            "(ALiBi slopes x layer factor, or fla's), output norm and sigmoid gate",
+                document_mask=RECURRENT_DOCUMENT_MASK)
 class LightningAttention(nnx.Module):
     def __init__(self, cfg: ModelConfig, mc: MixerConfig, layer_idx: int, *, rngs: nnx.Rngs):
         o = LightningOptions(**mc.options)

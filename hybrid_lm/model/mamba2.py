@@ -37,7 +37,8 @@ from flax import nnx
 from hybrid_lm.config import MixerConfig, ModelConfig
 from hybrid_lm.errors import ConfigError
 from hybrid_lm.model.layers import out_proj_std, param
-from hybrid_lm.model.recurrent_common import GatedRMSNorm, ShortConv, a_log_init, const_param, dt_bias_init
+from hybrid_lm.model.recurrent_common import (RECURRENT_DOCUMENT_MASK, GatedRMSNorm, ShortConv, a_log_init,
+                                              const_param, dt_bias_init)
 from hybrid_lm.model.registry import MixerContext, register_mixer
 from hybrid_lm.ops.linear_attention import simple_gla_step
 from hybrid_lm.ops.linear_attention_gpu import simple_gla
@@ -106,7 +107,7 @@ def mamba2_flops(cfg: ModelConfig, mc: MixerConfig, seq_len: int) -> dict:
 
 @register_mixer("mamba2", flops=mamba2_flops, reads=("options",), options=Mamba2Options,
                 description="Mamba-2 (SSD): in-projection, short causal conv, selective scalar-decay scan "
-                            "(chunked), D skip, gated RMSNorm")
+                            "(chunked), D skip, gated RMSNorm", document_mask=RECURRENT_DOCUMENT_MASK)
 class Mamba2(nnx.Module):
     def __init__(self, cfg: ModelConfig, mc: MixerConfig, layer_idx: int, *, rngs: nnx.Rngs):
         o = Mamba2Options(**mc.options)

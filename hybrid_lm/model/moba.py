@@ -108,9 +108,16 @@ def moba_flops(cfg: ModelConfig, mc: MixerConfig, seq_len: int) -> dict:
             "mixing": attention_mixing_flops(cfg, keys) + moba_gate_flops(cfg, seq_len, o.block_size, o.selection)}
 
 
+# Why MoBA and SSA's sparse stream refuse DataConfig.document_mask
+MOBA_DOCUMENT_MASK = ("its gate would pick key blocks of other documents (then masked: fewer than top_k "
+                      "useful blocks) and blocks straddle document starts; a document-aware selection "
+                      "and kernel are not implemented")
+
+
 @register_mixer("moba", flops=moba_flops, reads=("rope", "rope_theta", "options"), options=MobaOptions,
                 description="MoBA block-sparse causal attention: top-k key blocks per query (own block "
-                            "included), official per-head gate or SSA/NSA group gate")
+                            "included), official per-head gate or SSA/NSA group gate",
+                document_mask=MOBA_DOCUMENT_MASK)
 class MobaAttention(AttentionDecode, Attention):
     def __init__(self, cfg: ModelConfig, mc: MixerConfig, layer_idx: int, *, rngs: nnx.Rngs):
         super().__init__(cfg, mc, layer_idx, rngs=rngs, window=None)

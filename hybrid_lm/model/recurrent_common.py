@@ -23,6 +23,9 @@ from flax import nnx
 INNER_NORM_EPS = 1e-5
 # fla ``l2norm``: x / sqrt(sum(x^2) + eps)
 L2NORM_EPS = 1e-6
+# Why the recurrent mixers refuse DataConfig.document_mask (register_mixer(document_mask=...))
+RECURRENT_DOCUMENT_MASK = ("its recurrent state and short convs run across the whole window; resetting "
+                           "them at document starts is not implemented")
 
 
 def uniform_param(rngs: nnx.Rngs, shape, axes, low: float, high: float) -> nnx.Param:

@@ -4,6 +4,11 @@ A mixer is an ``nnx.Module`` built as ``cls(model_cfg, mixer_cfg, layer_idx, rng
 as ``mixer(x, ctx)`` with ``x: [B, T, d_model]`` in the compute dtype and a :class:`MixerContext`.
 Adding a mixer is one file with ``@register_mixer("name", ...)`` plus one config line
 (``efficient/MixerConfig.kind = 'name'``).
+
+Document masking (``DataConfig.document_mask``): a mixer that honours ``MixerContext.segment_ids``
+says so with ``register_mixer(..., document_mask=True)``; otherwise it is refused with that flag on
+(``False``: not implemented; a string: why not; a function of ``(mixer_cfg, seq_len)``: the reason
+for this config, or None). ``hybrid_lm.backends.check_document_mask`` reads it.
 """
 
 from __future__ import annotations
@@ -30,11 +35,18 @@ class MixerContext:
     train: bool = True
     micro_index: Any = 0  # micro-batch index within the step (traced int), for per-micro-batch randomness
     layer: Any = None  # absolute layer index (traced int) under ModelConfig.scan_layers; None: the mixer's own
+    # [B, T] document index of each token (DataConfig.document_mask); None: no document masking.
+    # With it, ``positions`` restart at 0 per document (hybrid_lm.ops.attention.segment_positions).
+    segment_ids: Any = None
 
 
 # forward FLOPs per token of one layer: (model_cfg, mixer_cfg, seq_len) -> {"matmul": .., "mixing": ..}
 FlopsFn = Callable[[ModelConfig, MixerConfig, int], dict]
 
+
+# DataConfig.document_mask support: True, False (not implemented), a reason string, or
+# (mixer_cfg, seq_len) -> reason | None
+DocumentMask = bool | str | Callable[[MixerConfig, int], str | None]
 
 # MixerConfig fields besides ``kind`` that a mixer may read; the ones it does not read must stay unset
 MIXER_FIELDS = ("window", "rope", "rope_theta", "options")
@@ -49,6 +61,16 @@ class MixerSpec:
     reads: tuple[str, ...]  # the MixerConfig fields (of MIXER_FIELDS) the mixer uses
     options: type | None = None  # dataclass of mixer-specific options (MixerConfig.options keys)
     description: str = ""
+    document_mask: DocumentMask = False
+
+    def document_mask_refusal(self, mc: MixerConfig, seq_len: int) -> str | None:
+        """Why this mixer cannot run with ``DataConfig.document_mask`` at ``seq_len``; None if it can."""
+        dm = self.document_mask
+        if dm is True:
+            return None
+        if dm is False:
+            return "it does not implement document masking"
+        return dm if isinstance(dm, str) else dm(mc, seq_len)
 
     @property
     def needs_window(self) -> bool:
@@ -82,9 +104,10 @@ _REGISTRY: dict[str, MixerSpec] = {}
 
 
 def register_mixer(name: str, *, flops: FlopsFn, reads: tuple[str, ...], options: type | None = None,
-                   description: str = ""):
+                   description: str = "", document_mask: DocumentMask = False):
     """Register a mixer class; ``reads`` names the ``MixerConfig`` fields it uses ("options" iff it has
-    an ``options`` dataclass)."""
+    an ``options`` dataclass); ``document_mask``: whether it honours ``MixerContext.segment_ids``
+    (module docstring)."""
     if set(reads) - set(MIXER_FIELDS) or ("options" in reads) != (options is not None):
         raise ValueError(f"mixer {name!r}: reads={reads} must be drawn from {MIXER_FIELDS} and name "
                          "'options' exactly when an options dataclass is given")
@@ -92,7 +115,7 @@ def register_mixer(name: str, *, flops: FlopsFn, reads: tuple[str, ...], options
     def deco(cls):
         if name in _REGISTRY:
             raise ValueError(f"mixer {name!r} registered twice")
-        _REGISTRY[name] = MixerSpec(name, cls, flops, tuple(reads), options, description)
+        _REGISTRY[name] = MixerSpec(name, cls, flops, tuple(reads), options, description, document_mask)
         return cls
     return deco
 

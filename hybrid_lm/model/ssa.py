@@ -31,8 +31,8 @@ from hybrid_lm.model.accounting import attention_mixing_flops
 from hybrid_lm.model.attention import (Attention, AttentionDecode, attend, attention_projection_flops,
                                         mean_keys_per_query)
 from hybrid_lm.model.layers import param
-from hybrid_lm.model.moba import (MobaOptions, moba_attend, moba_extend_state, moba_gate_flops, moba_mean_keys,
-                                  moba_read)
+from hybrid_lm.model.moba import (MOBA_DOCUMENT_MASK, MobaOptions, moba_attend, moba_extend_state,
+                                  moba_gate_flops, moba_mean_keys, moba_read)
 from hybrid_lm.model.registry import MixerContext, register_mixer
 
 
@@ -79,7 +79,8 @@ def _ssa_flops(cfg: ModelConfig, mc: MixerConfig, seq_len: int) -> dict:
 
 
 @register_mixer("ssa", flops=_ssa_flops, reads=("rope", "rope_theta", "options"), options=SSAOptions,
-                description="SSA: full + block-sparse streams, coin per micro-batch, alignment loss")
+                description="SSA: full + block-sparse streams, coin per micro-batch, alignment loss",
+                document_mask="its sparse stream is MoBA's: " + MOBA_DOCUMENT_MASK)
 class SSAAttention(AttentionDecode, Attention):
     step_stats = ("ssa_sparse",)  # sown stats the trainer logs every step (the stream each step used)
 

@@ -196,9 +196,13 @@ def sa_swa_flops(cfg: ModelConfig, mc: MixerConfig, seq_len: int) -> dict:
 
 # ----------------------------------------------------------------------------- sa
 
+# Why SA refuses DataConfig.document_mask (docs/MIXERS.md, "Document masking")
+SA_DOCUMENT_MASK = ("its random order spans the whole window, and the band is causal by position: with positions restarting per document that compares positions of different documents (a leak of later documents), and with a document test added a query keeps only its own document's share of the band (docs/MIXERS.md)")
+
+
 @register_mixer("sa", flops=sa_flops, reads=("window", "rope", "rope_theta", "options"), options=SAOptions,
                 description="stochastic attention: windowed attention in a random token order, causal by "
-                            "original position, RoPE at original positions")
+                            "original position, RoPE at original positions", document_mask=SA_DOCUMENT_MASK)
 class StochasticAttention(Attention):
     def __init__(self, cfg: ModelConfig, mc: MixerConfig, layer_idx: int, *, rngs: nnx.Rngs):
         super().__init__(cfg, mc, layer_idx, rngs=rngs, window=mc.window)
@@ -236,7 +240,8 @@ class QKVProjection(nnx.Module):
 
 @register_mixer("sa_swa", flops=sa_swa_flops, reads=("window", "rope", "rope_theta", "options"),
                 options=SASWAOptions,
-                description="gated SA + SWA: sigmoid(x W_sa) * Y_sa + sigmoid(x W_swa) * Y_swa per head")
+                description="gated SA + SWA: sigmoid(x W_sa) * Y_sa + sigmoid(x W_swa) * Y_swa per head",
+                document_mask="its SA branch: " + SA_DOCUMENT_MASK)
 class GatedSASWA(Attention):
     """``Y = Wo[sigmoid(x W_sa) ⊙ O_sa + sigmoid(x W_swa) ⊙ O_swa]`` on the per-head outputs O.
 

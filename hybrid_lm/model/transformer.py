@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from hybrid_lm.backends import check_document_mask
 from hybrid_lm.config import ModelConfig
 from hybrid_lm.model.layers import Embedding, RMSNorm, SwiGLU, param
 from hybrid_lm.model.registry import MixerContext, get_mixer
@@ -90,12 +91,15 @@ class HybridLM(nnx.Module):
 
     def __call__(self, tokens, ctx: MixerContext | None = None, *, features: bool = False):
         """Logits (fp32) ``[B, T, vocab]`` for ``tokens [B, T]``; with ``features=True`` the final
-        normed hidden state ``[B, T, d]`` instead (the head's input: ``logits = h @ head_matrix()``)."""
+        normed hidden state ``[B, T, d]`` instead (the head's input: ``logits = h @ head_matrix()``).
+        ``ctx.segment_ids`` set (document masking): every layer must take it, else ConfigError."""
         cfg = self.cfg
         dtype = jnp.dtype(cfg.compute_dtype)
         if ctx is None:
             B, T = tokens.shape
             ctx = MixerContext(positions=default_positions(B, T))
+        if ctx.segment_ids is not None:  # a refused mixer would ignore the segments: never silently
+            check_document_mask(cfg, tokens.shape[1])
         x = self.run_blocks(self.embed(tokens, dtype), ctx)
         return self.final_norm(x) if features else self.logits(x)
 

@@ -88,10 +88,13 @@ def local_rows(sharding, global_shape) -> slice:
     return slice(min(starts), max(stops))
 
 
-def put_batch(batch: np.ndarray, sharding):
-    """A host batch (the same global array on every process) placed as a global array."""
-    rows = local_rows(sharding, batch.shape)
-    return jax.make_array_from_process_local_data(sharding, batch[rows], batch.shape)
+def put_batch(batch, sharding):
+    """A host batch (the same global array on every process) placed as a global array; a dict of
+    such arrays (``{"tokens", "segment_ids"}``, rows aligned) as a dict of global arrays."""
+    def put(a: np.ndarray):
+        rows = local_rows(sharding, a.shape)
+        return jax.make_array_from_process_local_data(sharding, a[rows], a.shape)
+    return {k: put(a) for k, a in batch.items()} if isinstance(batch, dict) else put(batch)
 
 
 def match_opt_shardings(abstract_opt, abstract_params, p_shard, default):

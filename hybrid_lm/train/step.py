@@ -2,6 +2,10 @@
 
 The model is ``nnx.split`` once; parameters and optimizer state travel as plain pytrees through
 ``jax.jit`` and ``nnx.merge`` happens inside, so the hot loop has no NNX Python overhead.
+
+A batch is a token array ``[B, T+1]`` or a dict ``{"tokens": [B, T+1], "segment_ids": [B, T+1]}``
+(``segment_ids`` only with ``DataConfig.document_mask``); :func:`split_batch` is the one place that
+reads either form.
 """
 
 from __future__ import annotations
@@ -14,8 +18,29 @@ from hybrid_lm.config import Config
 from hybrid_lm.model.registry import MixerContext, get_mixer
 from hybrid_lm.backends import loss_backend
 from hybrid_lm.model.transformer import HybridLM
-from hybrid_lm.ops.attention import default_positions
+from hybrid_lm.errors import DataError
+from hybrid_lm.ops.attention import default_positions, segment_positions
 from hybrid_lm.ops.cross_entropy import chunked_cross_entropy, cross_entropy
+
+
+def split_batch(batch, document_mask: bool) -> tuple[jax.Array, jax.Array | None]:
+    """``(tokens [B, T+1], segment_ids [B, T+1] or None)`` of a batch: a token array, or a dict with
+    ``"tokens"`` and, exactly when ``document_mask`` (``DataConfig.document_mask``), ``"segment_ids"``
+    (each token's document index in its window, non-decreasing along a row)."""
+    if not isinstance(batch, dict):
+        batch = {"tokens": batch}
+    unknown = set(batch) - {"tokens", "segment_ids"}
+    if "tokens" not in batch or unknown:
+        raise DataError(f"a batch dict has keys 'tokens' and (with DataConfig.document_mask) 'segment_ids', "
+                        f"got {sorted(batch)}")
+    tokens, segment_ids = batch["tokens"], batch.get("segment_ids")
+    if document_mask != (segment_ids is not None):
+        raise DataError("DataConfig.document_mask=True needs batches with 'segment_ids'" if document_mask else
+                        "the batch has 'segment_ids' but DataConfig.document_mask is False: the data "
+                        "loader and the config disagree")
+    if segment_ids is not None and segment_ids.shape != tokens.shape:
+        raise DataError(f"segment_ids {segment_ids.shape} must have the shape of tokens {tokens.shape}")
+    return tokens, segment_ids
 
 
 class ModelFns:
@@ -46,8 +71,11 @@ class ModelFns:
         nnx.replace_by_pure_dict(state, params)
         return nnx.merge(self.graphdef, state)
 
-    def loss(self, params, tokens, step, example_ids, *, micro_index=0, train: bool = True):
+    def loss(self, params, tokens, step, example_ids, *, segment_ids=None, micro_index=0, train: bool = True):
         """(objective, aux) of next-token prediction on ``tokens [B, T+1]``.
+
+        ``segment_ids [B, T+1]`` (document masking) or None: the inputs' part goes to the model,
+        whose attention then stays inside each document and whose positions restart per document.
 
         ``aux`` holds ``ce`` (mean cross-entropy, nats) and the sums over layers of values mixers sow
         as ``nnx.Intermediate`` (e.g. SSA's ``ssa_align``); sown ``aux_loss`` terms join the objective.
@@ -58,9 +86,10 @@ class ModelFns:
         cfg = self.cfg
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
         B, T = inputs.shape
-        ctx = MixerContext(positions=default_positions(B, T),
+        seg = None if segment_ids is None else segment_ids[:, :-1]
+        ctx = MixerContext(positions=default_positions(B, T) if seg is None else segment_positions(seg),
                            attention_impl=cfg.model.attention_impl, step=step, seed=cfg.train.seed,
-                           example_ids=example_ids, train=train, micro_index=micro_index)
+                           example_ids=example_ids, train=train, micro_index=micro_index, segment_ids=seg)
         model = self.model(params)
         z_loss = cfg.optim.z_loss if train else 0.0
         if loss_backend(cfg.model.loss_impl, B * T, cfg.model.vocab_size)[0] == "chunked":  # never more than loss_chunk tokens of logits at a time
@@ -95,7 +124,9 @@ def global_norm(tree):
 
 
 def make_train_step(fns: ModelFns, optimizer_for):
-    """``step(state, tokens, bounds) -> (state, stats)`` with gradient accumulation and a non-finite guard.
+    """``step(state, batch, bounds) -> (state, stats)`` with gradient accumulation and a non-finite guard.
+
+    ``batch``: a token array ``[B, T+1]`` or a dict (:func:`split_batch`).
 
     ``optimizer_for`` (``train.optim.optimizer_for_bounds``) maps the WSD bounds
     ``[decay_start, decay_steps]`` (int32, a runtime input) to ``(tx, schedule)``: the optimizer is
@@ -110,31 +141,36 @@ def make_train_step(fns: ModelFns, optimizer_for):
     M = cfg.train.microbatches
     B = cfg.train.global_batch
 
-    def grads_of(params, tokens, step, example_ids, micro_index):
+    def grads_of(params, tokens, segment_ids, step, example_ids, micro_index):
         (obj, aux), g = jax.value_and_grad(
-            lambda p: fns.loss(p, tokens, step, example_ids, micro_index=micro_index), has_aux=True)(params)
+            lambda p: fns.loss(p, tokens, step, example_ids, segment_ids=segment_ids, micro_index=micro_index),
+            has_aux=True)(params)
         return obj, aux, g
 
-    def train_step(state, tokens, bounds):
+    def train_step(state, batch, bounds):
+        tokens, segment_ids = split_batch(batch, cfg.data.document_mask)
         tx, schedule = optimizer_for(bounds)
         params, step = state["params"], state["step"]
         ids = step * B + jnp.arange(B, dtype=jnp.int32)
         if M == 1:
-            obj, aux, grads = grads_of(params, tokens, step, ids, 0)
+            obj, aux, grads = grads_of(params, tokens, segment_ids, step, ids, 0)
         else:
-            mb = tokens.reshape(M, B // M, tokens.shape[-1])
+            def micro(x):  # [B, T+1] -> [M, B/M, T+1]; None (no segments) stays None
+                return None if x is None else x.reshape(M, B // M, x.shape[-1])
+            mb, mseg = micro(tokens), micro(segment_ids)
             mids = ids.reshape(M, B // M)
-            aux_shape = jax.eval_shape(lambda: grads_of(params, mb[0], step, mids[0], 0)[1])
+            aux_shape = jax.eval_shape(
+                lambda: grads_of(params, mb[0], None if mseg is None else mseg[0], step, mids[0], 0)[1])
 
             def body(carry, xs):
                 g_acc, o_acc, a_acc = carry
-                o, a, g = grads_of(params, xs[0], step, xs[1], xs[2])
+                o, a, g = grads_of(params, xs[0], xs[1], step, xs[2], xs[3])
                 g_acc = jax.tree.map(lambda x, y: x + y.astype(jnp.float32), g_acc, g)
                 return (g_acc, o_acc + o, jax.tree.map(jnp.add, a_acc, a)), None
 
             zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
             aux0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), aux_shape)
-            (gsum, osum, asum), _ = jax.lax.scan(body, (zeros, 0.0, aux0), (mb, mids, jnp.arange(M)))
+            (gsum, osum, asum), _ = jax.lax.scan(body, (zeros, 0.0, aux0), (mb, mseg, mids, jnp.arange(M)))
             grads = jax.tree.map(lambda g: g / M, gsum)
             obj, aux = osum / M, jax.tree.map(lambda a: a / M, asum)
         ce = aux.pop("ce")
@@ -153,7 +189,10 @@ def make_train_step(fns: ModelFns, optimizer_for):
 
 
 def make_eval_step(fns: ModelFns):
-    def eval_loss(params, tokens):
+    """``eval_loss(params, batch) -> mean CE`` (``batch`` as :func:`make_train_step`'s)."""
+    def eval_loss(params, batch):
+        tokens, segment_ids = split_batch(batch, fns.cfg.data.document_mask)
         B = tokens.shape[0]
-        return fns.loss(params, tokens, jnp.zeros((), jnp.int32), jnp.arange(B, dtype=jnp.int32), train=False)[1]["ce"]
+        return fns.loss(params, tokens, jnp.zeros((), jnp.int32), jnp.arange(B, dtype=jnp.int32),
+                        segment_ids=segment_ids, train=False)[1]["ce"]
     return eval_loss
