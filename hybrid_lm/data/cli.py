@@ -3,28 +3,156 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
+
+from hybrid_lm.errors import DataError
+
+
+def _default_out(spec, tokenizer: str) -> Path:
+    from hybrid_lm.data.corpus import default_dir, embedded_dir
+    return embedded_dir(tokenizer) if spec.kind == "embedded" else default_dir("tokens")
 
 
 def cmd_prepare(args) -> int:
-    from hybrid_lm.data.corpus import default_dir, prepare_embedded, prepare_text_files
+    from hybrid_lm.data.prepare import DEFAULT_SHARD_TOKENS, PrepareSettings, prepare
+    from hybrid_lm.data.sources import spec_from_args
+    from hybrid_lm.data.stats import format_stats
 
-    if args.text:
-        out = Path(args.out) if args.out else default_dir("text")
-        meta = prepare_text_files(args.text, out, args.tokenizer)
+    spec = spec_from_args(args)
+    out = Path(args.out) if args.out else _default_out(spec, args.tokenizer)
+    settings = PrepareSettings(tokenizer=args.tokenizer, val_every=args.val_every,
+                               shard_tokens=args.shard_tokens or DEFAULT_SHARD_TOKENS)
+    res = prepare(spec, out, settings, workers=args.workers, overwrite=args.overwrite, progress=not args.no_progress)
+    if res.skipped:
+        print(f"{out} is up to date (same source, tokenizer and settings): nothing to do")
     else:
-        out = Path(args.out) if args.out else default_dir("embedded")
-        meta = prepare_embedded(out, args.tokenizer)
-    print(f"prepared {out}:")
-    print(json.dumps(meta, indent=2))
+        print(f"prepared {out}")
+    print("\n".join(format_stats(res.stats)))
+    source = "embedded" if spec.kind == "embedded" else "tokens"
+    print(f"\ntrain on it with:  --gin_param \"DataConfig.source='{source}'\" --gin_param \"DataConfig.path='{out}'\""
+          f" --gin_param \"DataConfig.tokenizer='{args.tokenizer}'\"")
+    return 0
+
+
+def cmd_inspect(args) -> int:
+    import numpy as np
+
+    from hybrid_lm.data.stats import format_stats
+    from hybrid_lm.data.store import TokenStore
+
+    store = TokenStore(args.store)
+    stats = store.stats()
+    if args.json:
+        print(json.dumps(stats, indent=2))
+        return 0
+    print("\n".join(format_stats(stats)) if stats else f"{store.path}: no stats.json")
+    tok = _store_tokenizer(store)
+    view = store.split(args.split)
+    n = args.windows
+    if n and view.n_tokens > args.seq_len:
+        print(f"\n{n} windows of {args.seq_len} tokens from the {args.split} split (evenly spaced):")
+        for start in np.linspace(0, view.n_tokens - args.seq_len, n).astype(np.int64):
+            ids = view.read(int(start), args.seq_len)
+            text = tok.decode(ids) if tok is not None else " ".join(map(str, ids[:64]))
+            print(f"--- tokens [{start:,}, {start + args.seq_len:,})\n{text}")
+    return 0
+
+
+def _store_tokenizer(store):
+    """The store's tokenizer if it can be loaded here and matches the manifest's fingerprint."""
+    from hybrid_lm.data.tokenizer import load_tokenizer
+
+    spec = store.tokenizer.get("spec", "byte")
+    try:
+        tok = load_tokenizer(spec)
+    except Exception as e:  # noqa: BLE001 - inspect still shows the ids
+        print(f"(tokenizer {spec!r} cannot be loaded here: {e}; showing ids)")
+        return None
+    if tok.fingerprint != store.tokenizer.get("fingerprint"):
+        print(f"(tokenizer {spec!r} changed since the store was prepared; showing ids)")
+        return None
+    return tok
+
+
+def cmd_verify(args) -> int:
+    from hybrid_lm.data.store import TokenStore
+
+    store = TokenStore(args.store)
+    counts = store.verify(progress=not args.no_progress)
+    print(f"{store.path}: OK   fingerprint {store.fingerprint[:16]}   "
+          + "   ".join(f"{k} {v['documents']:,} documents / {v['tokens']:,} tokens" for k, v in counts.items()))
+    return 0
+
+
+def cmd_train_tokenizer(args) -> int:
+    from tqdm import tqdm
+
+    from hybrid_lm.data.sources import open_source, spec_from_args
+    from hybrid_lm.data.tokenizer import load_tokenizer, train_bpe
+
+    spec = spec_from_args(args)
+    source = open_source(spec)
+    out = Path(args.out)
+    if (out / "tokenizer.json").exists() and not args.overwrite:
+        raise DataError(f"{out / 'tokenizer.json'} exists: choose another --out or pass --overwrite")
+
+    def texts():
+        bar = tqdm(desc="train-tokenizer", unit=" docs", disable=args.no_progress)
+        for i, doc in enumerate(source.iter_documents()):
+            if args.max_docs and i >= args.max_docs:
+                break
+            bar.update(1)
+            yield doc.text
+        bar.close()
+
+    path = train_bpe(texts(), args.vocab, out, min_frequency=args.min_frequency)
+    tok = load_tokenizer(str(path))
+    print(f"wrote {path}: byte-level BPE, {tok.vocab_size:,} ids (asked {args.vocab:,}), eos {tok.eos_id}, "
+          f"pad {tok.pad_id}, fingerprint {tok.fingerprint[:16]}")
+    print(f"use it with:  --gin_param \"DataConfig.tokenizer='{path}'\" --gin_param "
+          f"\"ModelConfig.vocab_size={tok.vocab_size}\"")
     return 0
 
 
 def add_data_commands(sub) -> None:
+    from hybrid_lm.data.sources import add_source_args
+
     p = sub.add_parser("data", help="prepare, inspect and verify token stores; train a tokenizer")
     dsub = p.add_subparsers(dest="data_cmd", required=True)
-    q = dsub.add_parser("prepare", help="build train/val token files (default: the embedded corpus)")
-    q.add_argument("--text", nargs="*", help="plain-text or JSONL files instead of the embedded corpus")
-    q.add_argument("--out", default=None)
-    q.add_argument("--tokenizer", default="byte")
+
+    q = dsub.add_parser("prepare", help="turn a document source into a token store (default: the embedded corpus)")
+    add_source_args(q)
+    q.add_argument("--tokenizer", default="byte", help="'byte', or a local tokenizer.json / SentencePiece .model")
+    q.add_argument("--out", default=None, help="the store directory (default: where DataConfig.source looks: "
+                   "data_cache/embedded[-<tokenizer>] or data_cache/tokens)")
+    q.add_argument("--workers", type=int, default=max(1, min(8, (os.cpu_count() or 2) - 1)),
+                   help="encoder processes (default: cores - 1, at most 8)")
+    q.add_argument("--val-every", type=int, default=10, help="every N-th document goes to the val split")
+    q.add_argument("--shard-tokens", type=int, default=None, help="tokens per shard (default 2^25)")
+    q.add_argument("--overwrite", action="store_true", help="replace a store prepared with other settings")
+    q.add_argument("--no-progress", action="store_true")
     q.set_defaults(fn=cmd_prepare)
+
+    q = dsub.add_parser("inspect", help="print a store's stats and a few decoded windows")
+    q.add_argument("store")
+    q.add_argument("--split", default="val", choices=("train", "val"))
+    q.add_argument("--windows", type=int, default=3)
+    q.add_argument("--seq-len", type=int, default=64)
+    q.add_argument("--json", action="store_true", help="print stats.json instead")
+    q.set_defaults(fn=cmd_inspect)
+
+    q = dsub.add_parser("verify", help="check a store's shards against the manifest: sizes, hashes, ids, index")
+    q.add_argument("store")
+    q.add_argument("--no-progress", action="store_true")
+    q.set_defaults(fn=cmd_verify)
+
+    q = dsub.add_parser("train-tokenizer", help="train a byte-level BPE tokenizer (offline) on a source")
+    add_source_args(q)
+    q.add_argument("--vocab", type=int, required=True, help="vocabulary size, special tokens included")
+    q.add_argument("--out", required=True, help="directory for tokenizer.json")
+    q.add_argument("--min-frequency", type=int, default=2)
+    q.add_argument("--max-docs", type=int, default=0, help="train on the first N documents (0: all)")
+    q.add_argument("--overwrite", action="store_true")
+    q.add_argument("--no-progress", action="store_true")
+    q.set_defaults(fn=cmd_train_tokenizer)

@@ -638,7 +638,7 @@ def add_source_args(parser: argparse.ArgumentParser) -> None:
                    help="what to read (default: embedded, the essays; text when --text is given)")
     g.add_argument("--path", nargs="*", default=None, metavar="PATH",
                    help="files or folders (text, parquet) or save_to_disk folders (hf)")
-    g.add_argument("--text", nargs="*", default=None, metavar="PATH",
+    g.add_argument("--text", "--corpus", nargs="*", default=None, metavar="PATH",
                    help="text or JSON-lines files or folders; same as --source text --path PATH...")
     g.add_argument("--text-field", default="text", help="JSON field / column holding the text (default: text)")
     g.add_argument("--split", default="train", help="split of an hf or tfds dataset (default: train)")
