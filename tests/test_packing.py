@@ -130,3 +130,26 @@ def test_loader_errors_name_the_problem(tmp_path):
         DataStreams(cfg_for(path, "ModelConfig.vocab_size=100", validate=False))
     with pytest.raises(DataError, match="no token store"):
         DataStreams(cfg_for(tmp_path / "missing"))
+
+
+def test_bits_per_byte_is_exact_for_sentencepiece_and_bpe(tmp_path):
+    """With eval windows tiling the whole val split, bytes per eval token equal the val text's UTF-8
+    bytes per token (up to the untiled tail): token bytes are counted, the dummy prefix removed."""
+    from tests.test_tokenizers import train_sentencepiece
+
+    from hybrid_lm.data.tokenizer import train_bpe
+
+    sp = tmp_path / "sp.model"
+    sp.write_bytes(train_sentencepiece())
+    texts = write_jsonl(tmp_path / "a.jsonl", 400)
+    bpe = train_bpe(iter(texts), 300, tmp_path / "bpe")
+    for tok_path in (sp, bpe):
+        out = tmp_path / f"s_{tok_path.stem}"
+        res = prepare(SourceSpec(kind="text", paths=(str(tmp_path / "a.jsonl"),)), out,
+                      PrepareSettings(tokenizer=str(tok_path)), progress=False)
+        val = res.stats["splits"]["val"]
+        data = DataStreams(cfg_for(out, f"DataConfig.tokenizer='{tok_path}'", "ModelConfig.vocab_size=512",
+                                   "DataConfig.eval_windows=100000", seq_len=16))
+        assert len(data._eval_idx) == len(data.val_windows)  # every window: the targets tile the split
+        assert data.bytes_per_token == pytest.approx(val["text_bytes"] / val["tokens"], rel=0.01)
+        assert data.bytes_per_token > 1.1  # not one byte per token

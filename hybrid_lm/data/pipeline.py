@@ -241,7 +241,14 @@ class DataStreams:
 
     @cached_property
     def bytes_per_token(self) -> float:
-        """UTF-8 bytes per evaluated target token, counted over the eval windows (exact bits/byte)."""
+        """UTF-8 bytes per evaluated target token, counted over the eval windows (exact bits/byte):
+        the bytes each target id decodes to, less a SentencePiece-style dummy-prefix space at each
+        document start among the targets."""
         targets = self.eval_tokens[:, 1:]
         tb = np.asarray(self.tokenizer.token_bytes, np.int64)
-        return float(tb[targets].sum()) / targets.size
+        n_bytes = int(tb[targets].sum())
+        prefix = int(getattr(self.tokenizer, "dummy_prefix_bytes", 0))
+        if prefix:
+            starts = sum(int((np.diff(self.val_windows.segments(i)) > 0).sum()) for i in self._eval_idx)
+            n_bytes -= prefix * starts
+        return n_bytes / targets.size
