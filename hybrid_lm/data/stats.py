@@ -25,8 +25,8 @@ def _entropy(counts: np.ndarray) -> float:
 
 def _split_counts(view: st.SplitView, vocab: int) -> np.ndarray:
     counts = np.zeros(vocab, np.int64)
-    for lo in range(0, view.n_tokens, 1 << 24):
-        counts += np.bincount(view.read(lo, min(1 << 24, view.n_tokens - lo)), minlength=vocab)[:vocab]
+    for part in view.iter_chunks():
+        counts += np.bincount(part, minlength=vocab)[:vocab]
     return counts
 
 

@@ -52,6 +52,13 @@ def content_fingerprint(tokenizer_fingerprint: str, dtype: str, splits: dict) ->
     return h.hexdigest()
 
 
+def read_chunks(path: Path, dtype: np.dtype, n_tokens: int, chunk: int):
+    """Consecutive arrays of at most ``chunk`` tokens from a shard file."""
+    with open(path, "rb") as f:
+        for lo in range(0, n_tokens, chunk):
+            yield np.fromfile(f, dtype=dtype, count=min(chunk, n_tokens - lo))
+
+
 def is_store(path: Path) -> bool:
     return (Path(path) / MANIFEST).is_file()
 
@@ -96,6 +103,12 @@ class SplitView:
             pos += n
             k += 1
         return np.concatenate(out).astype(np.int64) if len(out) != 1 else out[0].astype(np.int64)
+
+    def iter_chunks(self, tokens: int = 1 << 20):
+        """The split's tokens in order, ``tokens`` at a time, read from the files (not mapped, so a
+        full pass holds one chunk in memory and leaves the resident set alone)."""
+        for s in self.shards:
+            yield from read_chunks(self.store.path / s["file"], self.store.dtype, s["tokens"], tokens)
 
     def locate(self, offset: int) -> tuple[str, int]:
         """(shard file, offset within it) of global token ``offset``."""
@@ -178,10 +191,8 @@ class TokenStore:
         bar = tqdm(total=total, unit="tok", unit_scale=True, disable=not progress, desc="verify")
         for split in SPLITS:
             for s in self.manifest["splits"][split]["shards"]:
-                toks = np.memmap(self.path / s["file"], dtype=self.dtype, mode="r") if s["tokens"] else np.zeros(0)
-                h = hashlib.sha256()
-                for lo in range(0, len(toks), 1 << 24):
-                    part = np.asarray(toks[lo: lo + (1 << 24)])
+                h, lo = hashlib.sha256(), 0
+                for part in read_chunks(self.path / s["file"], self.dtype, s["tokens"], 1 << 22):
                     h.update(part.tobytes())
                     bad = np.flatnonzero(part >= vocab)
                     if bad.size:
@@ -189,6 +200,7 @@ class TokenStore:
                         raise DataError(f"token store {self.path}: shard {s['file']} offset {off:,} holds id "
                                         f"{int(part[bad[0]])} >= the tokenizer's vocab_size {vocab}")
                     bar.update(part.size)
+                    lo += part.size
                 if h.hexdigest() != s["sha256"]:
                     raise DataError(f"token store {self.path}: shard {s['file']} content does not match its "
                                     "manifest hash (corrupt or modified): prepare the store again")

@@ -144,7 +144,7 @@ def evaluate_longppl(workdir, *, evaluator=None, length: int | None = None, docs
     n = length or run.cfg.data.seq_len + 1
     rule.validate(n)
     cfg = swapped_config(run.cfg, seq_len=n - 1, eval_windows=docs)
-    documents = run.streams(cfg).eval_batch  # [docs, n]: the run's fixed validation windows
+    documents = run.streams(cfg).eval_tokens  # [docs, n]: the run's fixed validation windows
     cache = _key_cache_path(judge, documents, rule)
     cached = _load_keys(cache, len(documents), n)
     nll_run, nll_judge = _nll_fn(run), (None if is_self else _nll_fn(judge))

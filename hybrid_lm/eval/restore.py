@@ -141,9 +141,9 @@ class RestoredRun:
         model, data = cfg.model, cfg.data
         streams = self.streams(cfg)
         windows = streams.eval_batch
-        per, n = loss.eval_batching(windows.shape[0], cfg.train.global_batch, self.n_batch_shards)
+        per, n = loss.eval_batching(loss.window_count(windows), cfg.train.global_batch, self.n_batch_shards)
         if n == 0:
-            raise SwapError(f"{windows.shape[0]} eval windows of {data.seq_len} tokens cannot fill one batch of "
+            raise SwapError(f"{loss.window_count(windows)} eval windows of {data.seq_len} tokens cannot fill one batch of "
                             f"{per} rows on {self.n_batch_shards} batch shards; use a shorter seq_len or more "
                             f"eval windows")
         fns = ModelFns(cfg)
