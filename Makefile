@@ -12,7 +12,7 @@ $(or $(PYTHON),$(shell \
     if [ -x "$$p" ] && "$$p" -c 'import sys' >/dev/null 2>&1; then echo "$$p"; break; fi; done; fi))
 endef
 
-.PHONY: install train test test-fast data info clean
+.PHONY: install train train-bpe test test-fast data info clean
 install: $(STAMP)
 
 $(STAMP): pyproject.toml
@@ -29,6 +29,12 @@ $(STAMP): pyproject.toml
 train: $(STAMP)
 	$(VENV)/bin/hybrid-lm train configs/quickstart.gin --workdir runs/quickstart
 
+# the quickstart with a BPE tokenizer trained on the embedded corpus (configs/quickstart_bpe.gin)
+BPE_DIR := data_cache/tokenizers/embedded-bpe2k
+train-bpe: $(STAMP)
+	[ -f $(BPE_DIR)/tokenizer.json ] || $(VENV)/bin/hybrid-lm data train-tokenizer --vocab 2048 --out $(BPE_DIR)
+	$(VENV)/bin/hybrid-lm train configs/quickstart_bpe.gin --workdir runs/quickstart_bpe
+
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --timeout 900 --durations=12
 
@@ -43,4 +49,4 @@ info: $(STAMP)
 	$(VENV)/bin/hybrid-lm info configs/scale/s4.gin
 
 clean:
-	rm -rf runs/quickstart data_cache
+	rm -rf runs/quickstart runs/quickstart_bpe data_cache

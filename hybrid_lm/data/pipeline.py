@@ -81,9 +81,11 @@ class PackedWindows(grain.sources.RandomAccessDataSource):
 
     def segments(self, i: int) -> np.ndarray:
         """Document index of each token of window ``i``, counted from 0 within the window."""
-        pos = int(i) * self.seq_len + np.arange(self.seq_len + 1)
-        d = np.searchsorted(self.stream.doc_starts, pos, side="right") - 1
-        return (d - d[0]).astype(np.int32)
+        first, starts = int(i) * self.seq_len, self.stream.doc_starts
+        lo, hi = np.searchsorted(starts, [first, first + self.seq_len], side="right")
+        seg = np.zeros(self.seq_len + 1, np.int32)
+        seg[starts[lo:hi] - first] = 1  # documents starting inside the window
+        return np.cumsum(seg, dtype=np.int32)
 
     def locate(self, i: int, col: int) -> tuple[str, int]:
         return self.stream.locate(int(i) * self.seq_len + int(col))
