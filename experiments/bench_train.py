@@ -145,10 +145,14 @@ def measure(variants, args, deadline: float | None = None) -> tuple[list[dict], 
     workers = 1 if args.compile_alone else args.compile_workers
     pool = cf.ThreadPoolExecutor(max_workers=workers)
     pending: dict = {}  # future -> (index, variant, backends)
+    t0 = time.time()
 
     def take(fut):  # time one compiled variant and save the rows so far
         i, v, backends = pending.pop(fut)
+        t_take = time.time() - t0
         rows[i] = finish(v, backends, fut, limit, args)
+        # seconds from the start of measure(): lowered, compile seen done, timing finished
+        rows[i].update(t_lowered_s=backends.get("t_lowered_s"), t_taken_s=t_take, t_done_s=time.time() - t0)
         if args.out:
             save(args.out, [rows[k] for k in sorted(rows)])
 
@@ -160,7 +164,8 @@ def measure(variants, args, deadline: float | None = None) -> tuple[list[dict], 
             continue
         try:
             lowered, lower_s, backends = v.lower()
-            pending[pool.submit(v.compile, lowered, lower_s)] = (i, v, dict(backends, lower_s=lower_s))
+            pending[pool.submit(v.compile, lowered, lower_s)] = (
+                i, v, dict(backends, lower_s=lower_s, t_lowered_s=time.time() - t0))
         except Exception as e:  # noqa: BLE001 - a variant that cannot trace is reported, not fatal
             rows[i] = finish(v, {}, e, limit, args)
         for fut in [f for f in pending if f.done()]:  # time what is ready while later ones lower
@@ -183,6 +188,7 @@ def finish(v: Variant, backends: dict, fut, limit: int | None, args) -> dict:
     """The row of one variant: compile result (or error), then its timed steps unless it cannot fit."""
     backends = dict(backends)
     lower_s = backends.pop("lower_s", None)
+    backends.pop("t_lowered_s", None)
     row = dict(v.key, attention_backends=backends, lower_s=lower_s,
                loss_backend=loss_backend(v.cfg.model.loss_impl, v.key["batch"] * v.key["seq_len"],
                                          v.cfg.model.vocab_size)[0])
@@ -225,14 +231,20 @@ def report(r):
 
 
 def best_microbatches(rows) -> dict:
-    """Per (scale, arch, seq_len): the micro-batch with the highest tokens/s among those that ran."""
+    """Per (scale, arch, seq_len): the micro-batch with the highest tokens/s among those that ran, and
+    ``tried``: every micro-batch that ran or was found not to fit."""
     best: dict = {}
+    tried: dict = {}
     for r in rows:
+        k = f"{r['scale']}/{r['arch']}/{r['seq_len']}"
+        if r.get("status") in ("ok", "oom"):
+            tried.setdefault(k, []).append(r["batch"])
         if r.get("status") != "ok":
             continue
-        k = f"{r['scale']}/{r['arch']}/{r['seq_len']}"
         if k not in best or r["tokens_per_sec"] > best[k]["tokens_per_sec"]:
             best[k] = {"batch": r["batch"], "tokens_per_sec": r["tokens_per_sec"], "mfu": r["mfu"]}
+    for k in best:
+        best[k]["tried"] = sorted(tried[k])
     return best
 
 
@@ -242,15 +254,15 @@ def save(path, rows, extra=None):
                    "rows": rows, **(extra or {})}, fh, indent=2)
 
 
-def write_table(path: str, best: dict, command: str) -> dict:
-    """Merge ``best`` (per scale/arch/seq_len, ``+scan`` variants left out: the rule keys on the
-    architecture) into the micro-batch table at ``path``; entries of other keys are kept.
-    Returns the table written."""
+def write_table(path: str, best: dict, command: str, device: str) -> dict:
+    """Merge ``best`` into the micro-batch table at ``path`` (entries of other keys are kept) and
+    return the table written. Only sweeps enter it: a key with fewer than two micro-batches tried
+    is left out, and so are ``+scan`` variants (the rule keys on the architecture)."""
     table = json.loads(open(path).read()) if os.path.exists(path) else {}
     merged = dict(table.get("best", {}))
-    merged.update({k: b["batch"] for k, b in best.items() if SCAN not in k})
+    merged.update({k: b["batch"] for k, b in best.items() if SCAN not in k and len(b.get("tried", ())) >= 2})
     commands = table.get("commands", [table["command"]] if "command" in table else [])
-    out = {"device": jax.devices()[0].device_kind, "measured": time.strftime("%Y-%m-%d"),
+    out = {"device": device, "measured": time.strftime("%Y-%m-%d"),
            "commands": [*commands, command] if command not in commands else commands,
            "best": dict(sorted(merged.items()))}
     with open(path, "w") as fh:
@@ -301,7 +313,8 @@ def main() -> None:
             print(f"  {k:<28} {b['batch']:>3}   {b['tokens_per_sec'] / 1e3:.1f} ktok/s   {100 * b['mfu']:.1f}% MFU")
         if args.table_out:
             write_table(args.table_out, best, f"experiments/bench_train.py --scale {args.scale} --arch {args.arch} "
-                                              f"--sweep-microbatch {args.sweep_microbatch}")
+                                              f"--sweep-microbatch {args.sweep_microbatch}",
+                        jax.devices()[0].device_kind)
     if left_running:  # compile threads cannot be stopped: leave without joining them
         os._exit(0)
 

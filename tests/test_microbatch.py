@@ -48,3 +48,52 @@ def test_rule_reads_the_measured_table(tmp_path):
                                                   "not measured: TrainConfig.microbatches as configured")
     assert mb.arch_name(load_config(["scale/s1.gin", "arch/ssa.gin"]).model) == "ssa"
     assert mb.arch_name(load_config(["scale/s1.gin", "arch/mamba2.gin"]).model) == "mamba2"
+
+
+def test_apply_rule_sets_microbatches_unless_configured(tmp_path):
+    table = tmp_path / "mb.json"
+    table.write_text(json.dumps({"best": {"s2/full/16384": 8}}))
+    full = ["DataConfig.seq_len = 16384", "TrainConfig.global_batch = 32", "ModelConfig.layer_pattern = 'F'"]
+    cfg = load_config(["scale/s2.gin"], full)
+    out, why = mb.apply_rule(cfg, batch_shards=1, table=table)
+    assert out.train.microbatches == 4 and "measured best 8" in why  # 32 sequences, 8 per micro-batch
+    assert out.run_id() == cfg.run_id()  # the run directory does not change
+    assert mb.apply_rule(cfg, batch_shards=2, table=table)[0].train.microbatches == 2
+    explicit = load_config(["scale/s2.gin"], full + ["TrainConfig.microbatches = 16"])
+    kept, why = mb.apply_rule(explicit, batch_shards=1, table=table)
+    assert kept.train.microbatches == 16 and "as configured" in why
+    other = load_config(["scale/s2.gin"], ["DataConfig.seq_len = 16384"])  # the 1:1 SWA hybrid: not measured
+    assert mb.apply_rule(other, batch_shards=1, table=table)[0] is other
+
+
+def test_shipped_table_covers_the_measured_sweeps():
+    best = json.loads(mb.TABLE.read_text())["best"]
+    assert all(isinstance(v, int) and v >= 1 for v in best.values())
+    for key in ("s1/full/16384", "s2/full/16384", "s3/full/16384"):
+        assert key in best
+    cfg = load_config(["scale/s3.gin"], ["ModelConfig.layer_pattern = 'F'"])  # global batch 48
+    assert mb.rule_for(cfg, batch_shards=1)[0] == 48 // best["s3/full/16384"]
+
+
+def test_bench_train_table_keeps_only_sweeps(tmp_path):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
+    import bench_train as bt
+
+    def row(arch, batch, status, tps=0.0):
+        return {"scale": "s4", "arch": arch, "seq_len": 16384, "batch": batch, "status": status,
+                "tokens_per_sec": tps, "mfu": 0.1}
+
+    rows = [row("full", 4, "ok", 10.0), row("full", 8, "ok", 12.0), row("swa", 4, "ok", 9.0),
+            row("swa", 8, "oom"), row("sa", 4, "ok", 8.0), row("sa", 8, "not_compiled"),
+            row("full+scan", 4, "ok", 1.0), row("full+scan", 8, "ok", 2.0)]
+    best = bt.best_microbatches(rows)
+    assert best["s4/full/16384"]["batch"] == 8 and best["s4/swa/16384"]["tried"] == [4, 8]
+    path = tmp_path / "mb.json"
+    path.write_text(json.dumps({"command": "old", "best": {"s1/full/16384": 8}}))
+    t = bt.write_table(str(path), best, "new", "NVIDIA H200")
+    # swa: 8 did not fit, so 4; sa: only 4 was measured (not a sweep); +scan: not an architecture
+    assert t["best"] == {"s1/full/16384": 8, "s4/full/16384": 8, "s4/swa/16384": 4}
+    assert t["commands"] == ["old", "new"] and json.loads(path.read_text()) == t

@@ -198,6 +198,29 @@ def test_a_running_job_is_locked(tmp_path):
         L.run_job(tmp_path, job)
 
 
+def test_launcher_applies_the_microbatch_rule(tmp_path, monkeypatch):
+    """Each run's TrainConfig.microbatches comes from the measured table for its global batch on the
+    run's mesh, is recorded in sweep_run.json, and leaves the run id (the directory) unchanged."""
+    from hybrid_lm.train import microbatch as mb
+
+    table = tmp_path / "mb.json"
+    table.write_text(json.dumps({"best": {"t1/swa/32": 2}}))  # tiny_cpu: global batch 4, seq_len 32
+    monkeypatch.setattr(mb, "TABLE", table)
+    monkeypatch.setitem(mb.SCALES, (16, 2), "t1")
+    plan = expand(load_spec(TINY), root=tmp_path)
+    t1 = next(j for j in plan.jobs if j.scale == "t1" and j.arch == "swa8" and j.kind == "branch")
+    cfg = L._load(t1)
+    assert cfg.train.microbatches == 2 and cfg.run_id() == t1.config_run_id
+    assert L.microbatch_plan(cfg)[0] is cfg  # already set: kept
+    L._write_run_meta(tmp_path, t1)
+    meta = json.loads((tmp_path / t1.name / L.RUN_META).read_text())
+    assert meta["microbatches"] == 2 and "measured best 2 x 32 tokens per device (t1/swa" in meta["microbatch_reason"]
+    t2 = next(j for j in plan.jobs if j.scale == "t2" and j.arch == "swa8")  # not in the table
+    assert L._load(t2).train.microbatches == 1
+    explicit = dataclasses.replace(t1, gin_params=t1.gin_params + ["TrainConfig.microbatches = 4"])
+    assert L._load(explicit).train.microbatches == 4  # a configured value wins
+
+
 # ----------------------------------------------------------------------------- end to end on the CPU
 
 def _cli(args, env, timeout=900):

@@ -20,6 +20,12 @@ scripts are plain files that can be read, edited and resubmitted, and a resubmis
 unfinished jobs. ``--signal=B:USR1@<s>`` + ``--requeue`` let the trainer save and requeue itself
 before the time limit.
 
+**Micro-batches.** Each run's ``TrainConfig.microbatches`` comes from the micro-batch rule
+(``hybrid_lm/train/microbatch.py``): the fewest gradient-accumulation steps that put at most the
+measured best sequences per device (``configs/microbatch_h200.json``) on each device of the run's
+mesh. A spec or gin file that sets ``microbatches > 1`` keeps its value; unmeasured (scale, arch,
+seq_len) keep the configured one. The choice and its reason are written to ``sweep_run.json``.
+
 Worker entry point (used by the local GPU pool and by the SLURM scripts)::
 
     python -m hybrid_lm.scaling.launch --root ROOT --job NAME
@@ -100,6 +106,13 @@ def _now() -> str:
 # ----------------------------------------------------------------------------- running one job
 
 def _load(job: Job, extra: list[str] | None = None):
+    """The job's config with ``TrainConfig.microbatches`` set by the micro-batch rule for this process's
+    devices (:func:`microbatch_plan`)."""
+    return _config(job, extra)[0]
+
+
+def _config(job: Job, extra: list[str] | None = None):
+    """``(config, micro-batch reason)`` of ``job``; a config that no longer matches the planned run id fails."""
     from hybrid_lm.config import load_config
 
     cfg = load_config(job.gin_files, job.gin_params + list(extra or []))
@@ -108,7 +121,16 @@ def _load(job: Job, extra: list[str] | None = None):
             f"job {job.name}: its gin files now resolve to config {cfg.run_id()}, not {job.config_run_id} as when "
             "the sweep was planned (a gin file changed?). Re-run `hybrid-lm sweep SPEC --launch ...` to re-plan; "
             "the changed runs get new ids.")
-    return cfg
+    return microbatch_plan(cfg)
+
+
+def microbatch_plan(cfg, devices=None):
+    """``(cfg, reason)``: ``cfg`` with ``TrainConfig.microbatches`` from the micro-batch rule on the
+    mesh that ``train()`` builds from ``cfg.mesh`` and ``devices`` (default: all of this process's)."""
+    from hybrid_lm.train import sharding as shd
+    from hybrid_lm.train.microbatch import apply_rule
+
+    return apply_rule(cfg, shd.n_batch_shards(shd.make_mesh(cfg.mesh, devices)))
 
 
 def _link_or_copy(src, dst):
@@ -158,9 +180,12 @@ def seed_branch(root: Path, stable: Job, branch: Job) -> bool:
 
 
 def _write_run_meta(root: Path, job: Job) -> None:
+    """``sweep_run.json``: the job, the sweep root, and the micro-batches the rule chose and why."""
     d = Path(root) / job.name
     d.mkdir(parents=True, exist_ok=True)
-    _atomic_json(d / RUN_META, {**job.to_dict(), "sweep_root": str(Path(root).resolve())})
+    cfg, why = _config(job)
+    _atomic_json(d / RUN_META, {**job.to_dict(), "sweep_root": str(Path(root).resolve()),
+                                "microbatches": cfg.train.microbatches, "microbatch_reason": why})
 
 
 @contextmanager

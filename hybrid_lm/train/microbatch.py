@@ -5,10 +5,13 @@ The fastest micro-batch that fits one device was measured per (scale, arch, seq_
 (sequences per device). For a run, :func:`microbatches_for` picks the fewest micro-batches ``M`` that
 divide the global batch, keep each micro-batch divisible by the batch mesh axes, and put at most the
 measured number of sequences on each device. Unmeasured configs keep ``TrainConfig.microbatches``.
+:func:`apply_rule` returns the config with that ``M`` set; the sweep launcher
+(``hybrid_lm/scaling/launch.py``) applies it to every run, and ``hybrid-lm info`` states it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from functools import lru_cache
 from pathlib import Path
@@ -41,12 +44,13 @@ def _load(path: str) -> dict:
     return json.loads(p.read_text())["best"] if p.exists() else {}
 
 
-def measured_per_device(cfg: Config, table: str | Path = TABLE) -> int | None:
-    """The measured best sequences per device for this config's scale, arch and seq_len, if any."""
+def measured_per_device(cfg: Config, table: str | Path | None = None) -> int | None:
+    """The measured best sequences per device for this config's scale, arch and seq_len, if any
+    (``table`` defaults to :data:`TABLE`)."""
     scale = scale_name(cfg.model)
     if scale is None:
         return None
-    return _load(str(table)).get(f"{scale}/{arch_name(cfg.model)}/{cfg.data.seq_len}")
+    return _load(str(TABLE if table is None else table)).get(f"{scale}/{arch_name(cfg.model)}/{cfg.data.seq_len}")
 
 
 def microbatches_for(global_batch: int, per_device: int, batch_shards: int) -> int:
@@ -64,11 +68,23 @@ def microbatches_for(global_batch: int, per_device: int, batch_shards: int) -> i
     return global_batch // batch_shards  # one sequence per device
 
 
-def rule_for(cfg: Config, batch_shards: int, table: str | Path = TABLE) -> tuple[int, str]:
+def rule_for(cfg: Config, batch_shards: int, table: str | Path | None = None) -> tuple[int, str]:
     """``(microbatches, reason)`` for ``cfg`` on ``batch_shards`` devices along the batch axes."""
     per = measured_per_device(cfg, table)
     if per is None:
         return cfg.train.microbatches, "not measured: TrainConfig.microbatches as configured"
     M = microbatches_for(cfg.train.global_batch, per, batch_shards)
     return M, (f"measured best {per} x {cfg.data.seq_len} tokens per device "
-               f"({scale_name(cfg.model)}/{arch_name(cfg.model)}, {Path(table).name})")
+               f"({scale_name(cfg.model)}/{arch_name(cfg.model)}, {Path(TABLE if table is None else table).name})")
+
+
+def apply_rule(cfg: Config, batch_shards: int, table: str | Path | None = None) -> tuple[Config, str]:
+    """``(cfg with TrainConfig.microbatches set by the rule, reason)``. A config that already sets
+    ``microbatches > 1`` keeps it (an explicit choice wins); an unmeasured one is returned as it is.
+    ``microbatches`` is not part of the run id, so the run's directory does not change."""
+    if cfg.train.microbatches != 1:
+        return cfg, f"TrainConfig.microbatches = {cfg.train.microbatches} as configured"
+    M, why = rule_for(cfg, batch_shards, table)
+    if M == cfg.train.microbatches:
+        return cfg, why
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, microbatches=M)), why
