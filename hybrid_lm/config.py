@@ -171,10 +171,12 @@ class TrainConfig:
     # Gradient accumulation: the global batch is split into this many equal micro-batches. It is an
     # execution detail (same math as the large batch), so it is not part of the run id.
     microbatches: int = _nid(1)
-    # continued pretraining: start from another run's parameters ("RUN_DIR@STEP"), with a fresh
-    # optimizer state and schedule (hybrid_lm/train/loop.py); set by `hybrid-lm train --init-from`
+    # continued pretraining: start from another run's parameters, with a fresh optimizer state and
+    # schedule. `hybrid-lm train --init-from RUN_DIR[@STEP]` sets it to "<source run id>@<step>"
+    # (the identity: train/rundir.py; the path is in provenance.json)
     init_from: str | None = _added(None)
     nan_policy: NanPolicy = _nid("stop")
+    max_consecutive_skips: int = _nid(10)  # under nan_policy='skip', this many in a row stop the run (train/loop.py)
     profile_start: int = _nid(-1)  # trace steps [profile_start, profile_start + profile_steps) (-1: off)
     profile_steps: int = _nid(5)
 
@@ -224,7 +226,10 @@ class Config:
     mesh: MeshConfig = field(default_factory=MeshConfig)
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The fields, plus ``data_identity`` (what the data contributes to the run id, resolved from
+        the store and tokenizer files now; ``config.json`` keeps it, so resume compares contents)."""
+        from hybrid_lm.data.identity import data_identity
+        return {**dataclasses.asdict(self), "data_identity": data_identity(self.data)}
 
     def run_id(self) -> str:
         blob = json.dumps(experiment_fields(self), sort_keys=True, default=str)
@@ -429,9 +434,14 @@ def validate_config(cfg: Config) -> None:
 
 # ----------------------------------------------------------------------------- run identity
 
-def experiment_fields(cfg: Config) -> dict[str, Any]:
-    """Flat ``section.field -> value`` of the fields that define the experiment."""
-    out: dict[str, Any] = {}
+def experiment_fields(cfg: Config, data_identity: dict | None = None) -> dict[str, Any]:
+    """Flat ``section.field -> value`` of the fields that define the experiment. The data enter by
+    content (``data.identity``: store fingerprints and the tokenizer's hash, see
+    :mod:`hybrid_lm.data.identity`; ``data_identity`` as recorded, else resolved now), not by path."""
+    if data_identity is None:
+        from hybrid_lm.data.identity import data_identity as resolve
+        data_identity = resolve(cfg.data)
+    out: dict[str, Any] = {"data.identity": data_identity} if data_identity else {}
     for sec in dataclasses.fields(cfg):
         obj = getattr(cfg, sec.name)
         for f in dataclasses.fields(obj):
@@ -440,6 +450,8 @@ def experiment_fields(cfg: Config) -> dict[str, Any]:
             v = getattr(obj, f.name)
             if f.metadata.get("omit_default") and v == _field_default(f):
                 continue
+            if data_identity and sec.name == "data" and f.name in ("tokenizer", "mixture"):
+                continue  # paths: their contents are in data.identity
             if dataclasses.is_dataclass(v):
                 for sf in dataclasses.fields(v):
                     out[f"{sec.name}.{f.name}.{sf.name}"] = _jsonable(getattr(v, sf.name))
@@ -458,6 +470,6 @@ def _jsonable(v):
 
 def diff_experiments(old: dict, new: dict) -> list[str]:
     """Fields (``section.field``) whose experiment-defining values differ between two config dicts."""
-    a = experiment_fields(config_from_dict(old))
-    b = experiment_fields(config_from_dict(new))
+    a = experiment_fields(config_from_dict(old), old.get("data_identity"))
+    b = experiment_fields(config_from_dict(new), new.get("data_identity"))
     return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))

@@ -1,0 +1,65 @@
+"""The run id covers the data by content (issue 16 item 1): store fingerprints and the tokenizer's
+hash, never the path; resume refuses a workdir whose data changed under the same path."""
+
+import shutil
+
+import pytest
+
+from hybrid_lm.config import load_config
+from hybrid_lm.data.prepare import prepare
+from hybrid_lm.data.sources import SourceSpec
+from hybrid_lm.data.tokenizer import train_bpe
+from hybrid_lm.errors import ConfigError
+from hybrid_lm.train.rundir import prepare_run_dir
+
+from tests.test_store import write_jsonl
+
+
+def store(tmp_path, name, seed):
+    write_jsonl(tmp_path / f"{name}.jsonl", 40, seed=seed)
+    return prepare(SourceSpec(kind="text", paths=(str(tmp_path / f"{name}.jsonl"),)), tmp_path / name,
+                   progress=False).path
+
+
+def cfg(*params):
+    return load_config(["quickstart.gin"], list(params))
+
+
+def test_default_data_keeps_the_published_run_id():
+    c = cfg()
+    assert c.run_id() == "bc91a0bd964d" and c.to_dict()["data_identity"] == {}
+
+
+def test_store_content_not_path_defines_the_id(tmp_path):
+    a, b = store(tmp_path, "a", 1), store(tmp_path, "b", 2)
+    ida = cfg("DataConfig.source='tokens'", f"DataConfig.path='{a}'").run_id()
+    idb = cfg("DataConfig.source='tokens'", f"DataConfig.path='{b}'").run_id()
+    assert ida != idb != cfg().run_id()
+    shutil.move(str(a), str(tmp_path / "moved"))
+    assert cfg("DataConfig.source='tokens'", f"DataConfig.path='{tmp_path / 'moved'}'").run_id() == ida
+    w1 = cfg(f"DataConfig.mixture=(('{tmp_path / 'moved'}', 1.0), ('{b}', 1.0))").run_id()
+    w2 = cfg(f"DataConfig.mixture=(('{tmp_path / 'moved'}', 2.0), ('{b}', 1.0))").run_id()
+    assert w1 != w2
+
+
+def test_tokenizer_hash_not_path_defines_the_id(tmp_path):
+    texts = write_jsonl(tmp_path / "t.jsonl", 60)
+    tj = train_bpe(iter(texts), 300, tmp_path / "tok")
+    params = ["ModelConfig.vocab_size=384"]
+    one = cfg(*params, f"DataConfig.tokenizer='{tj}'").run_id()
+    shutil.copytree(tmp_path / "tok", tmp_path / "tok2")
+    assert cfg(*params, f"DataConfig.tokenizer='{tmp_path / 'tok2' / 'tokenizer.json'}'").run_id() == one
+    tj2 = train_bpe(iter(texts), 290, tmp_path / "tok3")
+    assert cfg(*params, f"DataConfig.tokenizer='{tj2}'").run_id() != one
+
+
+def test_resume_refuses_other_data_under_the_same_path(tmp_path):
+    a = store(tmp_path, "a", 1)
+    c = cfg("DataConfig.source='tokens'", f"DataConfig.path='{a}'")
+    prepare_run_dir(c, tmp_path / "run")
+    prepare_run_dir(c, tmp_path / "run")  # same data: fine
+    shutil.rmtree(a)
+    write_jsonl(tmp_path / "other.jsonl", 40, seed=9)
+    prepare(SourceSpec(kind="text", paths=(str(tmp_path / "other.jsonl"),)), a, progress=False)
+    with pytest.raises(ConfigError, match="differing fields: data.identity"):
+        prepare_run_dir(cfg("DataConfig.source='tokens'", f"DataConfig.path='{a}'"), tmp_path / "run")
