@@ -31,14 +31,15 @@ def cmd_train(args) -> int:
     from hybrid_lm.train.loop import train
 
     cfg = load_config(args.config, args.gin_param)
-    res = train(cfg, args.workdir, force=args.force, restart=args.restart)
+    res = train(cfg, args.workdir, force=args.force, restart=args.restart, init_from=args.init_from)
     if res.preempted:
         print(f"\n{res.preempted}: saved a checkpoint at step {res.step} in {res.workdir} and stopped; "
               "run the same command to resume")
         return 0
     ev = res.final_eval or {}
     print(f"\nrun dir: {res.workdir}   step {res.step}   wall {res.wall_seconds:.1f} s"
-          + (f"   (resumed from step {res.resumed_from})" if res.resumed_from is not None else ""))
+          + (f"   (resumed from step {res.resumed_from})" if res.resumed_from is not None else "")
+          + (f"   (initialised from {res.init_from})" if res.init_from and res.resumed_from is None else ""))
     if ev:
         h0 = ev.get("order0_entropy_bits")
         line = f"val bits/byte {ev['bpb']:.3f}"
@@ -112,6 +113,10 @@ def main(argv=None) -> int:
     p.add_argument("--force", action="store_true", help="resume even if the workdir holds a different experiment")
     p.add_argument("--restart", action="store_true",
                    help="archive the workdir's metrics and checkpoints to archive/<UTC time>/ and train from step 0")
+    p.add_argument("--init-from", default=None, metavar="RUN_DIR[@STEP]",
+                   help="continued pretraining: a new run from that run's parameters at STEP (default: its newest "
+                        "checkpoint), with a fresh optimizer state and schedule; seq_len, data and RoPE theta may "
+                        "change, parameter shapes may not. A rerun of the same command resumes the new run")
     p.set_defaults(fn=cmd_train)
 
     p = sub.add_parser("info", help="parameter counts and FLOPs per token per layer type")

@@ -101,3 +101,12 @@ def test_last_row_missing_only_its_newline_is_kept(tmp_path, caplog):
     w.write({"kind": "train", "step": 6, "tokens": 60, "loss": 3.5})
     w.close()
     assert [r["step"] for r in read_metrics(path)] == [5, 6] and not caplog.records
+
+
+def test_init_from_a_missing_run_fails_in_one_line_before_the_run_dir(tmp_path, capsys):
+    workdir = tmp_path / "run"
+    rc = main(["train", str(CONFIGS_DIR / "quickstart.gin"), "--init-from", f"{tmp_path / 'gone'}@100",
+               "--workdir", str(workdir)])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err == f"error: --init-from {tmp_path / 'gone'}@100: no run directory {tmp_path / 'gone'}"
+    assert not workdir.exists()

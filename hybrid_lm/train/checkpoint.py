@@ -11,10 +11,14 @@ and a new save at its step is written.
 
 A failed save raises :class:`CheckpointSaveError` naming the directory and the cause; no wait on orbax
 is unbounded (``HYBRID_LM_SAVE_TIMEOUT_S``, default 600), so a failing save never hangs the trainer.
+
+:func:`params_fingerprint` names a parameter tree in 16 hex digits, equal on any topology (provenance of
+a continued run's starting parameters).
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
@@ -22,6 +26,7 @@ import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
@@ -29,6 +34,8 @@ from hybrid_lm.config import CheckpointConfig
 from hybrid_lm.errors import WorkdirError
 
 log = logging.getLogger(__name__)
+# orbax warns whenever it opens a directory read-only, which Checkpointer(read_only=True) asks for
+logging.getLogger("absl").addFilter(lambda r: not r.getMessage().startswith("Given directory is read only"))
 
 
 class CheckpointSaveError(WorkdirError):
@@ -66,12 +73,16 @@ def _save_error(what: str, directory: Path, e: BaseException) -> CheckpointSaveE
 
 
 class Checkpointer:
-    def __init__(self, directory: Path, cc: CheckpointConfig):
+    """The checkpoints of one run dir. ``read_only``: only list and restore (another run's checkpoints,
+    e.g. the source of a continued run); nothing is created, saved or deleted."""
+
+    def __init__(self, directory: Path, cc: CheckpointConfig, *, read_only: bool = False):
         self.directory = Path(directory).resolve()
         self.cc = cc
+        retention = {"save_interval_steps": 0} if read_only else {  # (orbax warns about retention when read-only)
+            "max_to_keep": cc.keep, "keep_period": cc.permanent_every or None}
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=cc.keep, keep_period=cc.permanent_every or None,
-            enable_async_checkpointing=cc.async_save, create=True,
+            **retention, enable_async_checkpointing=cc.async_save, create=not read_only, read_only=read_only,
             # the step directory is made on the calling thread, so a read-only checkpoints/ fails
             # the save call itself rather than stranding background threads
             async_options=ocp.AsyncOptions(timeout_secs=max(1, int(save_timeout_s())),
@@ -208,3 +219,37 @@ class Checkpointer:
 
 def abstract_with_shardings(tree, shardings):
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+
+def saved_steps(directory: Path) -> list[int]:
+    """The steps of the finished checkpoints in ``directory``; ``[]`` when it does not exist (nothing
+    is created, so a source run's directory is only read)."""
+    if not Path(directory).is_dir():
+        return []
+    return sorted(ocp.utils.checkpoint_steps(directory))
+
+
+def params_fingerprint(params) -> str:
+    """16 hex digits of sha256 over each parameter's path, shape, dtype and two wrapping uint32 sums of
+    its bits (plain and position-weighted), reduced on the devices: the same on any mesh or process
+    count, cheap at any size (one pass, no host copy). A checksum for provenance, not a cryptographic
+    hash: it tells restored parameters apart, it does not authenticate them."""
+    leaves = jax.tree_util.tree_leaves_with_path(params)
+    sums = jax.device_get(_bit_sums([x for _, x in leaves]))
+    h = hashlib.sha256()
+    for (path, x), (plain, weighted) in zip(leaves, sums):
+        h.update(f"{jax.tree_util.keystr(path)}|{tuple(x.shape)}|{x.dtype}|{int(plain)}|{int(weighted)};".encode())
+    return h.hexdigest()[:16]
+
+
+@jax.jit
+def _bit_sums(xs):
+    """Per array: (sum of its bits as uint32, sum of bits x (index * odd constant + 1)), both mod 2**32
+    (integer sums wrap, so any reduction order gives the same value)."""
+    out = []
+    for x in xs:
+        uint = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[x.dtype.itemsize]
+        bits = jax.lax.bitcast_convert_type(x, uint).astype(jnp.uint32).reshape(-1)
+        weight = jnp.arange(bits.size, dtype=jnp.uint32) * jnp.uint32(2654435761) + jnp.uint32(1)
+        out.append((jnp.sum(bits, dtype=jnp.uint32), jnp.sum(bits * weight, dtype=jnp.uint32)))
+    return out

@@ -1,4 +1,16 @@
-"""Run directories: resolved config, operative gin, provenance, and the resume identity check."""
+"""Run directories: resolved config, operative gin, provenance, and the resume identity check.
+
+A continued run (``hybrid-lm train --init-from RUN_DIR[@STEP]``) starts from another run's parameters
+(:class:`InitSource`, :func:`resolve_init_source`). Its identity, ``TrainConfig.init_from``, is
+``"<source run id>@<step>"``: the source's run id (the experiment that made the parameters, itself
+including its own ``init_from`` when it was continued) and a concrete step ('latest' is resolved to a
+number at start). The path is left out on purpose: moving or copying the source directory does not
+change what the parameters are, so it must not change the new run's id (and a rerun with the moved
+path resumes the same run). The path, the step as asked and a fingerprint of the restored
+parameters are in ``provenance.json`` under ``init_from``. The fingerprint also tells apart two
+sources of one run id (runs of different lengths share it, ``TrainConfig.steps`` not being part of
+it), which the id alone cannot.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +20,7 @@ import os
 import platform
 import subprocess
 import sys
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
@@ -15,7 +28,7 @@ from pathlib import Path
 import jax
 
 from hybrid_lm.config import REMOVED_FIELDS, Config, config_from_dict, diff_experiments, operative_gin
-from hybrid_lm.errors import ConfigError
+from hybrid_lm.errors import ConfigError, WorkdirError
 from hybrid_lm.files import atomic_write_json, atomic_write_text
 from hybrid_lm.validate import read_fields_only
 
@@ -56,11 +69,18 @@ def provenance() -> dict:
     }
 
 
-def prepare_run_dir(cfg: Config, workdir: Path, force: bool = False) -> Path:
-    """Create or re-open ``workdir``; refuse a config that defines a different experiment."""
+def prepare_run_dir(cfg: Config, workdir: Path, force: bool = False, init_record: dict | None = None) -> Path:
+    """Create or re-open ``workdir``; refuse a config that defines a different experiment.
+
+    ``init_record`` (:meth:`InitSource.record`) goes to ``provenance.json`` as ``init_from``; a resumed
+    continued run keeps the record of its first start (where its parameters came from)."""
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     cfg_path = workdir / "config.json"
+    prov = provenance()
+    if cfg.train.init_from:
+        kept = recorded_init_source(workdir)
+        prov["init_from"] = kept if kept and kept.get("identity") == cfg.train.init_from else init_record
     new = cfg.to_dict()
     previous: list[str] = []
     if cfg_path.exists():
@@ -79,7 +99,7 @@ def prepare_run_dir(cfg: Config, workdir: Path, force: bool = False) -> Path:
         record["previous_run_ids"] = previous
     atomic_write_json(cfg_path, record, indent=2, default=str)
     atomic_write_text(workdir / "operative.gin", operative_gin())
-    atomic_write_json(workdir / "provenance.json", provenance(), indent=2)
+    atomic_write_json(workdir / "provenance.json", prov, indent=2)
     return workdir
 
 
@@ -103,6 +123,107 @@ def archive_run(workdir: Path) -> Path | None:
         os.rename(workdir / name, dest / name)
     log.warning("--restart: moved %s of %s to %s; training from step 0", ", ".join(present), workdir, dest)
     return dest
+
+
+# ----------------------------------------------------------------------------- continued pretraining
+
+@dataclass(frozen=True)
+class InitSource:
+    """The parameters a continued run starts from: checkpoint ``step`` of the run in ``workdir``.
+
+    ``cfg`` is the source's config; it is None only when the source is no longer there and the new
+    run's own workdir, which recorded it, resumes from its own checkpoints (the source is not needed).
+    """
+
+    workdir: Path  # absolute
+    run_id: str
+    step: int
+    spec: str  # as given: RUN_DIR[@STEP]
+    cfg: Config | None = None
+    saved: tuple[int, ...] = ()  # the source's checkpoint steps at start
+
+    @property
+    def identity(self) -> str:
+        """``TrainConfig.init_from`` of the continued run (see the module docstring)."""
+        return f"{self.run_id}@{self.step}"
+
+    def record(self) -> dict:
+        """The ``init_from`` entry of the new run's provenance.json (the fingerprint is added once the
+        parameters are restored, :func:`record_init_fingerprint`)."""
+        return {"identity": self.identity, "source_dir": str(self.workdir), "source_run_id": self.run_id,
+                "step": self.step, "requested": self.spec, "source_steps": list(self.saved)}
+
+
+def parse_init_spec(spec: str) -> tuple[Path, int | None]:
+    """``(run dir, step or None for the newest)`` of ``RUN_DIR[@STEP]`` (STEP: an integer or 'latest')."""
+    head, sep, tail = str(spec).rpartition("@")
+    if sep and (tail.isdigit() or tail == "latest"):
+        return Path(head), None if tail == "latest" else int(tail)
+    return Path(spec), None
+
+
+def resolve_init_source(spec: str, workdir: Path | None = None) -> InitSource:
+    """The source of ``--init-from spec``, its step resolved to a number; reads, writes nothing.
+
+    ``workdir``: the new run's directory when given. If it already holds checkpoints of a continued
+    run whose recorded source matches ``spec`` (the same directory, or the same source run id), that
+    run's step is kept when ``spec`` names none, so a rerun of the same command resumes the run even
+    after the source saved newer checkpoints, or was deleted. Raises :class:`WorkdirError` (one
+    line) for a missing source, a directory without config.json or checkpoints, or a step that was
+    not saved (listing the saved ones).
+    """
+    from hybrid_lm.eval.restore import load_run_config  # the one reader of a run's config.json
+    from hybrid_lm.train.checkpoint import saved_steps
+
+    path, step = parse_init_spec(spec)
+    src = path.expanduser().resolve()
+    kept = recorded_init_source(workdir) if workdir is not None and saved_steps(Path(workdir) / "checkpoints") else None
+    if kept and step in (None, kept["step"]) and not src.exists() and (
+            kept["source_dir"] == str(src) or kept["identity"] == str(spec)):
+        log.warning("--init-from %s: the source is gone; %s resumes from its own checkpoints (initialised "
+                    "from %s)", spec, workdir, kept["identity"])
+        return InitSource(Path(kept["source_dir"]), kept["source_run_id"], int(kept["step"]), str(spec))
+    if not src.is_dir():
+        raise WorkdirError(f"--init-from {spec}: no run directory {src}")
+    try:
+        cfg = load_run_config(src)
+    except FileNotFoundError as e:
+        raise WorkdirError(f"--init-from {spec}: {e}") from None
+    run_id = cfg.run_id()
+    saved = tuple(saved_steps(src / "checkpoints"))
+    if step is None and kept and kept["source_run_id"] == run_id:
+        step = int(kept["step"])
+        if saved and saved[-1] != step:
+            log.warning("--init-from %s: %s was initialised from step %d and keeps it (the source's newest "
+                        "checkpoint is now step %d)", spec, workdir, step, saved[-1])
+    elif step is None:
+        if not saved:
+            raise WorkdirError(f"--init-from {spec}: {src / 'checkpoints'} holds no checkpoint")
+        step = saved[-1]
+    if step not in saved and not (kept and kept["identity"] == f"{run_id}@{step}"):
+        raise WorkdirError(f"--init-from {spec}: {src} has no checkpoint at step {step}; saved steps: "
+                           f"{list(saved) or 'none'}")
+    return InitSource(src, run_id, step, str(spec), cfg, saved)
+
+
+def recorded_init_source(workdir: Path | None) -> dict | None:
+    """The ``init_from`` entry of ``workdir``'s provenance.json (a continued run), else None."""
+    path = Path(workdir or "") / "provenance.json"
+    if workdir is None or not path.exists():
+        return None
+    try:
+        rec = json.loads(path.read_text()).get("init_from")
+    except (OSError, ValueError):
+        return None
+    return rec if isinstance(rec, dict) and {"identity", "source_dir", "source_run_id", "step"} <= set(rec) else None
+
+
+def record_init_fingerprint(workdir: Path, fingerprint: str) -> None:
+    """Add the restored parameters' fingerprint to the ``init_from`` entry of ``workdir``'s provenance."""
+    path = Path(workdir) / "provenance.json"
+    prov = json.loads(path.read_text())
+    prov["init_from"]["params_fingerprint"] = fingerprint
+    atomic_write_json(path, prov, indent=2)
 
 
 def accepted_run_ids(workdir: Path) -> set[str]:
