@@ -28,18 +28,25 @@ def order0_comparison(bpb: float, h0: float) -> str:
 
 
 def cmd_train(args) -> int:
-    from hybrid_lm.train.loop import train
+    from hybrid_lm.train.loop import NonFiniteError, train
 
     cfg = load_config(args.config, args.gin_param)
-    res = train(cfg, args.workdir, force=args.force, restart=args.restart, init_from=args.init_from)
+    try:
+        res = train(cfg, args.workdir, force=args.force, restart=args.restart, init_from=args.init_from)
+    except NonFiniteError as e:  # the NaN policy stopped the run (the last good state is saved)
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    skipped = f"   skipped steps {res.skipped_steps}"
     if res.preempted:
         print(f"\n{res.preempted}: saved a checkpoint at step {res.step} in {res.workdir} and stopped; "
-              "run the same command to resume")
+              f"run the same command to resume ({skipped.strip()})")
         return 0
     ev = res.final_eval or {}
-    print(f"\nrun dir: {res.workdir}   step {res.step}   wall {res.wall_seconds:.1f} s"
+    print(f"\nrun dir: {res.workdir}   step {res.step}   wall {res.wall_seconds:.1f} s{skipped}"
           + (f"   (resumed from step {res.resumed_from})" if res.resumed_from is not None else "")
           + (f"   (initialised from {res.init_from})" if res.init_from and res.resumed_from is None else ""))
+    if res.late_signal:
+        print(f"{res.late_signal} arrived after the last step: the run finished first (final checkpoint, loss curve)")
     if ev:
         h0 = ev.get("order0_entropy_bits")
         line = f"val bits/byte {ev['bpb']:.3f}"
@@ -91,7 +98,7 @@ def _info_backends(cfg, as_json: bool) -> int:
     from hybrid_lm import backends
 
     m = cfg.model
-    rows = backends.describe_layers(m, cfg.data.seq_len)
+    rows = backends.describe_layers(m, cfg.data.seq_len, document_mask=cfg.data.document_mask)
     head = {"platform": backends.current_platform(), "seq_len": cfg.data.seq_len, "compute_dtype": m.compute_dtype,
             "attention_impl": m.attention_impl, "linear_impl": m.linear_impl}
     if as_json:

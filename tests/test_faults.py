@@ -103,6 +103,16 @@ def test_last_row_missing_only_its_newline_is_kept(tmp_path, caplog):
     assert [r["step"] for r in read_metrics(path)] == [5, 6] and not caplog.records
 
 
+def test_max_consecutive_skips_below_one_fails_in_one_line_before_the_run_dir(tmp_path, capsys):
+    workdir = tmp_path / "run"
+    rc = main(["train", str(CONFIGS_DIR / "quickstart.gin"), "--gin_param", "TrainConfig.max_consecutive_skips=0",
+               "--workdir", str(workdir)])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err == ("config error: TrainConfig.max_consecutive_skips=0 must be an integer >= 1 "
+                               "(non-finite steps in a row that stop a nan_policy='skip' run)")
+    assert not workdir.exists()
+
+
 def test_init_from_a_missing_run_fails_in_one_line_before_the_run_dir(tmp_path, capsys):
     workdir = tmp_path / "run"
     rc = main(["train", str(CONFIGS_DIR / "quickstart.gin"), "--init-from", f"{tmp_path / 'gone'}@100",

@@ -97,6 +97,7 @@ def test_a_continued_run_starts_from_the_source_and_resumes_its_own(source, tmp_
     schedule = wsd_schedule(load_config([], params).optim, 2)
     assert [r["step"] for r in rows] == [1, 2]
     assert [r["lr"] for r in rows] == pytest.approx([float(schedule(0)), float(schedule(1))])
+    assert read_metrics(work / "metrics.jsonl", "summary")[-1]["status"] == "finished"
 
     # the source saves a newer checkpoint: a rerun of the same command resumes the continued run from
     # its own checkpoint, keeping the step it was initialised from (no re-initialisation)

@@ -22,7 +22,7 @@ from hybrid_lm import backends
 from hybrid_lm.config import Config, TrainConfig
 from hybrid_lm.model.accounting import PEAK_FLOPS_H200_BF16, count_params, flops_per_token
 from hybrid_lm.optional import optional_import
-from hybrid_lm.train.metrics import MetricsWriter, plot_loss_curve
+from hybrid_lm.train.metrics import MetricsWriter, plot_loss_curve, read_metrics
 
 if TYPE_CHECKING:
     from hybrid_lm.data.pipeline import DataStreams
@@ -86,7 +86,7 @@ class StepLogger:
         self.tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
         self.train_flops = flops_per_token(cfg.model, cfg.data.seq_len)["train"]
         self.peak = PEAK_FLOPS_H200_BF16 * n_devices if backends.on_gpu() else None
-        self.skipped = 0
+        self.skipped = _skipped_before(self.workdir / "metrics.jsonl", start) if main else 0  # in the whole run
         self.stream = stream if stream is not None else sys.stdout
         show = cfg.train.progress and main
         tty = bool(getattr(self.stream, "isatty", lambda: False)())
@@ -103,6 +103,7 @@ class StepLogger:
         self._t_compile = time.time()
         self._title = f"{self.workdir.name}: {count_params(cfg.model)['non_embedding']:,} non-embedding params"
         self.compile_seconds: float | None = None
+        self._unplotted = False  # rows written since loss_curve.png was drawn
 
     # -- text
 
@@ -131,18 +132,21 @@ class StepLogger:
     def _write(self, row: dict) -> None:
         if self.record is not None:
             self.record.write(row)
+            self._unplotted |= row["kind"] != "summary"
             for sink in self.sinks:
                 sink.write(row)
 
-    def train_row(self, done: int, stats: dict) -> None:
-        """Host-side stats (``jax.device_get``'d) of finished step ``done``; writes a row when due."""
+    def train_row(self, done: int, stats: dict, *, halted: bool = False) -> None:
+        """Host-side stats (``jax.device_get``'d) of finished step ``done``; writes a row when due.
+        A non-finite step is counted as skipped, unless it ``halted`` the run (NaN policy): then
+        the run stops before it, and its row says ``"halted": true``."""
         tc = self.cfg.train
         finite = bool(stats["finite"])
-        if not finite:
+        if not finite and not halted:
             self.skipped += 1
             log.warning("step %d: non-finite loss/gradient, update skipped (%d so far)", done, self.skipped)
         due = done % tc.log_every == 0 or done == tc.steps
-        if not (due or not finite or self.every_step):
+        if not (due or not finite or halted or self.every_step):
             return
         now = time.time()
         t0, s0 = self._window
@@ -154,9 +158,11 @@ class StepLogger:
                "objective": float(stats["objective"]), "lr": float(stats["lr"]),
                "grad_norm": float(stats["grad_norm"]), "param_norm": float(stats["param_norm"]),
                "update_norm": float(stats["update_norm"]), "step_time": step_time,
-               "tokens_per_sec": tps, "skipped": not finite, "skipped_total": self.skipped,
+               "tokens_per_sec": tps, "skipped": not (finite or halted), "skipped_total": self.skipped,
                "attention_impl": self.cfg.model.attention_impl, "attention_backends": backends.recorded_backends()}
         row.update({k: float(v) for k, v in stats.items() if k not in row and k != "finite"})
+        if halted:
+            row["halted"] = True
         if self.peak is not None:
             row["mfu"] = tps * self.train_flops / self.peak
         self._write(row)
@@ -172,18 +178,37 @@ class StepLogger:
         self._write(row)
         if self.record is not None:
             self.say(f"step {step}: val loss {row['loss']:.4f} nats, {row['bpb']:.3f} bits/byte")
-            plot_loss_curve(self.record.path, self.workdir / "loss_curve.png", title=self._title)
+            self._plot()
         return row
+
+    def closing_row(self, step: int, status: str) -> None:
+        """The run's last row: ``{"kind": "summary", "step", "status", "skipped_steps"}`` (status:
+        finished, preempted, stopped: non-finite; skipped steps of the whole run)."""
+        self._write({"kind": "summary", "step": step, "status": status, "skipped_steps": self.skipped})
+
+    def _plot(self) -> None:
+        plot_loss_curve(self.record.path, self.workdir / "loss_curve.png", title=self._title)
+        self._unplotted = False
 
     def advance(self) -> None:
         self.bar.update(1)
 
     def close(self) -> None:
+        """Close the bar, the record and the sinks; ``loss_curve.png`` is redrawn if rows came after it."""
         self.bar.close()
         if self.record is not None:
             self.record.close()
+            if self._unplotted:
+                self._plot()
         for sink in self.sinks:
             sink.close()
+
+
+def _skipped_before(metrics: Path, start: int) -> int:
+    """Skipped steps recorded up to step ``start`` (a resumed run counts its earlier sessions')."""
+    if start == 0 or not metrics.exists():
+        return 0
+    return sum(1 for r in read_metrics(metrics, "train") if r["step"] <= start and r.get("skipped"))
 
 
 def startup_summary(cfg: Config, data: DataStreams, mesh) -> list[str]:
@@ -206,7 +231,7 @@ def startup_summary(cfg: Config, data: DataStreams, mesh) -> list[str]:
     train_tokens = data.meta.get("train_tokens")
     lines += [f"data     {cfg.data.source}: " + (f"{train_tokens:,} train tokens, " if train_tokens else "")
               + f"{len(data.train_windows):,} train windows of {cfg.data.seq_len} tokens, "
-              f"{data.eval_batch.shape[0]} eval windows; {cfg.train.global_batch} x {cfg.data.seq_len} tokens/step",
+              f"{len(data.eval_tokens)} eval windows; {cfg.train.global_batch} x {cfg.data.seq_len} tokens/step",
               f"mesh     {dict(mesh.shape)} on {mesh.devices.size} {jax.default_backend()} device(s), "
               f"{jax.process_count()} process(es)"]
     return lines

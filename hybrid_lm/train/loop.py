@@ -1,8 +1,17 @@
 """The training loop: any number of local devices or processes, one mesh, exact resume.
 
 Order per step (Kauldron's rule): dispatch step s, fetch the *previous* step's metrics (so the host
-never blocks dispatch), then evaluate / save "after step s" before pulling batch s+1. SIGTERM saves
-and exits cleanly; SIGUSR1 (SLURM ``--signal``) saves, requeues and exits.
+never blocks dispatch), then evaluate / save "after step s" before pulling batch s+1; a step's
+metrics are fetched before the state after it is evaluated or saved. SIGTERM saves and exits
+cleanly; SIGUSR1 (SLURM ``--signal``) saves, requeues and exits; either one arriving after the last
+step is noted and the run finishes its epilogue (final checkpoint, loss curve) instead of dying.
+
+NaN policy (``TrainConfig.nan_policy``): a step whose loss or gradient is not finite never changes
+the parameters (``train/step.py``). A guard on the device counts such steps in a row and halts the
+run at the first one under 'stop', at the ``max_consecutive_skips``-th under 'skip'. The halting
+step and every step dispatched after it return their input state unchanged, so when the host sees
+the halt (one step late) it still holds the state before the halting step: that is saved, and the
+run stops with :class:`NonFiniteError` (one line in the CLI, exit 2).
 
 Continued pretraining (``init_from``, ``hybrid-lm train --init-from RUN_DIR[@STEP]``; its identity is
 explained in ``train/rundir.py``): the source checkpoint's parameters are restored straight into this
@@ -14,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import signal
 import time
 from dataclasses import dataclass
@@ -24,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hybrid_lm.backends import recorded_backends
-from hybrid_lm.config import Config, diff_experiments
+from hybrid_lm.config import Config, TrainConfig, diff_experiments
 from hybrid_lm.data.pipeline import DataStreams
 from hybrid_lm.errors import ConfigError, WorkdirError
 from hybrid_lm.eval.loss import evaluate
@@ -41,6 +51,10 @@ from hybrid_lm.train.step import ModelFns, make_eval_step, make_init, make_train
 log = logging.getLogger(__name__)
 
 
+class NonFiniteError(FloatingPointError):
+    """The NaN policy stopped the run; the state before the halting step was saved first."""
+
+
 @dataclass
 class TrainResult:
     workdir: Path
@@ -49,9 +63,10 @@ class TrainResult:
     wall_seconds: float
     resumed_from: int | None
     preempted: str | None = None  # "SIGTERM" / "SIGUSR1" when stopped by a signal
-    skipped_steps: int = 0
+    skipped_steps: int = 0  # non-finite steps skipped in the whole run (earlier sessions included)
     compile_seconds: float | None = None  # the train step's trace + compile (None: no step was run)
     init_from: str | None = None  # TrainConfig.init_from: "<source run id>@<step>" of a continued run
+    late_signal: str | None = None  # a SIGTERM / SIGUSR1 that arrived after the last step (run finished)
 
 
 @dataclass
@@ -62,8 +77,8 @@ class Program:
     fns: ModelFns
     init: object  # seed -> state, sharded
     start: object  # params -> state with those parameters, a fresh optimizer state, step 0 (init_from)
-    step: object  # (state, tokens, bounds) -> (state, stats)
-    eval: object  # (params, tokens) -> mean CE
+    step: object  # (state, batch, bounds, guard) -> (state, stats, guard); see _with_nan_guard
+    eval: object  # (params, batch) -> mean CE
     state_shard: dict
     batch_shard: object
     n_batch_shards: int
@@ -95,10 +110,57 @@ def build_program(cfg: Config, mesh) -> Program:
     return Program(
         fns=fns, init=jax.jit(make_init(fns, tx), out_shardings=state_shard),
         start=jax.jit(fresh_state, in_shardings=(p_shard,), out_shardings=state_shard, donate_argnums=0),
-        step=jax.jit(make_train_step(fns, optimizer_for), in_shardings=(state_shard, batch_shard, repl),
-                     out_shardings=(state_shard, repl), donate_argnums=0),
+        step=jax.jit(_with_nan_guard(fns, optimizer_for, cfg.train),
+                     in_shardings=(state_shard, batch_shard, repl, repl), out_shardings=(state_shard, repl, repl),
+                     donate_argnums=0),
         eval=jax.jit(make_eval_step(fns), in_shardings=(p_shard, batch_shard), out_shardings=repl),
         state_shard=state_shard, batch_shard=batch_shard, n_batch_shards=n_batch, bounds=bounds)
+
+
+def _with_nan_guard(fns: ModelFns, optimizer_for, tc: TrainConfig):
+    """The train step with the NaN policy's device side: ``(state, batch, bounds, guard) -> (state,
+    stats, guard)``. ``guard`` (int32[2]) holds the non-finite steps in a row and whether the run has
+    halted; the run halts when that count reaches 1 ('stop') or ``max_consecutive_skips`` ('skip').
+    A halting step, and every step after it, returns its input state, step counter included. The
+    stats gain ``halted`` and ``nonfinite_streak``.
+
+    The state is held by ``train/step.py``'s own non-finite guard: a halting step is non-finite, and
+    a step after it gets a NaN objective (:class:`_HeldLoss`). A second select over the whole state
+    here would cost XLA temporaries the size of the parameters and optimizer state."""
+    limit = 1 if tc.nan_policy == "stop" else tc.max_consecutive_skips
+
+    def step(state, batch, bounds, guard):
+        new, stats = make_train_step(_HeldLoss(fns, guard[1] > 0), optimizer_for)(state, batch, bounds)
+        streak = jnp.where(stats["finite"], 0, guard[0] + 1).astype(jnp.int32)
+        halted = (guard[1] > 0) | (streak >= limit)
+        new = {**new, "step": jnp.where(halted, state["step"], new["step"])}
+        return (new, {**stats, "halted": halted, "nonfinite_streak": streak},
+                jnp.stack([streak, halted.astype(jnp.int32)]))
+
+    return step
+
+
+class _HeldLoss:
+    """``fns`` whose objective is NaN while ``held`` (a traced bool): the train step then keeps the
+    state as for any non-finite step. The gradient is not touched (the NaN is a constant term)."""
+
+    def __init__(self, fns: ModelFns, held):
+        self._fns, self._held = fns, held
+
+    def __getattr__(self, name):
+        return getattr(self._fns, name)
+
+    def loss(self, *args, **kwargs):
+        obj, aux = self._fns.loss(*args, **kwargs)
+        return obj + jnp.where(self._held, jnp.nan, 0.0).astype(obj.dtype), aux
+
+
+def check_nan_policy(tc: TrainConfig) -> None:
+    """``ConfigError`` (one line) for a ``max_consecutive_skips`` that is not an integer >= 1."""
+    v = tc.max_consecutive_skips
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ConfigError(f"TrainConfig.max_consecutive_skips={v!r} must be an integer >= 1 (non-finite steps "
+                          "in a row that stop a nan_policy='skip' run)")
 
 
 def init_or_restore(cfg: Config, prog: Program, ckpt: Checkpointer, source: InitSource | None = None):
@@ -201,9 +263,11 @@ def train(cfg: Config, workdir: Path | str | None = None, *, force: bool = False
     checkpoint's parameters (fresh optimizer state and schedule); ``cfg.train.init_from`` becomes
     ``"<source run id>@<step>"``. A bad source, a step that was not saved, parameter shapes that
     differ or a workdir holding another run's checkpoints fail in one line (``WorkdirError`` /
-    ``ConfigError``) before the run dir is touched."""
+    ``ConfigError``) before the run dir is touched. Raises :class:`NonFiniteError` when the NaN
+    policy stopped the run."""
     t_start = time.time()
     check_extras(cfg.train)  # a missing [tb] / [wandb] extra fails before the run dir exists
+    check_nan_policy(cfg.train)
     distributed.maybe_initialize()
     main = jax.process_index() == 0
     source = None
@@ -231,7 +295,6 @@ def _train(cfg: Config, workdir: Path, force: bool, restart: bool, devices, main
     _sync("run dir ready")
     mesh = shd.make_mesh(cfg.mesh, devices)
     data, prog, tc = DataStreams(cfg), build_program(cfg, mesh), cfg.train
-    tokens_per_step = tc.global_batch * cfg.data.seq_len
     with jax.set_mesh(mesh):
         ckpt = Checkpointer(workdir / "checkpoints", cfg.checkpoint)
         state, resumed_from = init_or_restore(cfg, prog, ckpt, source)
@@ -247,50 +310,116 @@ def _train(cfg: Config, workdir: Path, force: bool, restart: bool, devices, main
             logger.say(f"init     parameters of {source.workdir} at step {source.step} (run {source.run_id}, "
                        f"fingerprint {fingerprint}); fresh optimizer state, schedule from step 0")
         recorded_backends(clear=True)  # the first trace of the step fills it (attention_backends)
-        final_eval, preempted, pending = None, None, None
         profile = _Profiler(tc, workdir, main)
-        try:
-            with distributed.PreemptionFlag() as flag:
-                if start < tc.steps:
-                    logger.compiling()
-                if start == 0:
-                    _eval(logger, prog, data, state, 0)  # the curve starts at the untrained model
-                for step in range(start, tc.steps):
-                    profile.before(step)
-                    state, stats = prog.step(state, shd.put_batch(data.batch(step), prog.batch_shard), prog.bounds)
-                    if step == start:
-                        logger.compiled(step)  # jit compiled synchronously inside that first call
-                    done = step + 1
-                    if pending is not None:
-                        _finish_step(logger, *pending)
-                    pending = (done, stats)
-                    profile.after(done, state)
-                    if done % tc.eval_every == 0 or done == tc.steps:
-                        _finish_step(logger, *pending)
-                        pending, final_eval = None, _eval(logger, prog, data, state, done)
-                    stop = _any_process(flag.requested)
-                    if stop or ckpt.should_save(done) or done == tc.steps:
-                        ckpt.save(done, state, {"step": done, "data_position": done,
-                                                "tokens_seen": done * tokens_per_step, "run_id": cfg.run_id()},
-                                  force=stop)
-                    logger.advance()
-                    if stop:
-                        preempted = signal.Signals(flag.signal).name if flag.signal else "signal"
-                        break
-                if pending is not None:
-                    _finish_step(logger, *pending)
-                if final_eval is None and preempted is None:  # nothing left to train: report the model
-                    final_eval = _eval(logger, prog, data, state, int(jax.device_get(state["step"])))
-        finally:
-            profile.close()
-            logger.close()
-            ckpt.close()
-    if preempted == "SIGUSR1":
+        # signals are caught up to the end of the epilogue: one after the last step never kills the run
+        with distributed.PreemptionFlag() as flag:
+            try:
+                out = _run_steps(cfg, prog, data, ckpt, logger, profile, flag, state, start)
+                status = "stopped: non-finite" if out.halt else "preempted" if out.preempted else "finished"
+                logger.closing_row(out.step, status)
+            finally:
+                profile.close()
+                logger.close()
+                ckpt.close()
+            if flag.signal and out.preempted is None and out.halt is None:
+                out.late_signal = signal.Signals(flag.signal).name
+    if out.halt is not None:
+        raise NonFiniteError(out.halt.message(tc, out.step, out.saved_last_good, ckpt.directory, logger.skipped))
+    if out.preempted == "SIGUSR1":
         distributed.requeue_if_slurm()
-    return TrainResult(workdir=workdir, step=int(jax.device_get(state["step"])), final_eval=final_eval,
-                       wall_seconds=time.time() - t_start, resumed_from=resumed_from, preempted=preempted,
+    return TrainResult(workdir=workdir, step=out.step, final_eval=out.final_eval,
+                       wall_seconds=time.time() - t_start, resumed_from=resumed_from, preempted=out.preempted,
                        skipped_steps=logger.skipped, compile_seconds=logger.compile_seconds,
-                       init_from=tc.init_from)
+                       init_from=tc.init_from, late_signal=out.late_signal)
+
+
+class _Halt(Exception):
+    """The device guard halted the run at step ``done`` (raised by :func:`_finish_step`)."""
+
+    def __init__(self, done: int, streak: int, stats: dict):
+        super().__init__(done)
+        self.done, self.streak, self.stats = done, streak, stats
+
+    def message(self, tc: TrainConfig, last_good: int, saved_now: bool, ckpt_dir: Path, skipped: int) -> str:
+        """The one-line error: the step(s), which of loss / gradient was not finite, where the last
+        good state is and what to do."""
+        loss, obj, gnorm = (float(self.stats[k]) for k in ("loss", "objective", "grad_norm"))
+        bad_loss, bad_grad = not (math.isfinite(loss) and math.isfinite(obj)), not math.isfinite(gnorm)
+        what = ("the loss and the gradient are" if bad_loss and bad_grad else
+                "the loss is" if bad_loss else "the gradient is") + f" not finite (loss={loss}, grad_norm={gnorm})"
+        if tc.nan_policy == "stop":
+            head = f"non-finite loss or gradient at step {self.done}: {what}"
+            fix = "lower OptimConfig.lr (or set TrainConfig.nan_policy='skip')"
+        else:
+            head = (f"non-finite loss or gradient at {self.streak} steps in a row, steps {self.done - self.streak + 1}"
+                    f"-{self.done} (TrainConfig.max_consecutive_skips={tc.max_consecutive_skips}); at step "
+                    f"{self.done} {what}; {skipped} steps skipped in this run")
+            fix = "lower OptimConfig.lr (or raise TrainConfig.max_consecutive_skips)"
+        where = "saved now" if saved_now else "already saved"
+        return (f"{head}. The state before step {self.done} (step {last_good}) is {where} in {ckpt_dir}: {fix} "
+                "and rerun to resume from it")
+
+
+@dataclass
+class _Outcome:
+    state: dict
+    step: int  # the state's step
+    final_eval: dict | None = None
+    preempted: str | None = None
+    late_signal: str | None = None
+    halt: _Halt | None = None
+    saved_last_good: bool = False  # halted: the state before the halting step was saved by this run now
+
+
+def _run_steps(cfg: Config, prog: Program, data: DataStreams, ckpt: Checkpointer, logger: StepLogger,
+               profile: _Profiler, flag: distributed.PreemptionFlag, state, start: int) -> _Outcome:
+    """Steps ``start .. steps`` with evals and saves; stops early on a signal or a NaN-policy halt."""
+    tc = cfg.train
+    final_eval, preempted, pending, last_saved = None, None, None, None
+    guard = jax.device_put(np.zeros(2, np.int32), prog.state_shard["step"])
+    try:
+        if start < tc.steps:
+            logger.compiling()
+        if start == 0:
+            _eval(logger, prog, data, state, 0)  # the curve starts at the untrained model
+        for step in range(start, tc.steps):
+            profile.before(step)
+            state, stats, guard = prog.step(state, shd.put_batch(data.batch(step), prog.batch_shard), prog.bounds,
+                                            guard)
+            if step == start:
+                logger.compiled(step)  # jit compiled synchronously inside that first call
+            done = step + 1
+            pending = _finish_step(logger, pending)  # the previous step's
+            pending = (done, stats)
+            profile.after(done, state)
+            if done % tc.eval_every == 0 or done == tc.steps:
+                pending = _finish_step(logger, pending)
+                final_eval = _eval(logger, prog, data, state, done)
+            stop = _any_process(flag.requested)
+            if stop or ckpt.should_save(done) or done == tc.steps:
+                pending = _finish_step(logger, pending)  # never save a step the NaN policy halted at
+                ckpt.save(done, state, _ckpt_meta(cfg, done), force=stop)
+                last_saved = done
+            logger.advance()
+            if stop and done < tc.steps:
+                preempted = signal.Signals(flag.signal).name if flag.signal else "signal"
+                break
+        _finish_step(logger, pending)
+    except _Halt as halt:
+        last_good = int(jax.device_get(state["step"]))  # held by the guard: the state before the halting step
+        fresh = last_good != last_saved and last_good not in ckpt.all_steps()
+        if fresh:
+            ckpt.save(last_good, state, {**_ckpt_meta(cfg, last_good), "stopped": "non-finite"}, force=True)
+        return _Outcome(state, last_good, final_eval, halt=halt, saved_last_good=fresh)
+    step = int(jax.device_get(state["step"]))
+    if final_eval is None and preempted is None:  # nothing left to train: report the model
+        final_eval = _eval(logger, prog, data, state, step)
+    return _Outcome(state, step, final_eval, preempted)
+
+
+def _ckpt_meta(cfg: Config, step: int) -> dict:
+    return {"step": step, "data_position": step, "tokens_seen": step * cfg.train.global_batch * cfg.data.seq_len,
+            "run_id": cfg.run_id()}
 
 
 def _eval(logger: StepLogger, prog: Program, data: DataStreams, state, step: int) -> dict:
@@ -300,15 +429,19 @@ def _eval(logger: StepLogger, prog: Program, data: DataStreams, state, step: int
     return logger.eval_row(step, result, data.meta.get("val_order0_entropy_bits"))
 
 
-def _finish_step(logger: StepLogger, done: int, stats) -> None:
-    """Host-side bookkeeping of a finished step (called one step late): the NaN policy, then its row."""
+def _finish_step(logger: StepLogger, pending: tuple[int, dict] | None) -> None:
+    """Host-side bookkeeping of a finished step ``(done, stats)`` (called one step late): its row, then
+    the NaN policy (raises :class:`_Halt` when the device guard halted the run at that step). Returns
+    None, the new ``pending``."""
+    if pending is None:
+        return None
+    done, stats = pending
     stats = jax.device_get(stats)
-    if not bool(stats["finite"]) and logger.cfg.train.nan_policy == "stop":
-        raise FloatingPointError(
-            f"non-finite loss or gradient at step {done} (loss={float(stats['loss'])}, grad_norm="
-            f"{float(stats['grad_norm'])}); the state was not updated by that step. "
-            "Set TrainConfig.nan_policy='skip' to skip such steps instead.")
-    logger.train_row(done, stats)
+    halted, streak = bool(stats.pop("halted")), int(stats.pop("nonfinite_streak"))
+    logger.train_row(done, stats, halted=halted)
+    if halted:
+        raise _Halt(done, streak, stats)
+    return None
 
 
 class _Profiler:
