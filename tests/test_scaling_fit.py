@@ -4,6 +4,7 @@ parameters (both forms), hold-out metrics, bounds, compute-optimal allocation, C
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -278,3 +279,121 @@ def test_fit_cli_writes_schema_figures_and_report(tmp_path):
     assert e["form"] == "no-E" and e["params"]["E"] is None and 0.2 <= e["params"]["alpha"] <= 0.3
     r = subprocess.run(cli + ["fit", str(table), "--metric", "log_longppl"], capture_output=True, text=True, cwd=REPO)
     assert r.returncode == 2 and "metric column 'log_longppl' is not in the table" in r.stderr
+
+
+# ----------------------------------------------------------------------------- guardrails
+
+# the shipped tiny sweep's four final swa8 rows (configs/sweeps/tiny_cpu.toml on the CPU): N, D, loss
+TINY_ROWS = [(4688, 1152, 5.091552019119263), (4688, 2304, 4.5951666831970215),
+             (10488, 2560, 4.1049017906188965), (10488, 5248, 3.2543529272079468)]
+
+
+def test_design_guardrails_refuse_what_cannot_be_identified_and_say_what_to_do():
+    N, D, L = (np.array(c, float) for c in zip(*TINY_ROWS))
+    with pytest.raises(F.FitError, match=r"4 distinct \(N, D\) points cannot determine the 5 free parameters of "
+                                         r"with-E.*more D/N budgets or scales.*--form no-E.*--bound"):
+        F.fit_dataset(N, D, L, form="with-E", n_boot=0, holdout="none")
+    with pytest.raises(F.FitError, match="one model size"):
+        F.fit_dataset(np.full(4, 1e8), D, L, form="no-E", n_boot=0, holdout="none")
+    with pytest.raises(F.FitError, match="one token count"):
+        F.fit_dataset(np.geomspace(1e7, 1e9, 6), np.full(6, 1e10), np.linspace(4, 3, 6), form="no-E", n_boot=0,
+                      holdout="none")
+    # a parameter fixed by a bound is not free: 4 free parameters on 4 points are flagged, not refused
+    e = F.fit_dataset(N, D, L, form="with-E", bounds={"E": (1.0, 1.0)}, n_boot=0, holdout="none")
+    assert e["free_parameters"] == ["a", "b", "alpha", "beta"] and e["at_bound"] == []
+    assert e["valid"] is False and "no degree of freedom is left" in e["guardrails"]["reasons"][0]
+    # the same duplicated rows (one point listed twice) do not count as new points
+    with pytest.raises(F.FitError, match="4 distinct"):
+        F.fit_dataset(np.r_[N, N], np.r_[D, D], np.r_[L, L], form="with-E", n_boot=0, holdout="none")
+
+
+def test_guardrails_fire_on_the_tiny_sweeps_exploding_fit():
+    """The issue's case: no-E on the tiny sweep's 4 points gave alpha 25.7 and A ~ 1e94 with CIs and
+    compute_optimal.valid True. Now every problem is named and nothing downstream may use the fit."""
+    N, D, L = (np.array(c, float) for c in zip(*TINY_ROWS))
+    e = F.fit_dataset(N, D, L, form="no-E", n_boot=200, seed=0, holdout="none", clusters=np.arange(4))
+    assert e["params"]["alpha"] > 10 and e["params"]["A"] > 1e50  # the degenerate optimum itself is unchanged
+    reasons = e["guardrails"]["reasons"]
+    for pattern in (r"4 distinct \(N, D\) points for 4 free parameters: no degree of freedom is left",
+                    r"alpha = 2\d\.\d+ is outside the plausible range \(0.05, 1.5\)",
+                    r"A = .*e\+\d\d is astronomically large",
+                    r"bootstrap resamples .* drew fewer distinct \(N, D\) points than the 4 free parameters"):
+        assert any(re.search(pattern, r) for r in reasons), (pattern, reasons)
+    assert e["valid"] is False and e["compute_optimal"]["valid"] is False
+    assert e["compute_optimal"]["reasons"] == reasons and "no degree of freedom" in e["compute_optimal"]["reason"]
+    assert e["ci"]["n_unidentified"] > 150
+
+
+def test_guardrails_stay_quiet_on_a_well_conditioned_fit():
+    N, D, L = _synthetic(TRUE, noise=0.004, seed=1)
+    e = F.fit_dataset(N, D, L, form="with-E", n_boot=100, seed=3, holdout="largest")
+    assert e["valid"] is True and e["guardrails"] == {"reasons": [], "warnings": [], "exponent_range": [0.05, 1.5]}
+    assert e["compute_optimal"]["valid"] is True and "reasons" not in e["compute_optimal"]
+    assert e["ci"]["n_unidentified"] == 0 and e["holdout"]["valid"] is True and e["holdout"]["at_bound"] == []
+    pts = e["compute_optimal"]["points"]
+    assert pts[1]["extrapolation"] == pytest.approx(1.0) and pts[3]["extrapolation"] == pytest.approx(100.0)
+
+
+def test_guardrails_collapsed_E_exponent_range_and_bounds():
+    # pure power-law data fitted with an E: the irreducible term collapses to ~0
+    power = {"E": None, "A": 30.0, "B": 80.0, "alpha": 0.25, "beta": 0.35}
+    N, D, L = _synthetic(power)
+    e = F.fit_dataset(N, D, L, form="with-E", n_boot=0, holdout="none")
+    assert any("collapsed to ~0" in r for r in e["guardrails"]["reasons"]), (e["params"], e["guardrails"])
+    # an exponent outside the range the caller calls plausible
+    N, D, L = _synthetic(TRUE)
+    e = F.fit_dataset(N, D, L, n_boot=0, holdout="none", exponent_range=(0.4, 1.5))
+    assert [r.split(" is ")[0] for r in e["guardrails"]["reasons"]] == ["alpha = 0.33", "beta = 0.3"]
+    # a parameter held at a bound is reported everywhere: the fit, its hold-out and leave-one-size-out refits
+    true = {"E": None, "A": 30.0, "B": 80.0, "alpha": 0.35, "beta": 0.35}
+    N, D, L = _synthetic(true)
+    e = F.fit_dataset(N, D, L, form="no-E", bounds={"alpha": (0.2, 0.3)}, n_boot=0, holdout="largest", loso=True)
+    assert e["at_bound"] == ["alpha"] and e["valid"] is False
+    assert any(r.startswith("alpha = 0.3 sits on its bound") for r in e["guardrails"]["reasons"])
+    assert e["holdout"]["at_bound"] == ["alpha"] and e["holdout"]["valid"] is False
+    assert e["leave_one_size_out"] and all(r["at_bound"] == ["alpha"] for r in e["leave_one_size_out"])
+
+
+def test_degenerate_bootstrap_cis_are_flagged():
+    form = F.get_form("with-E")
+    lo, hi, _ = F.parse_bounds(None, form)
+    params = {"E": 1.7, "A": 400.0, "B": 1500.0, "alpha": 0.33, "beta": 0.30}
+
+    def ci(**over):
+        base = {k: {"lo": v * 0.9, "hi": v * 1.1, "se": 0.05 * v, "median": v} for k, v in params.items()}
+        base.update(over)
+        return {"n_boot": 100, "n_clusters": 30, "params": base}
+
+    assert F.check_fit(form, params, [], [3.0], lo, hi, ci()) == []
+    wide = F.check_fit(form, params, [], [3.0], lo, hi, ci(B={"lo": 10.0, "hi": 1e5, "se": 1.0, "median": 1500.0}))
+    assert wide == ["the 95% CI of B [10, 1e+05] spans 4.0 orders of magnitude"]
+    flat = F.check_fit(form, params, [], [3.0], lo, hi, ci(alpha={"lo": 0.33, "hi": 0.33, "se": 0, "median": 0.33}))
+    assert flat == ["the bootstrap CI of alpha has zero width: the resamples never moved the fit"]
+    assert "wider than 1" in F.check_fit(form, params, [], [3.0], lo, hi,
+                                         ci(beta={"lo": 0.01, "hi": 1.4, "se": 0.3, "median": 0.3}))[0]
+    assert "not meaningful" in F.check_fit(form, params, [], [3.0], lo, hi, ci(), n_unidentified=40)[0]
+
+
+def test_report_ranks_valid_fits_only_and_labels_extrapolation():
+    from hybrid_lm.scaling.report import ranking
+
+    def fit(valid, Ls, cmax=1e20):
+        co = {"valid": valid, "C_max_data": cmax, "flops_per_nd": 6.0}
+        if valid:
+            co["points"] = [{"C": c, "L": L} for c, L in zip((1e18, 1e20, 1e21, 1e22), Ls)]
+        return {"compute_optimal": co}
+
+    doc = {"metric": "loss", "compute_at": [1e18, 1e20, 1e21, 1e22], "extrapolation_limit": 10.0,
+           "fits": {"full": fit(True, (4, 3, 2.5, 2.2)), "swa": fit(True, (4, 3.1, 2.4, 2.0)),
+                    "broken": fit(False, None)}}
+    lines = ranking(doc)
+    assert lines[0] == ("Predicted compute-optimal loss at C = 1e+21, **extrapolated 10x beyond the largest run** "
+                        "(best first): swa 2.4, full 2.5")
+    assert "Not ranked (fit not valid): broken." in lines
+    assert any(x.startswith("Not ranked at C = 1e+22: more than 10x beyond the largest run") for x in lines)
+    doc["compute_at"] = [1e18, 1e20]
+    for f in doc["fits"].values():
+        f["compute_optimal"].get("points", [None, None])[2:] = []
+    assert "**within the data**" in ranking(doc)[0] and "swa 3.1" not in ranking(doc)[0].split(": ")[0]
+    doc["fits"]["swa"] = fit(False, None)
+    assert ranking(doc)[-1] == "No ranking: 1 valid fit(s), a ranking needs 2."

@@ -69,8 +69,10 @@ def cmd_sweep(args) -> int:
         if summary["preempted"]:
             print(f"preempted during {summary['preempted'].get('job')}: run the same command to resume")
             return 0
-        print(f"next: hybrid-lm collect {plan.root} && hybrid-lm fit {plan.root / 'table.csv'} "
-              f"--out {plan.root / 'fit'}")
+        from hybrid_lm.scaling.sweep import next_steps
+        print("next:")
+        for line in next_steps(plan, L.select_jobs(plan.jobs, args.only) if args.only else plan.jobs):
+            print(f"  {line}")
         return 1 if summary["failed"] or summary["blocked"] else 0
     out = L.write_slurm(plan, only=args.only, submit=not args.no_submit)
     print(f"wrote {', '.join(out['scripts']) or 'no job scripts (every job is done)'}; submit with {out['submit_sh']}")
@@ -93,8 +95,19 @@ def cmd_collect(args) -> int:
             print("error: give --out TABLE.csv (or .jsonl) when collecting anything but one sweep root",
                   file=sys.stderr)
             return 2
-    rows, stats = collect(args.paths, out, intermediate=args.intermediate, include_stable=args.include_stable)
+    rows, stats = collect(args.paths, out, intermediate=args.intermediate, include_stable=args.include_stable,
+                          labels=args.label)
     print(f"{stats['run_dirs']} run dirs -> {stats['rows']} rows ({stats['finished']} finished runs) -> {out}")
+    ev = stats["eval_rows"]
+    if ev["read"] or ev["bad_lines"]:
+        print(f"eval.jsonl: {ev['read']} rows, {ev['superseded']} superseded by a later row of the same task, "
+              f"settings and step; {ev['unplaced']} at steps without a table row"
+              + (" (add --intermediate for earlier steps)" if ev["unplaced"] and not args.intermediate else "")
+              + (f"; {ev['bad_lines']} unreadable lines skipped" if ev["bad_lines"] else ""))
+        print(f"evaluation columns: {', '.join(stats['eval_columns'])}")
+    archs = sorted({r['arch'] for r in rows})
+    if archs:
+        print(f"archs: {', '.join(archs)}")
     if stats["partial"]:
         print(f"partial runs (final = 0): {', '.join(stats['partial'])}")
     if stats["no_eval"]:
@@ -103,7 +116,7 @@ def cmd_collect(args) -> int:
 
 
 def cmd_fit(args) -> int:
-    from hybrid_lm.scaling.fit import describe_dropped, fit_table, get_form, parse_bound_args
+    from hybrid_lm.scaling.fit import describe_dropped, fit_table, get_form, parse_bound_args, parse_range
     from hybrid_lm.scaling.table import read_table
 
     rows = read_table(args.table)
@@ -114,10 +127,14 @@ def cmd_fit(args) -> int:
     doc = fit_table(rows, metric=args.metric, form=form, out_dir=out, archs=args.arch, which=args.rows,
                     bounds=parse_bound_args(args.bound), n_boot=args.bootstrap, seed=args.seed, holdout=args.holdout,
                     flops_per_nd=k, compute_at=compute, multistart=args.multistart, loso=args.loso,
-                    table_path=str(args.table), plots=not args.no_plots)
+                    table_path=str(args.table), plots=not args.no_plots,
+                    exponent_range=parse_range(args.exponent_range))
     note = describe_dropped(doc["dropped_rows"], args.metric, len(rows))
     if note:
         print(note)
+    if doc["undecayed_rows_used"]:
+        print(f"{doc['undecayed_rows_used']} rows from before a WSD decay (never decayed) are in the fit, as "
+              f"--rows {args.rows} asks; they bias L(N, D) upwards")
     print(f"\n{form} fit of log({args.metric}); {args.bootstrap} bootstrap resamples; results in {out}/fit.json")
     print(f"{'arch':<16}{'pts':>5}{'E':>10}{'A':>11}{'B':>11}{'alpha':>14}{'beta':>14}{'a=N* exp':>10}"
           f"{'hold-out RMSE':>15}")
@@ -135,6 +152,14 @@ def cmd_fit(args) -> int:
         print(f"{a:<16}{e['n_points']:>5}{E:>10}{p['A']:>11.4g}{p['B']:>11.4g}"
               f"{p['alpha']:>8.4f}{pm(ci, 'alpha'):>6}{p['beta']:>8.4f}{pm(ci, 'beta'):>6}"
               f"{co.get('N_opt_exponent', float('nan')):>10.3f}{hr:>15}")
+    for a, e in doc["fits"].items():
+        g = e["guardrails"]
+        if g["reasons"]:
+            print(f"\n{a}: NOT VALID (compute_optimal.valid = false, not ranked by `report`):")
+            for r in g["reasons"]:
+                print(f"  - {r}")
+        for w in g["warnings"]:
+            print(f"{a}: warning: {w}")
     return 0
 
 
@@ -193,6 +218,9 @@ def add_scaling_commands(sub) -> None:
                                                 "default <sweep root>/table.csv")
     p.add_argument("--intermediate", action="store_true", help="also one row per earlier evaluation (final = 0)")
     p.add_argument("--include-stable", action="store_true", help="include WSD stable runs (never decayed)")
+    p.add_argument("--label", action="append", default=[], metavar="REGEX=LABEL",
+                   help="arch label for the runs whose id matches REGEX (repeatable; the first match wins); "
+                        "default: the sweep's arch name, else one derived from config.json")
     p.set_defaults(fn=_wrap(cmd_collect))
 
     p = sub.add_parser("fit", help="fit L(N, D) per architecture: fit.json, fit.png, frontier.png")
@@ -202,8 +230,9 @@ def add_scaling_commands(sub) -> None:
                    help="metric column to fit in log space (default loss; e.g. log_longppl)")
     p.add_argument("--out", default=None, help="output directory (default <table dir>/fit-<metric>-<form>)")
     p.add_argument("--arch", action="append", default=None, help="fit only these archs (repeatable)")
-    p.add_argument("--rows", choices=("final", "all"), default="final",
-                   help="final: one row per finished run (default); all: intermediate rows too")
+    p.add_argument("--rows", choices=("final", "all", "intermediate"), default="final",
+                   help="final: one row per finished run (default); all: every converged row (a final row or the "
+                        "end of a decay); intermediate: every row, un-decayed WSD rows included (biased)")
     p.add_argument("--bound", action="append", default=[], metavar="NAME=LO:HI",
                    help="parameter bound, e.g. alpha=0.2:0.3 or beta=0: (E, A, B, alpha, beta; repeatable)")
     p.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples, by run (0: none)")
@@ -218,6 +247,8 @@ def add_scaling_commands(sub) -> None:
                    help="lm: vectorised grid refinement + L-BFGS-B from the best (fast); lbfgsb: L-BFGS-B from every "
                         "grid point (Epoch's literal procedure, slow)")
     p.add_argument("--loso", action="store_true", help="also leave-one-size-out validation")
+    p.add_argument("--exponent-range", default="0.05:1.5", metavar="LO:HI",
+                   help="plausible alpha and beta; a fit outside is marked not valid (default 0.05:1.5)")
     p.add_argument("--no-plots", action="store_true")
     p.set_defaults(fn=_wrap(cmd_fit))
 

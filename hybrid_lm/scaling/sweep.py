@@ -501,6 +501,36 @@ def format_plan(plan: Plan) -> str:
     return "\n".join(lines)
 
 
+def next_steps(plan: Plan, jobs: list | None = None) -> list[str]:
+    """The commands that turn the finished ``jobs`` (default: the plan's) into a table, fits and a
+    report, with the fit form the design can identify: with-E (5 parameters) needs more than 5
+    distinct (N, D) points per arch, no-E (4) at least 4 (with exactly 4 no degree of freedom is
+    left, and ``fit`` marks it not valid). Returns shell lines; a line starting with '#' explains instead of running."""
+    from hybrid_lm.scaling.fit import FORMS
+
+    root = plan.root
+    jobs = [j for j in (jobs if jobs is not None else plan.jobs) if j.kind != "stable"]
+    points: dict[str, set] = {}
+    for j in jobs:
+        points.setdefault(j.arch, set()).add((j.N, j.D))
+    fewest = min((len(p) for p in points.values()), default=0)
+    lines = [f"hybrid-lm collect {root}"]
+    with_e, no_e = len(FORMS["with-E"].theta), len(FORMS["no-E"].theta)
+    if fewest > with_e:
+        form = ""
+    elif fewest >= no_e:
+        form = " --form no-E"
+        lines.append(f"# {fewest} distinct (N, D) points per arch: too few for with-E ({with_e} parameters), so no-E"
+                     + ("; with exactly 4 no degree of freedom is left and the fit is marked not valid"
+                        if fewest == no_e else ""))
+    else:
+        return lines + [f"# {fewest} distinct (N, D) points per arch: too few for any L(N, D) form (no-E needs "
+                        f"{no_e}); add budgets or scales to the spec"]
+    lines.append(f"hybrid-lm fit {root / 'table.csv'}{form} --out {root / 'fit'}")
+    lines.append(f"hybrid-lm report {root / 'fit'} --sweep {root}")
+    return lines
+
+
 def _hours(x: float) -> str:
     return f"{x:,.1f}" if x >= 0.1 else f"{x:.2g}"
 

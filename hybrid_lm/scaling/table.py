@@ -1,10 +1,11 @@
 """The scaling table: one row per (run, checkpoint), read and written as CSV or JSONL. No JAX.
 
 Columns written by ``hybrid-lm collect`` (docs/SCALING.md lists them all): ``run_id, arch, scale, N,
-D`` first, then ``final`` (1 for a run's final row), the metric columns (``loss``, ``log_longppl``,
-...) and bookkeeping (``seed``, ``kind``, ``steps``, ``C``, ...). ``fit`` needs only ``N``, ``D`` and
-the metric column; ``arch`` groups the fits, ``run_id`` clusters the bootstrap, ``final`` selects
-rows and ``C`` (training FLOPs) calibrates compute-optimal allocations.
+D`` first, then the row columns (``final``, ``converged``, ``step``, ``phase``, ``source_run``, ...),
+the metric columns (``loss``, ``log_longppl``, ...) and bookkeeping (``seed``, ``kind``, ``steps``,
+``C``, ``arch_spec``, ...). ``fit`` needs only ``N``, ``D`` and the metric column; ``arch`` groups the
+fits, ``source_run`` / ``run_id`` cluster the bootstrap and deduplicate rows, ``final`` and
+``converged`` select rows and ``C`` (training FLOPs) calibrates compute-optimal allocations.
 """
 
 from __future__ import annotations
@@ -17,6 +18,13 @@ from pathlib import Path
 from hybrid_lm.files import atomic_write
 
 LEAD_COLUMNS = ("run_id", "arch", "scale", "N", "D")
+# per row, after the lead: which rows a fit may use (docs/SCALING.md section 7)
+ROW_COLUMNS = ("final", "converged", "status", "step", "phase", "source_run")
+# last: what the row is and where it came from
+BOOKKEEPING = ("seed", "kind", "budget", "steps", "tokens_per_step", "N_non_embedding", "N_total", "C",
+               "flops_per_token", "arch_spec", "run_dir")
+# numeric columns that are not metrics (``fit --metric`` lists the others)
+NON_METRIC_COLUMNS = frozenset(LEAD_COLUMNS + ROW_COLUMNS + BOOKKEEPING)
 
 
 def _num(v):
