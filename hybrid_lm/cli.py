@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -112,6 +113,8 @@ def _info_backends(cfg, as_json: bool) -> int:
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     ap = argparse.ArgumentParser(prog="hybrid-lm", description=__doc__)
+    ap.add_argument("--debug", action="store_true",
+                    help="show the traceback of an error instead of one line (also HYBRID_LM_DEBUG=1)")
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     p = sub.add_parser("train", help="train (resumes from the latest checkpoint in --workdir)")
@@ -141,18 +144,27 @@ def main(argv=None) -> int:
     add_scaling_commands(sub)
 
     args = ap.parse_args(argv)
+    debug = args.debug or os.environ.get("HYBRID_LM_DEBUG") == "1"
     enable_compilation_cache()
     try:
         return args.fn(args)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
+    except (ConfigError, WorkdirError, DataError, ImportError, OSError) as e:
+        if debug:
+            raise
+        print(f"{_label(e)}: {_one_line(e)}", file=sys.stderr)
         return 2
-    except WorkdirError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except DataError as e:
-        print(f"data error: {e}", file=sys.stderr)
-        return 2
+
+
+def _label(e: BaseException) -> str:
+    return "config error" if isinstance(e, ConfigError) else "data error" if isinstance(e, DataError) else "error"
+
+
+def _one_line(e: BaseException) -> str:
+    """The message on one line (a user mistake; --debug shows the traceback)."""
+    text = str(e).strip() or type(e).__name__
+    if isinstance(e, OSError) and not isinstance(e, (ConfigError, WorkdirError, DataError)):
+        text = f"{e.strerror or type(e).__name__}: {e.filename}" if e.filename else text
+    return " ".join(text.split())
 
 
 if __name__ == "__main__":

@@ -407,6 +407,10 @@ def check_config(cfg: Config) -> None:
         if isinstance(v, bool) or not isinstance(v, int) or v < lo:
             raise ConfigError(f"{name}={v!r} must be an integer >= {lo}")
     check_data_config(cfg.data)
+    v = t.max_consecutive_skips
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ConfigError(f"TrainConfig.max_consecutive_skips={v!r} must be an integer >= 1 (non-finite steps "
+                          "in a row that stop a nan_policy='skip' run)")
     im = c.interval_minutes
     if isinstance(im, bool) or not isinstance(im, (int, float)) or not im >= 0 or im == float("inf"):
         raise ConfigError(f"CheckpointConfig.interval_minutes={im!r} must be a finite number >= 0 (0: off)")

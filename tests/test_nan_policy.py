@@ -33,8 +33,8 @@ def _inject(monkeypatch, bad: dict[int, str]) -> None:
     marker = {"loss": -1, "grad": -2}
     batch_of = DataStreams.batch
 
-    def batch(self, step):
-        b = batch_of(self, step)
+    def batch(self, step, rows=None):
+        b = batch_of(self, step, rows)
         if step + 1 in bad:
             tokens = np.array(b["tokens"] if isinstance(b, dict) else b)
             tokens[0, 0] = marker[bad[step + 1]]
@@ -75,6 +75,16 @@ def _cli(workdir, params, capsys):
 
 def _ckpt_steps(workdir):
     return sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
+
+
+@pytest.mark.slow
+def test_an_update_without_a_finite_norm_stops_at_its_own_step(tmp_path, capsys):
+    # lr 1e30: step 1's update is finite element-wise but its norm overflows, so the step is not
+    # applied and the saved state is the initial one (no parameters at ~1e30)
+    params = TINY + ["OptimConfig.lr = 1e30", "OptimConfig.warmup_steps = 1", "TrainConfig.steps = 6"]
+    rc, _, err = _cli(tmp_path, params, capsys)
+    assert rc == 2 and err.startswith("error: non-finite loss or gradient at step 1: the update is not finite"), err
+    assert "(step 0) is saved now" in err and _ckpt_steps(tmp_path) == [0]
 
 
 def test_the_message_names_the_step_and_what_was_not_finite(tmp_path):
@@ -174,8 +184,8 @@ def test_skipped_steps_are_counted_in_the_summary_across_a_resume(tmp_path, monk
 
 @pytest.mark.slow
 def test_an_exploding_learning_rate_stops_with_a_finite_last_good_state(tmp_path, capsys):
-    # step 1 moves the parameters to ~1e30 (finite); step 2's loss overflows
-    params = TINY + ["OptimConfig.lr = 1e30", "OptimConfig.warmup_steps = 1", "TrainConfig.steps = 6"]
+    # step 1 moves the parameters to ~1e15 (finite, with a finite update norm); step 2's loss overflows
+    params = TINY + ["OptimConfig.lr = 1e15", "OptimConfig.warmup_steps = 1", "TrainConfig.steps = 6"]
     rc, _, err = _cli(tmp_path, params, capsys)
     assert rc == 2 and "\n" not in err, err
     assert err.startswith("error: non-finite loss or gradient at step 2: ") and "(step 1) is saved now" in err, err

@@ -56,7 +56,8 @@ def test_muon_routes_by_logical_axes_and_trains(tiny_params, tmp_path):
 def test_non_finite_loss_policy(tiny_params, tmp_path, policy):
     cfg = load_config([], tiny_params + ["OptimConfig.lr = 1e30", "OptimConfig.grad_clip = 0.0",
                                          "OptimConfig.warmup_steps = 1", "TrainConfig.steps = 12",
-                                         f"TrainConfig.nan_policy = '{policy}'"])
+                                         f"TrainConfig.nan_policy = '{policy}'",
+                                         "TrainConfig.max_consecutive_skips = 100"])  # every step after 1 is non-finite
     if policy == "stop":
         with pytest.raises(FloatingPointError, match=r"non-finite loss or gradient at step \d+"):
             train(cfg, tmp_path)

@@ -105,19 +105,34 @@ def _run(args) -> int:
     ev = RestoredRun(args.workdir, step=args.step)
     rows = []
     if args.baseline:
-        rows.append(ev.evaluate((), None, 0, **overrides, record=not args.no_record))
-    rows.append(ev.evaluate(args.swap, args.horizon, args.sinks, **overrides, record=not args.no_record))
+        rows.append(ev.evaluate((), None, 0, **overrides, record=False))
+    rows.append(ev.evaluate(args.swap, args.horizon, args.sinks, **overrides, record=False))
     if args.json:
         print(json.dumps(rows if args.baseline else rows[0], indent=2))
-        return 0
-    for r in rows:
-        print(_fmt(r))
-    if args.baseline:
-        print(f"swap - baseline: {rows[1]['loss'] - rows[0]['loss']:+.4f} nats/token, "
-              f"{rows[1]['bpb'] - rows[0]['bpb']:+.4f} bits/byte")
-    if not args.no_record:
-        print(f"recorded in {ev.workdir / 'eval.jsonl'}")
+    else:
+        for r in rows:
+            print(_fmt(r))
+        if args.baseline:
+            print(f"swap - baseline: {rows[1]['loss'] - rows[0]['loss']:+.4f} nats/token, "
+                  f"{rows[1]['bpb'] - rows[0]['bpb']:+.4f} bits/byte")
+    if not args.no_record:  # after printing: a workdir that cannot be written loses nothing
+        record_rows(ev, rows, quiet=args.json)
     return 0
+
+
+def record_rows(run, rows, quiet: bool = False) -> None:
+    """Append ``rows`` to the run's eval.jsonl; an unwritable workdir is one line (the result is printed)."""
+    from hybrid_lm.errors import WorkdirError
+
+    try:
+        for r in rows:
+            run.record(r)
+    except OSError as e:
+        raise WorkdirError(f"the result is printed above, but it could not be appended to "
+                           f"{run.workdir / 'eval.jsonl'} ({e.strerror or e}); rerun with --no-record, or make "
+                           "the run dir writable") from e
+    if not quiet:
+        print(f"recorded in {run.workdir / 'eval.jsonl'}")
 
 
 def add_eval_commands(sub) -> None:

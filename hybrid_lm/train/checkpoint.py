@@ -156,7 +156,13 @@ class Checkpointer:
         args = ocp.args.Composite(state=ocp.args.PyTreeRestore(item=abstract, restore_args=restore_args,
                                                                partial_restore=True))
         if step is not None:
-            return self.manager.restore(step, args=args).state["params"], int(step)
+            try:
+                return self.manager.restore(step, args=args).state["params"], int(step)
+            except Exception as e:  # a torn or corrupt checkpoint: name it, no 600-line traceback
+                why = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
+                others = [s for s in steps if s != step]
+                raise WorkdirError(f"the checkpoint at step {step} in {self.directory} does not restore ({why})"
+                                   + (f"; other saved steps: {others}" if others else "")) from e
         found = self._restore_newest(steps, args)
         if found is None:
             raise FileNotFoundError(f"no checkpoint in {self.directory} restores")

@@ -6,7 +6,7 @@ metrics are fetched before the state after it is evaluated or saved. SIGTERM sav
 cleanly; SIGUSR1 (SLURM ``--signal``) saves, requeues and exits; either one arriving after the last
 step is noted and the run finishes its epilogue (final checkpoint, loss curve) instead of dying.
 
-NaN policy (``TrainConfig.nan_policy``): a step whose loss or gradient is not finite never changes
+NaN policy (``TrainConfig.nan_policy``): a step whose loss, gradient or update is not finite never changes
 the parameters (``train/step.py``). A guard on the device counts such steps in a row and halts the
 run at the first one under 'stop', at the ``max_consecutive_skips``-th under 'skip'. The halting
 step and every step dispatched after it return their input state unchanged, so when the host sees
@@ -155,14 +155,6 @@ class _HeldLoss:
         return obj + jnp.where(self._held, jnp.nan, 0.0).astype(obj.dtype), aux
 
 
-def check_nan_policy(tc: TrainConfig) -> None:
-    """``ConfigError`` (one line) for a ``max_consecutive_skips`` that is not an integer >= 1."""
-    v = tc.max_consecutive_skips
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise ConfigError(f"TrainConfig.max_consecutive_skips={v!r} must be an integer >= 1 (non-finite steps "
-                          "in a row that stop a nan_policy='skip' run)")
-
-
 def init_or_restore(cfg: Config, prog: Program, ckpt: Checkpointer, source: InitSource | None = None):
     """``(state, resumed_from)``: the newest checkpoint that restores, else a fresh init (from a
     traced seed: with a constant key XLA constant-folds the whole random init at compile time), or,
@@ -267,7 +259,6 @@ def train(cfg: Config, workdir: Path | str | None = None, *, force: bool = False
     policy stopped the run."""
     t_start = time.time()
     check_extras(cfg.train)  # a missing [tb] / [wandb] extra fails before the run dir exists
-    check_nan_policy(cfg.train)
     distributed.maybe_initialize()
     main = jax.process_index() == 0
     source = None
@@ -345,8 +336,12 @@ class _Halt(Exception):
         good state is and what to do."""
         loss, obj, gnorm = (float(self.stats[k]) for k in ("loss", "objective", "grad_norm"))
         bad_loss, bad_grad = not (math.isfinite(loss) and math.isfinite(obj)), not math.isfinite(gnorm)
-        what = ("the loss and the gradient are" if bad_loss and bad_grad else
-                "the loss is" if bad_loss else "the gradient is") + f" not finite (loss={loss}, grad_norm={gnorm})"
+        if not bad_loss and not bad_grad:  # the update overflowed (its norm is not finite)
+            what = (f"the update is not finite (loss={loss}, grad_norm={gnorm}, "
+                    f"update_norm={float(self.stats.get('update_norm', float('nan')))})")
+        else:
+            what = ("the loss and the gradient are" if bad_loss and bad_grad else
+                    "the loss is" if bad_loss else "the gradient is") + f" not finite (loss={loss}, grad_norm={gnorm})"
         if tc.nan_policy == "stop":
             head = f"non-finite loss or gradient at step {self.done}: {what}"
             fix = "lower OptimConfig.lr (or set TrainConfig.nan_policy='skip')"
@@ -377,6 +372,8 @@ def _run_steps(cfg: Config, prog: Program, data: DataStreams, ckpt: Checkpointer
     tc = cfg.train
     final_eval, preempted, pending, last_saved = None, None, None, None
     guard = jax.device_put(np.zeros(2, np.int32), prog.state_shard["step"])
+    batch_shape = (tc.global_batch, cfg.data.seq_len + 1)
+    rows = shd.local_rows(prog.batch_shard, batch_shape)  # this process reads only its rows of each batch
     try:
         if start < tc.steps:
             logger.compiling()
@@ -384,8 +381,8 @@ def _run_steps(cfg: Config, prog: Program, data: DataStreams, ckpt: Checkpointer
             _eval(logger, prog, data, state, 0)  # the curve starts at the untrained model
         for step in range(start, tc.steps):
             profile.before(step)
-            state, stats, guard = prog.step(state, shd.put_batch(data.batch(step), prog.batch_shard), prog.bounds,
-                                            guard)
+            batch = shd.put_local_batch(data.batch(step, rows), prog.batch_shard, batch_shape)
+            state, stats, guard = prog.step(state, batch, prog.bounds, guard)
             if step == start:
                 logger.compiled(step)  # jit compiled synchronously inside that first call
             done = step + 1

@@ -97,6 +97,14 @@ def put_batch(batch, sharding):
     return {k: put(a) for k, a in batch.items()} if isinstance(batch, dict) else put(batch)
 
 
+def put_local_batch(local, sharding, global_shape: tuple[int, ...]):
+    """This process's rows (``local_rows(sharding, global_shape)`` of the global batch, as
+    ``DataStreams.batch(step, rows)`` reads them) placed as a global array (or a dict of them)."""
+    def put(a: np.ndarray):
+        return jax.make_array_from_process_local_data(sharding, a, (global_shape[0], *a.shape[1:]))
+    return {k: put(a) for k, a in local.items()} if isinstance(local, dict) else put(local)
+
+
 def match_opt_shardings(abstract_opt, abstract_params, p_shard, default):
     """Optimizer leaves whose path ends in a parameter's path (moments) take that parameter's sharding;
     the rest (step counts) keep ``default``."""

@@ -175,14 +175,15 @@ def make_train_step(fns: ModelFns, optimizer_for):
             obj, aux = osum / M, jax.tree.map(lambda a: a / M, asum)
         ce = aux.pop("ce")
         gnorm = global_norm(grads)
-        finite = jnp.isfinite(obj) & jnp.isfinite(gnorm)
         updates, opt_state = tx.update(grads, state["opt_state"], params)
+        unorm = global_norm(updates)  # an update that overflows is caught at its own step, not the next
+        finite = jnp.isfinite(obj) & jnp.isfinite(gnorm) & jnp.isfinite(unorm)
         new_params = jax.tree.map(lambda p, u: p + u, params, updates)
         keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
         new_state = {"params": keep(new_params, params), "opt_state": keep(opt_state, state["opt_state"]),
                      "step": step + 1}
         stats = {"loss": ce, "objective": obj, "grad_norm": gnorm, "param_norm": global_norm(params),
-                 "update_norm": global_norm(updates), "lr": schedule(step), "finite": finite, **aux}
+                 "update_norm": unorm, "lr": schedule(step), "finite": finite, **aux}
         return new_state, stats
 
     return train_step

@@ -1,0 +1,275 @@
+#!/usr/bin/env python
+"""Random faults against a short CPU training run (issue 15's acceptance run).
+
+    .venv/bin/python experiments/fault_stress.py --faults 56 --out runs/fault_stress.json
+
+Each fault runs the tiny test config (``tests/conftest.py`` TINY) in child processes of
+``hybrid-lm train`` and then checks, under a timeout:
+- no hang (every child returns within ``--timeout`` seconds);
+- no silent restart (a run over existing checkpoints says "resumed from step", or refuses);
+- no mixed metrics (every step's train rows agree bitwise, the steps are 1..N without gaps);
+- where the fault allows a resume, the final state and loss curve are bitwise those of an
+  uninterrupted run.
+
+Kinds: ``sigkill`` / ``sigterm`` at a random step, ``kill_during_save`` (SIGKILL right after a save
+step is logged, while the async save is in flight), ``corrupt_newest`` (garbage written into the
+newest checkpoint: it is moved aside and the run resumes from the one before), ``corrupt_all`` (every
+checkpoint corrupt: train refuses in one line, metrics untouched), ``readonly_checkpoints`` (the
+save fails fast in one line; after the directory is writable again the run resumes),
+``second_trainer`` (a second ``train`` on the same workdir refuses, naming the holder) and ``nan``
+(an exploding learning rate: the run stops in one line with the last good state saved).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+from conftest import TINY  # noqa: E402  (the tiny CPU config the tests use)
+from resume_check import compare_runs, train_subprocess, write_gin  # noqa: E402  (test tooling)
+
+KINDS = ("sigkill", "sigterm", "kill_during_save", "corrupt_newest", "corrupt_all", "readonly_checkpoints",
+         "second_trainer", "nan")
+EVERY = 3  # checkpoint cadence of the stress config
+
+
+def ckpt_steps(workdir: Path) -> list[int]:
+    d = workdir / "checkpoints"
+    return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit()) if d.exists() else []
+
+
+def corrupt(step_dir: Path) -> None:
+    """Overwrite every file of a checkpoint step with garbage of the same size."""
+    for f in step_dir.rglob("*"):
+        if f.is_file():
+            f.write_bytes(os.urandom(max(16, f.stat().st_size)))
+
+
+def make_unwritable(d: Path):
+    """Undo function, or None: chmod, or chattr +i as root (who ignores modes)."""
+    probe = d / ".probe"
+    d.chmod(0o555)
+    try:
+        probe.mkdir()
+    except PermissionError:
+        return lambda: d.chmod(0o755)
+    probe.rmdir()
+    d.chmod(0o755)
+    if subprocess.run(["chattr", "+i", str(d)], capture_output=True).returncode == 0:
+        try:
+            probe.mkdir()
+        except PermissionError:
+            return lambda: subprocess.run(["chattr", "-i", str(d)], check=True)
+        probe.rmdir()
+        subprocess.run(["chattr", "-i", str(d)], check=True)
+    return None
+
+
+def metrics_mixed(workdir: Path, steps: int) -> str | None:
+    """Why the metrics look like two trajectories, or None."""
+    path = workdir / "metrics.jsonl"
+    if not path.exists():
+        return None
+    by_step = collections.defaultdict(set)
+    for line in path.read_text().splitlines():
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError:
+            return "a torn line"
+        if r.get("kind") == "train":
+            by_step[r["step"]].add((r["loss"], r.get("grad_norm")))
+    bad = [s for s, v in by_step.items() if len(v) > 1]
+    if bad:
+        return f"steps {bad[:3]} logged with different values"
+    seen = sorted(by_step)
+    if seen and seen != list(range(seen[0], seen[-1] + 1)):
+        return "gaps in the logged steps"
+    if seen and seen[-1] > steps:
+        return "steps beyond the run length"
+    return None
+
+
+def last_line(text: str) -> str:
+    lines = [x for x in text.strip().splitlines() if x.strip()]
+    return lines[-1] if lines else ""
+
+
+class Stress:
+    def __init__(self, work: Path, steps: int, timeout: float):
+        self.work, self.steps, self.timeout = work, steps, timeout
+        self.gin = write_gin(work / "run.gin", TINY + [f"TrainConfig.steps = {steps}", "TrainConfig.log_every = 1",
+                                                      f"CheckpointConfig.every_steps = {EVERY}",
+                                                      "CheckpointConfig.keep = 3", "CheckpointConfig.async_save = True"])
+        self.nan_gin = write_gin(work / "nan.gin", TINY + [f"TrainConfig.steps = {steps}", "TrainConfig.log_every = 1",
+                                                          f"CheckpointConfig.every_steps = {EVERY}",
+                                                          "OptimConfig.lr = 1e12", "OptimConfig.warmup_steps = 1"])
+        self.straight = work / "straight"
+
+    def run(self, workdir, **kw):
+        return train_subprocess(kw.pop("gin", self.gin), workdir, timeout=self.timeout, **kw)
+
+    def resume_equal(self, d: Path, row: dict, expect_resume: bool = True) -> None:
+        r = self.run(d)
+        row["resumed_rc"] = r["returncode"]
+        said = "resumed from step" in r["output"]
+        row["silent_restart"] = expect_resume and bool(ckpt_steps(d)) and not said and r["returncode"] == 0
+        if r["returncode"] == 0:
+            cmp = compare_runs(self.straight, d)
+            row["bitwise_equal"] = cmp["loss_equal"] and cmp["state_equal"]
+        else:
+            row["bitwise_equal"] = False
+            row["error"] = last_line(r["output"])
+
+    def fault(self, kind: str, i: int, rng: random.Random) -> dict:
+        d = self.work / f"f{i:03d}_{kind}"
+        row: dict = {"kind": kind}
+        t0 = time.time()
+        try:
+            getattr(self, kind)(d, row, rng)
+            row["hang"] = False
+        except RuntimeError as e:  # train_subprocess's timeout
+            row["hang"], row["error"] = True, str(e)[:300]
+        row["mixed_metrics"] = metrics_mixed(d, self.steps)
+        row["seconds"] = round(time.time() - t0, 1)
+        row["ok"] = (not row["hang"] and not row.get("silent_restart") and row["mixed_metrics"] is None
+                     and row.get("expected", True) and row.get("bitwise_equal", True))
+        return row
+
+    # ------------------------------------------------------------------ the faults
+    def _kill(self, d, row, at, sig):
+        r = self.run(d, kill_at=at, sig=sig)
+        row.update(kill_at=r["killed_at"], kill_rc=r["returncode"])
+
+    def sigkill(self, d, row, rng):
+        self._kill(d, row, rng.randint(1, self.steps - 2), signal.SIGKILL)
+        self.resume_equal(d, row)
+
+    def sigterm(self, d, row, rng):
+        self._kill(d, row, rng.randint(1, self.steps - 2), signal.SIGTERM)
+        row["expected"] = row["kill_rc"] == 0  # SIGTERM: save and exit cleanly
+        self.resume_equal(d, row)
+
+    def kill_during_save(self, d, row, rng):
+        self._kill(d, row, EVERY * rng.randint(1, (self.steps - 2) // EVERY), signal.SIGKILL)
+        self.resume_equal(d, row)
+
+    def corrupt_newest(self, d, row, rng):
+        self._kill(d, row, rng.randint(2 * EVERY + 1, self.steps - 2), signal.SIGKILL)
+        steps = ckpt_steps(d)
+        if len(steps) < 2:
+            row["note"] = "fewer than 2 checkpoints at the kill"
+        corrupt(d / "checkpoints" / str(steps[-1]))
+        row["corrupted"] = steps[-1]
+        self.resume_equal(d, row)
+        row["expected"] = (d / "checkpoints" / "corrupt" / str(steps[-1])).exists() and row["resumed_rc"] == 0
+
+    def corrupt_all(self, d, row, rng):
+        self._kill(d, row, rng.randint(EVERY + 1, self.steps - 2), signal.SIGKILL)
+        steps = ckpt_steps(d)
+        for s in steps:
+            corrupt(d / "checkpoints" / str(s))
+        before = (d / "metrics.jsonl").read_bytes()
+        r = self.run(d)
+        err = last_line(r["output"])
+        row.update(corrupted=steps, rc=r["returncode"], error=err)
+        row["expected"] = (r["returncode"] == 2 and "--restart" in err
+                           and (d / "metrics.jsonl").read_bytes() == before)
+        row["silent_restart"] = r["returncode"] == 0
+
+    def readonly_checkpoints(self, d, row, rng):
+        self._kill(d, row, rng.randint(1, self.steps - EVERY - 2), signal.SIGKILL)
+        undo = make_unwritable(d / "checkpoints")
+        if undo is None:
+            row["note"] = "cannot make a directory read-only here"
+            row["expected"] = False
+            return
+        try:
+            t0 = time.time()
+            r = self.run(d)
+            row.update(rc=r["returncode"], error=last_line(r["output"]), fail_seconds=round(time.time() - t0, 1))
+        finally:
+            undo()
+        ok_fail = r["returncode"] == 2 and "error: saving the checkpoint" in row["error"]
+        self.resume_equal(d, row)
+        row["expected"] = ok_fail
+
+    def second_trainer(self, d, row, rng):
+        env = dict(os.environ, JAX_PLATFORMS="cpu")
+        cmd = [sys.executable, "-m", "hybrid_lm.cli", "train", str(self.gin), "--workdir", str(d)]
+        first = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        deadline = time.time() + self.timeout
+        while time.time() < deadline and first.poll() is None and not (d / "metrics.jsonl").exists():
+            time.sleep(0.05)
+        time.sleep(rng.random())
+        second = self.run(d)
+        out, _ = first.communicate(timeout=max(1.0, deadline - time.time()))
+        row.update(first_rc=first.returncode, second_rc=second["returncode"], error=last_line(second["output"]))
+        row["expected"] = first.returncode == 0 and second["returncode"] == 2 and "in use" in row["error"]
+        cmp = compare_runs(self.straight, d) if first.returncode == 0 else {}
+        row["bitwise_equal"] = bool(cmp.get("loss_equal") and cmp.get("state_equal"))
+
+    def nan(self, d, row, rng):
+        r = self.run(d, gin=self.nan_gin)
+        err = last_line(r["output"])
+        row.update(rc=r["returncode"], error=err, checkpoints=ckpt_steps(d))
+        row["expected"] = r["returncode"] == 2 and "non-finite" in err and bool(row["checkpoints"])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--faults", type=int, default=56)
+    ap.add_argument("--kinds", default=",".join(KINDS))
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--timeout", type=float, default=300, help="seconds before a child counts as hung")
+    ap.add_argument("--out", default="runs/fault_stress.json")
+    args = ap.parse_args()
+
+    rng = random.Random(args.seed)
+    kinds = args.kinds.split(",")
+    plan = [kinds[i % len(kinds)] for i in range(args.faults)]
+    rng.shuffle(plan)
+    work = Path(tempfile.mkdtemp(prefix="fault_stress_"))
+    os.environ.setdefault("HYBRID_LM_DATA_DIR", str(work / "data"))
+    stress = Stress(work, args.steps, args.timeout)
+    r = stress.run(stress.straight)
+    if r["returncode"] != 0:
+        print(r["output"][-3000:])
+        return 1
+    rows = [stress.fault(k, i, rng) for i, k in enumerate(tqdm(plan, desc="faults"))]
+    print(f"\n{'kind':<22}{'n':>4}{'ok':>5}{'hangs':>7}{'silent restarts':>17}{'mixed metrics':>15}{'not bitwise':>13}")
+    summary = {}
+    for k in kinds:
+        rs = [x for x in rows if x["kind"] == k]
+        s = {"n": len(rs), "ok": sum(x["ok"] for x in rs), "hangs": sum(x["hang"] for x in rs),
+             "silent_restarts": sum(bool(x.get("silent_restart")) for x in rs),
+             "mixed_metrics": sum(x["mixed_metrics"] is not None for x in rs),
+             "not_bitwise": sum(x.get("bitwise_equal") is False for x in rs)}
+        summary[k] = s
+        print(f"{k:<22}{s['n']:>4}{s['ok']:>5}{s['hangs']:>7}{s['silent_restarts']:>17}{s['mixed_metrics']:>15}"
+              f"{s['not_bitwise']:>13}")
+    bad = [x for x in rows if not x["ok"]]
+    print(f"\n{len(rows) - len(bad)}/{len(rows)} faults handled as specified")
+    for x in bad:
+        print("  NOT OK:", json.dumps(x)[:400])
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"steps": args.steps, "seed": args.seed, "summary": summary, "rows": rows},
+                                         indent=2))
+    return 0 if not bad else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+"""User mistakes on the eval side are one line with exit 2 (``--debug`` shows the traceback): a
+corrupt checkpoint asked for by ``--step``, a run dir that cannot be written (the result is printed
+first), and a missing store or path for any command."""
+
+import shutil
+
+import pytest
+
+from hybrid_lm.cli import main
+from test_faults_restore import _make_unwritable
+
+pytestmark = pytest.mark.slow  # trains a run
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory, _data_dir):
+    from conftest import TINY
+    from hybrid_lm.config import load_config
+    from hybrid_lm.train.loop import train
+
+    wd = tmp_path_factory.mktemp("cli_errors_run")
+    train(load_config([], list(TINY) + ["TrainConfig.steps = 4", "CheckpointConfig.every_steps = 2"]), wd)
+    return wd
+
+
+def one_line(capsys, *argv) -> str:
+    rc = main(list(argv))
+    err = capsys.readouterr().err
+    lines = [x for x in err.strip().splitlines() if x.strip() and not x.startswith("WARNING")]
+    assert rc == 2 and len(lines) == 1 and "Traceback" not in err, err[-2000:]
+    return lines[0]
+
+
+def test_eval_of_a_corrupt_step_is_one_line_naming_it(run_dir, tmp_path, capsys):
+    wd = tmp_path / "run"
+    shutil.copytree(run_dir, wd)
+    for f in (wd / "checkpoints" / "2").rglob("*"):
+        if f.is_file():
+            f.write_bytes(b"garbage" * 10)
+    msg = one_line(capsys, "eval", str(wd), "--step", "2")
+    assert "the checkpoint at step 2" in msg and "does not restore" in msg and "other saved steps: [4]" in msg
+    with pytest.raises(Exception):
+        main(["--debug", "eval", str(wd), "--step", "2"])
+
+
+def test_eval_on_an_unwritable_run_dir_prints_the_result_then_one_line(run_dir, tmp_path, capsys):
+    wd = tmp_path / "run"
+    shutil.copytree(run_dir, wd)
+    undo = _make_unwritable(wd)
+    if undo is None:
+        pytest.skip("cannot make a directory read-only here")
+    try:
+        rc = main(["eval", str(wd)])
+    finally:
+        undo()
+    out = capsys.readouterr()
+    assert rc == 2 and "val loss" in out.out and "bits/byte" in out.out
+    assert "could not be appended to" in out.err and "--no-record" in out.err and "Traceback" not in out.err
+
+
+def test_missing_inputs_are_one_line_for_every_command(tmp_path, capsys):
+    assert "no token store" in one_line(capsys, "data", "inspect", str(tmp_path / "nothing"))
+    assert "nothing" in one_line(capsys, "eval", str(tmp_path / "nothing"))
+    assert "gin file not found" in one_line(capsys, "train", str(tmp_path / "nope.gin"))
+    assert "gin file not found" in one_line(capsys, "info", str(tmp_path / "nope.gin"))
