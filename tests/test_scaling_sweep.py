@@ -326,7 +326,9 @@ def test_tiny_sweep_end_to_end(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     doc = json.loads((root / "fit" / "fit.json").read_text())
     e = doc["fits"]["swa8"]
-    assert e["n_points"] == len(rows) and e["n_runs"] == 4 and e["ci"]["resample"] == "run"
+    # --rows all: the 4 decayed rows only (stable-phase rows never count, nor twice)
+    assert e["n_points"] == 4 and e["n_runs"] == 4 and e["ci"]["resample"] == "run"
+    assert doc["dropped_rows"]["not_converged"] == len(rows) - 4 and e["valid"] is False
     assert "fewer than 2 distinct N" in e["holdout"]["skipped"]
     assert (root / "fit" / "fit.png").exists() and (root / "fit" / "frontier.png").exists()
     r = _cli(["report", str(root / "fit"), "--sweep", str(root)], env)
