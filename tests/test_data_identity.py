@@ -58,6 +58,9 @@ def test_resume_refuses_other_data_under_the_same_path(tmp_path):
     c = cfg("DataConfig.source='tokens'", f"DataConfig.path='{a}'")
     prepare_run_dir(c, tmp_path / "run")
     prepare_run_dir(c, tmp_path / "run")  # same data: fine
+    import json
+    prov = json.loads((tmp_path / "run" / "provenance.json").read_text())
+    assert prov["data_identity"]["stores"][0][0] == json.loads((a / "manifest.json").read_text())["fingerprint"]
     shutil.rmtree(a)
     write_jsonl(tmp_path / "other.jsonl", 40, seed=9)
     prepare(SourceSpec(kind="text", paths=(str(tmp_path / "other.jsonl"),)), a, progress=False)

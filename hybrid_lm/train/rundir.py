@@ -78,6 +78,8 @@ def prepare_run_dir(cfg: Config, workdir: Path, force: bool = False, init_record
     workdir.mkdir(parents=True, exist_ok=True)
     cfg_path = workdir / "config.json"
     prov = provenance()
+    from hybrid_lm.data.identity import data_identity
+    prov["data_identity"] = data_identity(cfg.data)  # store fingerprints and tokenizer hash ({} = embedded, byte)
     if cfg.train.init_from:
         kept = recorded_init_source(workdir)
         prov["init_from"] = kept if kept and kept.get("identity") == cfg.train.init_from else init_record
