@@ -39,7 +39,7 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 from conftest import TINY  # noqa: E402  (the tiny CPU config the tests use)
-from resume_check import compare_runs, train_subprocess, write_gin  # noqa: E402  (test tooling)
+from resume_check import compare_runs, make_unwritable, train_subprocess, write_gin  # noqa: E402  (test tooling)
 
 KINDS = ("sigkill", "sigterm", "kill_during_save", "corrupt_newest", "corrupt_all", "readonly_checkpoints",
          "second_trainer", "nan")
@@ -56,26 +56,6 @@ def corrupt(step_dir: Path) -> None:
     for f in step_dir.rglob("*"):
         if f.is_file():
             f.write_bytes(os.urandom(max(16, f.stat().st_size)))
-
-
-def make_unwritable(d: Path):
-    """Undo function, or None: chmod, or chattr +i as root (who ignores modes)."""
-    probe = d / ".probe"
-    d.chmod(0o555)
-    try:
-        probe.mkdir()
-    except PermissionError:
-        return lambda: d.chmod(0o755)
-    probe.rmdir()
-    d.chmod(0o755)
-    if subprocess.run(["chattr", "+i", str(d)], capture_output=True).returncode == 0:
-        try:
-            probe.mkdir()
-        except PermissionError:
-            return lambda: subprocess.run(["chattr", "-i", str(d)], check=True)
-        probe.rmdir()
-        subprocess.run(["chattr", "-i", str(d)], check=True)
-    return None
 
 
 def metrics_mixed(workdir: Path, steps: int) -> str | None:

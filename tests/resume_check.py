@@ -51,6 +51,27 @@ def train_subprocess(gin_file: Path, workdir: Path, *, kill_at: int | None = Non
     return {"returncode": proc.returncode, "killed_at": killed_at, "output": out}
 
 
+def make_unwritable(d: Path):
+    """Make directory ``d`` refuse new entries: chmod, or (as root, who ignores modes) chattr +i.
+    Returns the undo function, or None when neither blocks writes here."""
+    probe = Path(d) / ".probe"
+    d.chmod(0o555)
+    try:
+        probe.mkdir()
+    except PermissionError:
+        return lambda: d.chmod(0o755)
+    probe.rmdir()
+    d.chmod(0o755)
+    if subprocess.run(["chattr", "+i", str(d)], capture_output=True).returncode == 0:
+        try:
+            probe.mkdir()
+        except PermissionError:
+            return lambda: subprocess.run(["chattr", "-i", str(d)], check=True)
+        probe.rmdir()
+        subprocess.run(["chattr", "-i", str(d)], check=True)
+    return None
+
+
 def final_state(workdir: Path) -> dict[str, np.ndarray]:
     """Flattened arrays of the newest checkpoint's state (params, optimizer state, step)."""
     import jax

@@ -7,7 +7,7 @@ import shutil
 import pytest
 
 from hybrid_lm.cli import main
-from test_faults_restore import _make_unwritable
+from resume_check import make_unwritable
 
 pytestmark = pytest.mark.slow  # trains a run
 
@@ -46,7 +46,7 @@ def test_eval_of_a_corrupt_step_is_one_line_naming_it(run_dir, tmp_path, capsys)
 def test_eval_on_an_unwritable_run_dir_prints_the_result_then_one_line(run_dir, tmp_path, capsys):
     wd = tmp_path / "run"
     shutil.copytree(run_dir, wd)
-    undo = _make_unwritable(wd)
+    undo = make_unwritable(wd)
     if undo is None:
         pytest.skip("cannot make a directory read-only here")
     try:

@@ -13,6 +13,7 @@ import pytest
 
 from hybrid_lm.errors import WorkdirError
 from hybrid_lm.train.lock import WorkdirLock
+from resume_check import make_unwritable
 
 
 pytestmark = pytest.mark.slow  # trains runs or runs subprocesses
@@ -84,34 +85,13 @@ def _cli_train(workdir, params, timeout=240):
     return out, time.monotonic() - t
 
 
-def _make_unwritable(d):
-    """Make directory ``d`` refuse new entries: chmod, or (as root, who ignores modes) chattr +i.
-    Returns the undo function, or None when neither blocks writes here."""
-    probe = d / ".probe"
-    d.chmod(0o555)
-    try:
-        probe.mkdir()
-    except PermissionError:
-        return lambda: d.chmod(0o755)
-    probe.rmdir()
-    d.chmod(0o755)
-    if subprocess.run(["chattr", "+i", str(d)], capture_output=True).returncode == 0:
-        try:
-            probe.mkdir()
-        except PermissionError:
-            return lambda: subprocess.run(["chattr", "-i", str(d)], check=True)
-        probe.rmdir()
-        subprocess.run(["chattr", "-i", str(d)], check=True)
-    return None
-
-
 @pytest.mark.timeout(300)
 def test_a_failed_save_is_fatal_fast_and_keeps_the_previous_checkpoint(tmp_path, tiny_params):
     params = _tiny(tiny_params, "CheckpointConfig.async_save = True")
     out, _ = _cli_train(tmp_path, params + ["TrainConfig.steps = 2"])
     assert out.returncode == 0, out.stderr[-2000:]
     ckdir = tmp_path / "checkpoints"
-    undo = _make_unwritable(ckdir)
+    undo = make_unwritable(ckdir)
     if undo is None:
         pytest.skip("neither chmod nor chattr makes a directory read-only here")
     try:

@@ -409,12 +409,7 @@ def _json_lines(f: _File, gz: bool, text_field: str):
 
 
 def _json_record(f: _File, line_no: int, raw: bytes, text_field: str):
-    try:
-        line = raw.decode("utf-8")
-        replaced = False
-    except UnicodeDecodeError:
-        line = raw.decode("utf-8", errors="replace")
-        replaced = True
+    line, replaced = _decode(raw)
     try:
         record = json.loads(line)
     except json.JSONDecodeError as e:
