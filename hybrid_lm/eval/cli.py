@@ -120,6 +120,39 @@ def _run(args) -> int:
     return 0
 
 
+def cmd_ruler(args) -> int:
+    """``hybrid-lm ruler``: RULER-offline on a checkpoint; the table is printed before the rows are recorded."""
+    from hybrid_lm.errors import ConfigError, WorkdirError
+    from hybrid_lm.eval import ruler
+    from hybrid_lm.eval.restore import RestoredRun, load_run_config
+
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()] if args.tasks else None
+    lengths = ruler.parse_lengths(args.lengths) if args.lengths else None
+    try:
+        cfg = load_run_config(args.workdir)
+    except FileNotFoundError as e:
+        raise WorkdirError(str(e)) from None
+    # checked before restoring anything: a bad task or length fails in a second
+    tasks, lengths = ruler.check_request(cfg, tasks, lengths, args.haystack, args.allow_longer, args.samples)
+    try:
+        run = RestoredRun(args.workdir, step=args.step)
+    except FileNotFoundError as e:
+        raise WorkdirError(f"{e}: train the run first, or give a --step that was saved") from None
+    rows, skipped = ruler.evaluate_ruler(run, tasks=tasks, lengths=lengths, samples=args.samples,
+                                         haystack=args.haystack, seed=args.seed, allow_longer=args.allow_longer,
+                                         batch_size=args.batch_size, progress=not args.json)
+    if args.json:
+        print(json.dumps({"rows": rows, "skipped": skipped}, indent=2))
+    else:
+        print(ruler.format_table(rows, skipped))
+    if not rows:
+        raise ConfigError(f"every requested (task, length) is too short for its task ({skipped[0]['reason']}): "
+                          "use longer --lengths (with --allow-longer beyond the run's seq_len)")
+    if not args.no_record:  # after printing: a workdir that cannot be written loses nothing
+        record_rows(run, rows, quiet=args.json)
+    return 0
+
+
 def record_rows(run, rows, quiet: bool = False) -> None:
     """Append ``rows`` to the run's eval.jsonl; an unwritable workdir is one line (the result is printed)."""
     from hybrid_lm.errors import WorkdirError
@@ -208,3 +241,33 @@ def add_eval_commands(sub) -> None:
     p.add_argument("--no-record", dest="no_record", action="store_true", help="do not append to eval.jsonl")
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_longppl)
+
+    from hybrid_lm.eval.ruler import HAYSTACKS, TASKS as RULER_TASKS  # no jax: cheap at start-up
+    p = sub.add_parser(
+        "ruler", help="RULER-offline: needle, variable-tracking and word-extraction tasks at long lengths",
+        description="Generate RULER's synthetic tasks (deterministic from the seed, cached under data_cache/ruler/, "
+                    "no download) at each length in tokens of the run's tokenizer, and score WORKDIR's checkpoint "
+                    "by exact match of greedy generation (mixers without a decode path, sa and sa_swa, get "
+                    "log-likelihood scores only) and by the gold answer's NLL under teacher forcing, against the "
+                    "distractors where the task has them. Prints a task x length table, then appends a row per "
+                    "(task, length) to WORKDIR/eval.jsonl. See docs/EVAL.md.",
+        epilog=f"tasks: {', '.join(RULER_TASKS)}.  example: hybrid-lm ruler runs/quickstart --lengths 512,1K "
+               "--allow-longer --samples 4")
+    p.add_argument("workdir", help="run directory (config.json + checkpoints/)")
+    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest that restores)")
+    p.add_argument("--tasks", default=None, help="comma-separated tasks (default: all seven)")
+    p.add_argument("--lengths", default=None, metavar="L1,L2",
+                   help="prompt + answer lengths in tokens, e.g. 4K,8K (default: 4K, 8K, 16K, 32K up to the run's "
+                        "seq_len, else the seq_len)")
+    p.add_argument("--allow-longer", dest="allow_longer", action="store_true",
+                   help="allow lengths beyond the run's seq_len")
+    p.add_argument("--samples", type=int, default=8, help="items per (task, length) (default 8)")
+    p.add_argument("--haystack", default="essays", choices=HAYSTACKS,
+                   help="filler text of the needle tasks: the embedded essays, the run's corpus (val split), or "
+                        "repeated noise sentences (default essays)")
+    p.add_argument("--seed", type=int, default=0, help="item seed (default 0)")
+    p.add_argument("--batch-size", dest="batch_size", type=int, default=None,
+                   help="rows per forward pass (default: the trainer's tokens per step at each length)")
+    p.add_argument("--no-record", dest="no_record", action="store_true", help="do not append to eval.jsonl")
+    p.add_argument("--json", action="store_true", help="print the rows (and skipped pairs) as JSON")
+    p.set_defaults(fn=cmd_ruler)
