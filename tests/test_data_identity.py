@@ -66,3 +66,28 @@ def test_resume_refuses_other_data_under_the_same_path(tmp_path):
     prepare(SourceSpec(kind="text", paths=(str(tmp_path / "other.jsonl"),)), a, progress=False)
     with pytest.raises(ConfigError, match="differing fields: data.identity"):
         prepare_run_dir(cfg("DataConfig.source='tokens'", f"DataConfig.path='{a}'"), tmp_path / "run")
+
+
+def test_a_sweep_relaunched_on_other_data_refuses_and_keeps_its_manifest(tmp_path):
+    """Issue 16: a sweep whose runs now resolve to other data refuses to mark the old runs done and
+    leaves sweep.json describing what it launched."""
+    from hybrid_lm.scaling.sweep import SweepError, expand, load_spec, write_manifest
+
+    spec = load_spec("configs/sweeps/tiny_cpu.toml")
+    a = store(tmp_path, "a", 1)
+    root = tmp_path / "sweep"
+    plan = expand(spec, root=root, extra_params=["DataConfig.source='tokens'", f"DataConfig.path='{a}'"])
+    write_manifest(plan)
+    for j in plan.jobs[:2]:
+        (root / j.name).mkdir()  # launched
+    before = (root / "sweep.json").read_text()
+    write_manifest(expand(spec, root=root, extra_params=["DataConfig.source='tokens'",
+                                                         f"DataConfig.path='{a}'"]))  # the same: fine
+    shutil.rmtree(a)
+    write_jsonl(tmp_path / "new.jsonl", 40, seed=5)
+    prepare(SourceSpec(kind="text", paths=(str(tmp_path / "new.jsonl"),)), a, progress=False)
+    other = expand(spec, root=root, extra_params=["DataConfig.source='tokens'", f"DataConfig.path='{a}'"])
+    assert {j.name for j in other.jobs}.isdisjoint(j.name for j in plan.jobs)  # other run ids: not "done"
+    with pytest.raises(SweepError, match="no longer resolves to .*now resolves to config"):
+        write_manifest(other)
+    assert (root / "sweep.json").read_text() == before

@@ -545,9 +545,30 @@ def _h(x: float) -> str:
 # ----------------------------------------------------------------------------- manifest
 
 def write_manifest(plan: Plan) -> Path:
+    """Write ``sweep.json``; refuse (``SweepError``) when the root's manifest lists a launched job that
+    this plan no longer has: the sweep now resolves to other runs (other data, parameters or gin
+    files), so its old runs must not be marked done or described by a manifest that never launched
+    them. Jobs may be added (more seeds, budgets, archs)."""
     plan.root.mkdir(parents=True, exist_ok=True)
     path = plan.root / "sweep.json"
+    if path.exists():
+        check_relaunch(plan, json.loads(path.read_text()))
     return atomic_write_json(path, plan.manifest(), indent=1, default=str)
+
+
+def check_relaunch(plan: Plan, old: dict) -> None:
+    new = {j.name for j in plan.jobs}
+    gone = [j for j in old.get("jobs", []) if j["name"] not in new and (plan.root / j["name"]).exists()]
+    if not gone:
+        return
+    by_key = {(j.scale, j.arch, j.seed, j.budget): j for j in plan.jobs}
+    j = gone[0]
+    now = by_key.get((j["scale"], j["arch"], j["seed"], j["budget"]))
+    why = (f"run {j['name']} was config {j['config_run_id']}, the same (scale, arch, seed, budget) now resolves to "
+           f"config {now.config_run_id}" if now else f"run {j['name']} ({j['scale']}, {j['arch']}) is not in the sweep now")
+    raise SweepError(f"{plan.root} holds {len(gone)} launched run(s) of this sweep that it no longer resolves to "
+                     f"({why}: the data, parameters or gin files changed). Launch it into another --root; "
+                     f"the old runs and sweep.json are left as they are")
 
 
 def read_manifest(root: str | Path) -> dict:
