@@ -9,7 +9,9 @@ Each fault runs the tiny test config (``tests/conftest.py`` TINY) in child proce
 - no silent restart (a run over existing checkpoints says "resumed from step", or refuses);
 - no mixed metrics (every step's train rows agree bitwise, the steps are 1..N without gaps);
 - where the fault allows a resume, the final state and loss curve are bitwise those of an
-  uninterrupted run.
+  uninterrupted run; where it leaves no checkpoint that restores (a kill before the first save
+  committed), the rerun refuses in one line naming ``--restart``, and ``--restart`` (old records
+  archived) ends bitwise equal.
 
 Kinds: ``sigkill`` / ``sigterm`` at a random step, ``kill_during_save`` (SIGKILL right after a save
 step is logged, while the async save is in flight), ``corrupt_newest`` (garbage written into the
@@ -102,10 +104,20 @@ class Stress:
         return train_subprocess(kw.pop("gin", self.gin), workdir, timeout=self.timeout, **kw)
 
     def resume_equal(self, d: Path, row: dict, expect_resume: bool = True) -> None:
+        """Rerun ``d``: it resumes and ends bitwise equal to the uninterrupted run. When the fault left
+        no checkpoint that restores (a kill before the first save committed, every checkpoint
+        corrupt), the rerun must refuse in one line naming --restart; ``--restart`` then archives the
+        old records and the run ends bitwise equal."""
+        had = bool(ckpt_steps(d))
         r = self.run(d)
         row["resumed_rc"] = r["returncode"]
         said = "resumed from step" in r["output"]
-        row["silent_restart"] = expect_resume and bool(ckpt_steps(d)) and not said and r["returncode"] == 0
+        row["silent_restart"] = expect_resume and had and not said and r["returncode"] == 0
+        if r["returncode"] == 2 and "--restart" in last_line(r["output"]):
+            row["refused_nothing_restores"] = last_line(r["output"])[:160]
+            r = self.run(d, extra_args=("--restart",))
+            row["restart_rc"] = r["returncode"]
+            row["archived"] = (d / "archive").is_dir()
         if r["returncode"] == 0:
             cmp = compare_runs(self.straight, d)
             row["bitwise_equal"] = cmp["loss_equal"] and cmp["state_equal"]
@@ -154,7 +166,8 @@ class Stress:
         corrupt(d / "checkpoints" / str(steps[-1]))
         row["corrupted"] = steps[-1]
         self.resume_equal(d, row)
-        row["expected"] = (d / "checkpoints" / "corrupt" / str(steps[-1])).exists() and row["resumed_rc"] == 0
+        row["expected"] = (d / "checkpoints" / "corrupt" / str(steps[-1])).exists() and \
+            (row["resumed_rc"] == 0 or "refused_nothing_restores" in row)
 
     def corrupt_all(self, d, row, rng):
         self._kill(d, row, rng.randint(EVERY + 1, self.steps - 2), signal.SIGKILL)
@@ -170,7 +183,7 @@ class Stress:
         row["silent_restart"] = r["returncode"] == 0
 
     def readonly_checkpoints(self, d, row, rng):
-        self._kill(d, row, rng.randint(1, self.steps - EVERY - 2), signal.SIGKILL)
+        self._kill(d, row, rng.randint(2 * EVERY + 1, self.steps - 2), signal.SIGKILL)
         undo = make_unwritable(d / "checkpoints")
         if undo is None:
             row["note"] = "cannot make a directory read-only here"
@@ -182,7 +195,9 @@ class Stress:
             row.update(rc=r["returncode"], error=last_line(r["output"]), fail_seconds=round(time.time() - t0, 1))
         finally:
             undo()
-        ok_fail = r["returncode"] == 2 and "error: saving the checkpoint" in row["error"]
+        # the save fails fast in one line, or (no checkpoint had committed before the kill) the run
+        # refuses to start over; either way nothing is written
+        ok_fail = r["returncode"] == 2 and ("error: saving the checkpoint" in row["error"] or "--restart" in row["error"])
         self.resume_equal(d, row)
         row["expected"] = ok_fail
 
@@ -230,17 +245,19 @@ def main() -> int:
         print(r["output"][-3000:])
         return 1
     rows = [stress.fault(k, i, rng) for i, k in enumerate(tqdm(plan, desc="faults"))]
-    print(f"\n{'kind':<22}{'n':>4}{'ok':>5}{'hangs':>7}{'silent restarts':>17}{'mixed metrics':>15}{'not bitwise':>13}")
+    print(f"\n{'kind':<22}{'n':>4}{'ok':>5}{'hangs':>7}{'silent restarts':>17}{'mixed metrics':>15}{'not bitwise':>13}"
+          f"{'refused, --restart':>20}")
     summary = {}
     for k in kinds:
         rs = [x for x in rows if x["kind"] == k]
         s = {"n": len(rs), "ok": sum(x["ok"] for x in rs), "hangs": sum(x["hang"] for x in rs),
              "silent_restarts": sum(bool(x.get("silent_restart")) for x in rs),
              "mixed_metrics": sum(x["mixed_metrics"] is not None for x in rs),
-             "not_bitwise": sum(x.get("bitwise_equal") is False for x in rs)}
+             "not_bitwise": sum(x.get("bitwise_equal") is False for x in rs),
+             "refused_then_restarted": sum("refused_nothing_restores" in x for x in rs)}
         summary[k] = s
         print(f"{k:<22}{s['n']:>4}{s['ok']:>5}{s['hangs']:>7}{s['silent_restarts']:>17}{s['mixed_metrics']:>15}"
-              f"{s['not_bitwise']:>13}")
+              f"{s['not_bitwise']:>13}{s['refused_then_restarted']:>20}")
     bad = [x for x in rows if not x["ok"]]
     print(f"\n{len(rows) - len(bad)}/{len(rows)} faults handled as specified")
     for x in bad:

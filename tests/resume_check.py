@@ -25,9 +25,9 @@ def write_gin(path: Path, params: list[str]) -> Path:
 
 
 def train_subprocess(gin_file: Path, workdir: Path, *, kill_at: int | None = None, sig: int = signal.SIGKILL,
-                     timeout: float = 600, env: dict | None = None) -> dict:
+                     timeout: float = 600, env: dict | None = None, extra_args: tuple = ()) -> dict:
     """Run ``hybrid-lm train`` in a child; with ``kill_at``, send ``sig`` once step ``kill_at`` is logged."""
-    cmd = [sys.executable, "-m", "hybrid_lm.cli", "train", str(gin_file), "--workdir", str(workdir)]
+    cmd = [sys.executable, "-m", "hybrid_lm.cli", "train", str(gin_file), "--workdir", str(workdir), *extra_args]
     env = dict(os.environ if env is None else env)
     env.setdefault("JAX_PLATFORMS", "cpu")
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
