@@ -1,5 +1,6 @@
 """``hybrid-lm eval``: training-free attention swaps and receptive-field constraints on a run's checkpoint;
-``hybrid-lm generate``: text continued by a run's checkpoint; ``hybrid-lm longppl``: LongPPL.
+``hybrid-lm generate``: text continued by a run's checkpoint; ``hybrid-lm longppl``: LongPPL;
+``hybrid-lm ruler``: RULER-offline (``docs/EVAL.md``).
 
     hybrid-lm eval WORKDIR [--swap full=swa:128] [--swap efficient=sa:128] [--horizon H --sinks S]
                            [--seq-len T] [--step N] [--baseline]
