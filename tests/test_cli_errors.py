@@ -63,3 +63,16 @@ def test_missing_inputs_are_one_line_for_every_command(tmp_path, capsys):
     assert "nothing" in one_line(capsys, "eval", str(tmp_path / "nothing"))
     assert "gin file not found" in one_line(capsys, "train", str(tmp_path / "nope.gin"))
     assert "gin file not found" in one_line(capsys, "info", str(tmp_path / "nope.gin"))
+
+
+def test_generate_warns_past_the_trained_context(run_dir, capsys, caplog):
+    """TINY trains at seq_len 32: a 30-byte prompt + 10 new tokens runs past it, with a warning."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="hybrid_lm.generate"):
+        assert main(["generate", str(run_dir), "--prompt", "x" * 30, "--max-new", "10"]) == 0
+    assert any("exceeds the trained context (seq_len 32)" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="hybrid_lm.generate"):
+        assert main(["generate", str(run_dir), "--prompt", "x" * 10, "--max-new", "10"]) == 0
+    assert not caplog.records

@@ -104,6 +104,19 @@ def test_sampling():
 
 
 @pytest.mark.slow
+def test_ids_beyond_the_tokenizer_vocabulary_are_never_picked():
+    """A model vocabulary padded beyond the tokenizer's (here 97 > 40): generation keeps to the ids
+    the tokenizer can decode, greedy and sampled."""
+    model = _model("swa")
+    prompt = _tokens(8, n=PROMPT) % 40
+    for kw in ({}, {"temperature": 2.0, "key": jax.random.key(4)}):
+        free = generate(model, prompt, 12, **kw)
+        limited = generate(model, prompt, 12, vocab_limit=40, **kw)
+        assert int(limited.max()) < 40
+    assert int(free.max()) >= 40  # the limit mattered: unrestricted sampling picks ids past 40
+
+
+@pytest.mark.slow
 def test_bad_requests_say_what_is_wrong():
     model = _model("swa")
     prompt = _tokens(7, n=PROMPT)

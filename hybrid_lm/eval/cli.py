@@ -82,9 +82,16 @@ def _generate(args) -> int:
     ids = tok.encode(args.prompt)
     if len(ids) == 0:
         raise ValueError("the prompt is empty: give at least one character")
+    trained = run.cfg.data.seq_len
+    if len(ids) + args.max_new > trained:
+        import logging
+        logging.getLogger("hybrid_lm.generate").warning(
+            "the prompt (%d tokens) + %d new tokens = %d exceeds the trained context (seq_len %d): positions "
+            "beyond %d were never trained, expect the continuation to degrade there", len(ids), args.max_new,
+            len(ids) + args.max_new, trained, trained)
     out = generate(run.model(), np.asarray(ids)[None], args.max_new,
                    temperature=args.temperature, top_k=args.top_k, key=jax.random.key(args.seed),
-                   attention_impl=args.attention_impl or run.cfg.model.attention_impl)
+                   attention_impl=args.attention_impl or run.cfg.model.attention_impl, vocab_limit=tok.vocab_size)
     tokens = np.asarray(out[0]).tolist()
     text = tok.decode(tokens)
     if args.json:

@@ -21,11 +21,13 @@ from flax import nnx
 
 
 def generate(model, prompt, max_new: int, *, temperature: float = 0.0, top_k: int | None = None,
-             key=None, attention_impl: str = "auto", max_len: int | None = None):
+             key=None, attention_impl: str = "auto", max_len: int | None = None, vocab_limit: int | None = None):
     """``max_new`` tokens ``[B, max_new]`` (int32) continuing ``prompt [B, T0]`` (T0 >= 1).
 
     ``max_len`` (default ``T0 + max_new``) sizes the full-attention caches; it must cover the prompt
-    and the new tokens. ``key`` is required when ``temperature > 0``.
+    and the new tokens. ``key`` is required when ``temperature > 0``. ``vocab_limit`` (the
+    tokenizer's vocabulary, when the model's embedding is padded beyond it) keeps ids the tokenizer
+    cannot decode from ever being picked.
     """
     prompt = jnp.asarray(prompt, jnp.int32)
     if prompt.ndim != 2 or prompt.shape[1] < 1:
@@ -47,8 +49,9 @@ def generate(model, prompt, max_new: int, *, temperature: float = 0.0, top_k: in
         raise ValueError(f"prompt token ids must lie in [0, {vocab})")
     key = jax.random.key(0) if key is None else key
     graphdef, state = nnx.split(model)
+    limit = None if vocab_limit is None or vocab_limit >= vocab else int(vocab_limit)
     run = _runner(model, graphdef, max_new=max_new, max_len=max_len, temperature=float(temperature),
-                  top_k=top_k, attention_impl=attention_impl)
+                  top_k=top_k, attention_impl=attention_impl, vocab_limit=limit)
     return run(state, prompt, key)
 
 
@@ -65,7 +68,9 @@ def _runner(model, graphdef, **settings):
     return per_model[key]
 
 
-def _pick(logits, key, temperature: float, top_k: int | None):
+def _pick(logits, key, temperature: float, top_k: int | None, vocab_limit: int | None = None):
+    if vocab_limit is not None:  # ids past the tokenizer's vocabulary are never picked
+        logits = jnp.where(jnp.arange(logits.shape[-1]) < vocab_limit, logits, -jnp.inf)
     if temperature == 0:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     logits = logits / temperature
@@ -75,16 +80,16 @@ def _pick(logits, key, temperature: float, top_k: int | None):
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
-def _run(graphdef, state, prompt, key, *, max_new, max_len, temperature, top_k, attention_impl):
+def _run(graphdef, state, prompt, key, *, max_new, max_len, temperature, top_k, attention_impl, vocab_limit):
     model = nnx.merge(graphdef, state)
     logits, cache = model.prefill(prompt, max_len, attention_impl)
     keys = jax.random.split(key, max_new)
-    first = _pick(logits[:, -1], keys[0], temperature, top_k)
+    first = _pick(logits[:, -1], keys[0], temperature, top_k, vocab_limit)
 
     def body(carry, key_t):
         token, cache = carry
         logits_t, cache = model.decode_step(token, cache)
-        return (_pick(logits_t, key_t, temperature, top_k), cache), token
+        return (_pick(logits_t, key_t, temperature, top_k, vocab_limit), cache), token
 
     (last, _), tokens = jax.lax.scan(body, (first, cache), keys[1:])
     return jnp.concatenate([tokens.T, last[:, None]], axis=1)
