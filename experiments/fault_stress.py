@@ -166,8 +166,9 @@ class Stress:
         corrupt(d / "checkpoints" / str(steps[-1]))
         row["corrupted"] = steps[-1]
         self.resume_equal(d, row)
-        row["expected"] = (d / "checkpoints" / "corrupt" / str(steps[-1])).exists() and \
-            (row["resumed_rc"] == 0 or "refused_nothing_restores" in row)
+        # moved aside to checkpoints/corrupt/<step> (after a --restart, that is under archive/<UTC>/)
+        moved = [*d.glob(f"checkpoints/corrupt/{steps[-1]}"), *d.glob(f"archive/*/checkpoints/corrupt/{steps[-1]}")]
+        row["expected"] = bool(moved) and (row["resumed_rc"] == 0 or "refused_nothing_restores" in row)
 
     def corrupt_all(self, d, row, rng):
         self._kill(d, row, rng.randint(EVERY + 1, self.steps - 2), signal.SIGKILL)
