@@ -237,9 +237,9 @@ class DataStreams:
                             f"{off:,}: the store does not match its manifest (run `hybrid-lm data verify`)")
 
     @property
-    def train_windows(self) -> range:
-        """Sized like all components' windows together (for the startup summary)."""
-        return range(sum(len(c) for c in self.components))
+    def n_train_windows(self) -> int:
+        """Windows of all training components together."""
+        return sum(len(c) for c in self.components)
 
     @cached_property
     def bytes_per_token(self) -> float:

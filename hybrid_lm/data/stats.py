@@ -12,13 +12,8 @@ from hybrid_lm.data import store as st
 from hybrid_lm.files import atomic_write_json
 
 
-def order0_entropy_bits(tokens: np.ndarray, vocab_size: int) -> float:
-    """Order-0 (unigram) entropy in bits per token."""
-    counts = np.bincount(tokens.astype(np.int64), minlength=vocab_size).astype(np.float64)
-    return _entropy(counts)
-
-
 def _entropy(counts: np.ndarray) -> float:
+    """Order-0 (unigram) entropy in bits per token of a count vector."""
     p = counts[counts > 0] / max(counts.sum(), 1)
     return float(-(p * np.log2(p)).sum())
 

@@ -230,7 +230,7 @@ def startup_summary(cfg: Config, data: DataStreams, mesh) -> list[str]:
     lines.append(f"backend  loss: {loss} ({why}; {micro:,} tokens per micro-batch)")
     train_tokens = data.meta.get("train_tokens")
     lines += [f"data     {cfg.data.source}: " + (f"{train_tokens:,} train tokens, " if train_tokens else "")
-              + f"{len(data.train_windows):,} train windows of {cfg.data.seq_len} tokens, "
+              + f"{data.n_train_windows:,} train windows of {cfg.data.seq_len} tokens, "
               f"{len(data.eval_tokens)} eval windows; {cfg.train.global_batch} x {cfg.data.seq_len} tokens/step",
               f"mesh     {dict(mesh.shape)} on {mesh.devices.size} {jax.default_backend()} device(s), "
               f"{jax.process_count()} process(es)"]
