@@ -12,6 +12,9 @@ _EXTRAS = {
     "sentencepiece": "sentencepiece",
     "pyarrow": "parquet",
     "datasets": "datasets",
+    "sklearn": "eval",
+    "safetensors": "eval",
+    "lm_eval": "lm_eval",
 }
 
 
