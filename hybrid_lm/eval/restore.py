@@ -84,9 +84,22 @@ class RestoredRun:
 
     # ------------------------------------------------------------------------- what a task needs
 
-    def model(self):
-        """The restored :class:`~hybrid_lm.model.transformer.HybridLM` (an NNX module)."""
-        return self.fns.model(self.params)
+    def model(self, cfg: Config | None = None):
+        """The restored :class:`~hybrid_lm.model.transformer.HybridLM` (an NNX module); with ``cfg``
+        (e.g. :meth:`task_config`'s swapped config) that config's model on the same parameters."""
+        if cfg is None or cfg.model == self.cfg.model:
+            return self.fns.model(self.params)
+        from hybrid_lm.train.step import ModelFns
+        return ModelFns(cfg).model(self.params)
+
+    def task_config(self, swaps=(), horizon: int | None = None, sinks: int = 0, *, seq_len: int | None = None,
+                    attention_impl: str | None = None) -> Config:
+        """The run's config with attention swaps / a receptive-field constraint applied
+        (``hybrid_lm/eval/swap.py``): what every eval task runs on (``--swap``, ``--horizon``)."""
+        from hybrid_lm.eval.swap import parse_swap, swapped_config
+
+        swaps = [parse_swap(s) if isinstance(s, str) else s for s in swaps]
+        return swapped_config(self.cfg, swaps, horizon, sinks, seq_len=seq_len, attention_impl=attention_impl)
 
     @property
     def tokenizer(self):
