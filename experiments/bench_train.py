@@ -14,7 +14,8 @@ without running it, and one that fails to allocate at run time likewise.
 An arch name may end in ``+scan`` (``gdn+scan``): the same variant with ``ModelConfig.scan_layers``
 on, so one call times the scanned and unrolled stacks side by side. ``--deadline`` bounds the whole
 call: variants whose compile has not finished by then are reported as ``not_compiled`` and the
-process exits without waiting for the compile threads.
+process exits without waiting for the compile threads. ``@REMAT`` after an arch (``full@dots_attn``)
+sets that variant's remat policy, so one call compares policies.
 
 ``--sweep-microbatch`` picks, per (scale, arch), the micro-batch (sequences per device) with the
 highest tokens/s among those that fit, and writes them as the measured table that
@@ -63,19 +64,22 @@ SCAN = "+scan"  # arch suffix: the same stack under ModelConfig.scan_layers
 
 
 def arch_bindings(arch: str) -> list[str]:
-    """The gin bindings of ``arch`` (``name`` or ``name+scan``)."""
+    """The gin bindings of ``arch`` (``name``, ``name+scan``, either with ``@REMAT``: ``full@dots_attn``
+    runs that variant under ``ModelConfig.remat = REMAT`` instead of ``--remat``)."""
+    arch, _, remat = arch.partition("@")
     base = arch.removesuffix(SCAN)
     if base not in ARCH:
         raise SystemExit(f"unknown arch {arch!r}: choose from {sorted(ARCH)}, optionally with {SCAN!r}")
-    return ARCH[base] + (["ModelConfig.scan_layers = True"] if arch.endswith(SCAN) else [])
+    return (ARCH[base] + (["ModelConfig.scan_layers = True"] if arch.endswith(SCAN) else [])
+            + ([f"ModelConfig.remat = '{remat}'"] if remat else []))
 
 
 def make_config(scale: str, arch: str, seq_len: int, batch: int, remat: str, impl: str, extra=()):
     bindings = arch_bindings(arch)
     gin_files = [f"scale/{scale}.gin"] + [b.split("'")[1] for b in bindings if b.startswith("include")]
-    params = [b for b in bindings if not b.startswith("include")] + [
+    params = [f"ModelConfig.remat = '{remat}'"] + [b for b in bindings if not b.startswith("include")] + [
         f"DataConfig.seq_len = {seq_len}", f"TrainConfig.global_batch = {batch}",
-        f"ModelConfig.remat = '{remat}'", f"ModelConfig.attention_impl = '{impl}'", *extra]
+        f"ModelConfig.attention_impl = '{impl}'", *extra]
     return load_config(gin_files, params)
 
 
@@ -83,7 +87,8 @@ class Variant:
     """One (scale, arch, batch) train step: its config, compiled executable and measurements."""
 
     def __init__(self, scale, arch, batch, args):
-        self.key = dict(scale=scale, arch=arch, batch=batch, seq_len=args.seq_len, remat=args.remat,
+        self.key = dict(scale=scale, arch=arch, batch=batch, seq_len=args.seq_len,
+                        remat=arch.partition("@")[2] or args.remat,
                         attention_impl=args.impl, loss_impl=args.loss, gin_param=list(args.gin_param))
         extra = ([f"ModelConfig.loss_impl = '{args.loss}'"] if args.loss != "default" else []) + args.gin_param
         self.cfg = make_config(scale, arch, args.seq_len, batch, args.remat, args.impl, extra)

@@ -4,6 +4,7 @@
 #   bash experiments/gpu_s5_train.sh table    # S2-S4 x 7 archs x micro-batch {4, 8} until a deadline, then S5 scan
 #   bash experiments/gpu_s5_train.sh profile  # jax.profiler trace of S3 full at 8 x 16K
 #   bash experiments/gpu_s5_train.sh s5       # S5: full unrolled vs scan_layers compiled alone (B 8), then 7 archs at B 4
+#   bash experiments/gpu_s5_train.sh remat    # session 6: remat dots vs dots_attn, S1-S5, one scale pair per process
 #
 # Run from the repo root (or a `git archive` of it) on the device machine with `.whl` beside or
 # inside it. JSON goes to $OUT; every step has a timeout so the call ends inside its 10 minutes.
@@ -38,6 +39,17 @@ case "${1:-table}" in
     echo "== $left s left for the S5 table"
     B $left --scale s5 --arch full,swa,sa,sa_swa,lightning,mamba2,gdn,gdn+scan --batch 4 --steps 4 \
       --compile-workers 9 --deadline $(( left - 25 )) --out "$OUT/bench_train_s5.json"
+    ;;
+  remat)  # session 6: does saving the attention kernels' outputs lift the MFU cap? (ROADMAP issue 17)
+    A="full@dots,full@dots_attn,swa@dots_attn,sa@dots_attn,sa_swa@dots_attn"
+    B 150 --scale s1,s2 --arch $A --batch 8 --steps 5 --compile-workers 5 --deadline 140 \
+      --out "$OUT/bench_train_s1_s2_remat.json"
+    B 190 --scale s3,s4 --arch $A --batch 8 --steps 5 --compile-workers 5 --deadline 180 \
+      --out "$OUT/bench_train_s3_s4_remat.json"
+    left=$(( 570 - SECONDS ))
+    echo "== $left s left for S5"
+    [ $left -gt 60 ] && B $left --scale s5 --arch full@dots,full@dots_attn,swa@dots_attn,lightning@dots_attn,gdn@dots_attn \
+      --batch 8 --steps 4 --compile-workers 5 --deadline $(( left - 15 )) --out "$OUT/bench_train_s5_remat.json"
     ;;
   profile)
     timeout 200 python3 experiments/profile_train.py --scale s3 --arch full --batch 8 \

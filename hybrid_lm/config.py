@@ -70,7 +70,7 @@ SLOT_DEFAULTS = {"full": MixerConfig(kind="attention"), "efficient": MixerConfig
 
 AttentionImpl = Literal["auto", "xla", "cudnn", "pallas", "jla"]  # resolved in hybrid_lm/backends.py
 LinearImpl = Literal["auto", "xla", "jla"]  # resolved in hybrid_lm/backends.py
-Remat = Literal["none", "full", "dots"]
+Remat = Literal["none", "full", "dots", "dots_attn"]
 DType = Literal["float32", "bfloat16", "float16"]
 Source = Literal["embedded", "tokens"]  # tokens: a prepared token store (hybrid_lm/data/store.py) at DataConfig.path
 Optimizer = Literal["adamw", "muon"]  # muon: Muon for hidden matrices, AdamW for the rest (train/optim.py)

@@ -75,12 +75,12 @@ def test_bench_decode_check_and_tables(tmp_path):
 def test_bench_train_sweep_microbatch(tmp_path):
     """bench_train --sweep-microbatch: every variant compiles and runs, the best table is written."""
     out, table = tmp_path / "train.json", tmp_path / "mb.json"
-    _run(["experiments/bench_train.py", "--scale", "s1", "--arch", "full,sa", "--seq-len", "64",
+    _run(["experiments/bench_train.py", "--scale", "s1", "--arch", "full,sa@dots_attn", "--seq-len", "64",
           "--sweep-microbatch", "1,2", "--steps", "1", "--compile-workers", "2", "--out", str(out),
           "--table-out", str(table), *TINY_ARGS], tmp_path)
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["arch"], r["batch"], r["status"]) for r in rows] == [
-        (a, b, "ok") for a in ("full", "sa") for b in (1, 2)]
+    assert [(r["arch"], r["batch"], r["status"], r["remat"]) for r in rows] == [
+        (a, b, "ok", remat) for a, remat in (("full", "dots"), ("sa@dots_attn", "dots_attn")) for b in (1, 2)]
     assert all(r["peak_bytes"] > 0 and r["compile_s"] > 0 for r in rows)
     assert rows[2]["attention_backends"].get("sa w=128") == "xla"
-    assert set(json.loads(table.read_text())["best"]) == {"s1/full/64", "s1/sa/64"}
+    assert set(json.loads(table.read_text())["best"]) == {"s1/full/64", "s1/sa@dots_attn/64"}

@@ -80,7 +80,7 @@ def test_retention_keeps_newest_and_permanent(tiny_params, tmp_path):
 @pytest.mark.slow
 def test_remat_gives_the_same_loss_and_gradients(tiny_params):
     losses = []
-    for remat in ("none", "full", "dots"):
+    for remat in ("none", "full", "dots", "dots_attn"):
         cfg = load_config([], tiny_params + [f"ModelConfig.remat = '{remat}'"])
         fns = ModelFns(cfg)
         params = fns.init(0)
@@ -92,6 +92,31 @@ def test_remat_gives_the_same_loss_and_gradients(tiny_params):
         assert loss == pytest.approx(losses[0][0], rel=1e-6)
         for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(losses[0][1])):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_dots_attn_saves_the_attention_kernels_outputs():
+    """remat 'dots_attn' keeps a kernel's output and softmax statistics for the backward pass ('dots'
+    recomputes the kernel's forward there): checked on the Pallas windowed kernel in interpret mode."""
+    import contextlib
+    import io
+
+    from jax.ad_checkpoint import print_saved_residuals
+
+    import hybrid_lm_kernels as kernels
+    from hybrid_lm.model.transformer import _REMAT_POLICIES
+
+    q = jax.random.normal(jax.random.key(0), (1, 64, 2, 16))
+
+    def saved(policy):
+        buf = io.StringIO()
+        f = jax.checkpoint(lambda x: (kernels.windowed_attention(x, x, x, None, 16) ** 2).sum(), policy=policy)
+        with contextlib.redirect_stdout(buf):
+            print_saved_residuals(f, q)
+        return [line for line in buf.getvalue().splitlines() if "pallas_call" in line]
+
+    assert saved(_REMAT_POLICIES["dots"]) == []
+    kept = saved(_REMAT_POLICIES["dots_attn"])
+    assert len(kept) == 2 and any("f32[1,2,64]" in line for line in kept), kept  # output + statistics
 
 
 @pytest.mark.slow

@@ -25,9 +25,23 @@ from hybrid_lm.ops.attention import default_positions
 
 log = logging.getLogger(__name__)
 
+# outputs of these primitives are attention kernels' forward results (output + softmax statistics,
+# the residuals their backward reads): cuDNN fused attention and every Pallas kernel
+_ATTENTION_KERNELS = ("dot_product_attention_fwd", "dot_product_attention_fwd_wrapper", "pallas_call")
+
+
+def _dots_and_attention_saveable(prim, *args, **params) -> bool:
+    """``dots`` plus the attention kernels' forward outputs: the backward pass then reuses the
+    kernel's output and statistics instead of running the attention forward a second time."""
+    if prim.name in _ATTENTION_KERNELS:
+        return True
+    return jax.checkpoint_policies.dots_with_no_batch_dims_saveable(prim, *args, **params)
+
+
 _REMAT_POLICIES = {
     "full": None,  # save nothing: recompute the whole block
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "dots_attn": _dots_and_attention_saveable,
 }
 
 
