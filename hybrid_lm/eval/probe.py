@@ -1,0 +1,204 @@
+"""Layerwise probing (issue 19 item 4; the Rethinking-hybrids paper, section 4.2 and Fig. 4): how
+linearly decodable the hidden magic number is from the last token's residual stream after each layer.
+
+Data: :func:`hybrid_lm.eval.introspect.needle_items`, 8 classes (the number ``31415920 + c`` hidden
+at 25-75% depth of an essays / corpus / noise haystack, the prompt ending with the question for it),
+``samples`` prompts of exactly ``seq_len`` tokens, classes balanced (item i is class ``i % 8``).
+Features: the last prompt token's residual stream after the embedding (layer ``emb``) and after each
+block ``L0 .. L{n-1}`` (``introspect.last_token_states``, eval mode, jitted and batched). Classifier
+(:func:`probe_accuracy`): per layer, standardised features, scikit-learn
+``LogisticRegression(C=0.1)`` trained on a stratified, seeded 80% of the items and scored on the other
+20%; chance is 1/8.
+
+Python: ``rows = evaluate_probe(RestoredRun(wd), samples=256)``; ``format_probe(rows)``;
+``plot_probe(rows_of_several_checkpoints, out_dir)``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+from hybrid_lm.errors import ConfigError
+from hybrid_lm.eval import introspect as I
+
+log = logging.getLogger(__name__)
+
+HEADLINE = "best_accuracy"
+CHANCE = 1.0 / I.N_CLASSES
+C_REG = 0.1  # LogisticRegression's inverse regularisation
+TEST_FRACTION = 0.2
+MIN_SAMPLES = 5 * I.N_CLASSES  # the 20% test split must hold every class at least once
+
+
+def probe_accuracy(features: np.ndarray, labels, seed: int = 0, *, C: float = C_REG) -> np.ndarray:
+    """``[L]`` test accuracy of a linear probe per layer: ``features [N, L, d]``, ``labels [N]``;
+    one stratified 80/20 split (seeded) shared by all layers, features standardised on the train
+    part, ``LogisticRegression(C=C)``."""
+    from hybrid_lm.optional import optional_import
+
+    optional_import("sklearn")  # one-line install hint when scikit-learn is missing
+    from sklearn.exceptions import ConvergenceWarning
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.model_selection import train_test_split
+    from sklearn.preprocessing import StandardScaler
+
+    features = np.asarray(features, np.float64)
+    labels = np.asarray(labels)
+    if features.ndim != 3 or len(features) != len(labels):
+        raise ValueError(f"features must be [N, L, d] with N = len(labels), got {features.shape} and {labels.shape}")
+    train, test = train_test_split(np.arange(len(labels)), test_size=TEST_FRACTION, stratify=labels,
+                                            random_state=seed)
+    out = np.zeros(features.shape[1])
+    for layer in range(features.shape[1]):
+        scaler = StandardScaler().fit(features[train, layer])
+        clf = LogisticRegression(C=C, max_iter=2000)
+        with warnings.catch_warnings():  # a probe near chance may stop at max_iter: its accuracy stands
+            warnings.simplefilter("ignore", ConvergenceWarning)
+            clf.fit(scaler.transform(features[train, layer]), labels[train])
+        out[layer] = float(np.mean(clf.predict(scaler.transform(features[test, layer])) == labels[test]))
+    return out
+
+
+def _features_fn(fns, cfg):
+    def features(params, tokens):
+        B, T = tokens.shape
+        return I.last_token_states(fns.model(params), tokens, I.eval_context(cfg, B, T))
+    return features
+
+
+def probe_features(run, cfg, items, *, batch_size: int | None = None, progress: bool = True) -> np.ndarray:
+    """``[N, n_layers + 1, d]`` fp32 last-token states of ``items`` (embedding first)."""
+    import jax
+    from tqdm import tqdm
+
+    from hybrid_lm.eval import ruler as R
+    from hybrid_lm.train.sharding import put_batch
+
+    tokens = np.stack([it.ids for it in items]).astype(np.int32)
+    fn = I.jitted("probe_features", run, cfg, _features_fn)
+    per = R.batch_rows(run, tokens.shape[1], len(tokens), batch_size)
+    out = []
+    with jax.set_mesh(run.mesh), tqdm(total=-(-len(tokens) // per), desc="probe features", unit="batch",
+                                      disable=not progress, leave=False) as bar:
+        for part, n in R._batches(tokens, per):
+            out.append(np.asarray(fn(run.params, put_batch(part, run.batch_shard)))[:n])
+            bar.update()
+    return np.concatenate(out)
+
+
+def evaluate_probe(run, cfg=None, *, samples: int = 256, seq_len: int | None = None, seed: int = 0,
+                   progress: bool = True, batch_size: int | None = None, haystack: str = "essays") -> list[dict]:
+    """One row (``task: probe``) for ``run``'s checkpoint with the model of ``cfg`` (default the
+    run's): the probe's test accuracy per layer (``emb``, ``L0`` ...), its best layer, chance 1/8.
+    Prompts are ``seq_len`` tokens (default the config's); nothing is recorded."""
+    from hybrid_lm.eval import ruler as R
+    from hybrid_lm.eval.swap import describe
+
+    t0 = time.time()
+    cfg = cfg or run.cfg
+    if isinstance(samples, bool) or not isinstance(samples, int) or samples < MIN_SAMPLES:
+        raise ConfigError(f"probe: samples={samples!r}; the probe needs at least {MIN_SAMPLES} "
+                          f"({I.N_CLASSES} classes, {TEST_FRACTION:.0%} held out, each class in the test split)")
+    seq_len = I.check_length(cfg, seq_len, "probe")
+    tok = run.tokenizer
+    hay = R.haystack_for(haystack, tok, run)
+    items = I.needle_items(tok, seq_len, samples, seed, hay)
+    labels = np.array([I.item_label(it) for it in items])
+    run.model(cfg)  # builds (and so validates) the model of cfg on the run's parameters
+    feats = probe_features(run, cfg, items, batch_size=batch_size, progress=progress)
+    acc = probe_accuracy(feats, labels, seed)
+    layers = ["emb"] + [f"L{i}" for i in range(feats.shape[1] - 1)]
+    best = int(np.argmax(acc))
+    n_test = math.ceil(TEST_FRACTION * samples)  # as train_test_split rounds
+    return [{"kind": "probe", "task": "probe", "step": run.step, "checkpoint_step": run.step,
+             "tokens_seen": R.tokens_seen(run), "run_id": run.cfg.run_id(), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+             "samples": samples, "seq_len": seq_len, "trained_seq_len": run.cfg.data.seq_len, "seed": seed,
+             "haystack": hay.name, "classes": I.N_CLASSES, "depth_range": list(I.DEPTH_RANGE),
+             "depths": [round(it.depths[0], 4) for it in items],
+             "test_samples": n_test, "C": C_REG,
+             "layers": layers, "layer_types": "".join(cfg.model.layer_types()),
+             "accuracy": [float(a) for a in acc], "best_layer": layers[best], "best_accuracy": float(acc[best]),
+             "chance": CHANCE, "mixers": describe(cfg.model), "attention_impl": cfg.model.attention_impl,
+             "wall_s": round(time.time() - t0, 3)}]
+
+
+def format_probe(rows: list[dict]) -> str:
+    """Checkpoints x layers: the probe's test accuracy, the best layer and chance."""
+    if not rows:
+        return "no probe results"
+    lines = [f"probe  {rows[0]['samples']} samples  seq_len {rows[0]['seq_len']}  haystack {rows[0]['haystack']}  "
+             f"chance {rows[0]['chance']:.3f}  (accuracy of a linear probe on the last token, per layer)"]
+    layers = max((r["layers"] for r in rows), key=len)
+    types = rows[0]["layer_types"]
+    head = [f"{n}" + (f"({types[int(n[1:])]})" if n != "emb" and int(n[1:]) < len(types) else "") for n in layers]
+    width = max(8, *(len(h) + 1 for h in head))
+    lines.append(f"  {'step':>8}" + "".join(f"{h:>{width}}" for h in head) + "   best")
+    for r in sorted(rows, key=lambda r: r["checkpoint_step"]):
+        cells = "".join(f"{a:>{width}.3f}" for a in r["accuracy"])
+        lines.append(f"  {r['checkpoint_step']:>8}{cells}   {r['best_layer']} {r['best_accuracy']:.3f}")
+    return "\n".join(lines)
+
+
+def _by_step(rows: list[dict]) -> list[dict]:
+    """One row per checkpoint step (the last given for a step), in step order."""
+    return sorted({r["checkpoint_step"]: r for r in rows}.values(), key=lambda r: r["checkpoint_step"])
+
+
+def plot_probe(rows: list[dict], out_dir: Path) -> list[Path]:
+    """``probe_heatmap.png`` (accuracy, layer x checkpoint: Rethinking Fig. 4) and
+    ``probe_accuracy.png`` (accuracy against layer, one line per checkpoint, chance dashed)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = _by_step(rows)
+    if not rows:
+        return []
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    layers = max((r["layers"] for r in rows), key=len)
+    grid = np.full((len(layers), len(rows)), np.nan)
+    for c, r in enumerate(rows):
+        grid[:len(r["accuracy"]), c] = r["accuracy"]
+    steps = [r["checkpoint_step"] for r in rows]
+
+    fig, ax = plt.subplots(figsize=(max(4.0, 0.6 * len(rows) + 2.5), max(3.0, 0.35 * len(layers) + 1.5)))
+    im = ax.imshow(grid, aspect="auto", origin="lower", vmin=0.0, vmax=1.0, cmap="viridis")
+    ax.set_xticks(range(len(rows)), [str(s) for s in steps], rotation=45 if len(rows) > 6 else 0)
+    ax.set_yticks(range(len(layers)), layers)
+    ax.set_xlabel("checkpoint step")
+    ax.set_ylabel("layer")
+    ax.set_title(f"probe accuracy (chance {rows[0]['chance']:.3f})")
+    fig.colorbar(im, ax=ax, label="test accuracy")
+    fig.tight_layout()
+    heat = out_dir / "probe_heatmap.png"
+    fig.savefig(heat, dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    cmap = plt.get_cmap("viridis")
+    for c, r in enumerate(rows):
+        ax.plot(range(len(r["accuracy"])), r["accuracy"], "o-", lw=1.2, ms=3,
+                color=cmap(c / max(1, len(rows) - 1)), label=f"step {r['checkpoint_step']}")
+    ax.axhline(rows[0]["chance"], color="gray", ls="--", lw=1, label="chance")
+    ax.set_xticks(range(len(layers)), layers, rotation=45 if len(layers) > 12 else 0)
+    ax.set_ylim(0, 1.02)
+    ax.set_xlabel("layer")
+    ax.set_ylabel("test accuracy")
+    ax.set_title("linear probe on the last token: which magic number")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, ncol=1 + len(rows) // 8)
+    fig.tight_layout()
+    curve = out_dir / "probe_accuracy.png"
+    fig.savefig(curve, dpi=120)
+    plt.close(fig)
+    return [heat, curve]
+
+
+__all__ = ["CHANCE", "HEADLINE", "evaluate_probe", "format_probe", "plot_probe", "probe_accuracy", "probe_features"]
