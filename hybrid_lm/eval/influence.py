@@ -1,0 +1,267 @@
+"""Gradient influence G(d): how strongly the last outputs depend on the input ``d`` tokens back.
+
+For a window of T input tokens, ``e = model.embed(tokens)`` ``[B, T, d_model]`` and
+``s = sum(model.logits(model.run_blocks(e, ctx))[:, T-last:, :])`` (the logits of the last ``last``
+positions, summed over those positions and the vocabulary), ``G(d) = E_windows ||ds/de_{T-1-d}||_2``:
+d = 0 is the last input token, d = T-1 the first. The model runs in eval mode
+(``MixerContext(train=False)``); the gradient is taken in fp32 with respect to the embeddings (cast
+to the compute dtype inside), so a position outside every output's receptive field gets exactly 0
+(masked attention weights are exactly zero, and so are their gradients).
+
+:func:`evaluate_influence` returns one row (``task: influence``) with ``g`` (G(d) for every d) and
+summaries: ``reach`` (the last distance with G(d) >= 1e-3 max G), ``mean_distance`` (the G-weighted
+mean distance, the :data:`HEADLINE`) and ``bins`` (log2-binned means and mass fractions).
+:func:`format_influence` prints rows, :func:`plot_influence` draws G(d) against d on log-log axes,
+one curve per row (the Rethinking paper's Fig. 5).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import numpy as np
+
+from hybrid_lm.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+REACH_THRESHOLD = 1e-3  # reach: G(d) relative to max G below which a distance counts as out of reach
+
+# mean_distance is normalised by sum G, so it does not move with the overall logit scale (which grows
+# as training sharpens the logits); it is in tokens, has no threshold, and does not saturate at T-1 as
+# reach does once a full-attention layer sees the whole window: comparable across checkpoints of a run.
+HEADLINE = "mean_distance"
+
+
+# ----------------------------------------------------------------------------- summaries of G(d)
+
+def log2_bins(n: int) -> list[tuple[int, int]]:
+    """Inclusive distance ranges ``[0,0], [1,1], [2,3], [4,7], ...`` covering ``0..n-1`` (the last cut)."""
+    bins, lo = [(0, 0)], 1
+    while lo < n:
+        bins.append((lo, min(2 * lo - 1, n - 1)))
+        lo *= 2
+    return bins if n > 0 else []
+
+
+def summarize(g) -> dict:
+    """Summaries of ``g`` (G(d) for d = 0..T-1).
+
+    - ``reach``: ``max{d : G(d) >= REACH_THRESHOLD * max G}``, so G(d) < 1e-3 max G for every d > reach
+      (None when G is zero everywhere); ``reach_saturated``: reach == T-1 (the window is too short to
+      see G fall below the threshold).
+    - ``mean_distance``: ``sum_d d G(d) / sum_d G(d)`` in tokens (None when G is zero everywhere).
+    - ``bins``: per :func:`log2_bins` range, ``lo``, ``hi`` (inclusive), ``mean`` G and ``mass`` (its
+      share of sum G).
+    """
+    g = np.asarray(g, np.float64)
+    T = len(g)
+    total, top = float(g.sum()), float(g.max()) if T else 0.0
+    reach = int(np.nonzero(g >= REACH_THRESHOLD * top)[0].max()) if top > 0 else None
+    bins = [{"lo": lo, "hi": hi, "mean": float(g[lo:hi + 1].mean()),
+             "mass": float(g[lo:hi + 1].sum() / total) if total > 0 else None} for lo, hi in log2_bins(T)]
+    return {"g_max": top, "g_sum": total, "reach": reach, "reach_threshold": REACH_THRESHOLD,
+            "reach_saturated": reach == T - 1 if reach is not None else None,
+            "mean_distance": float((np.arange(T) * g).sum() / total) if total > 0 else None, "bins": bins}
+
+
+# ----------------------------------------------------------------------------- the gradient
+
+def _norms_fn(model, cfg, last: int):
+    """Jitted ``(state, tokens [B, T], segment_ids or None) -> [B, T]``: ||ds/de|| per position, column
+    d = distance d from the last position. ``model`` gives the graph; its state is an argument."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from hybrid_lm.model.registry import MixerContext
+    from hybrid_lm.ops.attention import default_positions, segment_positions
+
+    graphdef, _ = nnx.split(model)
+    dtype = jnp.dtype(cfg.model.compute_dtype)
+
+    def norms(state, tokens, segment_ids):
+        B, T = tokens.shape
+        ctx = MixerContext(positions=default_positions(B, T) if segment_ids is None else segment_positions(segment_ids),
+                           attention_impl=cfg.model.attention_impl, step=jnp.zeros((), jnp.int32),
+                           seed=cfg.train.seed, example_ids=jnp.arange(B, dtype=jnp.int32), train=False,
+                           segment_ids=segment_ids)
+        e = nnx.merge(graphdef, state).embed(tokens, dtype).astype(jnp.float32)
+
+        def s_of(e):  # the module is merged inside the differentiated function (its own trace)
+            m = nnx.merge(graphdef, state)
+            h = m.run_blocks(e.astype(dtype), ctx)
+            return m.logits(h[:, T - last:]).sum()
+
+        grad = jax.grad(s_of)(e)
+        return jnp.sqrt(jnp.sum(jnp.square(grad), axis=-1))[:, ::-1]
+
+    return jax.jit(norms)
+
+
+def _pick(n_available: int, samples: int, seed: int) -> np.ndarray:
+    """``min(samples, n_available)`` row indices, drawn without replacement by ``seed``, in order."""
+    n = min(samples, n_available)
+    if n == n_available:
+        return np.arange(n)
+    return np.sort(np.random.default_rng(seed).choice(n_available, n, replace=False))
+
+
+def evaluate_influence(run, cfg=None, *, windows=None, samples: int = 8, seq_len: int | None = None,
+                       last: int = 20, seed: int = 0, progress: bool = True,
+                       batch_size: int | None = None) -> list[dict]:
+    """G(d) of ``run`` (a :class:`~hybrid_lm.eval.restore.RestoredRun`) with the model of ``cfg``
+    (default the run's; e.g. ``run.task_config(horizon=H)``): ``[row]``, nothing recorded.
+
+    ``windows``: token ids ``[N, T]`` (each row T input tokens); default the run's fixed eval windows
+    at ``seq_len`` (default ``cfg.data.seq_len``), their first T tokens, with their segment ids when
+    the run masks documents. ``samples`` windows are averaged: all when there are at most that many,
+    else ``samples`` drawn by ``seed``. ``last``: how many final positions' logits make s.
+    ``batch_size``: rows per gradient pass (default: the trainer's tokens per step at T).
+    """
+    import jax
+    from tqdm import tqdm
+
+    from hybrid_lm.backends import recorded_backends
+    from hybrid_lm.eval.ruler import batch_rows
+    from hybrid_lm.eval.swap import describe, swapped_config
+    from hybrid_lm.train.sharding import put_batch
+
+    t0 = time.time()
+    cfg = cfg or run.cfg
+    if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
+        raise ConfigError(f"influence: samples={samples!r} must be an int >= 1")
+    segments = None
+    if windows is not None:
+        tokens = np.asarray(windows)
+        if tokens.ndim != 2 or not np.issubdtype(tokens.dtype, np.integer) or tokens.shape[1] < 1:
+            raise ConfigError(f"influence: windows must be token ids [N, T], got an array of shape {tokens.shape} "
+                              f"and dtype {tokens.dtype}")
+        if seq_len is not None and seq_len != tokens.shape[1]:
+            raise ConfigError(f"influence: seq_len={seq_len} but the given windows hold {tokens.shape[1]} tokens")
+        if tokens.min() < 0 or tokens.max() >= cfg.model.vocab_size:
+            raise ConfigError(f"influence: token ids must lie in [0, {cfg.model.vocab_size}) (the model's vocab_size)")
+        source = "given"
+    else:
+        if seq_len is not None and seq_len != cfg.data.seq_len:
+            cfg = swapped_config(cfg, seq_len=seq_len)  # validated for this length; same parameters
+        batch = run.streams(cfg).eval_batch
+        tokens = (batch["tokens"] if isinstance(batch, dict) else batch)[:, :-1]
+        if isinstance(batch, dict):
+            segments = batch["segment_ids"][:, :-1]
+        source = "eval"
+    T = tokens.shape[1]
+    if cfg.data.seq_len != T:
+        cfg = swapped_config(cfg, seq_len=T)
+    if isinstance(last, bool) or not isinstance(last, int) or not 1 <= last <= T:
+        raise ConfigError(f"influence: last={last!r} must be an int in [1, T={T}]")
+    idx = _pick(len(tokens), samples, seed)
+    if len(idx) < samples:
+        log.warning("influence: %d windows asked, %d available; averaging over %d", samples, len(idx), len(idx))
+    tokens = np.ascontiguousarray(tokens[idx], dtype=np.int32)
+    segments = None if segments is None else np.ascontiguousarray(segments[idx], dtype=np.int32)
+    n = len(tokens)
+    per = batch_rows(run, T, n, batch_size)
+
+    from flax import nnx
+    model = run.model(cfg)
+    state = nnx.state(model)
+    fn = _norms_fn(model, cfg, last)
+    total = np.zeros(T, np.float64)
+    recorded_backends(clear=True)
+    bar = tqdm(total=-(-n // per), desc=f"influence T={T}", unit="batch", disable=not progress, leave=False)
+    with jax.set_mesh(run.mesh):
+        for i in range(0, n, per):
+            real = min(per, n - i)
+            rows = np.arange(i, i + per) % n if real < per else np.arange(i, i + per)  # pad by wrapping
+            part = put_batch(tokens[rows], run.batch_shard)
+            seg = None if segments is None else put_batch(segments[rows], run.batch_shard)
+            norms = np.asarray(fn(state, part, seg), np.float64)
+            total += norms[:real].sum(0)
+            bar.update()
+    bar.close()
+    g = total / n
+    if not np.all(np.isfinite(g)):
+        log.warning("influence: G(d) is not finite at %d distances", int((~np.isfinite(g)).sum()))
+    row = {"kind": "influence", "task": "influence", "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+           "step": run.step, "checkpoint_step": run.step, "run_id": run.cfg.run_id(),
+           "seq_len": T, "trained_seq_len": run.cfg.data.seq_len, "samples": n, "last": last, "seed": seed,
+           "windows": source, "document_mask": segments is not None,
+           "g": [float(x) for x in g], **summarize(g),
+           "layer_types": "".join(cfg.model.layer_types()), "mixers": describe(cfg.model),
+           "attention_impl": cfg.model.attention_impl, "attention_backends": recorded_backends(),
+           "devices": int(run.mesh.devices.size), "wall_s": round(time.time() - t0, 3)}
+    return [row]
+
+
+# ----------------------------------------------------------------------------- report
+
+def _label(row: dict, rows: list[dict]) -> str:
+    """``step N``, with the run id / mixers / seq_len when the rows differ in them."""
+    parts = [f"step {row['checkpoint_step']}"]
+    if len({r.get("run_id") for r in rows}) > 1:
+        parts.insert(0, str(row.get("run_id", "?"))[:12])
+    if len({repr(r.get("mixers")) for r in rows}) > 1:
+        full = (row.get("mixers") or {}).get("full", {})
+        opts = ",".join(f"{k}={v}" for k, v in (full.get("options") or {}).items())
+        parts.append(f"full {full.get('kind')}" + (f"({opts})" if opts else ""))
+    if len({r["seq_len"] for r in rows}) > 1:
+        parts.append(f"T={row['seq_len']}")
+    return " ".join(parts)
+
+
+def format_influence(rows: list[dict]) -> str:
+    """One summary line per row, then the log2-binned mean G(d) per row."""
+    if not rows:
+        return "no influence results"
+    lines = []
+    for r in rows:
+        reach = "—" if r["reach"] is None else f"{r['reach']}" + (" (saturated: = T-1)" if r["reach_saturated"] else "")
+        md = "—" if r["mean_distance"] is None else f"{r['mean_distance']:.2f}"
+        lines.append(f"influence  {_label(r, rows)}  seq_len {r['seq_len']}  {r['samples']} windows  last {r['last']}  "
+                     f"reach {reach}  mean distance {md} tokens  max G {r['g_max']:.4g}")
+    bins = max((r["bins"] for r in rows), key=len)
+    heads = [f"{b['lo']}" if b["lo"] == b["hi"] else f"{b['lo']}-{b['hi']}" for b in bins]
+    width = max(10, *(len(h) + 1 for h in heads))
+    names = [_label(r, rows) for r in rows]
+    lead = max(len("mean G(d), d"), *(len(x) for x in names)) + 2
+    lines.append("mean G(d), d".ljust(lead) + "".join(h.rjust(width) for h in heads))
+    for name, r in zip(names, rows):
+        lines.append(name.ljust(lead) + "".join(f"{b['mean']:.3g}".rjust(width) for b in r["bins"]))
+    return "\n".join(lines)
+
+
+def plot_influence(rows: list[dict], out_dir) -> list[Path]:
+    """``out_dir/influence.png``: G(d) against d (d >= 1; zeros left out) on log-log axes, one curve
+    per row. Returns the paths written ([] without rows)."""
+    if not rows:
+        return []
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    for r in sorted(rows, key=lambda r: (str(r.get("run_id")), r["checkpoint_step"])):
+        g = np.asarray(r["g"], np.float64)[1:]
+        d = np.arange(1, len(g) + 1)
+        ax.plot(d, np.where(g > 0, g, np.nan), label=_label(r, rows), lw=1.4)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("distance d from the last token (tokens)")
+    ax.set_ylabel(r"$G(d) = \mathbb{E}\,\|\partial s / \partial e_{T-d}\|_2$")
+    ax.set_title(f"gradient influence (s: logits of the last {rows[0]['last']} positions)", fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = out_dir / "influence.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return [path]
+
+
+__all__ = ["HEADLINE", "REACH_THRESHOLD", "evaluate_influence", "format_influence", "log2_bins", "plot_influence",
+           "summarize"]
