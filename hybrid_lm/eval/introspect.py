@@ -223,6 +223,8 @@ def qk_distance(wq, wk, wq_ref, wk_ref) -> np.ndarray:
 
 
 _JITTED: dict = {}
+_MODEL_FNS: dict = {}
+MAX_JITTED = 32
 
 
 def model_fns(run, cfg):
@@ -233,9 +235,11 @@ def model_fns(run, cfg):
     if cfg.model == run.cfg.model:
         return run.fns
     key = ("fns", repr(cfg.model))
-    if key not in _JITTED:
-        _JITTED[key] = ModelFns(cfg)
-    return _JITTED[key]
+    if key not in _MODEL_FNS:
+        if len(_MODEL_FNS) >= MAX_JITTED:
+            _MODEL_FNS.pop(next(iter(_MODEL_FNS)))
+        _MODEL_FNS[key] = ModelFns(cfg)
+    return _MODEL_FNS[key]
 
 
 def jitted(name: str, run, cfg, build, *static, out_shardings=None):
@@ -244,6 +248,8 @@ def jitted(name: str, run, cfg, build, *static, out_shardings=None):
     a run."""
     key = (name, repr(cfg.model), cfg.train.seed, static, out_shardings)
     if key not in _JITTED:
+        if len(_JITTED) >= MAX_JITTED:  # a sweep over many configs: drop the oldest
+            _JITTED.pop(next(iter(_JITTED)))
         fn = build(model_fns(run, cfg), cfg, *static)
         _JITTED[key] = jax.jit(fn) if out_shardings is None else jax.jit(fn, out_shardings=out_shardings)
     return _JITTED[key]
