@@ -1,0 +1,270 @@
+"""``hybrid-lm export``: a run's checkpoint as ``model.safetensors`` plus a ``config.json``.
+
+    hybrid-lm export RUN_DIR[@STEP] [--format safetensors] [--dtype fp32|bf16] [--out DIR] [--force]
+
+The parameters of checkpoint STEP (default: the newest that restores) are written under flat names
+joined from their NNX state paths (``blocks.0.mixer.wq``, ``embed.table``, ``lm_head``), fp32 as
+stored or cast to bf16. ``config.json`` is the run's ``config.json`` with an ``export`` entry: step,
+run id, source directory, dtype, the hybrid_lm version, the parameters' fingerprint
+(``train/checkpoint.py::params_fingerprint`` of the restored tree) and, per parameter, its shape,
+dtype and logical axes. The default output is ``RUN_DIR/export/step_<N>/``. The directory is
+written under a temporary name beside it and renamed when complete; an existing export is replaced
+only with ``force``.
+
+:func:`load_exported` reads an export back (nested parameter tree, config dict);
+:func:`exported_model` builds the :class:`~hybrid_lm.model.transformer.HybridLM` from it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+
+from hybrid_lm.errors import ConfigError, WorkdirError
+
+FORMATS = ("safetensors",)
+DTYPES = {None: "float32", "fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16"}
+WEIGHTS = "model.safetensors"
+CONFIG = "config.json"
+
+
+# ----------------------------------------------------------------------------- names
+
+def _key(k) -> str:
+    return str(getattr(k, "key", getattr(k, "idx", k)))
+
+
+def flatten_params(tree) -> dict:
+    """``{"blocks.0.mixer.wq": leaf, ...}`` of a nested parameter tree (NNX pure dict)."""
+    import jax
+    return {".".join(_key(k) for k in path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def unflatten_params(flat: dict) -> dict:
+    """The nested tree of :func:`flatten_params`'s names (all-digit parts are list indices, as ints)."""
+    tree: dict = {}
+    for name, leaf in flat.items():
+        node = tree
+        *parents, last = [int(p) if p.isdigit() else p for p in name.split(".")]
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[last] = leaf
+    return tree
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("hybrid_lm")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+# ----------------------------------------------------------------------------- export
+
+def parse_run_spec(spec: str) -> tuple[Path, int | None]:
+    """``(run dir, step or None for the newest)`` of ``RUN_DIR[@STEP]``; STEP a number or ``latest``."""
+    text = str(spec)
+    head, sep, tail = text.rpartition("@")
+    if sep and head and not Path(text).exists():
+        if tail.isdigit():
+            return Path(head), int(tail)
+        if tail == "latest":
+            return Path(head), None
+        raise ConfigError(f"{text}: @STEP must be a saved step number or 'latest', got {tail!r}")
+    return Path(text), None
+
+
+def _check_out(out: Path, force: bool) -> None:
+    """Refuse an existing ``out`` unless ``force`` and it is an export (or an empty directory)."""
+    if not out.exists():
+        return
+    if not force:
+        raise WorkdirError(f"{out} already exists; pass --force (force=True) to replace it, or choose --out")
+    if not out.is_dir():
+        raise WorkdirError(f"{out} exists and is not a directory; --force replaces only an earlier export")
+    if any(out.iterdir()):
+        try:
+            is_export = "export" in json.loads((out / CONFIG).read_text())
+        except (OSError, ValueError):
+            is_export = False
+        if not is_export:
+            raise WorkdirError(f"{out} is not an earlier export (no {CONFIG} with an 'export' entry); --force "
+                               "replaces only those, choose another --out")
+
+
+def export_checkpoint(run_spec: str, out=None, fmt: str = "safetensors", dtype: str | None = None,
+                      force: bool = False) -> Path:
+    """Write checkpoint ``RUN_DIR[@STEP]`` to ``out`` (default ``RUN_DIR/export/step_<N>``) as ``fmt``
+    with parameters in ``dtype`` (None / fp32: as stored; bf16); returns the directory.
+
+    Raises :class:`ConfigError` for an unknown format or dtype or a bad @STEP, :class:`WorkdirError`
+    for a path that is not a run directory, a step that was not saved or does not restore, or an
+    existing ``out`` without ``force``. Everything is checked before the checkpoint is restored,
+    except the default ``out`` of the newest step (known once restored)."""
+    import jax
+
+    from hybrid_lm.eval.restore import RestoredRun, load_run_config
+    from hybrid_lm.optional import optional_import
+    from hybrid_lm.train.checkpoint import params_fingerprint, saved_steps
+
+    if fmt not in FORMATS:
+        raise ConfigError(f"export format {fmt!r} is not supported; formats: {', '.join(FORMATS)}")
+    if dtype not in DTYPES:
+        raise ConfigError(f"export dtype {dtype!r}: use fp32 (as stored) or bf16")
+    run_dir, step = parse_run_spec(run_spec)
+    if not run_dir.is_dir():
+        raise WorkdirError(f"{run_spec}: no run directory {run_dir}")
+    try:
+        load_run_config(run_dir)
+    except FileNotFoundError as e:
+        raise WorkdirError(str(e)) from None
+    saved = saved_steps(run_dir / "checkpoints")
+    if not saved:
+        raise WorkdirError(f"{run_dir} holds no checkpoint: train the run first")
+    if step is not None and step not in saved:
+        raise WorkdirError(f"{run_dir} has no checkpoint at step {step}; saved steps: {saved}")
+    out = None if out is None else Path(out)
+    if out is not None or step is not None:
+        _check_out(out or run_dir / "export" / f"step_{step}", force)
+    if jax.process_count() > 1:
+        raise ConfigError("hybrid-lm export runs in a single process (it gathers every parameter on the host)")
+    optional_import("safetensors")
+    from safetensors.numpy import save_file
+
+    try:
+        run = RestoredRun(run_dir, step=step)
+    except FileNotFoundError as e:
+        raise WorkdirError(str(e)) from None
+    out = out or run_dir / "export" / f"step_{run.step}"
+    _check_out(out, force)
+
+    target = DTYPES[dtype]
+    flat = {}
+    for name, leaf in flatten_params(jax.device_get(run.params)).items():
+        arr = np.asarray(leaf)
+        if target == "bfloat16":
+            import ml_dtypes
+            arr = arr.astype(ml_dtypes.bfloat16)
+        flat[name] = np.ascontiguousarray(arr)
+    axes = _flat_axes(run.fns.axes)
+    raw = json.loads((run_dir / "config.json").read_text())
+    raw.pop("export", None)
+    meta = {"format": fmt, "weights": WEIGHTS, "step": run.step, "run_id": run.cfg.run_id(),
+            "source": str(run_dir.resolve()), "dtype": target, "hybrid_lm_version": _version(),
+            "params_fingerprint": params_fingerprint(run.params), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "n_params": int(sum(a.size for a in flat.values())),
+            "params": {name: {"shape": list(a.shape), "dtype": str(a.dtype), "axes": axes.get(name)}
+                       for name, a in flat.items()}}
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    old = out.with_name(f".{out.name}.old{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir()
+        save_file(flat, str(tmp / WEIGHTS),
+                  metadata={"format": "np", "hybrid_lm_step": str(run.step), "hybrid_lm_run_id": meta["run_id"]})
+        (tmp / CONFIG).write_text(json.dumps({**raw, "export": meta}, indent=2))
+        if out.exists():  # force, checked above: move the old export aside, then swap in the new one
+            os.rename(out, old)
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old.exists() and not out.exists():
+            os.rename(old, out)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+    return out
+
+
+def _flat_axes(axes_tree) -> dict:
+    """``{name: [logical axis, ...]}`` (the axes tuples are leaves, not subtrees)."""
+    import jax
+    leaves = jax.tree_util.tree_leaves_with_path(axes_tree, is_leaf=lambda x: isinstance(x, tuple))
+    return {".".join(_key(k) for k in path): list(a) for path, a in leaves}
+
+
+# ----------------------------------------------------------------------------- read back
+
+def load_exported(path) -> tuple[dict, dict]:
+    """``(params, config)`` of an export: the nested parameter tree (numpy arrays, in the exported
+    dtype; the layout of ``ModelFns.abstract_params``) and the config dict (the run's config.json
+    plus ``export``). ``path``: the export directory or its ``model.safetensors``."""
+    from hybrid_lm.optional import optional_import
+
+    path = Path(path)
+    directory = path.parent if path.is_file() else path
+    weights, config = directory / WEIGHTS, directory / CONFIG
+    for f in (weights, config):
+        if not f.is_file():
+            raise WorkdirError(f"{directory} is not an export: no {f.name}")
+    optional_import("safetensors")
+    from safetensors.numpy import load_file
+
+    cfg = json.loads(config.read_text())
+    if "export" not in cfg:
+        raise WorkdirError(f"{config} has no 'export' entry: not written by hybrid-lm export")
+    return unflatten_params(load_file(str(weights))), cfg
+
+
+def exported_model(path):
+    """``(HybridLM, Config)`` of an export: its config (in the current schema) and parameters (cast
+    to the model's dtypes; bf16 exports come back rounded). Shapes are checked."""
+    import jax
+    import jax.numpy as jnp
+
+    from hybrid_lm.config import config_from_dict
+    from hybrid_lm.train.step import ModelFns
+    from hybrid_lm.validate import read_fields_only
+
+    params, d = load_exported(path)
+    cfg = read_fields_only(config_from_dict({k: v for k, v in d.items() if k != "export"}))
+    fns = ModelFns(cfg)
+    want = flatten_params(fns.abstract_params)
+    got = flatten_params(params)
+    if set(want) != set(got) or any(tuple(got[k].shape) != tuple(want[k].shape) for k in want):
+        diff = sorted(set(want) ^ set(got)) or [k for k in want if tuple(got[k].shape) != tuple(want[k].shape)]
+        raise ConfigError(f"{path}: the exported parameters do not fit the exported config ({', '.join(diff[:5])})")
+    cast = jax.tree.map(lambda a, s: jnp.asarray(a, s.dtype), params, fns.abstract_params)
+    return fns.model(cast), cfg
+
+
+# ----------------------------------------------------------------------------- command line
+
+def cmd_export(args) -> int:
+    path = export_checkpoint(args.run, out=args.out, fmt=args.fmt, dtype=args.dtype, force=args.force)
+    meta = json.loads((path / CONFIG).read_text())["export"]
+    if args.json:
+        print(json.dumps({k: v for k, v in meta.items() if k != "params"} | {"out": str(path)}, indent=2))
+    else:
+        print(f"exported step {meta['step']} of {meta['source']} ({len(meta['params'])} tensors, "
+              f"{meta['n_params']:,} parameters, {meta['dtype']}) to {path}")
+    return 0
+
+
+def add_export_command(sub) -> None:
+    """Add ``export`` to the ``hybrid-lm`` subparsers."""
+    p = sub.add_parser(
+        "export", help="write a run's checkpoint as model.safetensors + config.json",
+        description="Write the parameters of RUN_DIR's checkpoint STEP (default: the newest that restores) to "
+                    "DIR/model.safetensors under flat names from their NNX paths (blocks.0.mixer.wq, ...), and "
+                    "DIR/config.json: the run's config.json plus an 'export' entry (step, run id, dtype, version, "
+                    "per-parameter shape and logical axes). Written to a temporary directory, then renamed.",
+        epilog="example: hybrid-lm export runs/quickstart@200 --dtype bf16")
+    p.add_argument("run", metavar="RUN_DIR[@STEP]", help="run directory, optionally @STEP (a saved step or 'latest')")
+    p.add_argument("--format", dest="fmt", default="safetensors", help="output format: safetensors (the default)")
+    p.add_argument("--dtype", default=None, help="fp32 (as stored, the default) or bf16")
+    p.add_argument("--out", default=None, metavar="DIR", help="output directory (default RUN_DIR/export/step_<N>)")
+    p.add_argument("--force", action="store_true", help="replace an earlier export at DIR")
+    p.add_argument("--json", action="store_true", help="print the export metadata as JSON")
+    p.set_defaults(fn=cmd_export)
+
+
+__all__ = ["DTYPES", "FORMATS", "add_export_command", "export_checkpoint", "exported_model", "flatten_params",
+           "load_exported", "parse_run_spec", "unflatten_params"]
