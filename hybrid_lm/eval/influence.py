@@ -122,6 +122,7 @@ def evaluate_influence(run, cfg=None, *, windows=None, samples: int = 8, seq_len
     ``batch_size``: rows per gradient pass (default: the trainer's tokens per step at T).
     """
     import jax
+    from flax import nnx
     from tqdm import tqdm
 
     from hybrid_lm.backends import recorded_backends
@@ -165,7 +166,6 @@ def evaluate_influence(run, cfg=None, *, windows=None, samples: int = 8, seq_len
     n = len(tokens)
     per = batch_rows(run, T, n, batch_size)
 
-    from flax import nnx
     model = run.model(cfg)
     state = nnx.state(model)
     fn = _norms_fn(model, cfg, last)
