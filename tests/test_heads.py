@@ -184,6 +184,8 @@ def test_evaluate_heads_end_to_end(run_dir, tmp_path):
     (short,) = HD.evaluate_heads(early, early.task_config(horizon=16, sinks=2), **kw)
     assert short["layer_kinds"] == ["attention_sink"] and short["constraints"] == [{"horizon": 16, "sinks": 2}]
     assert short["uniform_mass"][0] < row["uniform_mass"][0]
+    with pytest.raises(ConfigError, match="heads: .* too short: use a longer seq_len"):
+        HD.evaluate_heads(early, samples=2, progress=False)  # the trained 32 tokens
     with pytest.raises(ConfigError, match="no full-attention layer"):
         HD.evaluate_heads(early, early.task_config(["full=swa:8"]), **kw)
     text = HD.format_heads([row, final])

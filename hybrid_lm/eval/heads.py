@@ -148,7 +148,7 @@ def evaluate_heads(run, cfg=None, *, samples: int = 32, seq_len: int | None = No
     tok = run.tokenizer
     hay = R.haystack_for(haystack, tok, run)
     budget = I.answer_budget(tok)
-    items = I.needle_items(tok, seq_len, samples, seed, hay, gen_tokens=budget)
+    items = I.needle_items(tok, seq_len, samples, seed, hay, gen_tokens=budget, what="heads")
     seqs, qpos, qvalid, spans = _sequences(tok, items, seq_len)
     idx = tuple(a.layer for a in layers)
     fn = I.jitted("heads_stats", run, cfg, _stats_fn, tuple(layers))

@@ -62,9 +62,14 @@ def needle_item(length: int, seed: int, index: int, tok, haystack, gen_tokens: i
         answers=(value,), gold=" " + value)
 
 
-def needle_items(tok, length: int, samples: int, seed: int, haystack, gen_tokens: int = 0) -> list:
-    """Items ``0 .. samples - 1`` of :func:`needle_item`."""
-    return [needle_item(length, seed, i, tok, haystack, gen_tokens) for i in range(samples)]
+def needle_items(tok, length: int, samples: int, seed: int, haystack, gen_tokens: int = 0, what: str = "") -> list:
+    """Items ``0 .. samples - 1`` of :func:`needle_item`; ``what`` prefixes a too-short error."""
+    from hybrid_lm.eval.ruler import TooShort
+
+    try:
+        return [needle_item(length, seed, i, tok, haystack, gen_tokens) for i in range(samples)]
+    except TooShort as e:
+        raise TooShort(f"{what}{': ' if what else ''}{e}: use a longer seq_len") from None
 
 
 def item_label(item) -> int:

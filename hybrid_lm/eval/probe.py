@@ -108,7 +108,7 @@ def evaluate_probe(run, cfg=None, *, samples: int = 256, seq_len: int | None = N
     seq_len = I.check_length(cfg, seq_len, "probe")
     tok = run.tokenizer
     hay = R.haystack_for(haystack, tok, run)
-    items = I.needle_items(tok, seq_len, samples, seed, hay)
+    items = I.needle_items(tok, seq_len, samples, seed, hay, what="probe")
     labels = np.array([I.item_label(it) for it in items])
     run.model(cfg)  # builds (and so validates) the model of cfg on the run's parameters
     feats = probe_features(run, cfg, items, batch_size=batch_size, progress=progress)
