@@ -30,6 +30,8 @@ def _fmt(row: dict) -> str:
 
 
 def cmd_eval(args) -> int:
+    if args.tasks is not None or args.steps is not None or args.data is not None:
+        return _suite(args)
     try:
         return _run(args)
     except FileNotFoundError as e:  # not a run dir, no checkpoint, no such step: a message, not a traceback
@@ -100,6 +102,49 @@ def _generate(args) -> int:
                           "seed": args.seed}, indent=2))
     else:
         print(args.prompt + text)
+    return 0
+
+
+def _csv(text: str | None) -> tuple[str, ...]:
+    return tuple(t.strip() for t in (text or "").split(",") if t.strip())
+
+
+def _suite(args) -> int:
+    """``hybrid-lm eval RUN --tasks ... --steps ...``: ``hybrid_lm/eval/suite.py``."""
+    from hybrid_lm.errors import ConfigError
+    from hybrid_lm.eval import suite
+
+    if args.step is not None and args.steps is not None:
+        raise ConfigError("give --step N or --steps S1,S2, not both")
+    if args.baseline:
+        raise ConfigError("--baseline applies without --tasks (the loss of the swapped and unswapped model); "
+                          "with --tasks, run the suite once without --swap for the baseline")
+    lengths = None
+    if args.ruler_lengths:
+        from hybrid_lm.eval.ruler import parse_lengths
+        lengths = tuple(parse_lengths(args.ruler_lengths))
+    req = suite.EvalRequest(
+        tasks=_csv(args.tasks or "loss"), swaps=tuple(args.swap), horizon=args.horizon, sinks=args.sinks,
+        seq_len=args.seq_len, eval_windows=args.eval_windows, attention_impl=args.attention_impl, data=args.data,
+        samples=args.samples, seed=args.seed, batch_size=args.batch_size, evaluator=args.evaluator,
+        evaluator_step=args.evaluator_step, longppl_length=args.longppl_length, longppl_docs=args.docs,
+        trunc_len=args.trunc_len, window=args.window, ruler_tasks=_csv(args.ruler_tasks) or None,
+        ruler_lengths=lengths, haystack=args.haystack, allow_longer=args.allow_longer,
+        reference_step=args.reference_step, lm_eval_tasks=_csv(args.lm_eval_tasks), lm_eval_limit=args.lm_eval_limit,
+        lm_eval_fewshot=args.num_fewshot, progress=not args.json)
+    steps = str(args.step) if args.step is not None else args.steps
+    printer = (lambda *_: None) if args.json else print
+    rows = suite.evaluate_run(args.workdir, req, steps, record=not args.no_record, plots=not args.no_plots,
+                              printer=printer)
+    if args.json:
+        print(json.dumps(rows, indent=2, default=str))
+    return 0
+
+
+def cmd_eval_report(args) -> int:
+    from hybrid_lm.eval.report import eval_report
+
+    eval_report(args.runs, out_dir=args.out, tasks=_csv(args.tasks) or None)
     return 0
 
 
@@ -204,7 +249,49 @@ def add_eval_commands(sub) -> None:
     p.add_argument("--baseline", action="store_true", help="also evaluate the unswapped model and print the difference")
     p.add_argument("--no-record", dest="no_record", action="store_true", help="do not append to eval.jsonl")
     p.add_argument("--json", action="store_true", help="print the row(s) as JSON")
+    g = p.add_argument_group("evaluation suite (hybrid_lm/eval/suite.py, docs/EVAL.md)")
+    g.add_argument("--tasks", default=None, metavar="T1,T2",
+                   help="loss,longppl,ruler,probe,heads,influence,lm_eval (without --tasks: the loss of the "
+                        "swapped model, as before)")
+    g.add_argument("--steps", default=None, metavar="latest|all|S1,S2",
+                   help="checkpoints to evaluate (default latest); plots over them go to WORKDIR/eval/")
+    g.add_argument("--data", default=None, metavar="STORE",
+                   help="a prepared token store (hybrid-lm data prepare, the run's tokenizer): loss and bits/byte "
+                        "on its val split, LongPPL on its val documents")
+    g.add_argument("--samples", type=int, default=8, help="items per task (ruler, probe, heads, influence; default 8)")
+    g.add_argument("--seed", type=int, default=0, help="item seed (default 0)")
+    g.add_argument("--batch-size", dest="batch_size", type=int, default=None, help="rows per forward pass")
+    g.add_argument("--no-plots", dest="no_plots", action="store_true", help="do not draw WORKDIR/eval/*.png")
+    g.add_argument("--evaluator", default=None, help="longppl: run directory of the evaluator (default: the run)")
+    g.add_argument("--evaluator-step", dest="evaluator_step", type=int, default=None)
+    g.add_argument("--longppl-length", dest="longppl_length", type=int, default=None,
+                   help="longppl: tokens per document (default: the run's seq_len + 1)")
+    g.add_argument("--docs", type=int, default=8, help="longppl: documents (default 8)")
+    g.add_argument("--trunc-len", dest="trunc_len", type=int, default=4096, help="longppl: K, the short context")
+    g.add_argument("--window", type=int, default=1024, help="longppl: W, targets per short-context pass")
+    g.add_argument("--ruler-tasks", dest="ruler_tasks", default=None, help="ruler: tasks (default all seven)")
+    g.add_argument("--ruler-lengths", dest="ruler_lengths", default=None, metavar="L1,L2", help="ruler: lengths")
+    from hybrid_lm.eval.ruler import HAYSTACKS
+    g.add_argument("--haystack", default="essays", choices=HAYSTACKS, help="ruler: filler text (default essays)")
+    g.add_argument("--allow-longer", dest="allow_longer", action="store_true",
+                   help="ruler: lengths beyond the run's seq_len")
+    g.add_argument("--reference-step", dest="reference_step", type=int, default=None,
+                   help="heads: the checkpoint d_QK is measured against (default: the run's last)")
+    g.add_argument("--lm-eval-tasks", dest="lm_eval_tasks", default=None, metavar="T1,T2",
+                   help="lm_eval: lm-evaluation-harness tasks, e.g. hellaswag,arc_easy (datasets must be available)")
+    g.add_argument("--lm-eval-limit", dest="lm_eval_limit", type=int, default=None, help="lm_eval: items per task")
+    g.add_argument("--num-fewshot", dest="num_fewshot", type=int, default=None, help="lm_eval: few-shot examples")
     p.set_defaults(fn=cmd_eval)
+
+    p = sub.add_parser(
+        "eval-report", help="overlay runs' eval results: one curve per architecture against tokens seen",
+        description="Read eval.jsonl of every run under SWEEP_ROOT (or of the RUN_DIRs given) and plot, per task "
+                    "and eval config, each task's headline number against tokens seen, one curve per "
+                    "architecture (and model size). Prints the table; plots go to --out.")
+    p.add_argument("runs", nargs="+", help="a sweep root or run directories")
+    p.add_argument("--tasks", default=None, help="only these tasks (default: every task found)")
+    p.add_argument("--out", default=None, help="plot directory (default: <first path>/eval_report)")
+    p.set_defaults(fn=cmd_eval_report)
 
     p = sub.add_parser(
         "generate", help="continue a prompt with a run's checkpoint (greedy or sampled)",
@@ -279,3 +366,6 @@ def add_eval_commands(sub) -> None:
     p.add_argument("--no-record", dest="no_record", action="store_true", help="do not append to eval.jsonl")
     p.add_argument("--json", action="store_true", help="print the rows (and skipped pairs) as JSON")
     p.set_defaults(fn=cmd_ruler)
+
+    from hybrid_lm.eval.export import add_export_command
+    add_export_command(sub)

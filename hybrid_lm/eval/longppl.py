@@ -97,12 +97,15 @@ def longppl(nll_full, key) -> dict:
 
 # ----------------------------------------------------------------------------- runs
 
-def _nll_fn(evaluator):
-    """Per-token NLL of a :class:`~hybrid_lm.eval.restore.RestoredRun`, eval mode."""
+def _nll_fn(evaluator, cfg=None):
+    """Per-token NLL of a :class:`~hybrid_lm.eval.restore.RestoredRun` (with ``cfg``'s model: a
+    swapped config of the same parameters), eval mode."""
     from hybrid_lm.model.registry import MixerContext
     from hybrid_lm.ops.attention import default_positions
+    from hybrid_lm.train.step import ModelFns
 
-    fns, cfg = evaluator.fns, evaluator.cfg
+    cfg = cfg or evaluator.cfg
+    fns = evaluator.fns if cfg.model == evaluator.cfg.model else ModelFns(cfg)
 
     def forward(params, tokens):
         def logits(x):
@@ -120,12 +123,39 @@ def _nll_fn(evaluator):
     return nll
 
 
-def evaluate_longppl(workdir, *, evaluator=None, length: int | None = None, docs: int | None = None,
-                     rule: KeyTokenRule = KeyTokenRule(), step: int | None = None,
-                     evaluator_step: int | None = None, record: bool = True, progress: bool = True) -> dict:
-    """LongPPL of ``workdir``'s checkpoint on ``docs`` validation documents of ``length`` tokens (its
-    fixed eval windows at that length), key tokens marked by ``evaluator`` (a run directory; default:
-    the run itself, "self-LongPPL"). Appends a ``kind: longppl`` row to ``workdir/eval.jsonl``."""
+def store_documents(store_path, length: int, docs: int, tokenizer_fingerprint: str) -> np.ndarray:
+    """``[docs, length]``: the first ``length`` tokens of the first ``docs`` documents of at least
+    ``length`` tokens in a prepared store's val split (real documents, e.g. held-out long reports or
+    books), in store order."""
+    from hybrid_lm.data.store import TokenStore
+    from hybrid_lm.errors import DataError
+
+    store = TokenStore(store_path)
+    if store.tokenizer.get("fingerprint") != tokenizer_fingerprint:
+        raise DataError(f"--data {store_path} was prepared with another tokenizer than the run's: prepare it "
+                        "with the run's tokenizer")
+    val = store.split("val")
+    lengths, starts = val.doc_lengths, val.doc_starts
+    # a document's stored length counts its trailing separator token
+    long = np.flatnonzero(lengths >= length)
+    if long.size == 0:
+        raise DataError(f"--data {store_path}: no val document has {length} tokens (longest "
+                        f"{int(lengths.max()) if lengths.size else 0}); give a shorter --longppl-length or a "
+                        "store of longer documents")
+    if long.size < docs:
+        import logging
+        logging.getLogger(__name__).warning("--data %s: %d val documents of >= %d tokens, fewer than the %d asked",
+                                            store_path, long.size, length, docs)
+    return np.stack([val.read(int(starts[i]), length) for i in long[:docs]]).astype(np.int32)
+
+
+def longppl_of_run(run, cfg=None, *, evaluator=None, evaluator_step: int | None = None, length: int | None = None,
+                   docs: int | None = None, rule: KeyTokenRule = KeyTokenRule(), data=None,
+                   progress: bool = True) -> dict:
+    """LongPPL of a restored checkpoint (``run``, with ``cfg``'s model: default the run's, or a swapped
+    config) on ``docs`` documents of ``length`` tokens: the run's fixed validation windows, or with
+    ``data`` (a prepared token store) real documents of its val split (:func:`store_documents`). Key
+    tokens are marked by ``evaluator`` (a run directory; default the run itself, "self-LongPPL")."""
     import time
     from pathlib import Path
 
@@ -135,19 +165,23 @@ def evaluate_longppl(workdir, *, evaluator=None, length: int | None = None, docs
     from hybrid_lm.eval.swap import swapped_config
 
     t0 = time.time()
-    run = RestoredRun(workdir, step=step)
-    is_self = evaluator is None or Path(evaluator).resolve() == Path(workdir).resolve()
+    is_self = evaluator is None or Path(evaluator).resolve() == Path(run.workdir).resolve()
     judge = run if is_self else RestoredRun(evaluator, step=evaluator_step)
     if judge.cfg.data.tokenizer != run.cfg.data.tokenizer:
         raise ValueError(f"the evaluator tokenises with {judge.cfg.data.tokenizer!r}, the run with "
                          f"{run.cfg.data.tokenizer!r}: key tokens are positions, so they must agree")
     n = length or run.cfg.data.seq_len + 1
     rule.validate(n)
-    cfg = swapped_config(run.cfg, seq_len=n - 1, eval_windows=docs)
-    documents = run.streams(cfg).eval_tokens  # [docs, n]: the run's fixed validation windows
+    if data is not None:
+        documents = store_documents(data, n, 8 if docs is None else docs, run.tokenizer.fingerprint)
+    else:
+        documents = run.streams(swapped_config(run.cfg, seq_len=n - 1, eval_windows=docs)).eval_tokens
     cache = _key_cache_path(judge, documents, rule)
     cached = _load_keys(cache, len(documents), n)
-    nll_run, nll_judge = _nll_fn(run), (None if is_self else _nll_fn(judge))
+    evaluated = cfg is not None and cfg.model != run.cfg.model
+    nll_run = _nll_fn(run, cfg)
+    # the evaluator marks keys with its own (unswapped) model
+    nll_judge = None if is_self and not evaluated else _nll_fn(judge)
     keys, fulls = [], []
     for i, doc in enumerate(tqdm(documents, desc="longppl", unit="doc", disable=not progress)):
         if cached is not None:  # the evaluator's keys of these documents, computed before
@@ -161,11 +195,25 @@ def evaluate_longppl(workdir, *, evaluator=None, length: int | None = None, docs
     keys = np.concatenate(keys)
     if cached is None and jax.process_index() == 0:
         _save_keys(cache, keys)
-    row = {"kind": "longppl", "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "checkpoint_step": run.step,
-           "run_id": run.cfg.run_id(), "evaluator": "self" if is_self else str(evaluator),
-           "evaluator_step": judge.step, "self_evaluator": is_self, "length": n, "docs": len(documents),
-           **dataclasses.asdict(rule), **longppl(np.concatenate(fulls), keys),
-           "keys_cached": cached is not None, "key_cache": str(cache), "wall_s": round(time.time() - t0, 3)}
+    return {"kind": "longppl", "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "checkpoint_step": run.step,
+            "run_id": run.cfg.run_id(), "evaluator": "self" if is_self else str(evaluator),
+            "evaluator_step": judge.step, "self_evaluator": is_self, "length": n, "docs": len(documents),
+            "data": None if data is None else str(data), "documents": "store val documents" if data is not None
+            else "run val windows", **dataclasses.asdict(rule), **longppl(np.concatenate(fulls), keys),
+            "keys_cached": cached is not None, "key_cache": str(cache), "wall_s": round(time.time() - t0, 3)}
+
+
+def evaluate_longppl(workdir, *, evaluator=None, length: int | None = None, docs: int | None = None,
+                     rule: KeyTokenRule = KeyTokenRule(), step: int | None = None,
+                     evaluator_step: int | None = None, record: bool = True, progress: bool = True,
+                     data=None) -> dict:
+    """LongPPL of ``workdir``'s checkpoint (:func:`longppl_of_run`); appends a ``kind: longppl`` row to
+    ``workdir/eval.jsonl``."""
+    from hybrid_lm.eval.restore import RestoredRun
+
+    run = RestoredRun(workdir, step=step)
+    row = longppl_of_run(run, evaluator=evaluator, evaluator_step=evaluator_step, length=length, docs=docs,
+                         rule=rule, data=data, progress=progress)
     if record:
         run.record(row)
     return row

@@ -114,7 +114,8 @@ class RestoredRun:
         from hybrid_lm.data.pipeline import DataStreams
 
         cfg = cfg or self.cfg
-        key = (cfg.data.seq_len, cfg.data.eval_windows)
+        d = cfg.data
+        key = (d.seq_len, d.eval_windows, d.source, d.path, tuple(map(tuple, d.mixture or ())))
         if key not in self._streams:
             self._streams[key] = DataStreams(cfg)
         return self._streams[key]
@@ -137,10 +138,26 @@ class RestoredRun:
 
     # ------------------------------------------------------------------------- the trainer's eval
 
+    def with_data(self, cfg: Config, store: str | Path | None) -> Config:
+        """``cfg`` reading its eval windows from the prepared token ``store`` (its val split) instead of
+        the run's data; the store must be tokenised with the run's tokenizer (checked when opened)."""
+        if store is None:
+            return cfg
+        from hybrid_lm.errors import DataError
+        path = Path(store)
+        if not (path / "manifest.json").is_file():
+            raise DataError(f"--data {store}: no prepared token store there (manifest.json missing); build one "
+                            f"with `hybrid-lm data prepare --out {store} ...` using the run's tokenizer "
+                            f"{self.cfg.data.tokenizer!r}")
+        return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, source="tokens", path=str(path),
+                                                                 mixture=()))
+
     def evaluate(self, swaps=(), horizon: int | None = None, sinks: int = 0, *, seq_len: int | None = None,
-                 eval_windows: int | None = None, attention_impl: str | None = None, record: bool = True) -> dict:
-        """Loss (nats/token) and bits/byte on the run's fixed eval windows, batched as the trainer does
-        (``eval/loss.py``), of the swapped / constrained model; appends a row to eval.jsonl."""
+                 eval_windows: int | None = None, attention_impl: str | None = None, data: str | None = None,
+                 record: bool = True) -> dict:
+        """Loss (nats/token) and bits/byte on the run's fixed eval windows (or those of the token store
+        ``data``'s val split), batched as the trainer does (``eval/loss.py``), of the swapped /
+        constrained model; appends a row to eval.jsonl."""
         from hybrid_lm.backends import recorded_backends
         from hybrid_lm.eval import loss
         from hybrid_lm.eval.swap import SwapError, describe, parse_swap, swapped_config
@@ -151,6 +168,7 @@ class RestoredRun:
         swaps = [parse_swap(s) if isinstance(s, str) else s for s in swaps]
         cfg = swapped_config(self.cfg, swaps, horizon, sinks, seq_len=seq_len, eval_windows=eval_windows,
                              attention_impl=attention_impl)
+        cfg = self.with_data(cfg, data)
         model, data = cfg.model, cfg.data
         streams = self.streams(cfg)
         windows = streams.eval_batch
@@ -173,12 +191,13 @@ class RestoredRun:
                "swaps": [s.spec or s.to_dict() for s in swaps], "horizon": horizon,
                "sinks": sinks if horizon is not None else None,
                "seq_len": data.seq_len, "trained_seq_len": self.cfg.data.seq_len, "eval_windows": n,
+               "data": data.path if data.path != self.cfg.data.path or data.source != self.cfg.data.source else None,
                "loss": ce, "bpb": metrics["bpb"],
                "layer_types": "".join(model.layer_types()), "mixers": describe(model),
                "trained_mixers": describe(self.cfg.model), "attention_impl": model.attention_impl,
                "attention_backends": recorded_backends(), "devices": int(self.mesh.devices.size),
                "wall_s": round(time.time() - t0, 3)}
-        ref = self.trained_eval(data.seq_len)
+        ref = self.trained_eval(data.seq_len) if row["data"] is None else None
         if ref is not None and ref.get("eval_windows", n) == n:
             row["trained_eval_loss"] = ref["loss"]
             row["delta_loss"] = ce - ref["loss"]

@@ -1,0 +1,130 @@
+"""``hybrid-lm eval-report SWEEP_ROOT|RUN_DIRS...``: runs' eval results overlaid, one curve per architecture.
+
+For every run found (``hybrid_lm.scaling.collect.find_run_dirs``: a sweep root, run directories, or
+folders searched), the current rows of its ``eval.jsonl`` (``suite.current_rows``) are grouped by
+(task, eval_key): one figure per group, the task's headline number (``suite.headline``) against
+tokens seen, one curve per run labelled by its architecture (``collect.arch_label``) and size.
+RULER rows are split per RULER task. Runs whose rows were evaluated with other settings land in
+another figure, never on the same axes.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from hybrid_lm.errors import WorkdirError
+
+log = logging.getLogger(__name__)
+
+
+def run_label(d: Path) -> str:
+    """``<arch label> <size>`` of a run directory, e.g. ``full+swa128 d64L4`` (the sweep's names
+    where the sweep wrote them)."""
+    import json
+
+    from hybrid_lm.scaling.collect import _arch_of
+
+    arch, _ = _arch_of(d)
+    meta = d / "sweep_run.json"
+    if meta.exists():
+        m = json.loads(meta.read_text())
+        return f"{m.get('arch') or arch or d.name} {m.get('scale') or ''}".strip()
+    size = ""
+    try:
+        from hybrid_lm.eval.restore import load_run_config
+        c = load_run_config(d).model
+        size = f"d{c.d_model}L{c.n_layers}"
+    except (OSError, ValueError):
+        pass
+    return f"{arch or d.name} {size}".strip()
+
+
+def collect_eval(paths: list[str | Path], tasks: tuple[str, ...] | None = None) -> dict:
+    """``{(task, eval_key): {label: [(tokens_seen, value, step), ...]}}`` over the runs under ``paths``."""
+    from hybrid_lm.eval.suite import current_rows, headline, task_of
+    from hybrid_lm.scaling.collect import find_run_dirs
+
+    try:
+        dirs = find_run_dirs(list(paths))
+    except FileNotFoundError as e:
+        raise WorkdirError(str(e)) from None
+    if not dirs:
+        raise WorkdirError(f"no run directory (metrics.jsonl) under {', '.join(map(str, paths))}")
+    groups: dict = {}
+    labels: dict = {}
+    for d in dirs:
+        label = run_label(d)
+        n = labels.setdefault(label, 0)
+        labels[label] = n + 1
+        if n:  # two runs of one architecture and size (seeds): keep both curves apart
+            label = f"{label} #{n + 1}"
+        for r in current_rows(d):
+            fam = task_of(r)
+            if tasks and fam not in tasks:
+                continue
+            v = headline(r)
+            if v is None or r.get("tokens_seen") is None:
+                continue
+            name = str(r.get("task") or fam)
+            groups.setdefault((name, r.get("eval_key") or "-"), {}).setdefault(label, []).append(
+                (int(r["tokens_seen"]), v, int(r["checkpoint_step"])))
+    for series in groups.values():
+        for pts in series.values():
+            pts.sort()
+    return groups
+
+
+def format_report(groups: dict) -> str:
+    from hybrid_lm.eval.suite import HEADLINES
+
+    lines = []
+    for (task, key), series in sorted(groups.items()):
+        metric, better = HEADLINES.get(task.split("/")[0], (None, None))
+        lines.append(f"{task}  [eval config {key}]  {metric or 'headline'}"
+                     + (f" ({better} is better)" if better else ""))
+        for label, pts in sorted(series.items()):
+            t, v, s = pts[-1]
+            lines.append(f"  {label:<36} {len(pts):>3} checkpoints   last: step {s:>7}  tokens {t:>14,}  {v:.4g}")
+    return "\n".join(lines) if lines else "no eval rows with a headline number"
+
+
+def plot_report(groups: dict, out_dir: Path) -> list[Path]:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from hybrid_lm.eval.suite import HEADLINES
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for (task, key), series in sorted(groups.items()):
+        metric, better = HEADLINES.get(task.split("/")[0], (None, None))
+        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        for label, pts in sorted(series.items()):
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=label)
+        ax.set_xscale("log")
+        if task == "longppl":
+            ax.set_yscale("log")
+        ax.set_xlabel("tokens seen")
+        ax.set_ylabel((metric or "headline") + (f" ({better} is better)" if better else ""))
+        ax.set_title(f"{task}  (eval config {key})", fontsize=9)
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        p = out_dir / f"{task.replace('/', '_')}_{key}.png"
+        fig.savefig(p, dpi=120)
+        plt.close(fig)
+        paths.append(p)
+    return paths
+
+
+def eval_report(paths: list[str | Path], out_dir: str | Path | None = None, tasks: tuple[str, ...] | None = None,
+                printer=print) -> list[Path]:
+    groups = collect_eval(paths, tasks)
+    printer(format_report(groups))
+    out = Path(out_dir) if out_dir else Path(paths[0]) / "eval_report"
+    plots = plot_report(groups, out) if groups else []
+    for p in plots:
+        printer(f"plot: {p}")
+    return plots

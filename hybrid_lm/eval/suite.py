@@ -1,0 +1,388 @@
+"""``hybrid-lm eval RUN_DIR --tasks ... --steps ...``: every evaluation task over a run's checkpoints.
+
+One entry point for the tasks of ``docs/EVAL.md``. Each task is a function of a restored checkpoint
+(:class:`~hybrid_lm.eval.restore.RestoredRun`) and the config it runs (the run's, or the run's with
+``--swap`` / ``--horizon`` applied by :meth:`RestoredRun.task_config`), and returns rows:
+
+=========== ============================================== =====================================
+task        what                                           module
+=========== ============================================== =====================================
+loss        val loss and bits/byte (the trainer's eval)    ``restore.RestoredRun.evaluate``
+longppl     LongPPL on key tokens                          ``longppl.py``
+ruler       RULER-offline (NIAH, VT, CWE, FWE)             ``ruler.py``
+probe       layerwise NIAH probing (logistic regression)   ``probe.py``
+heads       retrieval heads: needle mass, H(t), d_QK(t)    ``heads.py``
+influence   gradient influence G(d)                        ``influence.py``
+lm_eval     lm-evaluation-harness benchmarks               ``lm_eval_model.py``
+=========== ============================================== =====================================
+
+Every row carries ``task``, ``checkpoint_step``, ``tokens_seen``, ``eval_config`` (the settings that
+define it: swaps, horizon, seq_len, data, task options) with its short hash ``eval_key``, and the
+``attention_backends`` the task's model resolved to. ``eval.jsonl`` is append-only; a later row of
+the same (task, eval_key, checkpoint_step) supersedes an earlier one (:func:`current_rows`), like
+the trainer's metrics rows. Plots go to ``RUN_DIR/eval/``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import time
+from pathlib import Path
+
+from hybrid_lm.errors import ConfigError, WorkdirError
+
+log = logging.getLogger(__name__)
+
+TASKS = ("loss", "longppl", "ruler", "probe", "heads", "influence", "lm_eval")
+# the number each task is compared by across checkpoints and runs (eval-report), and which way is better
+HEADLINES = {"loss": ("bpb", "lower"), "longppl": ("longppl", "lower"), "ruler": ("exact_match", "higher"),
+             "probe": (None, "higher"), "heads": (None, "higher"), "influence": (None, None),
+             "lm_eval": ("score", "higher")}
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalRequest:
+    """What ``hybrid-lm eval`` was asked for; every field that changes a result is in :meth:`config`."""
+
+    tasks: tuple[str, ...] = ("loss",)
+    swaps: tuple[str, ...] = ()
+    horizon: int | None = None
+    sinks: int = 0
+    seq_len: int | None = None
+    eval_windows: int | None = None
+    attention_impl: str | None = None
+    data: str | None = None  # a prepared token store for loss / longppl (its val split)
+    samples: int = 8
+    seed: int = 0
+    batch_size: int | None = None
+    # longppl
+    evaluator: str | None = None
+    evaluator_step: int | None = None
+    longppl_length: int | None = None
+    longppl_docs: int = 8
+    trunc_len: int = 4096
+    window: int = 1024
+    alpha: float = 2.0
+    beta: float = -2.0
+    # ruler
+    ruler_tasks: tuple[str, ...] | None = None
+    ruler_lengths: tuple[int, ...] | None = None
+    haystack: str = "essays"
+    allow_longer: bool = False
+    # heads
+    reference_step: int | None = None
+    # lm_eval
+    lm_eval_tasks: tuple[str, ...] = ()
+    lm_eval_limit: int | None = None
+    lm_eval_fewshot: int | None = None
+    progress: bool = True
+
+    def check(self) -> None:
+        bad = [t for t in self.tasks if t not in TASKS]
+        if bad or not self.tasks:
+            raise ConfigError(f"--tasks {','.join(self.tasks)}: unknown {', '.join(bad) or 'empty list'}; "
+                              f"choose from {','.join(TASKS)}")
+        if self.data is not None and not {"loss", "longppl"} & set(self.tasks):
+            raise ConfigError("--data applies to the loss and longppl tasks: add one of them to --tasks")
+        if "lm_eval" in self.tasks and not self.lm_eval_tasks:
+            raise ConfigError("--tasks lm_eval needs --lm-eval-tasks, e.g. --lm-eval-tasks hellaswag,arc_easy")
+        if self.samples < 1:
+            raise ConfigError(f"--samples {self.samples}: must be >= 1")
+
+    def config(self, task: str) -> dict:
+        """The settings that define ``task``'s rows (the model's, then the task's own)."""
+        c = {"swaps": list(self.swaps), "horizon": self.horizon, "sinks": self.sinks if self.horizon else None,
+             "seq_len": self.seq_len, "attention_impl": self.attention_impl}
+        if task == "loss":
+            c.update(data=self.data, eval_windows=self.eval_windows)
+        elif task == "longppl":
+            c.update(data=self.data, evaluator=self.evaluator, evaluator_step=self.evaluator_step,
+                     length=self.longppl_length, docs=self.longppl_docs, trunc_len=self.trunc_len,
+                     window=self.window, alpha=self.alpha, beta=self.beta)
+        elif task == "ruler":
+            c.update(tasks=list(self.ruler_tasks or ()), lengths=list(self.ruler_lengths or ()),
+                     haystack=self.haystack, samples=self.samples, seed=self.seed)
+        elif task in ("probe", "heads", "influence"):
+            c.update(samples=self.samples, seed=self.seed)
+            if task == "heads":
+                c.update(reference_step=self.reference_step)
+        elif task == "lm_eval":
+            c.update(tasks=list(self.lm_eval_tasks), limit=self.lm_eval_limit, num_fewshot=self.lm_eval_fewshot)
+        return c
+
+
+def eval_key(config: dict) -> str:
+    return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+def checkpoint_steps(workdir: Path | str) -> list[int]:
+    """Finalised checkpoint steps of a run, ascending (``*.orbax-checkpoint-tmp`` dirs are not steps)."""
+    d = Path(workdir) / "checkpoints"
+    if not d.is_dir():
+        raise WorkdirError(f"{workdir} has no checkpoints/ directory: train the run first")
+    return sorted(int(p.name) for p in d.iterdir() if p.is_dir() and p.name.isdigit())
+
+
+def parse_steps(spec: str | None, available: list[int]) -> list[int]:
+    """``latest`` (default), ``all``, or comma-separated steps (each must be saved)."""
+    if not available:
+        raise WorkdirError("the run has no finalised checkpoint: train it first")
+    if spec in (None, "", "latest"):
+        return [available[-1]]
+    if spec == "all":
+        return list(available)
+    try:
+        steps = [int(s) for s in spec.split(",") if s.strip()]
+    except ValueError:
+        raise ConfigError(f"--steps {spec!r}: give latest, all, or comma-separated step numbers") from None
+    missing = [s for s in steps if s not in available]
+    if missing or not steps:
+        raise ConfigError(f"--steps {spec}: no checkpoint at step {missing[0] if missing else '(none given)'}; "
+                          f"saved steps: {','.join(map(str, available))}")
+    return sorted(set(steps))
+
+
+# ----------------------------------------------------------------------------- the tasks
+
+def _task_loss(run, cfg, req: EvalRequest) -> list[dict]:
+    row = run.evaluate(req.swaps, req.horizon, req.sinks, seq_len=req.seq_len, eval_windows=req.eval_windows,
+                       attention_impl=req.attention_impl, data=req.data, record=False)
+    return [row]
+
+
+def _task_longppl(run, cfg, req: EvalRequest) -> list[dict]:
+    from hybrid_lm.eval.longppl import KeyTokenRule, longppl_of_run
+
+    rule = KeyTokenRule(req.trunc_len, req.window, req.alpha, req.beta)
+    return [longppl_of_run(run, cfg, evaluator=req.evaluator, evaluator_step=req.evaluator_step,
+                           length=req.longppl_length, docs=req.longppl_docs, rule=rule, data=req.data,
+                           progress=req.progress)]
+
+
+def _task_ruler(run, cfg, req: EvalRequest) -> list[dict]:
+    from hybrid_lm.eval import ruler
+
+    rows, skipped = ruler.evaluate_ruler(run, tasks=list(req.ruler_tasks) if req.ruler_tasks else None,
+                                         lengths=list(req.ruler_lengths) if req.ruler_lengths else None,
+                                         samples=req.samples, haystack=req.haystack, seed=req.seed,
+                                         allow_longer=req.allow_longer, batch_size=req.batch_size, cfg=cfg,
+                                         progress=req.progress)
+    for s in skipped:
+        log.warning("ruler %s at %d tokens skipped: %s", s["task"], s["length"], s["reason"])
+    if not rows:
+        raise ConfigError("ruler: every requested (task, length) is too short for its task: use longer "
+                          "--ruler-lengths (with --allow-longer beyond the run's seq_len)")
+    return rows
+
+
+def _task_module(name: str):
+    import importlib
+    return importlib.import_module({"probe": "hybrid_lm.eval.probe", "heads": "hybrid_lm.eval.heads",
+                                    "influence": "hybrid_lm.eval.influence",
+                                    "lm_eval": "hybrid_lm.eval.lm_eval_model"}[name])
+
+
+def _task_probe(run, cfg, req: EvalRequest) -> list[dict]:
+    return _task_module("probe").evaluate_probe(run, cfg, samples=req.samples, seq_len=req.seq_len, seed=req.seed,
+                                                progress=req.progress, batch_size=req.batch_size)
+
+
+def _task_heads(run, cfg, req: EvalRequest) -> list[dict]:
+    return _task_module("heads").evaluate_heads(run, cfg, samples=req.samples, seq_len=req.seq_len, seed=req.seed,
+                                                progress=req.progress, batch_size=req.batch_size,
+                                                reference_step=req.reference_step)
+
+
+def _task_influence(run, cfg, req: EvalRequest) -> list[dict]:
+    return _task_module("influence").evaluate_influence(run, cfg, samples=req.samples, seq_len=req.seq_len,
+                                                        seed=req.seed, progress=req.progress,
+                                                        batch_size=req.batch_size)
+
+
+def _task_lm_eval(run, cfg, req: EvalRequest) -> list[dict]:
+    return _task_module("lm_eval").evaluate_lm_eval(run, cfg, tasks=list(req.lm_eval_tasks), limit=req.lm_eval_limit,
+                                                    num_fewshot=req.lm_eval_fewshot, batch_size=req.batch_size)
+
+
+_RUNNERS = {"loss": _task_loss, "longppl": _task_longppl, "ruler": _task_ruler, "probe": _task_probe,
+            "heads": _task_heads, "influence": _task_influence, "lm_eval": _task_lm_eval}
+
+
+def run_tasks(run, req: EvalRequest, cfg=None) -> list[dict]:
+    """Every requested task on one restored checkpoint: rows with the common fields filled in."""
+    from hybrid_lm.backends import recorded_backends
+    from hybrid_lm.eval.ruler import tokens_seen
+
+    cfg = cfg or run.task_config(req.swaps, req.horizon, req.sinks, seq_len=req.seq_len,
+                                 attention_impl=req.attention_impl)
+    seen = tokens_seen(run)
+    out = []
+    for task in req.tasks:
+        t0 = time.time()
+        recorded_backends(clear=True)
+        rows = _RUNNERS[task](run, cfg, req)
+        backends = recorded_backends()
+        conf = req.config(task)
+        for r in rows:
+            r.setdefault("kind", task)
+            sub = r.get("task")
+            r["task"] = task if sub is None or not str(sub).startswith(task) else sub
+            r.update(checkpoint_step=run.step, tokens_seen=seen, eval_config=conf, eval_key=eval_key(conf),
+                     run_id=run.cfg.run_id(), time=time.strftime("%Y-%m-%dT%H:%M:%S"))
+            r.setdefault("step", run.step)
+            if not r.get("attention_backends"):
+                r["attention_backends"] = backends
+            r.setdefault("task_wall_s", round(time.time() - t0, 3))
+        out.extend(rows)
+    return out
+
+
+# ----------------------------------------------------------------------------- rows on disk
+
+def task_of(row: dict) -> str:
+    """The task family of an eval.jsonl row (rows before the suite have only ``kind``)."""
+    t = row.get("task") or {"swap_eval": "loss"}.get(row.get("kind"), row.get("kind", "?"))
+    return str(t).split("/")[0]
+
+
+def current_rows(workdir: Path | str) -> list[dict]:
+    """eval.jsonl with superseded rows dropped: the last row per (task, eval_key, checkpoint_step)."""
+    from hybrid_lm.eval.restore import read_eval_rows
+
+    latest: dict = {}
+    for r in read_eval_rows(workdir):
+        latest[(r.get("task") or task_of(r), r.get("eval_key"), r.get("checkpoint_step"))] = r
+    return list(latest.values())
+
+
+def headline(row: dict) -> float | None:
+    """The row's headline number (``HEADLINES``; the task module's ``HEADLINE`` where it has one)."""
+    fam = task_of(row)
+    key = HEADLINES.get(fam, (None, None))[0]
+    if key is None and fam in ("probe", "heads", "influence"):
+        try:
+            key = _task_module(fam).HEADLINE
+        except ImportError:
+            return None
+    v = row.get(key) if key else None
+    return float(v) if isinstance(v, (int, float)) else None
+
+
+# ----------------------------------------------------------------------------- tables and plots
+
+def format_rows(task: str, rows: list[dict]) -> str:
+    """A printable table of one task's rows (the task module's own format where it has one)."""
+    if task == "ruler":
+        from hybrid_lm.eval.ruler import format_table
+        return "\n\n".join(format_table([r for r in rows if r["checkpoint_step"] == s])
+                           for s in sorted({r["checkpoint_step"] for r in rows}))
+    if task in ("probe", "heads", "influence", "lm_eval"):
+        fmt = getattr(_task_module(task), f"format_{task}", None)
+        if fmt is not None:
+            return fmt(rows)
+    lines = []
+    for r in rows:
+        if task == "loss":
+            lines.append(f"loss      step {r['checkpoint_step']:>7}  tokens {r['tokens_seen']:>14,}  seq_len "
+                         f"{r['seq_len']}  windows {r['eval_windows']}  val loss {r['loss']:.4f} nats  "
+                         f"{r['bpb']:.4f} bits/byte" + (f"  data {r['data']}" if r.get("data") else ""))
+        elif task == "longppl":
+            lp = "—" if r["longppl"] is None else f"{r['longppl']:.3f}"
+            lines.append(f"longppl   step {r['checkpoint_step']:>7}  tokens {r['tokens_seen']:>14,}  {r['docs']} docs x "
+                         f"{r['length']}  evaluator {r['evaluator']}  LongPPL {lp}  PPL {r['ppl']:.3f}  key "
+                         f"{r['n_key']}/{r['n_token']}")
+        else:
+            lines.append(json.dumps({k: r[k] for k in ("task", "checkpoint_step") if k in r}))
+    return "\n".join(lines)
+
+
+def plot_task(task: str, rows: list[dict], out_dir: Path) -> list[Path]:
+    """The task's plots over checkpoints into ``out_dir`` (the task module's own, else its headline
+    number against tokens seen)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if task in ("probe", "heads", "influence"):
+        return list(getattr(_task_module(task), f"plot_{task}")(rows, out_dir))
+    series: dict = {}
+    for r in rows:
+        v = headline(r)
+        if v is not None:
+            series.setdefault(str(r.get("task", task)), []).append((r["tokens_seen"], v))
+        if task == "longppl":  # PPL beside LongPPL (which is undefined while no token is key)
+            series.setdefault("ppl (all tokens)", []).append((r["tokens_seen"], r["ppl"]))
+    if not series:
+        return []
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    key, better = HEADLINES[task]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, pts in sorted(series.items()):
+        pts.sort()
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+    ax.set_xlabel("tokens seen")
+    ax.set_ylabel(f"{key} ({better} is better)")
+    if task == "longppl":
+        ax.set_yscale("log")
+    ax.set_title(f"{task} over training")
+    if len(series) > 1:
+        ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    path = out_dir / f"{task}.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return [path]
+
+
+# ----------------------------------------------------------------------------- the command
+
+def evaluate_run(workdir: Path | str, req: EvalRequest, steps: str | None = None, *, record: bool = True,
+                 plots: bool = True, printer=print) -> list[dict]:
+    """``req``'s tasks on each of ``steps`` (latest | all | S1,S2) of ``workdir``: prints a table per
+    task and checkpoint, appends the rows to eval.jsonl (after printing), then draws each task's plots
+    over every current row of its eval config into ``workdir/eval/``. Returns the new rows."""
+    from tqdm import tqdm
+
+    from hybrid_lm.eval.cli import record_rows
+    from hybrid_lm.eval.restore import RestoredRun, load_run_config
+
+    req.check()
+    workdir = Path(workdir)
+    try:
+        base = load_run_config(workdir)
+    except FileNotFoundError as e:
+        raise WorkdirError(str(e)) from None
+    from hybrid_lm.eval.swap import swapped_config
+    swapped_config(base, req.swaps, req.horizon, req.sinks, seq_len=req.seq_len)  # bad swaps fail before a restore
+    todo = parse_steps(steps, checkpoint_steps(workdir))
+    new = []
+    for step in tqdm(todo, desc="checkpoints", unit="ckpt", disable=not req.progress or len(todo) == 1):
+        try:
+            run = RestoredRun(workdir, step=step)
+        except FileNotFoundError as e:
+            raise WorkdirError(f"{e}") from None
+        rows = run_tasks(run, req)
+        for task in req.tasks:
+            mine = [r for r in rows if task_of(r) == task]
+            if mine:
+                printer(format_rows(task, mine))
+        if record:
+            record_rows(run, rows, quiet=True)
+        new.extend(rows)
+    if plots and record:
+        keys = {(task_of(r), r["eval_key"]) for r in new}
+        current = [r for r in current_rows(workdir) if (task_of(r), r.get("eval_key")) in keys]
+        for task in req.tasks:
+            mine = [r for r in current if task_of(r) == task]
+            if mine:
+                for p in plot_task(task, mine, workdir / "eval"):
+                    printer(f"plot: {p}")
+    if record:
+        printer(f"recorded {len(new)} rows in {workdir / 'eval.jsonl'}")
+    return new

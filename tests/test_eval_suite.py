@@ -1,0 +1,124 @@
+"""``hybrid-lm eval RUN --tasks ... --steps ...`` and ``hybrid-lm eval-report``: every checkpoint, rows
+with the common fields, superseded per (task, eval config, step), ``--data STORE``, plots, bad input."""
+
+import json
+
+import numpy as np
+import pytest
+
+from conftest import TINY
+from hybrid_lm.cli import main
+from hybrid_lm.config import load_config
+from hybrid_lm.train.loop import train
+
+LONGPPL = ["--trunc-len", "8", "--window", "8", "--docs", "2"]
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    """A tiny run with checkpoints at steps 5 and 10."""
+    wd = tmp_path_factory.mktemp("suite_run")
+    train(load_config([], list(TINY) + ["TrainConfig.steps = 10"]), wd)
+    return wd
+
+
+@pytest.fixture(scope="module")
+def long_store(tmp_path_factory):
+    """A byte-level store whose val split holds documents of 60-200 bytes (and two short ones)."""
+    from hybrid_lm.data.prepare import PrepareSettings, prepare
+    from hybrid_lm.data.sources import SourceSpec
+
+    d = tmp_path_factory.mktemp("long_docs")
+    rng = np.random.default_rng(0)
+    words = ["alpha", "beta", "gamma", "delta", "report", "section", "figure", "table"]
+    with (d / "docs.jsonl").open("w") as fh:
+        for i in range(40):
+            n = 4 if i % 10 == 9 and i < 20 else int(rng.integers(12, 40))
+            fh.write(json.dumps({"text": " ".join(rng.choice(words, n))}) + "\n")
+    prepare(SourceSpec("text", paths=(str(d / "docs.jsonl"),)), d / "store", PrepareSettings(val_every=2),
+            progress=False)
+    return d / "store"
+
+
+def _eval(capsys, *args):
+    rc = main(["eval", *map(str, args)])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_loss_and_longppl_over_every_checkpoint(capsys, run_dir):
+    rc, out, _ = _eval(capsys, run_dir, "--tasks", "loss,longppl", "--steps", "all", *LONGPPL)
+    assert rc == 0, out
+    assert "step       5" in out and "step      10" in out and "LongPPL" in out
+    from hybrid_lm.eval.suite import current_rows
+    rows = current_rows(run_dir)
+    by = {(r["task"], r["checkpoint_step"]): r for r in rows if "eval_key" in r}
+    assert set(by) == {("loss", 5), ("loss", 10), ("longppl", 5), ("longppl", 10)}
+    for r in by.values():
+        assert r["tokens_seen"] == r["checkpoint_step"] * 4 * 32
+        assert r["eval_config"]["swaps"] == [] and len(r["eval_key"]) == 12
+        assert r["attention_backends"], r
+    assert 0 < by[("loss", 10)]["bpb"] < by[("loss", 5)]["bpb"] < 9
+    assert (run_dir / "eval" / "loss.png").stat().st_size > 0
+    assert (run_dir / "eval" / "longppl.png").stat().st_size > 0
+
+    # the same request again supersedes, a swapped one is another eval config
+    n_before = len(current_rows(run_dir))
+    assert _eval(capsys, run_dir, "--tasks", "loss", "--steps", "10")[0] == 0
+    assert len(current_rows(run_dir)) == n_before
+    assert _eval(capsys, run_dir, "--tasks", "loss", "--swap", "efficient=swa:4", "--horizon", "4")[0] == 0
+    rows = [r for r in current_rows(run_dir) if r.get("task") == "loss"]
+    assert len(rows) == n_before - 2 + 1 and len({r["eval_key"] for r in rows}) == 2
+    swapped = next(r for r in rows if r["eval_config"]["horizon"] == 4)
+    assert swapped["swaps"] == ["efficient=swa:4"] and swapped["attention_backends"]
+
+
+def test_data_store_gives_loss_on_its_windows_and_longppl_on_its_documents(capsys, run_dir, long_store):
+    rc, out, _ = _eval(capsys, run_dir, "--tasks", "loss,longppl", "--data", long_store, "--eval-windows", "2",
+                       *LONGPPL, "--json")
+    assert rc == 0
+    rows = json.loads(out)
+    loss, lp = rows
+    assert loss["data"] == str(long_store) and "delta_loss" not in loss and loss["eval_windows"] == 2
+    assert lp["documents"] == "store val documents" and lp["docs"] == 2 and lp["length"] == 33
+    base = _eval(capsys, run_dir, "--tasks", "loss", "--no-record", "--json")[1]
+    assert json.loads(base)[0]["loss"] != loss["loss"]  # another text than the run's val windows
+
+    from hybrid_lm.data.store import TokenStore
+    from hybrid_lm.eval.longppl import store_documents
+    docs = store_documents(long_store, 33, 50, TokenStore(long_store).tokenizer["fingerprint"])
+    val = TokenStore(long_store).split("val")
+    assert len(docs) == int((val.doc_lengths >= 33).sum()) < val.n_docs  # the short documents are left out
+    assert docs.shape[1] == 33 and np.array_equal(docs[0], val.read(int(val.doc_starts[
+        int(np.flatnonzero(val.doc_lengths >= 33)[0])]), 33))
+
+
+def test_eval_report_overlays_runs(capsys, run_dir, tmp_path):
+    assert _eval(capsys, run_dir, "--tasks", "loss", "--steps", "all")[0] == 0
+    rc = main(["eval-report", str(run_dir), "--out", str(tmp_path / "rep"), "--tasks", "loss"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "loss" in out and "2 checkpoints" in out
+    pngs = list((tmp_path / "rep").glob("loss_*.png"))
+    assert pngs and all(p.stat().st_size > 0 for p in pngs)
+
+
+@pytest.mark.parametrize("args, msg", [
+    (["--tasks", "loss,nope"], "unknown nope"),
+    (["--steps", "7"], "no checkpoint at step 7"),
+    (["--steps", "x"], "give latest, all"),
+    (["--tasks", "ruler", "--data", "/nonexistent"], "--data applies to the loss and longppl"),
+    (["--tasks", "loss", "--data", "/nonexistent"], "no prepared token store"),
+    (["--tasks", "lm_eval"], "needs --lm-eval-tasks"),
+    (["--tasks", "loss", "--swap", "full=nope:3"], "nope"),
+    (["--tasks", "loss", "--baseline"], "--baseline applies without --tasks"),
+])
+def test_bad_requests_are_one_line_errors(capsys, run_dir, args, msg):
+    rc, _, err = _eval(capsys, run_dir, *args)
+    assert rc == 2 and msg in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_not_a_run_dir(capsys, tmp_path):
+    rc, _, err = _eval(capsys, tmp_path, "--tasks", "loss")
+    assert rc == 2 and "not a run directory" in err
+    rc = main(["eval-report", str(tmp_path)])
+    assert rc == 2 and "no run directory" in capsys.readouterr().err
