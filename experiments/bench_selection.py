@@ -1,52 +1,248 @@
 #!/usr/bin/env python
-"""MoBA/SSA block selection (gate + top-k) on the local accelerator: where the per-token model path
-spends its time (docs/BENCHMARKS.md: at T=16K, block 16 the per-token forward took 33 ms, the kernel
-on ready lists 1 ms).
+"""MoBA/SSA block selection (gate + top-k) on the local accelerator: the XLA reference against the
+fused selection kernel (``hybrid_lm_kernels.select_blocks``).
 
-    python experiments/bench_selection.py --out selection.json
+    python3 experiments/bench_selection.py --check --out results.json     # the GPU run (< 4 min)
 
-Times ``hybrid_lm.ops.block_sparse.select_blocks`` forward (it carries no gradient) for per-token and
-per-block selection, with the default query chunking and larger chunks, and the top-k alone. Prints a
-table and writes JSON. Loads the op by path (no install needed beyond JAX).
+Modes:
+
+- ``--check``: fused == ``ops.select_blocks`` exactly on the device, on quantised inputs (small
+  integers / quarters, so every dot product is exact in fp32): the ``moba`` gate, the ``ssa`` gate
+  with G = 1, and the ``ssa`` gate with S5's G = 10 on group-identical heads (the group sum then
+  cannot create near-ties); plus Gaussian bf16 inputs with S5 heads, where mismatches are
+  allowed only as near-ties (the reference scores of the two sorted selections agree to 1e-5).
+  Then the fused table below.
+- ``--fused`` (implied by ``--check``): at T in ``--T`` (16K, 32K), B = 2, S5's heads (H = 10,
+  K = 1, D = 128), bf16: block 16 top-16 gate ssa and block 128 top-16 gate moba. Times (forward)
+  ``ops.select_blocks`` with the top-k ``auto`` / ``passes`` / ``sort``, the fused kernel (IEEE
+  fp32 dots, and tf32 dots for comparison), the kernel's per-token visit lists alone
+  (``selection_matrix`` + compaction), and the whole ``moba_attend`` pallas path fwd+bwd
+  (selection + ``block_sparse_attention``) with the old (XLA) and the new (fused) selection. Also
+  the mean union list length per 64-query tile of the selections.
+- ``--unions`` (CPU is fine): union list lengths per query tile for random and for correlated
+  (smooth) q, k, at ``--unions-T`` (list lengths, not time).
+- neither: the earlier table (``--cases``: per-token vs per-block XLA selection, query chunks).
+
+Prints tables and writes JSON (``--out``). Needs only JAX: ``kernels/`` is loaded as
+``hybrid_lm_kernels`` and ``hybrid_lm.ops`` from this checkout. ``--interpret`` (or a CPU backend)
+runs the kernels in interpret mode: a smoke test at tiny sizes, numbers meaningless.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.util
 import json
+import math
 import sys
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from timing import median_ms
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # hybrid_lm.ops (needs only jax) without an install
 
 
 def load_ops():
-    spec = importlib.util.spec_from_file_location("_block_sparse", ROOT / "hybrid_lm" / "ops" / "block_sparse.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    from hybrid_lm.ops import block_sparse
+    return block_sparse
+
+
+def load_kernels():
+    try:
+        return importlib.import_module("hybrid_lm_kernels")
+    except ImportError:
+        spec = importlib.util.spec_from_file_location("hybrid_lm_kernels", ROOT / "kernels" / "__init__.py",
+                                                      submodule_search_locations=[str(ROOT / "kernels")])
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = mod
+        spec.loader.exec_module(mod)
+        return mod
 
 
 def time_ms(fn, args, reps=5, inner=5):
     return median_ms(fn, args, reps, inner, warmup=1)[0]
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--cases", default="16384:16:16:ssa,16384:16:16:moba,32768:128:32:moba",
-                   help="T:block:top_k:gate list")
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--kv-heads", type=int, default=16)
-    p.add_argument("--chunks", default="0", help="query_chunk values (0 = default)")
-    p.add_argument("--out", default=None)
-    args = p.parse_args()
-    ops = load_ops()
+def _try_ms(fn, args, reps, inner, what):
+    try:
+        return time_ms(fn, args, reps, inner)
+    except Exception as e:  # noqa: BLE001 (e.g. out of memory): record and go on
+        print(f"  {what}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+        return None
+
+
+# ----------------------------------------------------------------------------- check
+
+def _quantised(key, shape, lo, hi, div=1.0):
+    return (jax.random.randint(key, shape, lo, hi).astype(jnp.float32) / div)
+
+
+def check(ops, kern, interpret, T, B):
+    """Exactness of the fused selection against the reference on this device."""
+    rows = []
+    H, K, D = 10, 1, 128
+    ks = jax.random.split(jax.random.key(0), 4)
+    cases = [("quantised moba", "moba", 16, 16, False), ("quantised ssa G=1", "ssa", 16, 16, False),
+             ("quantised ssa G=10, identical heads", "ssa", 16, 16, True),
+             ("quantised moba block 128", "moba", 128, 16, False)]
+    for name, gate, bs, top_k, identical in cases:
+        h = 1 if name.endswith("G=1") else H
+        q = _quantised(ks[0], (B, T, 1 if identical else h, D), -3, 4, 4.0)
+        q = jnp.broadcast_to(q, (B, T, h, D)) if identical else q
+        k = _quantised(ks[1], (B, T, K, D), -3, 4)
+        with jax.default_matmul_precision("highest"):
+            want = np.asarray(jax.jit(lambda q, k: ops.select_blocks(
+                q, k, block_size=bs, top_k=top_k, gate=gate))(q, k))
+        got = np.asarray(jax.jit(lambda q, k: kern.select_blocks(
+            q, k, block_size=bs, top_k=top_k, gate=gate, interpret=interpret))(q, k))
+        rows.append(dict(case=name, gate=gate, block=bs, top_k=top_k, T=T, B=B, H=h, K=K, D=D,
+                         ok=bool((got == want).all()), rows_differing=int((got != want).any(-1).sum())))
+    # Gaussian bf16: differences allowed only between near-equal reference scores
+    for gate, bs in (("ssa", 16), ("moba", 128)):
+        q = jax.random.normal(ks[2], (B, T, H, D), jnp.bfloat16)
+        k = jax.random.normal(ks[3], (B, T, K, D), jnp.bfloat16)
+        with jax.default_matmul_precision("highest"):
+            want = np.asarray(jax.jit(lambda q, k: ops.select_blocks(
+                q, k, block_size=bs, top_k=16, gate=gate))(q, k))
+        got = np.asarray(jax.jit(lambda q, k: kern.select_blocks(
+            q, k, block_size=bs, top_k=16, gate=gate, interpret=interpret))(q, k))
+        diff = np.argwhere((got != want).any(-1))  # [n, 3]: b, t, h
+        worst = 0.0
+        if len(diff):
+            kbar = ops.block_means(k, bs)
+            for b, t, h in diff[:256]:
+                with jax.default_matmul_precision("highest"):
+                    imp = np.asarray(ops.block_importance(q[b:b + 1, t:t + 1], kbar[b:b + 1], jnp.array([t]),
+                                                          block_size=bs, gate=gate, scale=1 / math.sqrt(D)))[0, 0, h]
+                sg, sw = (np.where(x >= 0, imp[np.maximum(x, 0)], -np.inf) for x in (got[b, t, h], want[b, t, h]))
+                fin = np.isfinite(sg) & np.isfinite(sw)
+                rel = np.abs(sg[fin] - sw[fin]) / np.maximum(1.0, np.abs(sw[fin]))
+                same_empty = (np.isfinite(sg) == np.isfinite(sw)).all()
+                worst = max(worst, float(rel.max(initial=0.0)) if same_empty else float("inf"))
+        rows.append(dict(case=f"gaussian bf16 {gate}", gate=gate, block=bs, top_k=16, T=T, B=B, H=H, K=K, D=D,
+                         ok=worst < 1e-5, rows_differing=len(diff), worst_near_tie=worst,
+                         rows=int(np.prod(got.shape[:3]))))
+    print("\n| check | T | rows differing | ok |\n|---|---|---|---|")
+    for r in rows:
+        extra = f" (worst score gap {r['worst_near_tie']:.1e})" if "worst_near_tie" in r else ""
+        print(f"| {r['case']} | {r['T']} | {r['rows_differing']}{extra} | {r['ok']} |", flush=True)
+    return rows
+
+
+# ----------------------------------------------------------------------------- union lists
+
+def union_stats(kern, idx, T, block_size, block_q=64):
+    """Mean and max union list length per query tile, and the mean number of past blocks a tile's
+    rows could select (what random per-token choices fill)."""
+    bsp = kern.block_sparse_pallas
+    Tp = -(-T // max(block_size, block_q)) * max(block_size, block_q)
+    idx = jnp.pad(idx, ((0, 0), (0, Tp - T), (0, 0), (0, 0)), constant_values=-1)
+    m = np.asarray(bsp.selection_matrix(idx, seq_len=Tp, block_size=block_size, block_q=block_q, per_token=True))
+    n = m.sum(-1)  # [B, Hs, n_tiles]
+    past = np.arange(m.shape[2]) * block_q // block_size  # past blocks of each tile
+    return dict(mean=float(n.mean()), max=int(n.max()), mean_past=float(past.mean()),
+                mean_fraction_of_past=float((n / np.maximum(past, 1)).mean()))
+
+
+def unions(ops, kern, T, block_size=16, top_k=16, H=10, K=1, D=64):
+    """Union list lengths for random (Gaussian) and correlated (AR(1) in time, rho = 0.99) q, k."""
+    ks = jax.random.split(jax.random.key(1), 4)
+    out = []
+
+    def ar1(key, shape, rho=0.99):
+        e = jax.random.normal(key, shape)
+        return jax.lax.associative_scan(lambda a, b: (a[0] * b[0], a[1] * b[0] + b[1]),
+                                        (jnp.full(shape, rho), e), axis=1)[1] * math.sqrt(1 - rho ** 2)
+
+    for name, q, k in [("random", jax.random.normal(ks[0], (1, T, H, D)), jax.random.normal(ks[1], (1, T, K, D))),
+                       ("correlated", ar1(ks[2], (1, T, H, D)), ar1(ks[3], (1, T, K, D)))]:
+        for gate in ("ssa", "moba"):
+            idx = jax.jit(lambda q, k, gate=gate: ops.select_blocks(q, k, block_size=block_size, top_k=top_k,
+                                                                    gate=gate))(q, k)
+            st = union_stats(kern, idx, T, block_size)
+            out.append(dict(inputs=name, gate=gate, T=T, block=block_size, top_k=top_k, **st))
+    print(f"\n| inputs | gate | T | block | top-k | union per 64-query tile: mean / max | mean past blocks | "
+          "mean fraction of past |\n|---|---|---|---|---|---|---|---|")
+    for r in out:
+        print(f"| {r['inputs']} | {r['gate']} | {r['T']} | {r['block']} | {r['top_k']} | {r['mean']:.1f} / "
+              f"{r['max']} | {r['mean_past']:.1f} | {r['mean_fraction_of_past']:.2f} |", flush=True)
+    return out
+
+
+# ----------------------------------------------------------------------------- fused table
+
+def fused_table(ops, kern, interpret, Ts, B, cases, reps, inner):
+    H, K, D = 10, 1, 128  # configs/scale/s5.gin
+    bsp = kern.block_sparse_pallas
+    rows = []
+    print(f"\nB={B}, H={H}, K={K}, D={D}, bf16; ms, median of {reps} x {inner} calls")
+    print("| T | block | top-k | gate | xla auto | xla passes | xla sort | fused | fused tf32 | lists alone | "
+          "moba_attend fwd+bwd: xla sel / fused sel | union mean / past |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for T in Ts:
+        ks = jax.random.split(jax.random.key(T), 4)
+        q = jax.random.normal(ks[0], (B, T, H, D), jnp.bfloat16)
+        k = jax.random.normal(ks[1], (B, T, K, D), jnp.bfloat16)
+        v = jax.random.normal(ks[2], (B, T, K, D), jnp.bfloat16)
+        do = jax.random.normal(ks[3], (B, T, H, D), jnp.bfloat16)
+        for bs, top_k, gate in cases:
+            r = dict(T=T, B=B, H=H, K=K, D=D, block=bs, top_k=top_k, gate=gate)
+            what = f"T={T} block={bs} {gate}"
+            for m in ("auto", "passes", "sort"):
+                r[f"xla_{m}_ms"] = _try_ms(jax.jit(lambda q, k, m=m: ops.select_blocks(
+                    q, k, block_size=bs, top_k=top_k, gate=gate, topk=m)), (q, k), reps, inner, f"{what} xla {m}")
+            fused = jax.jit(lambda q, k: kern.select_blocks(q, k, block_size=bs, top_k=top_k, gate=gate,
+                                                              interpret=interpret))
+            r["fused_ms"] = _try_ms(fused, (q, k), reps, inner, f"{what} fused")
+            r["fused_tf32_ms"] = _try_ms(jax.jit(lambda q, k: kern.select_blocks(
+                q, k, block_size=bs, top_k=top_k, gate=gate, interpret=interpret,
+                precision=jax.lax.Precision.DEFAULT)), (q, k), reps, inner, f"{what} fused tf32")
+            idx = fused(q, k)
+
+            Tp = -(-T // max(bs, 64)) * max(bs, 64)
+
+            def lists(idx):  # what block_sparse_attention builds from per-token selections
+                idx = jnp.pad(idx, ((0, 0), (0, Tp - T), (0, 0), (0, 0)), constant_values=-1)
+                m = bsp.selection_matrix(idx, seq_len=Tp, block_size=bs, block_q=64, per_token=True)
+                return bsp._compact(m), bsp._compact(jnp.swapaxes(m, 2, 3))
+
+            r["lists_ms"] = _try_ms(jax.jit(lists), (idx,), reps, inner, f"{what} lists")
+            r["union"] = union_stats(kern, idx, T, bs)
+
+            def attend(select):
+                def fn(q, k, v):  # moba_attend's pallas path
+                    return kern.block_sparse_attention(q, k, v, select(q, k), block_size=bs, interpret=interpret)
+
+                def fwd_bwd(q, k, v, do):
+                    o, vjp = jax.vjp(fn, q, k, v)
+                    return o, *vjp(do)
+                return jax.jit(fwd_bwd)
+
+            r["attend_xla_sel_ms"] = _try_ms(attend(lambda q, k: ops.select_blocks(
+                q, k, block_size=bs, top_k=top_k, gate=gate)), (q, k, v, do), reps, inner, f"{what} attend xla")
+            r["attend_fused_sel_ms"] = _try_ms(attend(lambda q, k: kern.select_blocks(
+                q, k, block_size=bs, top_k=top_k, gate=gate, interpret=interpret)), (q, k, v, do), reps, inner,
+                f"{what} attend fused")
+            rows.append(r)
+
+            def f(x):
+                return "—" if x is None else f"{x:.3f}"
+            print(f"| {T} | {bs} | {top_k} | {gate} | {f(r['xla_auto_ms'])} | {f(r['xla_passes_ms'])} | "
+                  f"{f(r['xla_sort_ms'])} | **{f(r['fused_ms'])}** | {f(r['fused_tf32_ms'])} | {f(r['lists_ms'])} | "
+                  f"{f(r['attend_xla_sel_ms'])} / **{f(r['attend_fused_sel_ms'])}** | "
+                  f"{r['union']['mean']:.1f} / {r['union']['mean_past']:.1f} |", flush=True)
+    return rows
+
+
+# ----------------------------------------------------------------------------- the earlier table
+
+def xla_table(ops, args):
     H, K, D = args.heads, args.kv_heads, 128
     rows = []
     print(f"device: {jax.devices()[0].device_kind}, H={H} K={K} D={D}, B=1, bf16 inputs")
@@ -67,11 +263,7 @@ def main():
         for selection, chunk in variants:
             fn = jax.jit(lambda q, k, selection=selection, chunk=chunk: ops.select_blocks(
                 q, k, block_size=bs, top_k=top_k, gate=gate, selection=selection, query_chunk=chunk))
-            try:
-                ms = time_ms(fn, (q, k))
-            except Exception as e:  # noqa: BLE001 (e.g. out of memory for an unchunked pass)
-                ms = None
-                print(f"  {case} {selection} {chunk}: {type(e).__name__}: {str(e)[:200]}")
+            ms = _try_ms(fn, (q, k), 5, 5, f"{case} {selection} {chunk}")
             default_chunk = ops._query_chunks(T, H * nb, 1, None)
             rows.append(dict(T=T, block=bs, top_k=top_k, gate=gate, selection=selection,
                              query_chunk=chunk or default_chunk, default_chunk=chunk is None,
@@ -80,8 +272,50 @@ def main():
                   f"{(chunk or default_chunk) if selection == 'token' else '—'}{' (default)' if selection == 'token' and chunk is None else ''} | "
                   f"{'—' if ms is None else f'{ms:.3f}'} | {topk_ms['sort']:.3f} / {topk_ms['passes']:.3f} |",
                   flush=True)
+    return rows
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--check", action="store_true", help="exactness on the device, then the fused table")
+    p.add_argument("--fused", action="store_true", help="the fused-vs-XLA table")
+    p.add_argument("--unions", action="store_true", help="union list lengths, random vs correlated inputs")
+    p.add_argument("--T", default="16384,32768", help="sequence lengths of the fused table")
+    p.add_argument("--B", type=int, default=2)
+    p.add_argument("--check-T", type=int, default=4096)
+    p.add_argument("--unions-T", type=int, default=4096)
+    p.add_argument("--fused-cases", default="16:16:ssa,128:16:moba", help="block:top_k:gate list")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--inner", type=int, default=5)
+    p.add_argument("--interpret", action="store_true", help="Pallas interpret mode (CPU smoke)")
+    p.add_argument("--cases", default="16384:16:16:ssa,16384:16:16:moba,32768:128:32:moba",
+                   help="T:block:top_k:gate list (the earlier table)")
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--kv-heads", type=int, default=16)
+    p.add_argument("--chunks", default="0", help="query_chunk values (0 = default)")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    ops = load_ops()
+    result = dict(device=jax.devices()[0].device_kind)
+    interpret = args.interpret or jax.default_backend() == "cpu"
+    if args.check or args.fused or args.unions:
+        kern = load_kernels()
+        print(f"device: {result['device']}{' (Pallas interpret mode)' if interpret else ''}")
+        if args.check:
+            result["check"] = check(ops, kern, interpret, args.check_T, args.B)
+        if args.unions:
+            result["unions"] = unions(ops, kern, args.unions_T)
+        if args.check or args.fused:
+            cases = [(int(a), int(b), g) for a, b, g in (c.split(":") for c in args.fused_cases.split(","))]
+            result["fused"] = fused_table(ops, kern, interpret, [int(t) for t in args.T.split(",")], args.B, cases,
+                                          args.reps, args.inner)
+    else:
+        result["rows"] = xla_table(ops, args)
     if args.out:
-        Path(args.out).write_text(json.dumps(dict(device=jax.devices()[0].device_kind, rows=rows), indent=1))
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    if args.check and not all(r["ok"] for r in result["check"]):
+        print("check FAILED")
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -84,3 +84,15 @@ def test_bench_train_sweep_microbatch(tmp_path):
     assert all(r["peak_bytes"] > 0 and r["compile_s"] > 0 for r in rows)
     assert rows[2]["attention_backends"].get("sa w=128") == "xla"
     assert set(json.loads(table.read_text())["best"]) == {"s1/full/64", "s1/sa@dots_attn/64"}
+
+
+@pytest.mark.slow
+def test_bench_selection_fused_check(tmp_path):
+    """bench_selection --check: fused == reference selections (interpret mode) and the fused table."""
+    out = tmp_path / "selection_fused.json"
+    _run(["experiments/bench_selection.py", "--check", "--check-T", "64", "--T", "128", "--fused-cases", "16:4:ssa",
+          "--reps", "1", "--inner", "1", "--out", str(out)], tmp_path)
+    r = json.loads(out.read_text())
+    assert r["check"] and all(row["ok"] for row in r["check"])
+    assert [(row["T"], row["gate"]) for row in r["fused"]] == [(128, "ssa")]
+    assert r["fused"][0]["fused_ms"] > 0 and r["fused"][0]["attend_fused_sel_ms"] > 0

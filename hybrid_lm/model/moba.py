@@ -7,6 +7,13 @@ Backends (``attention_impl``): ``xla`` = the O(T*k*block) reference in ``ops/blo
 ``pallas`` = the block-sparse kernel (``hybrid_lm_kernels.block_sparse_attention``, blocks that are
 powers of two >= 16); ``auto`` = pallas on a GPU for those blocks, else xla
 (``hybrid_lm.backends.moba_backend``). cuDNN and jla cannot express the mask.
+
+Selection on the pallas path (``selection_impl``, see :func:`selection_backend`): per-token
+selection (``selection='token'``) runs the fused gate + top-k kernel
+(``hybrid_lm_kernels.select_blocks``: the ``[T, n_blocks]`` scores never reach HBM); per-block
+selection (``nb`` rows, cheap) and ``selection_impl='xla'`` run the reference
+``ops.select_blocks``. Both give the same blocks (``tests/test_kernels_selection.py``). The xla
+path keeps the reference's chunked selection + attention.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -53,19 +61,47 @@ class MobaOptions:
             raise ConfigError(f"{self._mixer} option selection={self.selection!r}: choose one of {ops.SELECTIONS}")
 
 
+SELECTION_IMPLS = ("auto", "fused", "xla")
+
+
+def selection_backend(selection_impl: str, selection: str) -> tuple[str, str]:
+    """``(fused | xla, reason)``: who selects the blocks on the pallas path. ``auto``: the fused
+    kernel for per-token selection, the reference for per-block selection (nb rows: its score
+    tensor is small). ``fused`` with ``selection='block'`` is refused (the kernel scores tokens)."""
+    if selection_impl not in SELECTION_IMPLS:
+        raise ConfigError(f"selection_impl={selection_impl!r}: choose one of {SELECTION_IMPLS}")
+    if selection_impl == "xla":
+        return "xla", "selection_impl='xla' set explicitly"
+    if selection == "token":
+        return "fused", f"selection_impl={selection_impl!r}, per-token selection: fused gate + top-k kernel"
+    if selection_impl == "fused":
+        raise ConfigError("selection_impl='fused' runs per-token selection only; selection='block' "
+                          "uses the reference (ops.select_blocks)")
+    return "xla", "auto: per-block selection scores nb rows (reference ops.select_blocks)"
+
+
 def moba_attend(q, k, v, *, block_size: int, top_k: int, gate: str, selection: str, impl: str,
-                label: str = "moba"):
+                label: str = "moba", selection_impl: str = "auto", interpret: bool = False):
     """Selection + block-sparse causal attention on the chosen backend (shared by moba and ssa),
-    recorded as ``"{label} block={block_size}"``."""
+    recorded as ``"{label} block={block_size}"``. ``selection_impl`` picks the selection on the
+    pallas path (:func:`selection_backend`); ``interpret`` runs the Pallas kernels in interpret
+    mode (CPU tests)."""
     impl, reason = moba_backend(impl, block_size)
-    record_backend(f"{label} block={block_size}", impl, reason)
     if impl == "pallas":
+        sel_impl, sel_reason = selection_backend(selection_impl, selection)
+        record_backend(f"{label} block={block_size}", impl, f"{reason}; selection: {sel_reason}")
         try:
             import hybrid_lm_kernels as kernels
         except ImportError as e:
             raise ConfigError(f"attention_impl='pallas' needs the Pallas kernels (hybrid_lm_kernels): {e}") from None
-        idx = ops.select_blocks(q, k, block_size=block_size, top_k=top_k, gate=gate, selection=selection)
-        return kernels.block_sparse_attention(q, k, v, idx, block_size=block_size)
+        if sel_impl == "fused":
+            kbar = ops.block_means(jax.lax.stop_gradient(k), block_size)
+            idx = kernels.select_blocks(q, kbar, block_size=block_size, top_k=top_k, gate=gate, kbar=True,
+                                        interpret=interpret)
+        else:  # the reference, kept beside the kernel
+            idx = ops.select_blocks(q, k, block_size=block_size, top_k=top_k, gate=gate, selection=selection)
+        return kernels.block_sparse_attention(q, k, v, idx, block_size=block_size, interpret=interpret)
+    record_backend(f"{label} block={block_size}", impl, reason)
     return ops.moba_attention(q, k, v, block_size=block_size, top_k=top_k, gate=gate, selection=selection)
 
 

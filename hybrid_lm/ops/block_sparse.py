@@ -186,7 +186,7 @@ def _map_query_chunks(fn, q, Qc: int):
 
 
 def select_blocks(q, k, *, block_size: int, top_k: int, gate: str = "moba", scale: float | None = None,
-                  selection: str = "token", query_chunk: int | None = None):
+                  selection: str = "token", query_chunk: int | None = None, topk: str = "auto"):
     """Selected blocks (int32, -1 = empty slot), no gradient.
 
     ``selection='token'``: ``[B, T, Hs, min(top_k, nb)]``, every query token selects (MoBA, NSA).
@@ -194,6 +194,8 @@ def select_blocks(q, k, *, block_size: int, top_k: int, gate: str = "moba", scal
     with the mean query of the *preceding* block, as if it stood at the block's first token (past =
     earlier blocks). Causal: no token's selection depends on a later token (the block's own mean
     query would leak its later tokens into the choice of its earlier ones).
+    ``topk``: the top-k method of :func:`_top_blocks` (``auto``, ``sort``, ``passes``).
+    The fused kernel ``hybrid_lm_kernels.select_blocks`` returns the same for ``selection='token'``.
     """
     _check(q, k, k, block_size, top_k, gate)
     if selection not in SELECTIONS:
@@ -210,10 +212,10 @@ def select_blocks(q, k, *, block_size: int, top_k: int, gate: str = "moba", scal
         qbar = block_means(q, block_size)  # [B, nb, H, D]
         qprev = jnp.concatenate([jnp.zeros_like(qbar[:, :1]), qbar[:, :-1]], axis=1)  # block 0: no past
         t = jnp.arange(nb) * block_size
-        return _top_blocks(block_importance(qprev, kbar, t, block_size=block_size, gate=gate, scale=scale), S)
+        return _top_blocks(block_importance(qprev, kbar, t, block_size=block_size, gate=gate, scale=scale), S, topk)
 
     def chunk(qc, tc):
-        return _top_blocks(block_importance(qc, kbar, tc, block_size=block_size, gate=gate, scale=scale), S)
+        return _top_blocks(block_importance(qc, kbar, tc, block_size=block_size, gate=gate, scale=scale), S, topk)
 
     return _map_query_chunks(chunk, q, _query_chunks(T, H * nb, B, query_chunk))
 
