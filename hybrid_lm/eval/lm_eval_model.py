@@ -1,0 +1,558 @@
+"""lm-evaluation-harness on a run's checkpoint: the ``hybrid_lm`` model of ``lm_eval`` (short-context benchmarks).
+
+:func:`model_class` imports lm-eval (``pip install -e '.[lm_eval]'``; nothing here imports it before
+that) and returns :class:`HybridLMEval`, an ``lm_eval.api.model.TemplateLM`` (an ``LM``) registered
+as ``"hybrid_lm"``. Its ``model_args``:
+
+    run=RUN_DIR (required)  step=N (default: the newest that restores)  batch_size=N|auto
+    max_length=T (default: the run's seq_len)  max_gen_toks=N (default 256)
+    swap=SLOT=KIND[:W] (as ``hybrid-lm eval --swap``; several separated by ';', or a list)
+    attention_impl=auto|xla|cudnn|pallas|jla  progress=true|false
+
+What the three request types do, as lm-eval's HF model does them:
+
+- ``loglikelihood``: context and continuation encoded together and split (trailing whitespace of the
+  context moves into the continuation); an empty context is the run's separator token (below);
+  ``context + continuation`` truncated from the left to ``max_length + 1`` tokens; the sum of the
+  continuation's log-probs and whether every continuation token is the argmax.
+- ``loglikelihood_rolling``: lm-eval's disjoint rolling windows over ``max_length`` (the first one
+  conditioned on the separator token, each later one on the tokens before it), summed.
+- ``generate_until``: greedy on the model's decode cache (``HybridLM.prefill`` / ``decode_step``, as
+  ``hybrid_lm/eval/generate.py``), the context truncated from the left to ``max_length -
+  max_gen_toks``, stopped at the ``until`` strings, at the tokenizer's EOS id, or after
+  ``max_gen_toks``. Sampling (``do_sample`` / ``temperature > 0``) is refused. Mixers without a decode
+  path (sa, sa_swa, attention_sink) cannot generate: such tasks are refused in one line.
+
+Batching: requests sorted longest first (lm-eval's ``Collator``), rows right-padded to a few bucket
+lengths (:func:`length_buckets`), a fixed number of rows per bucket: the model compiles once per
+bucket used. Right padding is exact for causal mixers (a token never sees a later one); ``sa`` draws
+its permutation over the padded length, so its scores depend on the bucket (it is stochastic by
+construction). Generation runs prompts of different lengths in one batch without padding them: the
+batch is prefilled up to a bucket length at most its shortest prompt, then decoded one token at a
+time, each row fed its own prompt tokens until they run out (teacher forcing), then its greedy
+picks; host-side stop checks every :data:`DECODE_CHUNK` steps end the batch early.
+
+Tokens: the run's tokenizer (``RestoredRun.tokenizer``). The token before a document (empty
+contexts, the first rolling window) is the last token of the tokenizer's separator, i.e. what
+precedes every document in training: EOS for BPE / SentencePiece, ``"\\n"`` for bytes (whose
+separator is ``"\\n\\n"``; bytes have no EOS, so generation stops only at ``until`` or the budget).
+
+Command line: lm-eval's own ``lm_eval`` script cannot see a model registered outside lm-eval
+(0.4.x has no model entry points or plugin import), so::
+
+    hybrid-lm lm-eval --model_args run=RUN_DIR,step=N --tasks hellaswag,arc_easy [any lm-eval option]
+    python -m hybrid_lm.eval.lm_eval_model --model_args run=RUN_DIR --tasks ...
+
+register the class and run lm-eval's CLI on the arguments (``--model hybrid_lm`` implied).
+Python: ``lm_eval.simple_evaluate(model=model_class()(run=RUN_DIR), tasks=[...])``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import zlib
+
+import numpy as np
+
+from hybrid_lm.errors import ConfigError, DataError, WorkdirError
+
+log = logging.getLogger(__name__)
+
+NAME = "hybrid_lm"  # lm-eval's --model
+DEFAULT_MAX_GEN_TOKS = 256  # lm-eval's HF default
+DECODE_CHUNK = 16  # decode steps per call between the host-side stop checks
+_IGNORED_ARGS = ("device", "max_batch_size", "trust_remote_code")  # passed by lm-eval to every model
+_KNOWN_ARGS = ("run", "step", "batch_size", "max_length", "max_gen_toks", "swap", "attention_impl", "progress")
+
+
+# ----------------------------------------------------------------------------- buckets and arguments
+
+def length_buckets(max_length: int, smallest: int = 16) -> list[int]:
+    """Padded lengths: ``smallest`` and every power of two and 1.5 x power of two above it below
+    ``max_length``, then ``max_length`` itself."""
+    out, k = set(), 1
+    while k < max_length:
+        out.update(b for b in (k, 3 * k // 2) if smallest <= b < max_length)
+        k *= 2
+    return sorted(out | {max_length})
+
+
+def prefill_buckets(max_length: int) -> list[int]:
+    """Prefill lengths of a generation batch (at most its shortest prompt): 1, 2, 4, 8, then the
+    :func:`length_buckets`."""
+    return sorted({1, 2, 4, 8} | set(length_buckets(max_length)))
+
+
+def bucket_up(n: int, buckets: list[int]) -> int:
+    return next(b for b in buckets if b >= n)
+
+
+def bucket_down(n: int, buckets: list[int]) -> int:
+    return max(b for b in buckets if b <= n)
+
+
+def parse_swaps(swap) -> list[str]:
+    """``swap`` as lm-eval passes it: None, one spec, several separated by ';', or a list."""
+    if swap is None or swap == "":
+        return []
+    if isinstance(swap, (list, tuple)):
+        return [str(s).strip() for s in swap if str(s).strip()]
+    return [s.strip() for s in str(swap).split(";") if s.strip()]
+
+
+def _positive_int(name: str, value, allow_none: bool = True):
+    if value is None and allow_none:
+        return None
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"hybrid_lm model_args: {name}={value!r} must be an integer") from None
+    if n < 1 or n != float(value):
+        raise ConfigError(f"hybrid_lm model_args: {name}={value!r} must be an integer >= 1")
+    return n
+
+
+def _batch_size(value):
+    """None (the trainer's tokens per step at each length) for None / 'auto' / 'auto:N', else an int >= 1."""
+    if value is None or (isinstance(value, str) and value.strip().lower().startswith("auto")):
+        return None
+    return _positive_int("batch_size", value)
+
+
+def _flag(name: str, value) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes"):
+        return True
+    if text in ("0", "false", "no"):
+        return False
+    raise ConfigError(f"hybrid_lm model_args: {name}={value!r} must be true or false")
+
+
+def request_id(tokens) -> int:
+    """A request's example id for per-example randomness (SA permutations): a hash of its tokens, so
+    its score does not depend on the other requests of the batch."""
+    return zlib.crc32(np.asarray(tokens, np.int64).tobytes()) & 0x7FFFFFFF
+
+
+# ----------------------------------------------------------------------------- the model
+
+
+class _HybridLMEvalImpl:
+    """The body of :class:`HybridLMEval` (lm-eval's ``TemplateLM`` is added as a base by
+    :func:`model_class`, so that this module imports without lm-eval)."""
+
+    backend = "causal"
+
+    def __init__(self, run=None, step=None, batch_size=None, max_length=None, max_gen_toks=DEFAULT_MAX_GEN_TOKS,
+                 swap=None, attention_impl=None, progress=True, **extra):
+        super().__init__()
+        from hybrid_lm.eval.restore import RestoredRun, load_run_config
+        from hybrid_lm.eval.ruler import decode_unavailable
+        from hybrid_lm.eval.swap import swapped_config
+        from hybrid_lm.train.step import ModelFns
+
+        unknown = sorted(k for k in extra if k not in _IGNORED_ARGS)
+        if unknown:
+            raise ConfigError(f"hybrid_lm model_args: unknown {', '.join(unknown)}; known: {', '.join(_KNOWN_ARGS)}")
+        if extra.get("device"):
+            log.info("hybrid_lm: device=%s ignored (JAX runs on its default devices)", extra["device"])
+        if run is None or str(run).strip() == "":
+            raise ConfigError("hybrid_lm model_args: run=RUN_DIR is required (a run directory with checkpoints/)")
+        step = None if step is None or str(step).lower() in ("", "latest", "none") else _positive_int("step", step)
+        self.batch_size = _batch_size(batch_size)
+        self.max_batch_size = _positive_int("max_batch_size", extra.get("max_batch_size"))
+        self.max_gen_toks = _positive_int("max_gen_toks", max_gen_toks, allow_none=False)
+        self.progress = _flag("progress", progress)
+        self.swaps = parse_swaps(swap)
+        try:
+            trained = load_run_config(run)
+        except FileNotFoundError as e:
+            raise WorkdirError(str(e)) from None
+        self.max_length = _positive_int("max_length", max_length) or trained.data.seq_len
+        if self.max_length < 2:
+            raise ConfigError(f"hybrid_lm model_args: max_length={self.max_length} must be >= 2")
+        if self.max_length > trained.data.seq_len:
+            log.warning("hybrid_lm: max_length %d exceeds the trained seq_len %d: positions beyond it were never "
+                        "trained", self.max_length, trained.data.seq_len)
+        seq_len = self.max_length if self.max_length != trained.data.seq_len else None
+        # checked before the restore: a bad swap fails in a second
+        swapped_config(trained, self.swaps, seq_len=seq_len, attention_impl=attention_impl)
+        try:
+            self.run = RestoredRun(run, step=step)
+        except FileNotFoundError as e:
+            raise WorkdirError(f"{e}: train the run first, or give a step that was saved") from None
+        self.cfg = self.run.task_config(self.swaps, seq_len=seq_len, attention_impl=attention_impl)
+        self.fns = self.run.fns if self.cfg.model == self.run.cfg.model else ModelFns(self.cfg)
+        self.tokenizer = self.run.tokenizer
+        self.no_decode = decode_unavailable(self.fns.model(self.run.params))
+        self.buckets = length_buckets(self.max_length)
+        self.compiled: set[tuple] = set()  # (function, shape) pairs traced so far: the compile count
+        self._jitted = {}
+
+    # -- what TemplateLM asks for
+
+    @property
+    def eot_token_id(self) -> int:
+        tok = self.tokenizer
+        return int(tok.eos_id) if tok.eos_id is not None else int(tok.separator[-1])
+
+    @property
+    def prefix_token_id(self) -> int:
+        """The token before a document: the separator's last (EOS, or "\\n" for bytes)."""
+        return int(self.tokenizer.separator[-1])
+
+    @property
+    def tokenizer_name(self) -> str:
+        return f"hybrid_lm-{self.tokenizer.kind}-{self.tokenizer.fingerprint[:16]}"
+
+    def tok_encode(self, string: str, add_special_tokens=None, **kwargs) -> list[int]:
+        return [int(t) for t in self.tokenizer.encode(string)]
+
+    def tok_decode(self, tokens, **kwargs) -> str:
+        return self.tokenizer.decode(tokens)
+
+    def loglikelihood(self, requests, disable_tqdm: bool = False):
+        return super().loglikelihood(requests, disable_tqdm=disable_tqdm or not self.progress)
+
+    def get_model_info(self) -> dict:
+        """Added to lm-eval's results["config"]."""
+        return {"hybrid_lm_run": str(self.run.workdir), "hybrid_lm_step": self.run.step,
+                "hybrid_lm_run_id": self.run.cfg.run_id(), "hybrid_lm_swaps": self.swaps,
+                "hybrid_lm_max_length": self.max_length, "hybrid_lm_attention_impl": self.cfg.model.attention_impl,
+                "hybrid_lm_tokenizer": self.tokenizer.describe()}
+
+    # -- batching
+
+    def _rows(self, length: int, n_requests: int) -> int:
+        """Rows per call at ``length``, a multiple of the batch shards: batch_size, else the trainer's
+        tokens per step at this length, at most max_batch_size and no more than the requests there
+        are (rounded up to a power of two: few shapes)."""
+        per = self.batch_size
+        if per is None:
+            per = max(1, self.run.cfg.train.global_batch * self.run.cfg.data.seq_len // length)
+            per = min(per, self.max_batch_size or per, 1 << max(0, n_requests - 1).bit_length())
+        shards = self.run.n_batch_shards
+        return -(-per // shards) * shards
+
+    def _fn(self, kind: str, shape: tuple, build):
+        self.compiled.add((kind, shape))
+        if kind not in self._jitted:
+            self._jitted[kind] = build()
+        return self._jitted[kind]
+
+    def _put(self, a: np.ndarray):
+        from hybrid_lm.train.sharding import put_batch
+        return put_batch(np.ascontiguousarray(a), self.run.batch_shard)
+
+    # -- scoring
+
+    def _build_score(self):
+        import jax
+        import jax.numpy as jnp
+
+        from hybrid_lm.model.registry import MixerContext
+        from hybrid_lm.ops.attention import default_positions
+
+        fns, cfg, vocab = self.fns, self.cfg, self.tokenizer.vocab_size
+
+        def score(params, tokens, targets, example_ids):
+            B, L = tokens.shape
+            ctx = MixerContext(positions=default_positions(B, L), attention_impl=cfg.model.attention_impl,
+                               seed=cfg.train.seed, example_ids=example_ids[:, 0], train=False)
+            logits = fns.model(params)(tokens, ctx)  # fp32 [B, L, V]
+            logp = jnp.take_along_axis(logits, targets[..., None], -1)[..., 0] - jax.nn.logsumexp(logits, -1)
+            greedy = jnp.argmax(logits[..., :vocab], -1) == targets  # ids the tokenizer cannot decode never win
+            return logp, greedy
+        return jax.jit(score)
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs):
+        """``[(logprob, is_greedy)]`` of ``[(request strings or None, context ids, continuation ids)]``."""
+        import jax
+        from lm_eval.models.utils import Collator
+        from tqdm import tqdm
+
+        def longest_first(req):
+            toks = req[1] + req[2]
+            return -len(toks), tuple(toks)
+
+        order = Collator(requests, sort_fn=longest_first)
+        ordered = [r for chunk in order.get_batched(n=0) for r in chunk]
+        rows = []
+        for _, ctx, cont in ordered:
+            if not cont:
+                raise ConfigError("lm-eval asked for the log-likelihood of an empty continuation")
+            if len(cont) > self.max_length:
+                raise ConfigError(f"a continuation of {len(cont)} tokens does not fit max_length={self.max_length}; "
+                                  "raise max_length in --model_args")
+            full = (ctx + cont)[-(self.max_length + 1):]
+            rows.append((np.asarray(full, np.int32), len(cont)))
+        res = []
+        bar = tqdm(total=len(ordered), desc="hybrid_lm loglikelihood", disable=disable_tqdm or not self.progress)
+        i = 0
+        with jax.set_mesh(self.run.mesh):
+            while i < len(rows):
+                L = bucket_up(len(rows[i][0]) - 1, self.buckets)
+                R = self._rows(L, len(rows))
+                part = rows[i:i + R]
+                tokens = np.zeros((R, L), np.int32)
+                targets = np.zeros((R, L), np.int32)
+                ids = np.zeros((R, 1), np.int32)
+                for r, (full, _) in enumerate(part):
+                    tokens[r, :len(full) - 1] = full[:-1]
+                    targets[r, :len(full) - 1] = full[1:]
+                    ids[r, 0] = request_id(full)
+                fn = self._fn("score", (R, L), self._build_score)
+                logp, greedy = fn(self.run.params, self._put(tokens), self._put(targets), self._put(ids))
+                logp, greedy = np.asarray(logp, np.float64), np.asarray(greedy)
+                for r, (full, n_cont) in enumerate(part):
+                    end = len(full) - 1
+                    res.append((float(logp[r, end - n_cont:end].sum()), bool(greedy[r, end - n_cont:end].all())))
+                bar.update(len(part))
+                i += len(part)
+        bar.close()
+        for (req_str, _, _), answer in zip(ordered, res):
+            if req_str is not None:  # rolling windows are cached per document by loglikelihood_rolling
+                self.cache_hook.add_partial("loglikelihood", req_str, answer)
+        return order.get_original(res)
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        """Each text's log-likelihood over lm-eval's disjoint rolling windows of ``max_length``."""
+        from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+        windows, counts = [], []
+        for (text,) in [req.args for req in requests]:
+            pairs = [make_disjoint_window(w) for w in get_rolling_token_windows(
+                token_list=self.tok_encode(text), prefix_token=self.prefix_token_id,
+                max_seq_len=self.max_length, context_len=1)]
+            windows += [(None, ctx, cont) for ctx, cont in pairs]
+            counts.append(len(pairs))
+        scores = self._loglikelihood_tokens(windows, disable_tqdm=disable_tqdm)
+        out, start = [], 0
+        for req, n in zip(requests, counts):
+            total = float(sum(s for s, _ in scores[start:start + n]))
+            start += n
+            out.append(total)
+            self.cache_hook.add_partial("loglikelihood_rolling", req.args, total)
+        return out
+
+    # -- generation
+
+    def _build_prefill(self):
+        import jax
+        import jax.numpy as jnp
+
+        fns, impl, vocab = self.fns, self.cfg.model.attention_impl, self.tokenizer.vocab_size
+
+        def prefill(params, head, *, max_len):
+            logits, cache = fns.model(params).prefill(head, max_len, impl)
+            return jnp.argmax(logits[:, -1, :vocab], -1).astype(jnp.int32), cache
+        return jax.jit(prefill, static_argnames="max_len")
+
+    def _build_chunk(self):
+        import jax
+        import jax.numpy as jnp
+
+        fns, vocab = self.fns, self.tokenizer.vocab_size
+
+        def chunk(params, cache, buf, lengths, pick, p):
+            """DECODE_CHUNK steps from position ``p``: each row's token at p is its prompt's while p is
+            inside the prompt, else the greedy pick; it is written to ``buf`` and decoded."""
+            model = fns.model(params)
+
+            def body(carry, _):
+                buf, cache, pick, p = carry
+                prompt_tok = jax.lax.dynamic_slice_in_dim(buf, p, 1, axis=1)[:, 0]
+                tok = jnp.where(p >= lengths[:, 0], pick, prompt_tok)
+                buf = jax.lax.dynamic_update_slice_in_dim(buf, tok[:, None], p, axis=1)
+                logits, cache = model.decode_step(tok, cache)
+                return (buf, cache, jnp.argmax(logits[:, :vocab], -1).astype(jnp.int32), p + 1), None
+
+            (buf, cache, pick, p), _ = jax.lax.scan(body, (buf, cache, pick, p), None, length=DECODE_CHUNK)
+            return buf, cache, pick, p
+        return jax.jit(chunk)
+
+    def _stopped(self, gen: np.ndarray, until: list[str], budget: int) -> bool:
+        eos = self.tokenizer.eos_id
+        if len(gen) >= budget or (eos is not None and (gen == eos).any()):
+            return True
+        text = self.tok_decode(gen)
+        return any(u and u in text for u in until)
+
+    def _finish(self, gen: np.ndarray, until: list[str]) -> str:
+        from lm_eval.models.utils import postprocess_generated_text
+
+        eos = self.tokenizer.eos_id
+        if eos is not None and (gen == eos).any():
+            gen = gen[:int(np.argmax(gen == eos))]
+        return postprocess_generated_text(self.tok_decode(gen), until, None)
+
+    def _generate_batch(self, prompts: list[list[int]], budget: int, until: list[str], rows: int) -> list[str]:
+        """Greedy continuations of ``prompts`` (one batch of ``rows``; the spare rows repeat the first)."""
+        import jax
+        import jax.numpy as jnp
+
+        n = len(prompts)
+        prompts = prompts + [prompts[0]] * (rows - n)
+        lengths = np.array([len(p) for p in prompts], np.int32)
+        total = bucket_up(int(lengths.max()) + budget, self.buckets) + DECODE_CHUNK
+        head = bucket_down(int(lengths.min()), prefill_buckets(self.max_length))
+        buf = np.zeros((rows, total), np.int32)
+        for r, p in enumerate(prompts):
+            buf[r, :len(p)] = p
+        prefill = self._fn("prefill", (rows, head, total), self._build_prefill)
+        chunk = self._fn("decode", (rows, total), self._build_chunk)
+        pick, cache = prefill(self.run.params, self._put(buf[:, :head]), max_len=total)
+        buf_dev, lengths_dev, p_dev = self._put(buf), self._put(lengths[:, None]), jnp.int32(head)
+        p, done, host = head, np.zeros(n, bool), buf
+        while not done.all():
+            buf_dev, cache, pick, p_dev = chunk(self.run.params, cache, buf_dev, lengths_dev, pick, p_dev)
+            p += DECODE_CHUNK
+            host = np.asarray(buf_dev)
+            for r in np.flatnonzero(~done):
+                L = lengths[r]
+                done[r] = p > L and self._stopped(host[r, L:min(p, L + budget)], until, budget)
+        return [self._finish(host[r, lengths[r]:min(p, lengths[r] + budget)], until) for r in range(n)]
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        """Greedy continuations, stopped at the request's ``until`` strings or ``max_gen_toks``."""
+        import jax
+        from lm_eval.models.utils import Collator, handle_stop_sequences, normalize_gen_kwargs
+        from tqdm import tqdm
+
+        if self.no_decode and requests:
+            raise ConfigError(f"generate_until needs token-by-token decoding, which this model lacks ({self.no_decode}); "
+                              "run its log-likelihood tasks only")
+
+        def longest_first(req):
+            return -len(self.tok_encode(req[0])), req[0]
+
+        groups = Collator([req.args for req in requests], sort_fn=longest_first, group_by="gen_kwargs",
+                          group_fn=lambda x: x[1])
+        res = []
+        bar = tqdm(total=len(requests), desc="hybrid_lm generate_until", disable=disable_tqdm or not self.progress)
+        with jax.set_mesh(self.run.mesh):
+            for chunk in groups.get_batched(n=0):  # one chunk per distinct gen_kwargs
+                contexts, all_kwargs = zip(*chunk)
+                kwargs = normalize_gen_kwargs(all_kwargs[0], self.max_gen_toks)
+                if kwargs.get("do_sample") or float(kwargs.get("temperature") or 0) > 0:
+                    raise ConfigError(f"hybrid_lm generates greedily only; the task asks for sampling ({all_kwargs[0]})")
+                until = handle_stop_sequences(kwargs.pop("until", None), eos=None)  # EOS: stopped at its id
+                budget = int(kwargs.pop("max_gen_toks"))
+                max_ctx = self.max_length - budget
+                if max_ctx < 1:
+                    raise ConfigError(f"max_gen_toks={budget} leaves no room for a context in max_length="
+                                      f"{self.max_length}; raise max_length in --model_args")
+                prompts = [self.tok_encode(c)[-max_ctx:] or [self.prefix_token_id] for c in contexts]
+                i = 0
+                while i < len(prompts):
+                    R = self._rows(bucket_up(len(prompts[i]) + budget, self.buckets), len(prompts))
+                    part = prompts[i:i + R]
+                    for context, text in zip(contexts[i:i + R], self._generate_batch(part, budget, until, R)):
+                        res.append(text)
+                        self.cache_hook.add_partial("generate_until", (context, all_kwargs[0]), text)
+                    bar.update(len(part))
+                    i += len(part)
+        bar.close()
+        return groups.get_original(res)
+
+
+_CLASS = None
+
+
+def model_class():
+    """:class:`HybridLMEval` (lm-eval's ``TemplateLM`` with the body above), registered as ``"hybrid_lm"``.
+    Imports lm-eval: ImportError with the install line if it is missing."""
+    global _CLASS
+    if _CLASS is None:
+        from hybrid_lm.optional import optional_import
+
+        optional_import("lm_eval")
+        import lm_eval.models  # noqa: F401  the built-in models, which get_model imports only into an empty registry
+        from lm_eval.api.model import TemplateLM
+        from lm_eval.api.registry import register_model
+
+        doc = "A hybrid_lm checkpoint as an lm-eval model (``--model hybrid_lm``); see the module docstring."
+        cls = type("HybridLMEval", (_HybridLMEvalImpl, TemplateLM), {"__module__": __name__, "__doc__": doc})
+        _CLASS = register_model(NAME)(cls)
+    return _CLASS
+
+
+def __getattr__(name: str):
+    if name == "HybridLMEval":
+        return model_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# ----------------------------------------------------------------------------- command line
+
+_LM_EVAL_COMMANDS = ("run", "ls", "validate")
+
+
+def lm_eval_argv(args: list[str]) -> list[str]:
+    """lm-eval's argv for ``args``: the ``run`` subcommand unless another is named, ``--model
+    hybrid_lm`` unless a model is given."""
+    args = list(args)
+    if not args or args[0] not in _LM_EVAL_COMMANDS:
+        args = ["run"] + args
+    if args[0] == "run" and not any(a in ("--model", "-M") or a.startswith("--model=") for a in args):
+        args[1:1] = ["--model", NAME]
+    return args
+
+
+def run_lm_eval_cli(args: list[str]) -> int:
+    """lm-eval's own command line on ``args`` with the ``hybrid_lm`` model registered; its exit code."""
+    model_class()
+    from lm_eval.__main__ import cli_evaluate
+
+    saved = sys.argv
+    sys.argv = ["lm-eval", *lm_eval_argv(args)]
+    try:
+        cli_evaluate()
+    except SystemExit as e:  # argparse errors and --help
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    finally:
+        sys.argv = saved
+    return 0
+
+
+def cmd_lm_eval(args) -> int:
+    return run_lm_eval_cli(args.lm_eval_args)
+
+
+_DESCRIPTION = ("Run lm-evaluation-harness on WORKDIR's checkpoint: every argument goes to lm-eval's `run` "
+                "command with --model hybrid_lm implied (see `hybrid-lm lm-eval --help` for lm-eval's options). "
+                "model_args: run=RUN_DIR (required), step=N, batch_size=N|auto, max_length=T, max_gen_toks=N, "
+                "swap=SLOT=KIND[:W] (';' between several), attention_impl=IMPL, progress=false.")
+_EXAMPLE = ("hybrid-lm lm-eval --model_args run=runs/quickstart,step=1000 --tasks hellaswag,arc_easy "
+            "--num_fewshot 0 --batch_size auto --output_path results/")
+
+
+def add_lm_eval_command(sub) -> None:
+    """Add ``lm-eval`` to the ``hybrid-lm`` subparsers: the rest of the command line passes through
+    to lm-eval unparsed (no option prefix chars here, so ``--tasks`` and ``--help`` reach lm-eval)."""
+    p = sub.add_parser("lm-eval", help="lm-evaluation-harness benchmarks (hellaswag, arc_easy, ...) on a checkpoint",
+                       description=_DESCRIPTION, epilog=f"example: {_EXAMPLE}", add_help=False, prefix_chars="\x00")
+    p.add_argument("lm_eval_args", nargs=argparse.REMAINDER, help="lm-eval options")
+    p.set_defaults(fn=cmd_lm_eval)
+
+
+def main(argv=None) -> int:
+    """``python -m hybrid_lm.eval.lm_eval_model [lm-eval options]``; errors in one line (exit 2)."""
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return run_lm_eval_cli(sys.argv[1:] if argv is None else list(argv))
+    except (ConfigError, WorkdirError, DataError, ImportError) as e:
+        print(f"lm-eval error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+
+
+__all__ = ["DECODE_CHUNK", "NAME", "add_lm_eval_command", "length_buckets", "lm_eval_argv", "main", "model_class",
+           "parse_swaps", "run_lm_eval_cli"]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
