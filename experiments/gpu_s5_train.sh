@@ -5,6 +5,7 @@
 #   bash experiments/gpu_s5_train.sh profile  # jax.profiler trace of S3 full at 8 x 16K
 #   bash experiments/gpu_s5_train.sh s5       # S5: full unrolled vs scan_layers compiled alone (B 8), then 7 archs at B 4
 #   bash experiments/gpu_s5_train.sh remat    # session 6: remat dots vs dots_attn, S1-S5, one scale pair per process
+#   bash experiments/gpu_s5_train.sh sparse   # session 6: fused selection check + table, S5 full / moba16 / ssa steps
 #
 # Run from the repo root (or a `git archive` of it) on the device machine with `.whl` beside or
 # inside it. JSON goes to $OUT; every step has a timeout so the call ends inside its 10 minutes.
@@ -50,6 +51,14 @@ case "${1:-table}" in
     echo "== $left s left for S5"
     [ $left -gt 60 ] && B $left --scale s5 --arch full@dots,full@dots_attn,swa@dots_attn,lightning@dots_attn,gdn@dots_attn \
       --batch 8 --steps 4 --compile-workers 5 --deadline $(( left - 15 )) --out "$OUT/bench_train_s5_remat.json"
+    ;;
+  sparse)  # issue 18: the fused gate + top-k selection, then the model-level train steps (T=16K, B=2)
+    timeout 260 python3 experiments/bench_selection.py --check --out "$OUT/bench_selection.json" 2>&1 \
+      | grep -v -e "^W1201" -e "^I0000" -e "^W0000" | tail -60
+    left=$(( 570 - SECONDS ))
+    echo "== $left s left for the S5 train steps"
+    [ $left -gt 90 ] && B $left --scale s5 --arch full@dots,full@dots_attn,moba16@dots_attn,ssa@dots_attn \
+      --batch 2 --steps 4 --compile-workers 4 --deadline $(( left - 15 )) --out "$OUT/bench_train_s5_sparse.json"
     ;;
   profile)
     timeout 200 python3 experiments/profile_train.py --scale s3 --arch full --batch 8 \
