@@ -38,7 +38,11 @@ def run_dir(tmp_path_factory, _data_dir):
 @pytest.fixture(scope="module")
 def lm(run_dir):
     from hybrid_lm.eval.lm_eval_model import model_class
-    return model_class()(run=str(run_dir), batch_size=8, progress=False)
+    # as lm-eval builds it: model_args win over its --batch_size (default 1)
+    lm = model_class().create_from_arg_string(f"run={run_dir},batch_size=8,progress=false",
+                                             {"batch_size": 1, "max_batch_size": None, "device": None})
+    assert lm.batch_size == 8 and lm.progress is False and lm.run.step == 5
+    return lm
 
 
 def _req(kind, *args):
@@ -184,6 +188,20 @@ def test_rolling_loglikelihood_short_and_windowed(lm):
     assert got[1] == pytest.approx(want, abs=5e-4)
 
 
+def test_swap_is_applied(lm, run_dir):
+    from hybrid_lm.errors import ConfigError
+    from hybrid_lm.eval.lm_eval_model import model_class
+
+    with pytest.raises(ConfigError, match="unknown mixer kind .nope."):
+        model_class()(run=str(run_dir), swap="full=nope:4")
+    swapped = model_class()(run=str(run_dir), swap="full=swa:4", batch_size=8, progress=False)
+    assert swapped.cfg.model.full.kind == "swa" and swapped.cfg.model.full.window == 4
+    pair = ("Once upon a time there", " was a")
+    (ll, _), = swapped.loglikelihood([_req(LL, *pair)])
+    assert ll == pytest.approx(direct_ll(swapped, *pair), abs=2e-4)
+    assert abs(ll - direct_ll(lm, *pair)) > 1e-3  # the full-attention layer now sees 4 tokens
+
+
 @pytest.fixture
 def random_params(lm):
     """The restored parameters plus noise: greedy outputs that depend on the prompt (five training
@@ -232,12 +250,12 @@ def test_generate_until_matches_generate(lm, random_params):
 # ----------------------------------------------------------------------------- through lm-eval
 
 
-MC_DOCS = [{"question": "The cat sat", "choices": ["on the mat", "in the sky"]},
-           {"question": "Once upon a", "choices": ["time", "dog", "tree"]},
-           {"question": "2 + 2 =", "choices": ["4", "five"]}]
+MC_DOCS = [{"question": "The cat sat", "choices": ["on the mat", "in the big sky"]},  # few distinct lengths:
+           {"question": "Once upon a", "choices": ["time", "dogs", "tree"]},  # one compile each
+           {"question": "Two and two", "choices": ["four", "five"]}]
 ROLL_DOCS = [{"text": "A short document."},
              {"text": "A longer document that needs more than one window of thirty-two bytes to be scored."}]
-GEN_DOCS = [{"prompt": "Once upon a time"}, {"prompt": "The cat sat on"}]
+GEN_DOCS = [{"prompt": "Once upon a time"}, {"prompt": "The cat sat on a"}]
 
 
 def _write_tasks(root, mc_gold, gen_targets):
@@ -269,7 +287,8 @@ def _expected(lm):
     mc = [[direct_ll(lm, f"Q: {d['question']}\nA:", " " + c) for c in d["choices"]] for d in MC_DOCS]
     roll = [float(direct(lm, [lm.prefix_token_id] + lm.tok_encode(d["text"]))[0].sum()) if
             len(lm.tok_encode(d["text"])) <= lm.max_length else None for d in ROLL_DOCS]
-    gen = [lm.tok_decode(np.asarray(generate(lm.run.model(), np.asarray(lm.tok_encode(d["prompt"]))[None], 8,
+    model = lm.run.model()  # one model object: one compiled generate per prompt length
+    gen = [lm.tok_decode(np.asarray(generate(model, np.asarray(lm.tok_encode(d["prompt"]))[None], 8,
                                              vocab_limit=lm.tokenizer.vocab_size))[0]).split("\n")[0] for d in GEN_DOCS]
     return mc, roll, gen
 
@@ -286,11 +305,11 @@ def test_simple_evaluate_tiny_tasks(lm, tmp_path):
     out = lm_eval.simple_evaluate(model=lm, tasks=["tiny_mc", "tiny_roll", "tiny_gen"], task_manager=tm,
                                   log_samples=True, bootstrap_iters=0)
     res, samples = out["results"], out["samples"]
-    # multiple choice: each choice's log-likelihood, then acc / acc_norm (per character) from them
+    # multiple choice: each choice's log-likelihood, then acc / acc_norm (per character of the choice)
     for s in samples["tiny_mc"]:
         d = s["doc_id"]
         assert [r[0][0] for r in s["resps"]] == pytest.approx(mc[d], abs=2e-4)
-    norm = [int(np.argmax([ll / len(" " + c) for ll, c in zip(s, d["choices"])])) for s, d in zip(mc, MC_DOCS)]
+    norm = [int(np.argmax([ll / len(c) for ll, c in zip(s, d["choices"])])) for s, d in zip(mc, MC_DOCS)]
     assert res["tiny_mc"]["acc,none"] == pytest.approx(np.mean([b == g for b, g in zip(best, gold)]))
     assert res["tiny_mc"]["acc_norm,none"] == pytest.approx(np.mean([b == g for b, g in zip(norm, gold)]))
     # rolling: the short document directly; bits/byte over both from lm-eval's per-doc values

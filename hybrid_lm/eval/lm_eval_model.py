@@ -193,6 +193,18 @@ class _HybridLMEvalImpl:
         self.compiled: set[tuple] = set()  # (function, shape) pairs traced so far: the compile count
         self._jitted = {}
 
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None):
+        """lm-eval's constructor call; ``model_args`` win over what lm-eval adds (its --batch_size,
+        default 1, would otherwise collide with a ``batch_size`` in model_args)."""
+        extra = {k: v for k, v in (additional_config or {}).items() if v is not None and k not in arg_dict}
+        return cls(**arg_dict, **extra)
+
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None):
+        from lm_eval.utils import simple_parse_args_string
+        return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
+
     # -- what TemplateLM asks for
 
     @property
@@ -514,6 +526,10 @@ def run_lm_eval_cli(args: list[str]) -> int:
         cli_evaluate()
     except SystemExit as e:  # argparse errors and --help
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except ValueError as e:  # lm-eval's own input errors (no such task, bad arguments): one line; --debug: the traceback
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError(f"lm-eval: {e}") from e
     finally:
         sys.argv = saved
     return 0
@@ -554,5 +570,6 @@ __all__ = ["DECODE_CHUNK", "NAME", "add_lm_eval_command", "length_buckets", "lm_
            "parse_swaps", "run_lm_eval_cli"]
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # through the package module: one class, registered once, whichever way it is imported
+    from hybrid_lm.eval.lm_eval_model import main as _main
+    sys.exit(_main())
