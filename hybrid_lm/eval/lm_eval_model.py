@@ -9,6 +9,9 @@ as ``"hybrid_lm"``. Its ``model_args``:
     swap=SLOT=KIND[:W] (as ``hybrid-lm eval --swap``; several separated by ';', or a list)
     attention_impl=auto|xla|cudnn|pallas|jla  progress=true|false
 
+``batch_size`` in model_args wins over lm-eval's ``--batch_size`` (default 1: give one of them);
+``auto`` = the trainer's tokens per step at each padded length. One process (lm-eval's rank 0).
+
 What the three request types do, as lm-eval's HF model does them:
 
 - ``loglikelihood``: context and continuation encoded together and split (trailing whitespace of the
@@ -38,7 +41,8 @@ precedes every document in training: EOS for BPE / SentencePiece, ``"\\n"`` for 
 separator is ``"\\n\\n"``; bytes have no EOS, so generation stops only at ``until`` or the budget).
 
 Command line: lm-eval's own ``lm_eval`` script cannot see a model registered outside lm-eval
-(0.4.x has no model entry points or plugin import), so::
+(0.4.13 looks models up in its own registry only: no entry points, no plugin import; its
+``--include_path`` adds tasks), so::
 
     hybrid-lm lm-eval --model_args run=RUN_DIR,step=N --tasks hellaswag,arc_easy [any lm-eval option]
     python -m hybrid_lm.eval.lm_eval_model --model_args run=RUN_DIR --tasks ...
