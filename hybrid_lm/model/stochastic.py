@@ -17,10 +17,18 @@ inverse permutation (exact: gathers copy values).
 
 Permutations: one per layer, per step and per example (or per batch), from
 ``fold_in(key(seed), step, layer, global example id)`` (``hybrid_lm/ops/permutation.py``).
+
+Decoding (option ``decode``, docs/STOCHASTIC_ATTENTION.md §9): ``'permutation'`` (default) draws, at
+prefill, the eval permutation of all ``max_len`` positions and keeps the slot of every position; a new
+token at position t then attends to the cached keys in its band (the forward's mask), so prefill plus
+steps give exactly the eval forward pass of the whole ``max_len``-token sequence. ``'swa'``: SA on the
+prompt, sliding-window attention of window w for the new tokens (the paper's training-free protocol).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass
 
 import jax
@@ -40,6 +48,9 @@ from hybrid_lm.ops import permutation as P
 # ----------------------------------------------------------------------------- options
 
 WINDOW_MODES = ("causal", "symmetric")
+# 'permutation': the eval permutation of all max_len positions, drawn at prefill (decode = the eval
+# forward of the whole sequence); 'swa': SA at prefill, sliding-window attention at decode
+DECODE_MODES = ("permutation", "swa")
 
 
 def sa_window_right(window: int, window_mode: str) -> int:
@@ -59,8 +70,15 @@ class SAOptions:
     # 'causal': band i - w < j <= i in permuted order (the spec); 'symmetric': |i - j| < w (2w - 1
     # slots, ~2x the cost; w >= T is then exactly causal full attention). Both causal by position.
     window_mode: str = "causal"
+    # token-by-token generation (docs/STOCHASTIC_ATTENTION.md §9): 'permutation' = the eval forward's
+    # mask over all max_len positions; 'swa' = SA at prefill, SWA of window w at decode
+    decode: str = "permutation"
 
     def validate(self) -> None:
+        if self.decode not in DECODE_MODES:
+            raise ConfigError(f"sa option decode={self.decode!r}: choose one of {DECODE_MODES} ('permutation': "
+                              "the eval permutation of every position, drawn at prefill; 'swa': SA at prefill, "
+                              "sliding-window attention at decode)")
         if self.window_mode not in WINDOW_MODES:
             raise ConfigError(f"sa option window_mode={self.window_mode!r}: choose one of {WINDOW_MODES} "
                               "('causal': i - w < j <= i in permuted order, the spec; 'symmetric': |i - j| < w)")
@@ -194,6 +212,114 @@ def sa_swa_flops(cfg: ModelConfig, mc: MixerConfig, seq_len: int) -> dict:
             "mixing_visible": swa + attention_mixing_flops(cfg, sa_visible)}
 
 
+# ----------------------------------------------------------------------------- decode
+
+def extend_positions(positions, length: int):
+    """``positions [B, T]`` continued one by one to ``[B, length]`` (the positions still to come)."""
+    T = positions.shape[1]
+    if length == T:
+        return positions
+    return jnp.concatenate([positions, positions[:, -1:] + 1 + jnp.arange(length - T, dtype=positions.dtype)], 1)
+
+
+def sa_band_visible(inv, pos, window: int, window_right: int = 0):
+    """``[B, L]`` bool: the keys (by position) the query at position ``pos`` sees under the
+    permutations whose inverses are ``inv [B, L]`` (``inv[b, j]`` = the slot of position j): a slot in
+    the band ``(s - window, s + window_right]`` of the query's slot s, at a position <= pos. This is
+    the forward's mask (``ops.attention``), one query row of it."""
+    slot = jnp.take(inv, pos, axis=1)[:, None]  # [B, 1] the query's slot
+    return (inv > slot - window) & (inv <= slot + window_right) & (jnp.arange(inv.shape[1]) <= pos)[None]
+
+
+def window_visible(slot_pos, pos, window: int):
+    """``[C]`` bool: the cache slots holding one of the last ``window`` positions up to ``pos``."""
+    return (slot_pos >= 0) & (slot_pos <= pos) & (slot_pos > pos - window)
+
+
+def read_cache(q_t, kc, vc, visible):
+    """Attention of ``q_t [B, 1, H, Dh]`` over the cache ``kc``/``vc [B, C, K, Dh]`` restricted to
+    ``visible`` (``[C]`` or per row ``[B, C]``); fp32 ``[B, 1, H, Dh]``. Same numerics as
+    ``AttentionDecode.read``: the cache in its own dtype, fp32 accumulation."""
+    B, _, Kh, Dh = kc.shape
+    visible = visible if visible.ndim == 2 else visible[None]
+    qg = q_t[:, 0].astype(kc.dtype).reshape(B, Kh, -1, Dh)  # [B, K, G, Dh]
+    s = jnp.einsum("bkgd,bckd->bkgc", qg, kc, preferred_element_type=jnp.float32) * (1.0 / math.sqrt(Dh))
+    p = jax.nn.softmax(jnp.where(visible[:, None, None, :], s, -jnp.inf), axis=-1)
+    o = jnp.einsum("bkgc,bckd->bkgd", p.astype(vc.dtype), vc, preferred_element_type=jnp.float32)
+    return o.reshape(B, 1, -1, Dh)
+
+
+def prompt_cache(kv: dict, T: int, capacity: int) -> dict:
+    """A cache of ``capacity`` slots from the prompt's ``kv`` (name -> ``[B, T, K, Dh]``): slot c holds
+    the latest prompt position p with ``p % capacity == c`` (``slot_pos``, -1 = empty); ``pos`` = T."""
+    slot_pos = (T - 1) - jnp.mod(T - 1 - jnp.arange(capacity), capacity)
+    take = jnp.clip(slot_pos, 0, T - 1)
+    state = {name: a[:, take] for name, a in kv.items()}
+    state.update(slot_pos=jnp.where(slot_pos >= 0, slot_pos, -1).astype(jnp.int32), pos=jnp.asarray(T, jnp.int32))
+    return state
+
+
+def write_cache(state: dict, kv: dict, pos) -> dict:
+    """``state`` with one token's ``kv`` (name -> ``[B, 1, K, Dh]``) written at position ``pos``."""
+    slot = jnp.mod(pos, state["slot_pos"].shape[0])
+    new = {name: jax.lax.dynamic_update_slice_in_dim(state[name], a.astype(state[name].dtype), slot, axis=1)
+           for name, a in kv.items()}
+    return dict(state, **new, slot_pos=state["slot_pos"].at[slot].set(pos))
+
+
+class SADecode:
+    """Decode path of ``sa`` and ``sa_swa`` (docs/STOCHASTIC_ATTENTION.md §9).
+
+    ``decode='permutation'``: the prefill runs the eval forward over ``max_len`` positions (the prompt
+    followed by zeros, which no prompt query sees: the mask is causal by position) under the eval
+    permutations of length ``max_len``, and keeps their inverses (``inv [draws, B, max_len]``, the
+    slot of every position) with a full KV cache. A new token at position t attends to the cached
+    keys in its band (``sa_band_visible``), so prefill plus steps reproduce the eval forward of the
+    whole sequence, and the keys a token sees have exactly the law of the training mask at position
+    t of a ``max_len``-token sequence. ``decode='swa'``: the prompt through the eval forward (SA),
+    then SWA of window w over a ring buffer of w slots (the SA branch of ``sa_swa`` too).
+
+    Subclasses give ``forward(x, ctx, draws)`` (the mixer under given permutations), ``decode_kv``
+    (the prompt's cached arrays), ``decode_qkv`` (one token's queries and cache entries) and
+    ``decode_out`` (the mixer output of one token from the updated state).
+    """
+
+    def prefill(self, x, ctx: MixerContext, max_len: int):
+        """The eval forward over a prompt ``x [B, T, d]`` plus the decode state: ``(y, state)``."""
+        B, T = x.shape[:2]
+        if T > max_len:
+            raise ValueError(f"prompt of {T} tokens is longer than max_len={max_len}")
+        full = self.opts.decode == "permutation"
+        L = max_len if full else T  # the length the permutations are drawn for
+        ctx_l = dataclasses.replace(ctx, positions=extend_positions(ctx.positions, L))
+        draws = sa_permutations(self.opts, ctx_l, self.layer_idx, B, L)
+        x_l = x if L == T else jnp.pad(x, ((0, 0), (0, L - T), (0, 0)))
+        y = self.forward(x_l, ctx_l, draws)[:, :T]
+        state = prompt_cache(self.decode_kv(x, ctx.positions), T, max_len if full else min(self.window, max_len))
+        if full:
+            state["inv"] = jnp.stack([inv for _, inv in draws])
+        return y, state
+
+    def step(self, x_t, state: dict):
+        """One token ``x_t [B, d]`` at position ``state["pos"]`` -> ``(y_t [B, d], new state)``; the
+        caller keeps ``pos < max_len`` (``hybrid_lm.eval.generate`` checks)."""
+        pos = state["pos"]
+        x1 = x_t[:, None]
+        queries, kv = self.decode_qkv(x1, jnp.broadcast_to(pos, (x_t.shape[0], 1)))
+        state = write_cache(state, kv, pos)
+        return self.decode_out(x1, queries, state)[:, 0], dict(state, pos=pos + 1)
+
+    def sa_read(self, q_t, kc, vc, state: dict):
+        """The SA head outputs ``[B, 1, H, Dh]`` (fp32) of the query at ``state["pos"]``: the band of
+        its slot in every eval draw (mean over draws), or the last w positions (``decode='swa'``)."""
+        pos = state["pos"]
+        if self.opts.decode == "swa":
+            return read_cache(q_t, kc, vc, window_visible(state["slot_pos"], pos, self.window))
+        inv = state["inv"]
+        return _mean([read_cache(q_t, kc, vc, sa_band_visible(inv[d], pos, self.window, self.window_right))
+                      for d in range(inv.shape[0])])
+
+
 # ----------------------------------------------------------------------------- sa
 
 # Why SA refuses DataConfig.document_mask (docs/MIXERS.md, "Document masking")
@@ -203,7 +329,7 @@ SA_DOCUMENT_MASK = ("its random order spans the whole window, and the band is ca
 @register_mixer("sa", flops=sa_flops, reads=("window", "rope", "rope_theta", "options"), options=SAOptions,
                 description="stochastic attention: windowed attention in a random token order, causal by "
                             "original position, RoPE at original positions", document_mask=SA_DOCUMENT_MASK)
-class StochasticAttention(Attention):
+class StochasticAttention(SADecode, Attention):
     def __init__(self, cfg: ModelConfig, mc: MixerConfig, layer_idx: int, *, rngs: nnx.Rngs):
         super().__init__(cfg, mc, layer_idx, rngs=rngs, window=mc.window)
         self.opts = SAOptions(**mc.options)
@@ -219,10 +345,27 @@ class StochasticAttention(Attention):
                    window_right=self.window_right)
         return P.unpermute(self.project_out(o), perm, inv)
 
+    def forward(self, x, ctx: MixerContext, draws):
+        """The mixer under the given ``[(perm, inv), ...]`` (mean over them)."""
+        return _mean([self.attend_permuted(x, ctx.positions, p, i, ctx.attention_impl) for p, i in draws])
+
     def __call__(self, x, ctx: MixerContext):
         B, T = x.shape[:2]
-        draws = sa_permutations(self.opts, ctx, self.layer_idx, B, T)
-        return _mean([self.attend_permuted(x, ctx.positions, p, i, ctx.attention_impl) for p, i in draws])
+        return self.forward(x, ctx, sa_permutations(self.opts, ctx, self.layer_idx, B, T))
+
+    # -- decode (SADecode)
+
+    def decode_kv(self, x, positions):
+        _, k, v = self.project_qkv(x, positions)
+        return {"k": k, "v": v}
+
+    def decode_qkv(self, x1, positions):
+        q, k, v = self.project_qkv(x1, positions)
+        return {"q": q}, {"k": k, "v": v}
+
+    def decode_out(self, x1, queries, state):
+        o = self.sa_read(queries["q"], state["k"], state["v"], state)
+        return self.project_out(o.astype(x1.dtype))
 
 
 # ----------------------------------------------------------------------------- sa_swa
@@ -242,7 +385,7 @@ class QKVProjection(nnx.Module):
                 options=SASWAOptions,
                 description="gated SA + SWA: sigmoid(x W_sa) * Y_sa + sigmoid(x W_swa) * Y_swa per head",
                 document_mask="its SA branch: " + SA_DOCUMENT_MASK)
-class GatedSASWA(Attention):
+class GatedSASWA(SADecode, Attention):
     """``Y = Wo[sigmoid(x W_sa) ⊙ O_sa + sigmoid(x W_swa) ⊙ O_swa]`` on the per-head outputs O.
 
     Two independent sigmoid gates computed from the mixer input x (as SSA's ``g_proj``: no bias, so
@@ -281,11 +424,44 @@ class GatedSASWA(Attention):
                    window_right=self.window_right)
         return P.unpermute(o, perm, inv)
 
-    def __call__(self, x, ctx: MixerContext):
-        B, T = x.shape[:2]
+    def forward(self, x, ctx: MixerContext, draws):
+        """The mixer with its SA branch under the given ``[(perm, inv), ...]`` (mean over them)."""
         qkv = self.project_qkv(x, ctx.positions)
         o_swa = attend(*qkv, window=self.window, positions=ctx.positions, impl=ctx.attention_impl)
-        draws = sa_permutations(self.opts, ctx, self.layer_idx, B, T)
         o_sa = _mean([self.sa_heads(x, qkv, ctx.positions, p, i, ctx.attention_impl) for p, i in draws])
-        o = self.gate(x, self.w_gate_sa) * o_sa + self.gate(x, self.w_gate_swa) * o_swa
-        return self.project_out(o)
+        return self.combine(x, o_sa, o_swa)
+
+    def combine(self, x, o_sa, o_swa):
+        """``Wo[sigmoid(x W_sa) ⊙ O_sa + sigmoid(x W_swa) ⊙ O_swa]``."""
+        return self.project_out(self.gate(x, self.w_gate_sa) * o_sa + self.gate(x, self.w_gate_swa) * o_swa)
+
+    def __call__(self, x, ctx: MixerContext):
+        B, T = x.shape[:2]
+        return self.forward(x, ctx, sa_permutations(self.opts, ctx, self.layer_idx, B, T))
+
+    # -- decode (SADecode): the SWA branch reads the last w cached positions, the SA branch its band
+
+    def decode_kv(self, x, positions):
+        _, k, v = self.project_qkv(x, positions)
+        kv = {"k": k, "v": v}
+        if self.sa_qkv is not None:
+            _, kv["k_sa"], kv["v_sa"] = self.sa_qkv(x, positions)
+        return kv
+
+    def decode_qkv(self, x1, positions):
+        q, k, v = self.project_qkv(x1, positions)
+        queries, kv = {"q": q}, {"k": k, "v": v}
+        if self.sa_qkv is not None:
+            queries["q_sa"], kv["k_sa"], kv["v_sa"] = self.sa_qkv(x1, positions)
+        return queries, kv
+
+    def decode_out(self, x1, queries, state):
+        o_swa = read_cache(queries["q"], state["k"], state["v"],
+                           window_visible(state["slot_pos"], state["pos"], self.window))
+        if self.sa_qkv is not None:
+            o_sa = self.sa_read(queries["q_sa"], state["k_sa"], state["v_sa"], state)
+        elif self.opts.decode == "swa":
+            o_sa = o_swa  # shared projections: the SA branch decodes as the SWA branch
+        else:
+            o_sa = self.sa_read(queries["q"], state["k"], state["v"], state)
+        return self.combine(x1, o_sa.astype(x1.dtype), o_swa.astype(x1.dtype))

@@ -75,13 +75,13 @@ class Block(nnx.Module):
         x = x + self.mixer(self.mixer_norm(x), ctx)
         return x + self.mlp(self.mlp_norm(x))
 
-    # -- decode (mixers with ``prefill`` and ``step``: attention, swa, moba, ssa, lightning, mamba2, gdn)
+    # -- decode (mixers with ``prefill`` and ``step``: attention, swa, sa, sa_swa, moba, ssa, lightning, mamba2, gdn)
 
     def check_decode(self, layer_idx: int) -> None:
         if not (callable(getattr(self.mixer, "prefill", None)) and callable(getattr(self.mixer, "step", None))):
             raise NotImplementedError(
                 f"layer {layer_idx}: mixer {self.mixer_kind!r} has no decode path (mixers with one: "
-                "attention, swa, moba, ssa, lightning, mamba2, gdn); score such models with `hybrid-lm eval`")
+                "attention, swa, sa, sa_swa, moba, ssa, lightning, mamba2, gdn); score such models with `hybrid-lm eval`")
 
     def prefill(self, x, ctx: MixerContext, max_len: int):
         y, state = self.mixer.prefill(self.mixer_norm(x), ctx, max_len)
