@@ -24,6 +24,17 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 LL = "loglikelihood"
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _datasets_cache(tmp_path_factory):
+    """The tasks' prepared datasets go to a temp dir, not ~/.cache/huggingface."""
+    path = tmp_path_factory.mktemp("hf_datasets")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HF_DATASETS_CACHE", str(path))
+        if "datasets.config" in sys.modules:  # imported by an earlier test: its cache dir is read at import
+            mp.setattr(sys.modules["datasets.config"], "HF_DATASETS_CACHE", path)
+        yield path
+
+
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory, _data_dir):
     from conftest import TINY

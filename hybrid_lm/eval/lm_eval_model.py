@@ -17,7 +17,7 @@ What the three request types do, as lm-eval's HF model does them:
 - ``loglikelihood``: context and continuation encoded together and split (trailing whitespace of the
   context moves into the continuation); an empty context is the run's separator token (below);
   ``context + continuation`` truncated from the left to ``max_length + 1`` tokens; the sum of the
-  continuation's log-probs and whether every continuation token is the argmax.
+  continuation's log-probs and whether every continuation token is the argmax (over the tokenizer's ids).
 - ``loglikelihood_rolling``: lm-eval's disjoint rolling windows over ``max_length`` (the first one
   conditioned on the separator token, each later one on the tokens before it), summed.
 - ``generate_until``: greedy on the model's decode cache (``HybridLM.prefill`` / ``decode_step``, as
