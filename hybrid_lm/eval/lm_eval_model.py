@@ -23,8 +23,9 @@ What the three request types do, as lm-eval's HF model does them:
 - ``generate_until``: greedy on the model's decode cache (``HybridLM.prefill`` / ``decode_step``, as
   ``hybrid_lm/eval/generate.py``), the context truncated from the left to ``max_length -
   max_gen_toks``, stopped at the ``until`` strings, at the tokenizer's EOS id, or after
-  ``max_gen_toks``. Sampling (``do_sample`` / ``temperature > 0``) is refused. Mixers without a decode
-  path (sa, sa_swa, attention_sink) cannot generate: such tasks are refused in one line.
+  ``max_gen_toks``. Sampling (``do_sample`` / ``temperature > 0``) is refused. A model with a mixer
+  that has no decode path (``Block.check_decode``; e.g. attention_sink) cannot generate: such tasks are
+  refused in one line.
 
 Batching: requests sorted longest first (lm-eval's ``Collator``), rows right-padded to a few bucket
 lengths (:func:`length_buckets`), a fixed number of rows per bucket: the model compiles once per
