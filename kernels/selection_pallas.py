@@ -185,6 +185,22 @@ def _select_kernel(q_ref, kbar_ref, o_ref, *, bq, bc, block_size, seq_len, top_k
 # Public entry point
 # ------------------------------------------------------------------------------------------------
 
+# fp32 operand tiles a program holds in shared memory: the G query-head tiles and one chunk of block
+# means. The H200 has 227 KiB per block; the first H200 run (S5: G = 10, D = 128, 64-row tiles)
+# asked for 352 KiB and failed to launch, so the query tile shrinks until the operands fit this.
+SMEM_OPERAND_BUDGET = 160 * 1024
+
+
+def query_tile(block_q: int, seq_len: int, group: int, block_c: int, head_dim_padded: int) -> int:
+    """Query rows per program: ``block_q`` (a power of two >= 16), halved while the fp32 operand
+    tiles (``group`` query heads of ``rows x D`` and one ``block_c x D`` chunk) exceed
+    :data:`SMEM_OPERAND_BUDGET`, and no more than the sequence needs; never below 16 (``tl.dot``)."""
+    bq = min(block_q, max(16, _next_pow2(seq_len)))
+    while bq > 16 and (group * bq + block_c) * head_dim_padded * 4 > SMEM_OPERAND_BUDGET:
+        bq //= 2
+    return bq
+
+
 def select_blocks(q, k_or_kbar, *, block_size: int, top_k: int, gate: str, scale: float | None = None,
                   interpret: bool | None = None, block_sizes: SelectionBlockSizes | None = None,
                   kbar: bool | None = None, precision=lax.Precision.HIGHEST):
@@ -238,9 +254,10 @@ def select_blocks(q, k_or_kbar, *, block_size: int, top_k: int, gate: str, scale
     Hs = H if gate == "moba" else K
     G = H // Hs  # query heads per selection head: 1 (moba) or the GQA group (ssa)
     per_kv = Hs // K  # selection heads per KV head
-    bq = min(blocks.block_q, max(16, _next_pow2(T)))
     bc = min(blocks.block_c, max(16, _next_pow2(nb)))
-    Tp, nbp, Dp = -(-T // bq) * bq, -(-nb // bc) * bc, max(16, _next_pow2(D))
+    Dp = max(16, _next_pow2(D))
+    bq = query_tile(blocks.block_q, T, G, bc, Dp)
+    Tp, nbp = -(-T // bq) * bq, -(-nb // bc) * bc
     Sp = max(2, _next_pow2(S))
     q = jnp.pad(q, ((0, 0), (0, Tp - T), (0, 0), (0, Dp - D))).reshape(B, Tp, Hs, G, Dp)
     kb = jnp.pad(kb, ((0, 0), (0, nbp - nb), (0, 0), (0, Dp - D)))

@@ -152,3 +152,15 @@ def test_moba_attend_fused_selection_end_to_end(gate, H, K):
 def test_same_block_means_as_reference():
     k = jax.random.normal(jax.random.key(5), (2, 77, 3, 8))
     np.testing.assert_array_equal(np.asarray(sel_mod.block_means(k, 16)), np.asarray(ops.block_means(k, 16)))
+
+
+def test_query_tile_fits_shared_memory():
+    """S5's SSA gate (G = 10 query heads per KV head, D = 128) asked for 352 KiB of shared memory
+    with 64-row tiles on the H200 (227 KiB per block): the tile shrinks until the operands fit."""
+    for group, d in ((10, 128), (4, 128), (1, 128), (16, 256)):
+        bq = sel_mod.query_tile(64, 16384, group, 64, d)
+        assert bq >= 16 and bq & (bq - 1) == 0
+        assert bq == 16 or (group * bq + 64) * d * 4 <= sel_mod.SMEM_OPERAND_BUDGET
+    assert sel_mod.query_tile(64, 16384, 10, 64, 128) == 16
+    assert sel_mod.query_tile(64, 16384, 1, 64, 128) == 64  # moba: unchanged
+    assert sel_mod.query_tile(64, 20, 1, 64, 128) == 32  # no more rows than the sequence needs
