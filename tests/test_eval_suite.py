@@ -73,6 +73,30 @@ def test_loss_and_longppl_over_every_checkpoint(capsys, run_dir):
     assert swapped["swaps"] == ["efficient=swa:4"] and swapped["attention_backends"]
 
 
+def test_every_task_through_the_cli_with_values_in_range(capsys, run_dir):
+    """probe, heads, influence and ruler on both checkpoints (lm_eval: tests/test_lm_eval.py)."""
+    rc, out, err = _eval(capsys, run_dir, "--tasks", "probe,heads,influence,ruler", "--steps", "all",
+                         "--seq-len", "384", "--samples", "40", "--allow-longer", "--ruler-tasks", "niah_single",
+                         "--ruler-lengths", "384")
+    assert rc == 0, err
+    from hybrid_lm.eval.suite import current_rows, headline
+    rows = {(r["task"], r["checkpoint_step"]): r for r in current_rows(run_dir)
+            if r.get("eval_config", {}).get("seq_len") == 384}
+    assert set(rows) == {(t, s) for t in ("probe", "heads", "influence", "ruler/niah_single") for s in (5, 10)}
+    for r in rows.values():
+        assert r["tokens_seen"] == 128 * r["checkpoint_step"] and r["attention_backends"]
+    for s in (5, 10):
+        assert 0 <= headline(rows[("probe", s)]) <= 1 and len(rows[("probe", s)]["accuracy"]) == 3
+        assert 0 <= headline(rows[("heads", s)]) <= 1
+        assert all(0 <= e <= 1 + 1e-6 for h in rows[("heads", s)]["entropy"] for e in h)
+        g = np.asarray(rows[("influence", s)]["g"])
+        assert g.shape == (384,) and np.all(np.isfinite(g)) and np.all(g >= 0) and g.max() > 0
+        assert 0 <= rows[("ruler/niah_single", s)]["exact_match"] <= 1
+    assert rows[("heads", 10)]["d_qk"][0][0] == 0 and rows[("heads", 5)]["d_qk"][0][0] > 0  # vs the last
+    for png in ("probe_heatmap.png", "heads_entropy_dqk.png", "influence.png", "ruler.png"):
+        assert (run_dir / "eval" / png).stat().st_size > 0, png
+
+
 def test_data_store_gives_loss_on_its_windows_and_longppl_on_its_documents(capsys, run_dir, long_store):
     rc, out, _ = _eval(capsys, run_dir, "--tasks", "loss,longppl", "--data", long_store, "--eval-windows", "2",
                        *LONGPPL, "--json")

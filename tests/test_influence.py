@@ -128,3 +128,14 @@ def test_bad_inputs(run):
         I.evaluate_influence(run, windows=np.full((1, 8), 10**6), progress=False)
     with pytest.raises(ConfigError, match="seq_len=16"):
         I.evaluate_influence(run, windows=np.zeros((1, 8), np.int32), seq_len=16, progress=False)
+
+
+def test_a_run_trained_with_remat_gives_the_same_g(run):
+    """A remat policy is a training-memory setting: G(d) is computed without it (nnx.remat inside the
+    gradient once raised a TraceContextError on an S1 run trained with remat='dots_attn')."""
+    import dataclasses
+
+    cfg = run.task_config()
+    plain = I.evaluate_influence(run, cfg, samples=2, progress=False)[0]["g"]
+    remat = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, remat="dots_attn"))
+    assert I.evaluate_influence(run, remat, samples=2, progress=False)[0]["g"] == plain

@@ -258,7 +258,8 @@ def add_eval_commands(sub) -> None:
     g.add_argument("--data", default=None, metavar="STORE",
                    help="a prepared token store (hybrid-lm data prepare, the run's tokenizer): loss and bits/byte "
                         "on its val split, LongPPL on its val documents")
-    g.add_argument("--samples", type=int, default=8, help="items per task (ruler, probe, heads, influence; default 8)")
+    g.add_argument("--samples", type=int, default=None,
+                   help="items per task (default: each task's own: ruler 8, probe 256, heads 32, influence 8)")
     g.add_argument("--seed", type=int, default=0, help="item seed (default 0)")
     g.add_argument("--batch-size", dest="batch_size", type=int, default=None, help="rows per forward pass")
     g.add_argument("--no-plots", dest="no_plots", action="store_true", help="do not draw WORKDIR/eval/*.png")
@@ -272,7 +273,8 @@ def add_eval_commands(sub) -> None:
     g.add_argument("--ruler-tasks", dest="ruler_tasks", default=None, help="ruler: tasks (default all seven)")
     g.add_argument("--ruler-lengths", dest="ruler_lengths", default=None, metavar="L1,L2", help="ruler: lengths")
     from hybrid_lm.eval.ruler import HAYSTACKS
-    g.add_argument("--haystack", default="essays", choices=HAYSTACKS, help="ruler: filler text (default essays)")
+    g.add_argument("--haystack", default="essays", choices=HAYSTACKS,
+                   help="ruler, probe, heads: filler text of the needle prompts (default essays)")
     g.add_argument("--allow-longer", dest="allow_longer", action="store_true",
                    help="ruler: lengths beyond the run's seq_len")
     g.add_argument("--reference-step", dest="reference_step", type=int, default=None,

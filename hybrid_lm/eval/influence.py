@@ -132,6 +132,9 @@ def evaluate_influence(run, cfg=None, *, windows=None, samples: int = 8, seq_len
 
     t0 = time.time()
     cfg = cfg or run.cfg
+    if cfg.model.remat != "none":  # nnx.remat inside this jax.grad mutates Params across traces; same values
+        import dataclasses
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, remat="none"))
     if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
         raise ConfigError(f"influence: samples={samples!r} must be an int >= 1")
     segments = None

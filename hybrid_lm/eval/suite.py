@@ -55,7 +55,7 @@ class EvalRequest:
     eval_windows: int | None = None
     attention_impl: str | None = None
     data: str | None = None  # a prepared token store for loss / longppl (its val split)
-    samples: int = 8
+    samples: int | None = None  # items per task; None: each task's own default (probe 256, heads 32, ...)
     seed: int = 0
     batch_size: int | None = None
     # longppl
@@ -89,7 +89,7 @@ class EvalRequest:
             raise ConfigError("--data applies to the loss and longppl tasks: add one of them to --tasks")
         if "lm_eval" in self.tasks and not self.lm_eval_tasks:
             raise ConfigError("--tasks lm_eval needs --lm-eval-tasks, e.g. --lm-eval-tasks hellaswag,arc_easy")
-        if self.samples < 1:
+        if self.samples is not None and self.samples < 1:
             raise ConfigError(f"--samples {self.samples}: must be >= 1")
 
     def config(self, task: str) -> dict:
@@ -107,6 +107,8 @@ class EvalRequest:
                      haystack=self.haystack, samples=self.samples, seed=self.seed)
         elif task in ("probe", "heads", "influence"):
             c.update(samples=self.samples, seed=self.seed)
+            if task in ("probe", "heads"):
+                c.update(haystack=self.haystack)
             if task == "heads":
                 c.update(reference_step=self.reference_step)
         elif task == "lm_eval":
@@ -164,12 +166,16 @@ def _task_longppl(run, cfg, req: EvalRequest) -> list[dict]:
                            progress=req.progress)]
 
 
+def _samples(req: EvalRequest) -> dict:
+    return {} if req.samples is None else {"samples": req.samples}
+
+
 def _task_ruler(run, cfg, req: EvalRequest) -> list[dict]:
     from hybrid_lm.eval import ruler
 
     rows, skipped = ruler.evaluate_ruler(run, tasks=list(req.ruler_tasks) if req.ruler_tasks else None,
                                          lengths=list(req.ruler_lengths) if req.ruler_lengths else None,
-                                         samples=req.samples, haystack=req.haystack, seed=req.seed,
+                                         **_samples(req), haystack=req.haystack, seed=req.seed,
                                          allow_longer=req.allow_longer, batch_size=req.batch_size, cfg=cfg,
                                          progress=req.progress)
     for s in skipped:
@@ -188,18 +194,19 @@ def _task_module(name: str):
 
 
 def _task_probe(run, cfg, req: EvalRequest) -> list[dict]:
-    return _task_module("probe").evaluate_probe(run, cfg, samples=req.samples, seq_len=req.seq_len, seed=req.seed,
-                                                progress=req.progress, batch_size=req.batch_size)
+    return _task_module("probe").evaluate_probe(run, cfg, **_samples(req), seq_len=req.seq_len, seed=req.seed,
+                                                progress=req.progress, batch_size=req.batch_size,
+                                                haystack=req.haystack)
 
 
 def _task_heads(run, cfg, req: EvalRequest) -> list[dict]:
-    return _task_module("heads").evaluate_heads(run, cfg, samples=req.samples, seq_len=req.seq_len, seed=req.seed,
+    return _task_module("heads").evaluate_heads(run, cfg, **_samples(req), seq_len=req.seq_len, seed=req.seed,
                                                 progress=req.progress, batch_size=req.batch_size,
-                                                reference_step=req.reference_step)
+                                                haystack=req.haystack, reference_step=req.reference_step)
 
 
 def _task_influence(run, cfg, req: EvalRequest) -> list[dict]:
-    return _task_module("influence").evaluate_influence(run, cfg, samples=req.samples, seq_len=req.seq_len,
+    return _task_module("influence").evaluate_influence(run, cfg, **_samples(req), seq_len=req.seq_len,
                                                         seed=req.seed, progress=req.progress,
                                                         batch_size=req.batch_size)
 
@@ -226,7 +233,7 @@ def run_tasks(run, req: EvalRequest, cfg=None) -> list[dict]:
         t0 = time.time()
         recorded_backends(clear=True)
         rows = _RUNNERS[task](run, cfg, req)
-        backends = recorded_backends()
+        backends = recorded_backends() or _resolved_backends(cfg)  # a cached jit traces nothing the 2nd time
         conf = req.config(task)
         for r in rows:
             r.setdefault("kind", task)
@@ -240,6 +247,14 @@ def run_tasks(run, req: EvalRequest, cfg=None) -> list[dict]:
             r.setdefault("task_wall_s", round(time.time() - t0, 3))
         out.extend(rows)
     return out
+
+
+def _resolved_backends(cfg) -> dict[str, str]:
+    """``{op: backend}`` each layer of ``cfg`` resolves to at its seq_len on this platform (the record
+    a first trace would have written)."""
+    from hybrid_lm.backends import describe_layers
+
+    return {r["op"]: r["backend"] for r in describe_layers(cfg.model, cfg.data.seq_len) if r["op"] not in (None, "error")}
 
 
 # ----------------------------------------------------------------------------- rows on disk
