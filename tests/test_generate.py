@@ -129,8 +129,9 @@ def test_bad_requests_say_what_is_wrong():
     with pytest.raises(ValueError, match="T0 >= 1"):
         generate(model, prompt[:, :0], 2)
     cfg = ModelConfig(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64,
-                      compute_dtype="float32", full=FULL, efficient=MixerConfig(kind="sa", window=4))
-    with pytest.raises(NotImplementedError, match="layer 1: mixer 'sa' has no decode path"):
+                      compute_dtype="float32", efficient=EFFICIENT["swa"],
+                      full=MixerConfig(kind="attention_sink", options={"horizon": 4, "sinks": 1}))
+    with pytest.raises(NotImplementedError, match="layer 0: mixer 'attention_sink' has no decode path"):
         generate(HybridLM(cfg, rngs=nnx.Rngs(0)), prompt, 2)
 
 

@@ -114,7 +114,7 @@ def test_triton_lowering_for_cuda(gate, H):
 
 
 def test_selection_backend_rules():
-    assert selection_backend("auto", "token")[0] == "fused"
+    assert selection_backend("auto", "token")[0] == "xla"  # measured: the fused kernel was slower in a train step
     assert selection_backend("fused", "token")[0] == "fused"
     assert selection_backend("auto", "block")[0] == "xla"  # per-block: the reference
     assert selection_backend("xla", "token")[0] == "xla"

@@ -363,3 +363,22 @@ def test_lm_eval_command_line(lm, run_dir, tmp_path, monkeypatch, capsys):
                  "--include_path", str(tmp_path / "tasks")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("lm-eval error: hybrid_lm model_args: unknown colour")
+
+
+def test_eval_suite_task_lm_eval(lm, run_dir, tmp_path, capsys):
+    """``hybrid-lm eval RUN --tasks lm_eval``: a row per lm-eval task with the suite's common fields;
+    its score is lm-eval's acc_norm computed from the checkpoint's own log-likelihoods."""
+    from hybrid_lm.cli import main
+    from hybrid_lm.eval.suite import current_rows
+
+    mc, _, _ = _expected(lm)
+    gold = [int(np.argmax(mc[0])), int(np.argmin(mc[1])), 0]
+    _write_tasks(tmp_path / "tasks", gold, ["x", "y"])
+    assert main(["eval", str(run_dir), "--tasks", "lm_eval", "--lm-eval-tasks", "tiny_mc",
+                 "--lm-eval-include", str(tmp_path / "tasks"), "--batch-size", "8"]) == 0
+    assert "lm_eval/tiny_mc" in capsys.readouterr().out
+    row = next(r for r in current_rows(run_dir) if r.get("task") == "lm_eval/tiny_mc")
+    norm = [int(np.argmax([ll / len(c) for ll, c in zip(s, d["choices"])])) for s, d in zip(mc, MC_DOCS)]
+    assert row["score_metric"] == "acc_norm,none"
+    assert row["score"] == pytest.approx(np.mean([b == g for b, g in zip(norm, gold)]))
+    assert row["checkpoint_step"] == 5 and row["tokens_seen"] == 5 * 128 and row["eval_config"]["tasks"] == ["tiny_mc"]

@@ -338,18 +338,35 @@ def test_scores_are_computed_on_the_right_tokens(run_dir, monkeypatch):
 
 
 @pytest.mark.slow
-def test_sa_layers_get_log_likelihood_scores_only(run_dir):
+def test_mixers_without_a_decode_path_get_log_likelihood_scores_only(run_dir):
     from hybrid_lm.eval.restore import RestoredRun
     from hybrid_lm.eval.swap import swapped_config
     from hybrid_lm.train.step import ModelFns
 
     run = RestoredRun(run_dir)
     assert R.decode_unavailable(run.model()) is None
-    cfg = swapped_config(run.cfg, ["efficient=sa:8"])
+    cfg = swapped_config(run.cfg, horizon=16, sinks=2)  # full layers -> attention_sink: no decode path
     assert "has no decode path" in R.decode_unavailable(ModelFns(cfg).model(run.params))
     (row,), skipped = R.evaluate_ruler(run, cfg=cfg, tasks=["niah_multikey"], lengths=[768], samples=2,
                                        haystack="noise", allow_longer=True, progress=False)
     assert not skipped and row["exact_match"] is None and row["generation"].startswith("unavailable")
     assert 0 < row["answer_nll"] < 20 and row["ll_accuracy"] in (0.0, 0.5, 1.0)
-    assert row["mixers"]["efficient"]["kind"] == "sa"
+    assert row["mixers"]["full"]["kind"] == "attention_sink"
     assert "—" in R.format_table([row])
+
+
+@pytest.mark.slow
+def test_sa_layers_are_scored_by_generation_too(run_dir):
+    """SA decodes (docs/STOCHASTIC_ATTENTION.md §9): exact match as well as the log-likelihood scores."""
+    from hybrid_lm.eval.restore import RestoredRun
+    from hybrid_lm.eval.swap import swapped_config
+    from hybrid_lm.train.step import ModelFns
+
+    run = RestoredRun(run_dir)
+    for spec in ("efficient=sa:8", "efficient=sa:8,decode=swa"):
+        cfg = swapped_config(run.cfg, [spec])
+        assert R.decode_unavailable(ModelFns(cfg).model(run.params)) is None
+        (row,), skipped = R.evaluate_ruler(run, cfg=cfg, tasks=["niah_multikey"], lengths=[768], samples=2,
+                                           haystack="noise", allow_longer=True, progress=False)
+        assert not skipped and row["generation"] == "greedy" and 0 <= row["exact_match"] <= 1
+        assert 0 < row["answer_nll"] < 20 and row["mixers"]["efficient"]["kind"] == "sa"

@@ -131,7 +131,7 @@ def _suite(args) -> int:
         trunc_len=args.trunc_len, window=args.window, ruler_tasks=_csv(args.ruler_tasks) or None,
         ruler_lengths=lengths, haystack=args.haystack, allow_longer=args.allow_longer,
         reference_step=args.reference_step, lm_eval_tasks=_csv(args.lm_eval_tasks), lm_eval_limit=args.lm_eval_limit,
-        lm_eval_fewshot=args.num_fewshot, progress=not args.json)
+        lm_eval_fewshot=args.num_fewshot, lm_eval_include=args.lm_eval_include, progress=not args.json)
     steps = str(args.step) if args.step is not None else args.steps
     printer = (lambda *_: None) if args.json else print
     rows = suite.evaluate_run(args.workdir, req, steps, record=not args.no_record, plots=not args.no_plots,
@@ -283,6 +283,8 @@ def add_eval_commands(sub) -> None:
                    help="lm_eval: lm-evaluation-harness tasks, e.g. hellaswag,arc_easy (datasets must be available)")
     g.add_argument("--lm-eval-limit", dest="lm_eval_limit", type=int, default=None, help="lm_eval: items per task")
     g.add_argument("--num-fewshot", dest="num_fewshot", type=int, default=None, help="lm_eval: few-shot examples")
+    g.add_argument("--lm-eval-include", dest="lm_eval_include", default=None, metavar="DIR",
+                   help="lm_eval: a folder of task YAMLs (local tasks), added to lm-eval's own")
     p.set_defaults(fn=cmd_eval)
 
     p = sub.add_parser(
@@ -299,10 +301,12 @@ def add_eval_commands(sub) -> None:
         "generate", help="continue a prompt with a run's checkpoint (greedy or sampled)",
         description="Tokenise PROMPT with the run's tokenizer, run it through WORKDIR's checkpoint in eval mode "
                     "(prefill), then decode one token at a time from each layer's cache: a KV cache for "
-                    "attention, moba and ssa (its eval stream), a ring buffer of `window` slots for swa, the "
-                    "recurrent state for lightning, mamba2 and gdn. sa, sa_swa and attention_sink have no decode "
-                    "path: a model with such a layer is refused (score it with `hybrid-lm eval`). Prints the "
-                    "prompt followed by the decoded continuation.")
+                    "attention, moba and ssa (its eval stream), a ring buffer of `window` slots for swa, a KV "
+                    "cache plus the eval permutations of every position for sa and sa_swa (option decode: "
+                    "'permutation', the default, decodes exactly as their eval forward; 'swa' runs SA on the "
+                    "prompt, then a ring buffer as swa), the recurrent state for lightning, mamba2 and gdn. "
+                    "attention_sink layers have no decode path: a model with such a layer is refused (score it "
+                    "with `hybrid-lm eval`). Prints the prompt followed by the decoded continuation.")
     p.add_argument("workdir", help="run directory (config.json + checkpoints/)")
     p.add_argument("--prompt", required=True, help="text to continue (at least one token)")
     p.add_argument("--max-new", "--max_new", dest="max_new", type=int, default=200, help="tokens to generate (default 200)")
@@ -344,7 +348,7 @@ def add_eval_commands(sub) -> None:
         "ruler", help="RULER-offline: needle, variable-tracking and word-extraction tasks at long lengths",
         description="Generate RULER's synthetic tasks (deterministic from the seed, cached under data_cache/ruler/, "
                     "no download) at each length in tokens of the run's tokenizer, and score WORKDIR's checkpoint "
-                    "by exact match of greedy generation (mixers without a decode path, sa and sa_swa, get "
+                    "by exact match of greedy generation (a mixer without a decode path, attention_sink, gets "
                     "log-likelihood scores only) and by the gold answer's NLL under teacher forcing, against the "
                     "distractors where the task has them. Prints a task x length table, then appends a row per "
                     "(task, length) to WORKDIR/eval.jsonl. See docs/EVAL.md.",
@@ -371,3 +375,5 @@ def add_eval_commands(sub) -> None:
 
     from hybrid_lm.eval.export import add_export_command
     add_export_command(sub)
+    from hybrid_lm.eval.lm_eval_model import add_lm_eval_command
+    add_lm_eval_command(sub)

@@ -3,11 +3,12 @@
 The prompt runs through the model's ``prefill`` (the eval-mode forward pass on every layer, which
 also leaves each layer's decode state: a KV cache of ``window`` slots for SWA, of ``max_len`` slots
 for full attention, MoBA and SSA (plus running block sums of keys and queries for MoBA's gate; SSA
-decodes its ``eval_stream``), the recurrent state for lightning / mamba2 / gdn), then one
+decodes its ``eval_stream``), of ``max_len`` slots plus the eval permutations of every position for
+SA and gated SA + SWA (``decode='permutation'``; ``'swa'``: a ring buffer as SWA), the recurrent state
+for lightning / mamba2 / gdn), then one
 ``decode_step`` per new token inside a ``lax.scan``. Greedy with ``temperature=0``; otherwise
 sampling from ``softmax(logits / temperature)``, optionally restricted to the ``top_k`` most likely
-tokens. Mixers without a decode path (sa, sa_swa: a permutation of the whole sequence has no
-token-by-token form; attention_sink) raise ``NotImplementedError``.
+tokens. Mixers without a decode path (attention_sink) raise ``NotImplementedError``.
 """
 
 from __future__ import annotations

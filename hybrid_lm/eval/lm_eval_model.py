@@ -153,7 +153,10 @@ class _HybridLMEvalImpl:
     backend = "causal"
 
     def __init__(self, run=None, step=None, batch_size=None, max_length=None, max_gen_toks=DEFAULT_MAX_GEN_TOKS,
-                 swap=None, attention_impl=None, progress=True, **extra):
+                 swap=None, attention_impl=None, progress=True, restored=None, **extra):
+        """``restored``: ``(RestoredRun, Config)`` already in memory (``hybrid-lm eval --tasks lm_eval``:
+        the suite's checkpoint and its swapped / constrained config); then ``run``, ``step``, ``swap``
+        and ``attention_impl`` are not used."""
         super().__init__()
         from hybrid_lm.eval.restore import RestoredRun, load_run_config
         from hybrid_lm.eval.ruler import decode_unavailable
@@ -165,6 +168,8 @@ class _HybridLMEvalImpl:
             raise ConfigError(f"hybrid_lm model_args: unknown {', '.join(unknown)}; known: {', '.join(_KNOWN_ARGS)}")
         if extra.get("device"):
             log.info("hybrid_lm: device=%s ignored (JAX runs on its default devices)", extra["device"])
+        if restored is not None:
+            run = restored[0].workdir
         if run is None or str(run).strip() == "":
             raise ConfigError("hybrid_lm model_args: run=RUN_DIR is required (a run directory with checkpoints/)")
         step = None if step is None or str(step).lower() in ("", "latest", "none") else _positive_int("step", step)
@@ -184,13 +189,16 @@ class _HybridLMEvalImpl:
             log.warning("hybrid_lm: max_length %d exceeds the trained seq_len %d: positions beyond it were never "
                         "trained", self.max_length, trained.data.seq_len)
         seq_len = self.max_length if self.max_length != trained.data.seq_len else None
-        # checked before the restore: a bad swap fails in a second
-        swapped_config(trained, self.swaps, seq_len=seq_len, attention_impl=attention_impl)
-        try:
-            self.run = RestoredRun(run, step=step)
-        except FileNotFoundError as e:
-            raise WorkdirError(f"{e}: train the run first, or give a step that was saved") from None
-        self.cfg = self.run.task_config(self.swaps, seq_len=seq_len, attention_impl=attention_impl)
+        if restored is not None:
+            self.run, self.cfg = restored
+        else:
+            # checked before the restore: a bad swap fails in a second
+            swapped_config(trained, self.swaps, seq_len=seq_len, attention_impl=attention_impl)
+            try:
+                self.run = RestoredRun(run, step=step)
+            except FileNotFoundError as e:
+                raise WorkdirError(f"{e}: train the run first, or give a step that was saved") from None
+            self.cfg = self.run.task_config(self.swaps, seq_len=seq_len, attention_impl=attention_impl)
         self.fns = self.run.fns if self.cfg.model == self.run.cfg.model else ModelFns(self.cfg)
         self.tokenizer = self.run.tokenizer
         self.no_decode = decode_unavailable(self.fns.model(self.run.params))
@@ -496,6 +504,54 @@ def model_class():
         cls = type("HybridLMEval", (_HybridLMEvalImpl, TemplateLM), {"__module__": __name__, "__doc__": doc})
         _CLASS = register_model(NAME)(cls)
     return _CLASS
+
+
+# the metric a task's row is ranked by (eval-report), in this order of preference
+_SCORE_METRICS = ("acc_norm", "acc", "exact_match", "f1", "bits_per_byte", "word_perplexity")
+
+
+def evaluate_lm_eval(run, cfg=None, *, tasks, limit=None, num_fewshot=None, batch_size=None, include_path=None,
+                     progress: bool = True) -> list[dict]:
+    """``hybrid-lm eval --tasks lm_eval --lm-eval-tasks T1,T2``: lm-eval's ``simple_evaluate`` on the
+    restored checkpoint ``run`` with ``cfg``'s model (swaps and horizon included). A row per lm-eval
+    task: ``task: lm_eval/<name>``, every metric lm-eval reports, and ``score`` (the first of
+    ``acc_norm, acc, exact_match, f1, bits_per_byte, word_perplexity`` the task has)."""
+    import time
+
+    from hybrid_lm.optional import optional_import
+
+    lm_eval = optional_import("lm_eval")
+    from lm_eval.tasks import TaskManager
+
+    t0 = time.time()
+    lm = model_class()(restored=(run, cfg or run.cfg), batch_size=batch_size, progress=progress,
+                       max_length=(cfg or run.cfg).data.seq_len)
+    if include_path:  # lm-eval indexes its ~14k task files unless every task asked for is a local one
+        from pathlib import Path
+        local = {p.stem for p in Path(include_path).rglob("*.yaml")}
+        tm = TaskManager(include_path=str(include_path), include_defaults=not set(tasks) <= local)
+    else:
+        tm = TaskManager()
+    out = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), limit=limit, num_fewshot=num_fewshot,
+                                  task_manager=tm, bootstrap_iters=0)
+    rows = []
+    for name, res in sorted(out["results"].items()):
+        metrics = {k: float(v) for k, v in res.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        score_key = next((f"{m},none" for m in _SCORE_METRICS if f"{m},none" in metrics), None)
+        rows.append({"kind": "lm_eval", "task": f"lm_eval/{name}", "checkpoint_step": run.step,
+                     "metrics": metrics, "score": metrics.get(score_key), "score_metric": score_key,
+                     "n_samples": (out.get("n-samples") or {}).get(name), "limit": limit,
+                     "num_fewshot": num_fewshot, "max_length": lm.max_length,
+                     "wall_s": round(time.time() - t0, 3)})
+    return rows
+
+
+def format_lm_eval(rows: list[dict]) -> str:
+    lines = [f"{'lm-eval task':<28}{'step':>8}  score"]
+    for r in rows:
+        sc = "—" if r["score"] is None else f"{r['score']:.4f} ({r['score_metric']})"
+        lines.append(f"{r['task']:<28}{r['checkpoint_step']:>8}  {sc}")
+    return "\n".join(lines)
 
 
 def __getattr__(name: str):

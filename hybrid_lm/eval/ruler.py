@@ -39,7 +39,8 @@ greedy continuation (case-insensitive, RULER's ``string_match_all``), from ``eva
 cached decoding; ``answer_nll``, the mean NLL per token of the gold answer under teacher forcing
 (one forward pass, every mixer, SA included); ``ll_accuracy``, the fraction of items where the gold
 answer's log-likelihood beats every distractor's (tasks with distractors; chance 1 / (1 + count)).
-Mixers without a decode path (sa, sa_swa) get the log-likelihood scores only.
+Mixers without a decode path (attention_sink) get the log-likelihood scores only; sa and sa_swa decode
+as their option ``decode`` says (docs/STOCHASTIC_ATTENTION.md §9).
 
 Python: ``rows, skipped = evaluate_ruler(RestoredRun(wd), tasks=["niah_single"], lengths=[4096])``;
 CLI: ``hybrid-lm ruler RUN_DIR --tasks niah_single,vt --lengths 4K,8K --samples 16``.

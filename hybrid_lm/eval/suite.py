@@ -78,6 +78,7 @@ class EvalRequest:
     lm_eval_tasks: tuple[str, ...] = ()
     lm_eval_limit: int | None = None
     lm_eval_fewshot: int | None = None
+    lm_eval_include: str | None = None  # a folder of lm-eval task YAMLs (local tasks)
     progress: bool = True
 
     def check(self) -> None:
@@ -112,7 +113,8 @@ class EvalRequest:
             if task == "heads":
                 c.update(reference_step=self.reference_step)
         elif task == "lm_eval":
-            c.update(tasks=list(self.lm_eval_tasks), limit=self.lm_eval_limit, num_fewshot=self.lm_eval_fewshot)
+            c.update(tasks=list(self.lm_eval_tasks), limit=self.lm_eval_limit, num_fewshot=self.lm_eval_fewshot,
+                     include_path=self.lm_eval_include)
         return c
 
 
@@ -213,7 +215,8 @@ def _task_influence(run, cfg, req: EvalRequest) -> list[dict]:
 
 def _task_lm_eval(run, cfg, req: EvalRequest) -> list[dict]:
     return _task_module("lm_eval").evaluate_lm_eval(run, cfg, tasks=list(req.lm_eval_tasks), limit=req.lm_eval_limit,
-                                                    num_fewshot=req.lm_eval_fewshot, batch_size=req.batch_size)
+                                                    num_fewshot=req.lm_eval_fewshot, batch_size=req.batch_size,
+                                                    include_path=req.lm_eval_include, progress=req.progress)
 
 
 _RUNNERS = {"loss": _task_loss, "longppl": _task_longppl, "ruler": _task_ruler, "probe": _task_probe,

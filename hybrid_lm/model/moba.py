@@ -8,12 +8,12 @@ Backends (``attention_impl``): ``xla`` = the O(T*k*block) reference in ``ops/blo
 powers of two >= 16); ``auto`` = pallas on a GPU for those blocks, else xla
 (``hybrid_lm.backends.moba_backend``). cuDNN and jla cannot express the mask.
 
-Selection on the pallas path (``selection_impl``, see :func:`selection_backend`): per-token
-selection (``selection='token'``) runs the fused gate + top-k kernel
-(``hybrid_lm_kernels.select_blocks``: the ``[T, n_blocks]`` scores never reach HBM); per-block
-selection (``nb`` rows, cheap) and ``selection_impl='xla'`` run the reference
-``ops.select_blocks``. Both give the same blocks (``tests/test_kernels_selection.py``). The xla
-path keeps the reference's chunked selection + attention.
+Selection on the pallas path (``moba_attend(selection_impl=...)``, see :func:`selection_backend`):
+``auto`` and ``xla`` run the reference ``ops.select_blocks``; ``fused`` runs the fused gate + top-k
+kernel for per-token selection (``hybrid_lm_kernels.select_blocks``: the ``[T, n_blocks]`` scores
+never reach HBM), exact but measured slower in an S5 train step, so not the default. Both give the
+same blocks (``tests/test_kernels_selection.py``). The xla path keeps the reference's chunked
+selection + attention.
 """
 
 from __future__ import annotations
@@ -65,18 +65,22 @@ SELECTION_IMPLS = ("auto", "fused", "xla")
 
 
 def selection_backend(selection_impl: str, selection: str) -> tuple[str, str]:
-    """``(fused | xla, reason)``: who selects the blocks on the pallas path. ``auto``: the fused
-    kernel for per-token selection, the reference for per-block selection (nb rows: its score
-    tensor is small). ``fused`` with ``selection='block'`` is refused (the kernel scores tokens)."""
+    """``(fused | xla, reason)``: who selects the blocks on the pallas path. ``auto``: the reference
+    (``ops.select_blocks``) everywhere, by measurement: on the H200 the fused kernel made the S5
+    arch/moba.gin train step 1.57x all-full attention (docs/BENCHMARKS.md, session 6) against 1.34x
+    with the XLA selection (session 3); ``fused`` asks for the kernel (per-token selection only:
+    ``fused`` with ``selection='block'`` is refused, the kernel scores tokens)."""
     if selection_impl not in SELECTION_IMPLS:
         raise ConfigError(f"selection_impl={selection_impl!r}: choose one of {SELECTION_IMPLS}")
     if selection_impl == "xla":
         return "xla", "selection_impl='xla' set explicitly"
-    if selection == "token":
-        return "fused", f"selection_impl={selection_impl!r}, per-token selection: fused gate + top-k kernel"
     if selection_impl == "fused":
-        raise ConfigError("selection_impl='fused' runs per-token selection only; selection='block' "
-                          "uses the reference (ops.select_blocks)")
+        if selection != "token":
+            raise ConfigError("selection_impl='fused' runs per-token selection only; selection='block' "
+                              "uses the reference (ops.select_blocks)")
+        return "fused", "selection_impl='fused', per-token selection: fused gate + top-k kernel"
+    if selection == "token":
+        return "xla", "auto: the XLA selection (the fused kernel measured slower in a train step, docs/KERNELS.md)"
     return "xla", "auto: per-block selection scores nb rows (reference ops.select_blocks)"
 
 
