@@ -6,13 +6,8 @@
 #
 #   bash experiments/gpu_eval_suite.sh all      # selection check, S1 suite, S5 sparse steps (one call)
 #   bash experiments/gpu_eval_suite.sh suite    # only the S1 suite
-set -u
-OUT=${OUT:-gpu_out}
-mkdir -p "$OUT"
-WHL=$(ls -d .whl ../.whl 2>/dev/null | head -1)
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHL"/*.whl || exit 1
-ln -sfn "$PWD/kernels" /tmp/site/hybrid_lm_kernels
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 HYBRID_LM_DATA_DIR=/tmp/hl_data
+source "$(dirname "$0")/gpu_env.sh"
+export HYBRID_LM_DATA_DIR=/tmp/hl_data
 date -u +"start %Y-%m-%dT%H:%M:%SZ"; nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 quiet() { grep -v -e "^W1201" -e "^I0000" -e "^W0000" -e "slow_operation" -e "Constant folding" -e "^$"; }
 RUN=/tmp/s1_suite

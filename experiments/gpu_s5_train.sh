@@ -9,13 +9,8 @@
 #
 # Run from the repo root (or a `git archive` of it) on the device machine with `.whl` beside or
 # inside it. JSON goes to $OUT; every step has a timeout so the call ends inside its 10 minutes.
-set -u
-OUT=${OUT:-gpu_out}
-mkdir -p "$OUT"
-WHL=$(ls -d .whl ../.whl 2>/dev/null | head -1)
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHL"/*.whl || exit 1
-ln -sfn "$PWD/kernels" /tmp/site/hybrid_lm_kernels
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 HYBRID_LM_COMPILATION_CACHE=off
+source "$(dirname "$0")/gpu_env.sh"
+export HYBRID_LM_COMPILATION_CACHE=off
 unset JAX_COMPILATION_CACHE_DIR
 date -u +"start %Y-%m-%dT%H:%M:%SZ"; nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv,noheader
 ARCHS=full,swa,sa,sa_swa,lightning,mamba2,gdn

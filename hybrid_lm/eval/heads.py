@@ -206,10 +206,6 @@ def format_heads(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _by_step(rows: list[dict]) -> list[dict]:
-    return sorted({r["checkpoint_step"]: r for r in rows}.values(), key=lambda r: r["checkpoint_step"])
-
-
 def _value(row: dict, key: str, name: str) -> float:
     """``row[key]`` of head ``name`` (NaN when that checkpoint lacks the head)."""
     layer, head = (int(x) for x in name[1:].split("H"))
@@ -222,15 +218,9 @@ def plot_heads(rows: list[dict], out_dir: Path) -> list[Path]:
     """``heads_entropy_dqk.png``: normalised entropy H(t) and d_QK(t) over checkpoints for the last
     checkpoint's top heads by mass (Rethinking Fig. 5); ``heads_mass.png``: the needle mass,
     layer x head, at the last checkpoint."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = _by_step(rows)
+    rows, out_dir, plt = I.plot_setup(rows, out_dir)
     if not rows:
         return []
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     last = rows[-1]
     top = [h["head"] for h in last["top_heads"][:PLOTTED]]
     steps = [r["checkpoint_step"] for r in rows]

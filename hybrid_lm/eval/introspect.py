@@ -277,3 +277,19 @@ __all__ = ["ATTENTION_KINDS", "AttentionLayer", "DEPTH_RANGE", "MAGIC_BASE", "N_
            "answer_ids", "attention_layers", "check_length", "eval_context", "head_attention", "item_label",
            "jitted", "last_token_states", "model_fns", "needle_item", "needle_items", "qk_distance",
            "qk_weights", "retrieval_stats", "run_layers", "visible_keys"]
+
+
+def plot_setup(rows: list[dict], out_dir):
+    """``(one row per checkpoint step in step order (the last given for a step), out_dir created,
+    matplotlib.pyplot on the Agg backend)`` for a task's plots over checkpoints."""
+    from pathlib import Path
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = sorted({r["checkpoint_step"]: r for r in rows}.values(), key=lambda r: r["checkpoint_step"])
+    out_dir = Path(out_dir)
+    if rows:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    return rows, out_dir, plt

@@ -145,23 +145,12 @@ def format_probe(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _by_step(rows: list[dict]) -> list[dict]:
-    """One row per checkpoint step (the last given for a step), in step order."""
-    return sorted({r["checkpoint_step"]: r for r in rows}.values(), key=lambda r: r["checkpoint_step"])
-
-
 def plot_probe(rows: list[dict], out_dir: Path) -> list[Path]:
     """``probe_heatmap.png`` (accuracy, layer x checkpoint: Rethinking Fig. 4) and
     ``probe_accuracy.png`` (accuracy against layer, one line per checkpoint, chance dashed)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = _by_step(rows)
+    rows, out_dir, plt = I.plot_setup(rows, out_dir)
     if not rows:
         return []
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     layers = max((r["layers"] for r in rows), key=len)
     grid = np.full((len(layers), len(rows)), np.nan)
     for c, r in enumerate(rows):
