@@ -32,6 +32,8 @@ import logging
 import time
 from pathlib import Path
 
+import numpy as np
+
 from hybrid_lm.errors import ConfigError, WorkdirError
 
 log = logging.getLogger(__name__)
@@ -325,6 +327,8 @@ def plot_task(task: str, rows: list[dict], out_dir: Path) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     if task in ("probe", "heads", "influence"):
         return list(getattr(_task_module(task), f"plot_{task}")(rows, out_dir))
+    if task == "ruler":
+        return _plot_ruler(rows, out_dir)
     series: dict = {}
     for r in rows:
         v = headline(r)
@@ -353,6 +357,38 @@ def plot_task(task: str, rows: list[dict], out_dir: Path) -> list[Path]:
     ax.grid(alpha=0.3)
     path = out_dir / f"{task}.png"
     fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return [path]
+
+
+def _plot_ruler(rows: list[dict], out_dir: Path) -> list[Path]:
+    """``ruler.png``: exact match (greedy) and the gold answer's NLL against tokens seen, one line per
+    RULER task and length (the NLL moves long before exact match leaves 0)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series: dict = {}
+    for r in rows:
+        series.setdefault(f"{r['task'].split('/', 1)[-1]} @ {r['length']}", []).append(r)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for (name, rs), color in zip(sorted(series.items()), plt.get_cmap("tab20").colors * 4):
+        rs.sort(key=lambda r: r["tokens_seen"])
+        x = [r["tokens_seen"] for r in rs]
+        for ax, key in zip(axes, ("exact_match", "answer_nll")):
+            y = [np.nan if r.get(key) is None else r[key] for r in rs]
+            ax.plot(x, y, "o-", ms=3, lw=1.2, color=color, label=name)
+    axes[0].set_ylabel("exact match, greedy (higher is better)")
+    axes[0].set_ylim(-0.05, 1.05)
+    axes[1].set_ylabel("answer NLL, nats/token (lower is better)")
+    for ax in axes:
+        ax.set_xlabel("tokens seen")
+        ax.grid(alpha=0.3)
+    axes[1].legend(fontsize=6, ncol=2)
+    fig.suptitle("RULER-offline over training")
+    fig.tight_layout()
+    path = out_dir / "ruler.png"
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return [path]
