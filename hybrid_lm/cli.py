@@ -1,4 +1,4 @@
-"""Command line: ``hybrid-lm train|info|data|eval|generate|longppl|sweep|collect|fit|report``."""
+"""Command line: ``hybrid-lm train|info|data|eval|eval-report|generate|longppl|ruler|export|lm-eval|sweep|collect|fit|report``."""
 
 from __future__ import annotations
 

@@ -1,9 +1,13 @@
-"""``hybrid-lm eval``: training-free attention swaps and receptive-field constraints on a run's checkpoint;
+"""``hybrid-lm eval``: the evaluation suite over a run's checkpoints (``--tasks``, ``eval/suite.py``), or
+without ``--tasks`` the loss of a swapped / constrained model; ``hybrid-lm eval-report``: runs overlaid;
 ``hybrid-lm generate``: text continued by a run's checkpoint; ``hybrid-lm longppl``: LongPPL;
-``hybrid-lm ruler``: RULER-offline (``docs/EVAL.md``).
+``hybrid-lm ruler``: RULER-offline; ``hybrid-lm export`` and ``hybrid-lm lm-eval`` (``docs/EVAL.md``).
 
+    hybrid-lm eval WORKDIR --tasks loss,longppl,ruler,probe,heads,influence,lm_eval --steps latest|all|S1,S2
+                           [--swap ...] [--horizon H --sinks S] [--seq-len T] [--data STORE]
     hybrid-lm eval WORKDIR [--swap full=swa:128] [--swap efficient=sa:128] [--horizon H --sinks S]
                            [--seq-len T] [--step N] [--baseline]
+    hybrid-lm eval-report SWEEP_ROOT|RUN_DIRS... [--tasks ...] [--out DIR]
     hybrid-lm generate WORKDIR --prompt TEXT [--max-new N] [--temperature T --top-k K --seed S] [--step N]
     hybrid-lm longppl WORKDIR [--evaluator RUN] [--length T --docs N] [--trunc-len K --window W]
 
@@ -224,10 +228,13 @@ def record_rows(run, rows, quiet: bool = False) -> None:
 def add_eval_commands(sub) -> None:
     """Add ``eval``, ``generate`` and ``longppl`` to the ``hybrid-lm`` subparsers."""
     p = sub.add_parser(
-        "eval", help="evaluate a run's checkpoint with attention swaps / receptive-field constraints",
-        description="Evaluate WORKDIR's checkpoint (val loss, bits/byte on its fixed eval windows) with its "
+        "eval", help="evaluate a run's checkpoints: --tasks loss,longppl,ruler,probe,heads,influence,lm_eval",
+        description="With --tasks: run each task on each of --steps (latest, all, or S1,S2) of WORKDIR, print a "
+                    "table per task, append rows to WORKDIR/eval.jsonl (a rerun supersedes) and draw the plots "
+                    "into WORKDIR/eval/ (docs/EVAL.md). --swap / --horizon / --sinks / --seq-len apply to every "
+                    "task. Without --tasks: the val loss and bits/byte of WORKDIR's checkpoint with its "
                     "attention layers swapped and/or its full-attention layers limited to the last H tokens "
-                    "plus S sinks, without retraining. Appends a row to WORKDIR/eval.jsonl.",
+                    "plus S sinks, without retraining (--baseline: also unswapped).",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="swap spec: SLOT=KIND[:W][,key=value...]; SLOT is full or efficient; W is the window (swa, sa), "
                "the key budget top_k*block_size (moba), or the horizon (attention_sink).\n"
