@@ -370,3 +370,78 @@ def test_sa_layers_are_scored_by_generation_too(run_dir):
                                            haystack="noise", allow_longer=True, progress=False)
         assert not skipped and row["generation"] == "greedy" and 0 <= row["exact_match"] <= 1
         assert 0 < row["answer_nll"] < 20 and row["mixers"]["efficient"]["kind"] == "sa"
+
+
+class _NeedleOracle:
+    """A hand-built "model" for RULER's NIAH tasks on the byte tokenizer: it reads the question's key
+    at the end of the prompt and the needle sentences among the last ``horizon`` prompt tokens.
+    Generation writes the needle's value when it sees it, else a 7-digit guess; the answer NLL is 0
+    per token for a candidate it sees as the key's value, else a random number (a seeded draw per
+    candidate): what a model that cannot see the needle can do, so gold beats the distractors at
+    chance. Patched in for ``generate`` and ``_answer_nll_fn``; the harness around them is real."""
+
+    NEEDLE = re.compile(r"magic numbers? for ([\w-]+) is: (\d+)\.")
+    QUERY = re.compile(r"The special magic number for ([\w-]+) is:$")
+
+    def __init__(self, horizon=None):
+        self.horizon = horizon
+        self.rng = np.random.default_rng(0)
+
+    def _seen(self, prompt) -> dict:
+        ids = np.asarray(prompt)
+        visible = ids if self.horizon is None else ids[-self.horizon:]
+        text = bytes(int(t) for t in visible).decode("utf-8", "replace")
+        return dict(self.NEEDLE.findall(text)), self.QUERY.search(bytes(int(t) for t in ids).decode()).group(1)
+
+    def generate(self, model, prompts, n_new, **_):
+        out = np.zeros((prompts.shape[0], n_new), np.int32)
+        for r, p in enumerate(np.asarray(prompts)):
+            seen, key = self._seen(p)
+            value = seen.get(key) or "".join(str(d) for d in self.rng.integers(0, 10, 7))
+            text = f" {value}.".encode()[:n_new]
+            out[r, :len(text)] = list(text)
+        return out
+
+    def nll_fn(self, fns, cfg, span):
+        def nll(params, tokens):
+            tokens = np.asarray(tokens)
+            out = np.zeros((tokens.shape[0], span), np.float32)
+            for r, row in enumerate(tokens):
+                prompt, answer = row[:-span], row[-span:]
+                seen, key = self._seen(prompt)
+                cand = bytes(int(t) for t in answer if t).decode().strip(" .")
+                out[r] = 0.0 if seen.get(key) == cand else self.rng.uniform(1.0, 2.0)
+            return out
+        return nll
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("horizon", [None, 48])
+def test_niah_oracle_scores_one_when_it_sees_the_needle_and_chance_when_it_cannot(run_dir, monkeypatch, horizon):
+    """Acceptance oracles: a model that sees the needle scores 1 on NIAH (exact match and gold beats
+    the distractors); one whose receptive field (the last 48 tokens) ends before every needle scores
+    exact match 0 and gold-beats-distractors at chance (1/4 for niah_multikey's 3 distractors)."""
+    from hybrid_lm.eval import generate as gen_mod
+    from hybrid_lm.eval import ruler
+    from hybrid_lm.eval.restore import RestoredRun
+
+    oracle = _NeedleOracle(horizon)
+    monkeypatch.setattr(gen_mod, "generate", oracle.generate)
+    monkeypatch.setattr(ruler, "_answer_nll_fn", oracle.nll_fn)
+    run = RestoredRun(run_dir)
+    samples = 96 if horizon else 16
+    rows, skipped = ruler.evaluate_ruler(run, tasks=["niah_single", "niah_multikey"], lengths=[1024],
+                                         samples=samples, haystack="noise", allow_longer=True, progress=False,
+                                         cache_root=None)
+    assert not skipped
+    by = {r["task"]: r for r in rows}
+    if horizon is None:
+        assert by["ruler/niah_single"]["exact_match"] == 1.0 and by["ruler/niah_multikey"]["exact_match"] == 1.0
+        assert by["ruler/niah_multikey"]["ll_accuracy"] == 1.0
+        return
+    # every needle sits at a depth <= 100% of ~950 haystack tokens, more than 48 tokens before the end
+    assert by["ruler/niah_single"]["exact_match"] == 0.0 and by["ruler/niah_multikey"]["exact_match"] == 0.0
+    mk = by["ruler/niah_multikey"]
+    assert mk["ll_chance"] == 0.25
+    sd = (0.25 * 0.75 / samples) ** 0.5  # binomial: 0.044 at 96 items
+    assert abs(mk["ll_accuracy"] - 0.25) < 3.5 * sd, mk["ll_accuracy"]
