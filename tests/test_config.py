@@ -112,7 +112,7 @@ def test_run_ids_are_unchanged(files, run_id):
 @pytest.mark.parametrize("binding,field,choices", [
     ("ModelConfig.attention_impl = 'magic'", "ModelConfig.attention_impl='magic'", "auto, xla, cudnn, pallas, jla"),
     ("ModelConfig.linear_impl = 'magic'", "ModelConfig.linear_impl='magic'", "auto, xla, jla"),
-    ("ModelConfig.remat = 'all'", "ModelConfig.remat='all'", "none, full, dots"),
+    ("ModelConfig.remat = 'all'", "ModelConfig.remat='all'", "none, full, dots, dots_attn"),
     ("ModelConfig.compute_dtype = 'fp8'", "ModelConfig.compute_dtype='fp8'", "float32, bfloat16, float16"),
     ("ModelConfig.param_dtype = 'int8'", "ModelConfig.param_dtype='int8'", "float32, bfloat16, float16"),
     ("DataConfig.source = 'web'", "DataConfig.source='web'", "embedded, tokens"),
