@@ -237,8 +237,8 @@ def format_influence(rows: list[dict]) -> str:
 
 
 def plot_influence(rows: list[dict], out_dir) -> list[Path]:
-    """``out_dir/influence.png``: G(d) against d (d >= 1; zeros left out) on log-log axes, one curve
-    per row. Returns the paths written ([] without rows)."""
+    """``out_dir/influence.png``: G(d) against d (d >= 1; zeros left out) on log-log axes, per row a
+    faint per-d curve and its log2-binned means (markers at the bins' geometric centres). Returns the paths written ([] without rows)."""
     if not rows:
         return []
     import matplotlib
@@ -251,7 +251,10 @@ def plot_influence(rows: list[dict], out_dir) -> list[Path]:
     for r in sorted(rows, key=lambda r: (str(r.get("run_id")), r["checkpoint_step"])):
         g = np.asarray(r["g"], np.float64)[1:]
         d = np.arange(1, len(g) + 1)
-        ax.plot(d, np.where(g > 0, g, np.nan), label=_label(r, rows), lw=1.4)
+        raw, = ax.plot(d, np.where(g > 0, g, np.nan), lw=0.6, alpha=0.25)
+        b = [x for x in r["bins"] if x["lo"] >= 1 and x["mean"] > 0]  # per-d values are noisy at long T
+        ax.plot([np.sqrt(x["lo"] * x["hi"]) for x in b], [x["mean"] for x in b], "o-", color=raw.get_color(),
+                lw=1.6, ms=3.5, label=_label(r, rows) + " (log2-bin mean)")
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("distance d from the last token (tokens)")
