@@ -6,6 +6,8 @@
 #   bash experiments/gpu_s5_train.sh s5       # S5: full unrolled vs scan_layers compiled alone (B 8), then 7 archs at B 4
 #   bash experiments/gpu_s5_train.sh remat    # session 6: remat dots vs dots_attn, S1-S5, one scale pair per process
 #   bash experiments/gpu_s5_train.sh sparse   # session 6: fused selection check + table, S5 full / moba16 / ssa steps
+#   bash experiments/gpu_s5_train.sh all7a    # session 7, issue 17's table, part 1: the anchor GPT, S1-S3 x 7 archs
+#   bash experiments/gpu_s5_train.sh all7b    # part 2 (same machine, next call): S5 and S4 x 7 archs
 #
 # Run from the repo root (or a `git archive` of it) on the device machine with `.whl` beside or
 # inside it. JSON goes to $OUT; every step has a timeout so the call ends inside its 10 minutes.
@@ -55,10 +57,26 @@ case "${1:-table}" in
     [ $left -gt 90 ] && B $left --scale s5 --arch full@dots,full@dots_attn,moba16@dots_attn,ssa@dots_attn \
       --batch 2 --steps 4 --compile-workers 4 --deadline $(( left - 15 )) --out "$OUT/bench_train_s5_sparse.json"
     ;;
+  all7a)  # issue 17's table (remat dots_attn, 8 x 16K = 128K tokens per micro-batch), one scale per process
+    timeout 110 python3 experiments/anchor_gpt.py --seq-len 16384 --batch 8 --steps 5 --out "$OUT/anchor_gpt.json" \
+      2>&1 | grep -v -e "^W1201" -e "^I0000" -e "^W0000"
+    for s in s1:140 s2:150 s3:170; do
+      B $(( ${s#*:} + 10 )) --scale ${s%:*} --arch $ARCHS --remat dots_attn --batch 8 --steps 5 --compile-workers 7 \
+        --deadline ${s#*:} --out "$OUT/bench_train_${s%:*}_table.json"
+    done
+    ;;
+  all7b)  # part 2: S5 first (its linear-mixer compiles are the long pole), then S4
+    B 330 --scale s5 --arch $ARCHS --remat dots_attn --batch 8 --steps 4 --compile-workers 7 --deadline 320 \
+      --out "$OUT/bench_train_s5_table.json"
+    left=$(( 570 - SECONDS ))
+    echo "== $left s left for S4"
+    [ $left -gt 60 ] && B $left --scale s4 --arch $ARCHS --remat dots_attn --batch 8 --steps 5 --compile-workers 7 \
+      --deadline $(( left - 10 )) --out "$OUT/bench_train_s4_table.json"
+    ;;
   profile)
     timeout 200 python3 experiments/profile_train.py --scale s3 --arch full --batch 8 \
       --steps 3 --out-dir "$OUT/profile" 2>&1 | grep -v -e "^W0000" -e "^I0000" | tail -40
     ;;
-  *) echo "usage: $0 table|s5"; exit 2 ;;
+  *) echo "usage: $0 table|s5|remat|sparse|all7a|all7b|profile"; exit 2 ;;
 esac
 date -u +"end %Y-%m-%dT%H:%M:%SZ"
