@@ -60,7 +60,7 @@ case "${1:-table}" in
   all7a)  # issue 17's table (remat dots_attn, 8 x 16K = 128K tokens per micro-batch), one scale per process
     timeout 110 python3 experiments/anchor_gpt.py --seq-len 16384 --batch 8 --steps 5 --out "$OUT/anchor_gpt.json" \
       2>&1 | grep -v -e "^W1201" -e "^I0000" -e "^W0000"
-    for s in s1:140 s2:150 s3:170; do
+    for s in s1:120 s2:130 s3:150; do
       B $(( ${s#*:} + 10 )) --scale ${s%:*} --arch $ARCHS --remat dots_attn --batch 8 --steps 5 --compile-workers 7 \
         --deadline ${s#*:} --out "$OUT/bench_train_${s%:*}_table.json"
     done
