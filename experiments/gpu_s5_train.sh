@@ -7,7 +7,7 @@
 #   bash experiments/gpu_s5_train.sh remat    # session 6: remat dots vs dots_attn, S1-S5, one scale pair per process
 #   bash experiments/gpu_s5_train.sh sparse   # session 6: fused selection check + table, S5 full / moba16 / ssa steps
 #   bash experiments/gpu_s5_train.sh all7a    # session 7, issue 17's table, part 1: the anchor GPT, S1-S3 x 7 archs
-#   bash experiments/gpu_s5_train.sh all7b    # part 2 (same machine, next call): S5 and S4 x 7 archs
+#   bash experiments/gpu_s5_train.sh all7b    # part 2: S1's slow-compiling archs, S3-S5 full/SWA/SA
 #
 # Run from the repo root (or a `git archive` of it) on the device machine with `.whl` beside or
 # inside it. JSON goes to $OUT; every step has a timeout so the call ends inside its 10 minutes.
@@ -65,13 +65,15 @@ case "${1:-table}" in
         --deadline ${s#*:} --out "$OUT/bench_train_${s%:*}_table.json"
     done
     ;;
-  all7b)  # part 2: S5 first (its linear-mixer compiles are the long pole), then S4
-    B 330 --scale s5 --arch $ARCHS --remat dots_attn --batch 8 --steps 4 --compile-workers 7 --deadline 320 \
-      --out "$OUT/bench_train_s5_table.json"
-    left=$(( 570 - SECONDS ))
-    echo "== $left s left for S4"
-    [ $left -gt 60 ] && B $left --scale s4 --arch $ARCHS --remat dots_attn --batch 8 --steps 5 --compile-workers 7 \
-      --deadline $(( left - 10 )) --out "$OUT/bench_train_s4_table.json"
+  all7b)  # part 2 (next call): S1's four slow-compiling archs with 4 compiles at a time, then S3-S5 full/SWA/SA
+    B 240 --scale s1 --arch sa_swa,lightning,mamba2,gdn --remat dots_attn --batch 8 --steps 5 --compile-workers 4 \
+      --deadline 230 --out "$OUT/bench_train_s1b_table.json"
+    B 110 --scale s3 --arch swa,sa --remat dots_attn --batch 8 --steps 5 --compile-workers 2 --deadline 100 \
+      --out "$OUT/bench_train_s3b_table.json"
+    left=$(( 565 - SECONDS ))
+    echo "== $left s left for S4 and S5"
+    [ $left -gt 60 ] && B $left --scale s4,s5 --arch full,swa,sa --remat dots_attn --batch 8 --steps 4 --compile-workers 6 \
+      --deadline $(( left - 10 )) --out "$OUT/bench_train_s4_s5_table.json"
     ;;
   profile)
     timeout 200 python3 experiments/profile_train.py --scale s3 --arch full --batch 8 \
