@@ -371,6 +371,8 @@ _core.defvjp(_core_fwd, _core_bwd)
 # Public entry point
 # ------------------------------------------------------------------------------------------------
 
+# jitted: identical calls (one per layer) lower, and compile their Triton kernels, once per program
+@functools.partial(jax.jit, static_argnames=("block_size", "scale", "interpret", "block_sizes"))
 def block_sparse_attention(q, k, v, block_idx, *, block_size: int, scale: float | None = None,
                            interpret: bool = False, block_sizes: SparseBlockSizes | None = None):
     """Causal block-sparse attention over selected key blocks (Pallas, Triton lowering).

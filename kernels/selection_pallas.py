@@ -201,6 +201,8 @@ def query_tile(block_q: int, seq_len: int, group: int, block_c: int, head_dim_pa
     return bq
 
 
+# jitted: identical calls (one per layer) lower, and compile their Triton kernels, once per program
+@functools.partial(jax.jit, static_argnames=("block_size", "top_k", "gate", "scale", "interpret", "block_sizes", "kbar", "precision"))
 def select_blocks(q, k_or_kbar, *, block_size: int, top_k: int, gate: str, scale: float | None = None,
                   interpret: bool | None = None, block_sizes: SelectionBlockSizes | None = None,
                   kbar: bool | None = None, precision=lax.Precision.HIGHEST):

@@ -399,6 +399,8 @@ _core.defvjp(_core_fwd, _core_bwd)
 # Public entry point
 # ------------------------------------------------------------------------------------------------
 
+# jitted: identical calls (one per layer) lower, and compile their Triton kernels, once per program
+@functools.partial(jax.jit, static_argnames=("window", "window_right", "scale", "interpret", "block_sizes"))
 def windowed_attention(q, k, v, positions=None, window: int = 128, *, window_right: int = 0,
                        scale: float | None = None, interpret: bool = False,
                        block_sizes: BlockSizes | None = None):

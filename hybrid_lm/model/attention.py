@@ -6,6 +6,7 @@ window. The windowed path never builds an O(T^2) mask: see ``hybrid_lm/ops/atten
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -54,9 +55,8 @@ def attend(q, k, v, *, window: int | None, positions, impl: str, permuted: bool 
         return kernels.windowed_attention(q, k, v, positions if permuted else None, window or T,
                                           window_right=window_right)
     if impl == "jla":
-        from jla.ops.mosaic_gpu.attention import flash_attention
         # the default "ranged" backward: deterministic (bitwise resume), unlike "fused"
-        return flash_attention(q, k, v, sliding_window=window)
+        return _jla_flash_attention()(q, k, v, sliding_window=window)
     if window is None and not permuted:
         if segment_ids is not None:  # xla (the resolver's choice)
             return ops.causal_attention(q, k, v, implementation="xla", segment_ids=segment_ids)
@@ -66,6 +66,13 @@ def attend(q, k, v, *, window: int | None, positions, impl: str, permuted: bool 
                                             implementation="cudnn")
     return ops.windowed_attention(q, k, v, window if window is not None else T, positions=positions,
                                   window_right=window_right, segment_ids=segment_ids)
+
+
+@functools.cache
+def _jla_flash_attention():
+    """jla's Mosaic GPU attention, jitted so identical calls (one per layer) lower and compile once."""
+    from jla.ops.mosaic_gpu.attention import flash_attention
+    return jax.jit(flash_attention, static_argnames=("sliding_window",))
 
 
 # ----------------------------------------------------------------------------- FLOPs

@@ -48,6 +48,7 @@ the heads, jla's rule), so sharded activations are not all-gathered around the c
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -195,6 +196,10 @@ def _kernel_call_widths(op, jq, jk, jv, gates, scale, initial_state, backend, pa
     return None if widths == (jq.shape[-1], jv.shape[-1]) else widths
 
 
+# jitted: identical calls (one per layer) lower, and compile their Mosaic GPU kernels, once per program
+_JLA_STATIC = ("scale", "output_final_state", "kernel_dtype", "backend", "pad_to")
+
+
 @contextlib.contextmanager
 def _jla_rules():
     """jla's kernel sharding over our mesh axes (a no-op without a context mesh)."""
@@ -207,6 +212,7 @@ def _jla_rules():
         yield
 
 
+@functools.partial(jax.jit, static_argnames=_JLA_STATIC)
 def _jla_simple_gla(q, k, v, g, g_gamma, *, scale, initial_state, output_final_state, kernel_dtype=None,
                     backend: str = "mosaic_gpu", pad_to=None):
     """Our ``simple_gla`` call expressed in jla's API. ``backend`` is jla's ``impl``: ``mosaic_gpu`` (the
@@ -232,6 +238,7 @@ def _jla_simple_gla(q, k, v, g, g_gamma, *, scale, initial_state, output_final_s
     return o[..., :Dv].astype(out_dtype), (S[:, :, :Dk, :Dv].astype(jnp.float32) if output_final_state else None)
 
 
+@functools.partial(jax.jit, static_argnames=_JLA_STATIC)
 def _jla_gated_delta_rule(q, k, v, g, beta, *, scale, initial_state, output_final_state, kernel_dtype=None,
                           backend: str = "mosaic_gpu", pad_to=None):
     """Our ``gated_delta_rule`` call expressed in jla's API (kind ``gated_deltanet``); see

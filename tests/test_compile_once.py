@@ -1,0 +1,40 @@
+"""Compile time: a kernel called by every layer is lowered (and its Triton kernel compiled) once per
+program, not once per layer. The kernels' entry points are jitted; a model exported for CUDA has the
+same Triton custom calls at 2 and at 8 layers (before: 6 and 24 for SA)."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from conftest import TINY
+
+from hybrid_lm.config import load_config
+from hybrid_lm.train.step import ModelFns
+
+
+def _triton_calls(n_layers: int, mixer: list[str]) -> int:
+    from unittest import mock
+
+    from jax import export
+    try:
+        from jax._src.pallas.triton import gpu_info as gi
+        info = gi.GpuInfo(gpu_version=None, arch_name="9.0", compute_capability=90)
+    except (ImportError, AttributeError, TypeError) as e:  # private API moved: not our bug
+        pytest.skip(f"cannot fake a GPU for the Triton lowering: {e}")
+    cfg = load_config([], TINY + mixer + [f"ModelConfig.n_layers = {n_layers}", "ModelConfig.attention_impl = 'pallas'",
+                                          "DataConfig.seq_len = 256"])
+    fns = ModelFns(cfg)
+    grad = jax.jit(jax.grad(lambda p, t: fns.loss(p, t, 0, jnp.arange(2))[0]))
+    with mock.patch.object(gi, "get_gpu_info", lambda: info):
+        exp = export.export(grad, platforms=["cuda"],
+                            disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
+            jax.eval_shape(fns.init, 0), jax.ShapeDtypeStruct((2, 257), jnp.int32))
+    return exp.mlir_module().count("__gpu$xla.gpu.triton")
+
+
+@pytest.mark.parametrize("mixer", [
+    ["efficient/MixerConfig.kind = 'sa'"],
+    ["efficient/MixerConfig.kind = 'moba'", "efficient/MixerConfig.options = {'block_size': 16, 'top_k': 4}"],
+], ids=["sa", "moba"])
+def test_kernels_lower_once_per_program_not_per_layer(mixer):
+    shallow, deep = _triton_calls(2, mixer), _triton_calls(8, mixer)
+    assert shallow > 0 and deep == shallow, (shallow, deep)
