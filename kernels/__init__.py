@@ -4,13 +4,16 @@
   backward (custom VJP), Pallas with the Triton lowering; ``interpret=True`` runs it on the CPU.
 - `block_sparse_attention`: MoBA block-sparse causal attention over selected key blocks (per query
   token or per query block), forward and backward, same backend.
+- `gather_sparse_attention`: the same attention for per-token selections shared by a GQA group
+  (SSA / NSA), one program per token and KV head over only that token's blocks, same backend.
 - `select_blocks`: MoBA / SSA per-token block selection (gate scores + running top-k fused in one
   kernel; the score matrix never reaches HBM), same backend.
 """
 
 from .block_sparse_pallas import SparseBlockSizes, block_sparse_attention
+from .gather_sparse_pallas import gather_sparse_attention
 from .selection_pallas import SelectionBlockSizes, select_blocks
 from .windowed_pallas import BlockSizes, default_block_sizes, windowed_attention
 
 __all__ = ["BlockSizes", "SelectionBlockSizes", "SparseBlockSizes", "block_sparse_attention",
-           "default_block_sizes", "select_blocks", "windowed_attention"]
+           "default_block_sizes", "gather_sparse_attention", "select_blocks", "windowed_attention"]
