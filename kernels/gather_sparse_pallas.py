@@ -19,17 +19,21 @@ The union kernel differs on those edge cases only: it always attends the own blo
 listed block once.
 
 Backward: a dQ kernel with the forward's structure (recomputes ``p`` from the saved lse; also
-writes ``delta = rowsum(o * do)``), and a dK/dV kernel per (key block, KV head) that loops over the
-tokens which listed that block. Those inverse lists are built in XLA by one sort of the flattened
-``(block, token)`` pairs, with offsets by a cumsum of the per-block counts. Both are deterministic (no atomics).
-Work of the dK/dV kernel is ``T * S`` token visits per KV head in all, but a key block listed by
-very many tokens (an attention-sink block) makes one long program.
+writes ``delta = rowsum(o * do)``), and dK/dV from the inverse lists: for every key block, the
+tokens that listed it, built in XLA by one sort of the flattened ``(block, token)`` pairs (offsets
+by a cumsum of the per-block counts). A key block's tokens are cut into chunks of at most
+``dkv_chunk``; one program per (chunk, KV head) sums its tokens' ``[block_size, D]`` contributions
+in fp32, and a small kernel per (key block, KV head) adds up its block's chunks in order. Without
+the chunks, a block that many tokens list (block 0 of a random SSA selection: ~5x the mean at 8K
+tokens; an attention-sink block: every token) would be one long serial program. All of it is
+deterministic (no atomics) and does ``T * S`` token visits per KV head.
 
 This module does not import ``hybrid_lm``. ``interpret=True`` runs the same kernels on the CPU.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -37,19 +41,25 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import fuser as _fuser  # noqa: F401  (see below)
 from jax.experimental.pallas import triton as pltriton
+
+# Imported for its side effect: it registers a config that is part of jit's trace context. Left to
+# Pallas, which imports it during the first pallas_call, that changes the cache key of the function
+# being traced, so its next call traces and compiles it a second time.
+from jax.experimental.pallas import fuser as _fuser  # noqa: F401
 
 from . import tiles
 from .tiles import LOG2E, next_pow2, precision_for
 
-# The fuser import registers a config that is part of jit's trace context. Left to Pallas, which
-# imports it during the first pallas_call, it changes the cache key of the jitted function being
-# traced: its next call traces and compiles it a second time.
-
 # ------------------------------------------------------------------------------------------------
 # Lists (XLA, outside the kernels)
 # ------------------------------------------------------------------------------------------------
+
+
+def _exclusive_cumsum(counts):
+    """``[..., n]`` -> ``[..., n + 1]`` int32 offsets, starting at 0."""
+    total = jnp.cumsum(counts, axis=-1, dtype=jnp.int32)
+    return jnp.concatenate([jnp.zeros_like(total[..., :1]), total], axis=-1)
 
 
 def token_lists(block_idx, *, block_size: int):
@@ -83,11 +93,33 @@ def inverse_lists(lists, n_blocks: int):
         packed = jnp.sort(block * T + token, axis=-1)
         block, token = packed // T, packed % T
     else:
-        block, token = lax.sort((block, jnp.broadcast_to(token, block.shape)), num_keys=1, is_stable=True)
+        block, token = lax.sort((block, jnp.broadcast_to(token, block.shape)), num_keys=1,
+                                is_stable=True)
     counts = jnp.zeros((B, K, n_blocks + 1), jnp.int32).at[
         jnp.arange(B)[:, None, None], jnp.arange(K)[None, :, None], block].add(1)
-    offsets = jnp.pad(jnp.cumsum(counts[..., :n_blocks], axis=-1, dtype=jnp.int32), ((0, 0), (0, 0), (1, 0)))
-    return token, offsets
+    return token, _exclusive_cumsum(counts[..., :n_blocks])
+
+
+def chunk_ranges(offsets, chunk: int, n_chunks: int):
+    """Cuts every key block's range of the inverse lists into chunks of at most ``chunk`` tokens.
+
+    ``offsets [B, K, nb + 1]`` from :func:`inverse_lists`; ``n_chunks`` a static bound on the total
+    (``nb + ceil(pairs / chunk)``). Returns ``(ranges [B, K, n_chunks, 4], chunk_offsets [B, K, nb +
+    1])``: chunk p covers ``tokens[start:end]`` of key block ``block`` (``ranges[..., p, :3]``; the
+    unused chunks are empty ranges of block 0), and block c's chunks are ``chunk_offsets[c] ...
+    chunk_offsets[c + 1] - 1``."""
+    counts = offsets[..., 1:] - offsets[..., :-1]
+    per_block = (counts + chunk - 1) // chunk
+    chunk_offsets = _exclusive_cumsum(per_block)
+    p = jnp.arange(n_chunks, dtype=jnp.int32)
+    block = jax.vmap(jax.vmap(lambda co: jnp.searchsorted(co, p, side="right") - 1))(chunk_offsets)
+    used = block < counts.shape[-1]
+    block = jnp.where(used, block, 0).astype(jnp.int32)
+    first = jnp.take_along_axis(chunk_offsets, block, axis=-1)
+    start = jnp.take_along_axis(offsets, block, axis=-1) + (p - first) * chunk
+    end = jnp.minimum(start + chunk, jnp.take_along_axis(offsets, block + 1, axis=-1))
+    start, end = jnp.where(used, start, 0), jnp.where(used, end, 0)
+    return jnp.stack([block, start, end, jnp.zeros_like(block)], axis=-1), chunk_offsets
 
 
 # ------------------------------------------------------------------------------------------------
@@ -125,6 +157,7 @@ def _fwd_kernel(lst_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, tokens, block_s
 
 def _dq_kernel(lst_ref, q_ref, k_ref, v_ref, o_ref, do_ref, lse_ref, dq_ref, delta_ref, *, tokens,
                block_size, scale, qk_scale, precision):
+    """The forward's programs: dq of their tokens, and ``delta = rowsum(o * do)`` for dK/dV."""
     for j in range(tokens):
         t = pl.program_id(0) * tokens + j
         q, do, lse = q_ref[j], do_ref[j], lse_ref[j]
@@ -142,12 +175,12 @@ def _dq_kernel(lst_ref, q_ref, k_ref, v_ref, o_ref, do_ref, lse_ref, dq_ref, del
         dq_ref[j] = (dq * scale).astype(dq_ref.dtype)
 
 
-def _dkv_kernel(tok_ref, off_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
-                *, block_size, scale, qk_scale, precision):
-    """One program: key block ``c``, one KV head; loops over the tokens that listed ``c``."""
-    c = pl.program_id(0)
-    k0 = c * block_size
-    k, v = k_ref[...], v_ref[...]
+def _dkv_chunk_kernel(rng_ref, tok_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref,
+                      dv_ref, *, block_size, qk_scale, precision):
+    """One program: one chunk of the tokens that listed key block ``c``, one KV head; writes the
+    chunk's fp32 dk (without the scale) and dv."""
+    k0 = rng_ref[0] * block_size
+    k, v = k_ref[pl.ds(k0, block_size), :], v_ref[pl.ds(k0, block_size), :]
 
     def body(r, carry):
         dk, dv = carry
@@ -160,15 +193,43 @@ def _dkv_kernel(tok_ref, off_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_re
         return dk, dv
 
     zeros = jnp.zeros(k.shape, jnp.float32)
-    dk, dv = lax.fori_loop(off_ref[c], off_ref[c + 1], body, (zeros, zeros))
+    dk_ref[...], dv_ref[...] = lax.fori_loop(rng_ref[1], rng_ref[2], body, (zeros, zeros))
+
+
+def _dkv_sum_kernel(coff_ref, dk_part_ref, dv_part_ref, dk_ref, dv_ref, *, scale):
+    """One program: key block ``c``, one KV head; adds up the block's chunks in order."""
+    c = pl.program_id(0)
+
+    def body(p, carry):
+        return carry[0] + dk_part_ref[p], carry[1] + dv_part_ref[p]
+
+    zeros = jnp.zeros(dk_ref.shape, jnp.float32)
+    dk, dv = lax.fori_loop(coff_ref[c], coff_ref[c + 1], body, (zeros, zeros))
     dk_ref[...] = (dk * scale).astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
 # ------------------------------------------------------------------------------------------------
 # pallas_call wrappers. Layouts: q, o, do, dq [B, Tp, K, Gp, Dp]; k, v [B, Tp, K, Dp];
-# lse, delta [B, Tp, K, Gp]; lists [B, Tp, K, 1 + S]. Grids (token tile | key block, K, B).
+# lse, delta [B, Tp, K, Gp]; lists [B, Tp, K, 1 + S]. Grids (token tile | chunk | key block,
+# K, B).
 # ------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    """The static arguments of the kernels (hashable: a custom_vjp non-differentiable argument)."""
+
+    block_size: int
+    scale: float
+    tokens_per_program: int
+    dkv_chunk: int
+    interpret: bool
+    launch: tuple  # num_warps, num_stages, num_warps_bwd, num_stages_bwd
+
+    def params(self, backward: bool):
+        warps, stages = self.launch[2:] if backward else self.launch[:2]
+        return pltriton.CompilerParams(num_warps=warps, num_stages=stages)
 
 
 def _token_specs(tokens, q, lists):
@@ -182,74 +243,83 @@ def _token_specs(tokens, q, lists):
     return rows, seq, stats, lst
 
 
-def _token_call(kernel, args, in_specs, out_specs, out_shape, *, q, tokens, launch, interpret, name):
+def _token_call(kernel, args, in_specs, out_specs, out_shape, *, q, cfg, backward, name):
     B, Tp, K = q.shape[:3]
     return pl.pallas_call(
-        kernel, grid=(Tp // tokens, K, B), in_specs=in_specs, out_specs=out_specs,
-        out_shape=out_shape,
-        compiler_params=pltriton.CompilerParams(num_warps=launch[0], num_stages=launch[1]),
-        interpret=interpret, name=name)(*args)
+        kernel, grid=(Tp // cfg.tokens_per_program, K, B), in_specs=in_specs, out_specs=out_specs,
+        out_shape=out_shape, compiler_params=cfg.params(backward), interpret=cfg.interpret,
+        name=name)(*args)
 
 
-def _fwd_call(q, k, v, lists, *, block_size, scale, tokens, launch, interpret):
+def _fwd_call(q, k, v, lists, cfg):
     B, Tp, K, Gp, Dp = q.shape
-    rows, seq, stats, lst = _token_specs(tokens, q, lists)
+    rows, seq, stats, lst = _token_specs(cfg.tokens_per_program, q, lists)
     return _token_call(
-        functools.partial(_fwd_kernel, tokens=tokens, block_size=block_size,
-                          qk_scale=scale * LOG2E, precision=precision_for(q.dtype)),
+        functools.partial(_fwd_kernel, tokens=cfg.tokens_per_program, block_size=cfg.block_size,
+                          qk_scale=cfg.scale * LOG2E, precision=precision_for(q.dtype)),
         [lists, q, k, v], [lst, rows, seq, seq], [rows, stats],
         [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((B, Tp, K, Gp), jnp.float32)],
-        q=q, tokens=tokens, launch=launch, interpret=interpret, name="gather_sparse_attention_fwd")
+        q=q, cfg=cfg, backward=False, name="gather_sparse_attention_fwd")
 
 
-def _bwd_call(q, k, v, lists, o, lse, do, *, block_size, scale, tokens, launch, interpret):
+def _bwd_call(q, k, v, lists, o, lse, do, cfg):
     B, Tp, K, Gp, Dp = q.shape
+    block_size, scale = cfg.block_size, cfg.scale
     precision = precision_for(q.dtype)
-    rows, seq, stats, lst = _token_specs(tokens, q, lists)
+    rows, seq, stats, lst = _token_specs(cfg.tokens_per_program, q, lists)
     dq, delta = _token_call(
-        functools.partial(_dq_kernel, tokens=tokens, block_size=block_size, scale=scale,
-                          qk_scale=scale * LOG2E, precision=precision),
+        functools.partial(_dq_kernel, tokens=cfg.tokens_per_program, block_size=block_size,
+                          scale=scale, qk_scale=scale * LOG2E, precision=precision),
         [lists, q, k, v, o, do, lse], [lst, rows, seq, seq, rows, rows, stats], [rows, stats],
         [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(lse.shape, jnp.float32)],
-        q=q, tokens=tokens, launch=launch, interpret=interpret, name="gather_sparse_attention_dq")
+        q=q, cfg=cfg, backward=True, name="gather_sparse_attention_dq")
 
+    # dK/dV: chunk partials over (chunk, K, B), then their sums over (key block, K, B)
     nb = Tp // block_size
     inv_tokens, offsets = inverse_lists(lists, nb)
-    whole = pl.BlockSpec((None, Tp, None, Gp, Dp), lambda c, h, b: (b, 0, h, 0, 0))
-    whole_stats = pl.BlockSpec((None, Tp, None, Gp), lambda c, h, b: (b, 0, h, 0))
+    n_chunks = nb + -(-inv_tokens.shape[-1] // cfg.dkv_chunk)
+    ranges, chunk_offsets = chunk_ranges(offsets, cfg.dkv_chunk, n_chunks)
+    whole = pl.BlockSpec((None, Tp, None, Gp, Dp), lambda p, h, b: (b, 0, h, 0, 0))
+    whole_stats = pl.BlockSpec((None, Tp, None, Gp), lambda p, h, b: (b, 0, h, 0))
+    part = pl.BlockSpec((None, None, None, block_size, Dp), lambda p, h, b: (b, h, p, 0, 0))
+    part_shape = jax.ShapeDtypeStruct((B, K, n_chunks, block_size, Dp), jnp.float32)
+    params = cfg.params(backward=True)
+    dk_part, dv_part = pl.pallas_call(
+        functools.partial(_dkv_chunk_kernel, block_size=block_size, qk_scale=scale * LOG2E,
+                          precision=precision),
+        grid=(n_chunks, K, B),
+        in_specs=[pl.BlockSpec((None, None, None, 4), lambda p, h, b: (b, h, p, 0)),
+                  pl.BlockSpec((None, None, inv_tokens.shape[-1]), lambda p, h, b: (b, h, 0)),
+                  whole, seq, seq, whole, whole_stats, whole_stats],
+        out_specs=[part, part], out_shape=[part_shape, part_shape], compiler_params=params,
+        interpret=cfg.interpret, name="gather_sparse_attention_dkv",
+    )(ranges, inv_tokens, q, k, v, do, lse, delta)
+
+    parts = pl.BlockSpec((None, None, n_chunks, block_size, Dp), lambda c, h, b: (b, h, 0, 0, 0))
     key_block = pl.BlockSpec((None, block_size, None, Dp), lambda c, h, b: (b, c, h, 0))
     dk, dv = pl.pallas_call(
-        functools.partial(_dkv_kernel, block_size=block_size, scale=scale, qk_scale=scale * LOG2E,
-                          precision=precision),
+        functools.partial(_dkv_sum_kernel, scale=scale),
         grid=(nb, K, B),
-        in_specs=[pl.BlockSpec((None, None, inv_tokens.shape[-1]), lambda c, h, b: (b, h, 0)),
-                  pl.BlockSpec((None, None, nb + 1), lambda c, h, b: (b, h, 0)),
-                  whole, key_block, key_block, whole, whole_stats, whole_stats],
+        in_specs=[pl.BlockSpec((None, None, nb + 1), lambda c, h, b: (b, h, 0)), parts, parts],
         out_specs=[key_block, key_block],
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
-        compiler_params=pltriton.CompilerParams(num_warps=launch[2], num_stages=launch[3]),
-        interpret=interpret, name="gather_sparse_attention_dkv",
-    )(inv_tokens, offsets, q, k, v, do, lse, delta)
+        compiler_params=params, interpret=cfg.interpret, name="gather_sparse_attention_dkv_sum",
+    )(chunk_offsets, dk_part, dv_part)
     return dq, dk, dv
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
-def _core(q, k, v, lists, block_size, scale, tokens, launch, interpret):
-    return _fwd_call(q, k, v, lists, block_size=block_size, scale=scale, tokens=tokens,
-                     launch=launch, interpret=interpret)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _core(q, k, v, lists, cfg):
+    return _fwd_call(q, k, v, lists, cfg)[0]
 
 
-def _core_fwd(q, k, v, lists, block_size, scale, tokens, launch, interpret):
-    o, lse = _fwd_call(q, k, v, lists, block_size=block_size, scale=scale, tokens=tokens,
-                       launch=launch, interpret=interpret)
+def _core_fwd(q, k, v, lists, cfg):
+    o, lse = _fwd_call(q, k, v, lists, cfg)
     return o, (q, k, v, lists, o, lse)
 
 
-def _core_bwd(block_size, scale, tokens, launch, interpret, res, do):
-    q, k, v, lists, o, lse = res
-    dq, dk, dv = _bwd_call(q, k, v, lists, o, lse, do, block_size=block_size, scale=scale,
-                           tokens=tokens, launch=launch, interpret=interpret)
-    return dq, dk, dv, None
+def _core_bwd(cfg, res, do):
+    return (*_bwd_call(*res, do, cfg), None)
 
 
 _core.defvjp(_core_fwd, _core_bwd)
@@ -262,8 +332,8 @@ _core.defvjp(_core_fwd, _core_bwd)
 
 def gather_sparse_attention(q, k, v, block_idx, *, block_size: int, scale: float | None = None,
                             interpret: bool | None = None, tokens_per_program: int = 1,
-                            num_warps: int = 4, num_stages: int = 2, num_warps_bwd: int = 4,
-                            num_stages_bwd: int = 2):
+                            dkv_chunk: int = 256, num_warps: int = 4, num_stages: int = 2,
+                            num_warps_bwd: int = 4, num_stages_bwd: int = 2):
     """Causal attention of every token over its own selected key blocks (Pallas, Triton lowering).
 
     Args:
@@ -274,6 +344,7 @@ def gather_sparse_attention(q, k, v, block_idx, *, block_size: int, scale: float
       scale: logit scale, default ``1/sqrt(D)``.
       interpret: run the kernels in interpret mode (default: when JAX's default backend is the CPU).
       tokens_per_program: consecutive tokens one program serves in turn (a power of two).
+      dkv_chunk: most tokens one dK/dV program visits (a key block listed by more is split).
       num_warps, num_stages: Triton launch parameters of the forward; ``*_bwd``: of the backward.
     Returns:
       ``[B, T, H, D]`` in q's dtype; no gradient flows to ``block_idx``.
@@ -298,9 +369,13 @@ def gather_sparse_attention(q, k, v, block_idx, *, block_size: int, scale: float
         if x < (16 if name == "block_size" else 1) or x & (x - 1):
             raise ValueError(f"{name} must be a power of two{' >= 16' * (name == 'block_size')}, "
                              f"got {x}")
-    if interpret is None:
-        interpret = jax.default_backend() == "cpu"
-    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    if int(dkv_chunk) < 1:
+        raise ValueError(f"dkv_chunk must be >= 1, got {dkv_chunk}")
+    cfg = _Config(
+        block_size=block_size, scale=1.0 / math.sqrt(D) if scale is None else float(scale),
+        tokens_per_program=tokens, dkv_chunk=int(dkv_chunk),
+        interpret=jax.default_backend() == "cpu" if interpret is None else bool(interpret),
+        launch=(int(num_warps), int(num_stages), int(num_warps_bwd), int(num_stages_bwd)))
     G = H // K
     Gp, Dp = max(16, next_pow2(G)), max(16, next_pow2(D))
     Tp = -(-T // max(block_size, tokens)) * max(block_size, tokens)
@@ -311,6 +386,5 @@ def gather_sparse_attention(q, k, v, block_idx, *, block_size: int, scale: float
     idx = jnp.pad(lax.stop_gradient(block_idx), ((0, 0), (0, Tp - T), (0, 0), (0, 0)),
                   constant_values=-1)
     lists = token_lists(idx, block_size=block_size)
-    launch = (int(num_warps), int(num_stages), int(num_warps_bwd), int(num_stages_bwd))
-    o = _core(q, k, v, lists, block_size, scale, tokens, launch, interpret)
+    o = _core(q, k, v, lists, cfg)
     return o[:, :T, :, :G, :D].reshape(B, T, H, D)

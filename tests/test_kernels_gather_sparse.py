@@ -5,9 +5,11 @@ dq/dk/dv in fp32 (bf16 loosely) against ``ops.block_sparse.block_sparse_attentio
 lists: GQA groups of 1, 2, 4 and 10 query heads, T a multiple of the block or not, blocks 16 and
 32, S from 1 to 16 with more slots than blocks (-1 slots), the reference's own SSA selection,
 random valid selections and messy lists (duplicates, unlisted own block, future and out-of-range
-blocks, tokens that see nothing). Each shape compiles once; its selections are jit arguments.
-The Triton lowering (what the GPU compiles) is checked by exporting for CUDA at S5's shapes; the
-compiled GPU check is ``experiments/bench_gather_sparse.py --check``.
+blocks, tokens that see nothing), dK/dV chunks smaller than a block's token list. Each shape
+compiles once (without LLVM optimisation); its selections are arguments. The inverse lists and
+their chunks are checked against a brute-force construction. The Triton lowering (what the GPU
+compiles) is checked by exporting for CUDA at S5's shapes; the compiled GPU check is
+``experiments/bench_gather_sparse.py --check``.
 """
 
 from __future__ import annotations
@@ -40,13 +42,31 @@ def _fwd_bwd(fn, q, k, v, do):
     return (o, *vjp(do))
 
 
-@functools.partial(jax.jit, static_argnames=("block_size", "tokens"))
-def _kernel(q, k, v, do, idx, *, block_size, tokens=1):
+_EXECUTABLES = {}
+
+
+def _quick_compiled(fn):
+    """``fn(*arrays, **static)`` jitted, compiled once per shapes and statics without LLVM
+    optimisation: XLA's CPU backend then compiles the interpreted kernels about twice as fast, and
+    these programs run for milliseconds."""
+    def call(*args, **static):
+        key = (fn, tuple((a.shape, a.dtype) for a in args), tuple(sorted(static.items())))
+        if key not in _EXECUTABLES:
+            jitted = jax.jit(functools.partial(fn, **static))
+            _EXECUTABLES[key] = jitted.lower(*args).compile(
+                compiler_options={"xla_backend_optimization_level": 0})
+        return _EXECUTABLES[key](*args)
+    return call
+
+
+@_quick_compiled
+def _kernel(q, k, v, do, idx, *, block_size, tokens=1, chunk=256):
     return _fwd_bwd(lambda q, k, v: gather_sparse_attention(
-        q, k, v, idx, block_size=block_size, interpret=True, tokens_per_program=tokens), q, k, v, do)
+        q, k, v, idx, block_size=block_size, interpret=True, tokens_per_program=tokens,
+        dkv_chunk=chunk), q, k, v, do)
 
 
-@functools.partial(jax.jit, static_argnames=("block_size",))
+@_quick_compiled
 def _reference(q, k, v, do, idx, *, block_size):
     f32 = [x.astype(jnp.float32) for x in (q, k, v, do)]
     with jax.default_matmul_precision("highest"):
@@ -94,18 +114,18 @@ def _messy_selection(seed, B, T, K, block_size, S):
     k1, k2 = jax.random.split(jax.random.key(seed))
     idx = jax.random.randint(k1, (B, T, K, S), -1, nb + 2)
     own = jnp.arange(T) // block_size
-    first = jnp.floor(jax.random.uniform(k2, (B, T, K)) * (own + 1)[None, :, None]).astype(jnp.int32)
-    idx = idx.at[..., 0].set(first)
+    first = jnp.floor(jax.random.uniform(k2, (B, T, K)) * (own + 1)[None, :, None])
+    idx = idx.at[..., 0].set(first.astype(jnp.int32))
     empty = jnp.arange(T) % 7 == 3
     nothing = jnp.where(jax.random.bernoulli(k2, 0.5, idx.shape), -1, own[None, :, None, None] + 1)
     return jnp.where(empty[None, :, None, None], nothing, idx).astype(jnp.int32), empty
 
 
-def _check(inputs, idx, block_size, tol, tokens=1, empty=None):
+def _check(inputs, idx, block_size, tol, tokens=1, chunk=256, empty=None):
     q, k, v, do = inputs
     if empty is not None:  # tokens that see nothing: o = 0; no cotangent so the grads compare
         do = jnp.where(empty[None, :, None, None], 0, do)
-    got = _kernel(q, k, v, do, idx, block_size=block_size, tokens=tokens)
+    got = _kernel(q, k, v, do, idx, block_size=block_size, tokens=tokens, chunk=chunk)
     want = _reference(q, k, v, do, idx, block_size=block_size)
     if empty is not None:
         np.testing.assert_array_equal(np.asarray(got[0])[:, np.asarray(empty)], 0)
@@ -116,13 +136,14 @@ def _check(inputs, idx, block_size, tol, tokens=1, empty=None):
 
 
 def test_s5_group_of_10_t_not_a_multiple_of_the_block():
-    # S5's heads (10 query heads on 1 KV head), S = 16 slots for 7 blocks
+    # S5's heads (10 query heads on 1 KV head), S = 16 slots for 7 blocks; dK/dV chunks of 8
+    # tokens, so a block most tokens list is summed from many chunks
     B, T, H, K, D, bs, S = 1, 100, 10, 1, 32, 16, 16
     inputs = _inputs(0, B, T, H, K, D)
-    _check(inputs, _ssa_selection(*inputs[:2], bs, S), bs, 2e-5)
-    _check(inputs, _random_selection(1, B, T, K, bs, S), bs, 2e-5)
+    _check(inputs, _ssa_selection(*inputs[:2], bs, S), bs, 2e-5, chunk=8)
+    _check(inputs, _random_selection(1, B, T, K, bs, S), bs, 2e-5, chunk=8)
     idx, empty = _messy_selection(2, B, T, K, bs, S)
-    _check(inputs, idx, bs, 2e-5, empty=empty)
+    _check(inputs, idx, bs, 2e-5, chunk=8, empty=empty)
 
 
 def test_group_of_4_block_32_two_batches_several_tokens_per_program():
@@ -136,9 +157,9 @@ def test_one_head_per_group_one_slot():
     # S = 1: the SSA selection is the own block alone; messy lists read one arbitrary entry
     B, T, H, K, D, bs, S = 2, 40, 2, 2, 16, 16, 1
     inputs = _inputs(5, B, T, H, K, D)
-    _check(inputs, _ssa_selection(*inputs[:2], bs, S), bs, 2e-5)
+    _check(inputs, _ssa_selection(*inputs[:2], bs, S), bs, 2e-5, chunk=3)
     idx, empty = _messy_selection(6, B, T, K, bs, S)
-    _check(inputs, idx, bs, 2e-5, empty=empty)
+    _check(inputs, idx, bs, 2e-5, chunk=3, empty=empty)
 
 
 def test_bf16_group_of_2():
@@ -147,13 +168,19 @@ def test_bf16_group_of_2():
     _check(inputs, _ssa_selection(*inputs[:2], bs, S), bs, 2e-2)
 
 
-def test_inverse_lists_against_brute_force():
-    B, T, K, S, bs = 2, 96, 2, 5, 16
+def test_inverse_lists_and_chunks_against_brute_force():
+    B, T, K, S, bs, chunk = 2, 96, 2, 5, 16, 7
     nb = T // bs
+    n_chunks = nb + -(-T * S // chunk)
     idx, _ = _messy_selection(8, B, T, K, bs, S)
-    lists = jax.jit(gs_mod.token_lists, static_argnames="block_size")(idx, block_size=bs)
-    tokens, offsets = (np.asarray(x) for x in jax.jit(gs_mod.inverse_lists, static_argnums=1)(lists, nb))
-    lists = np.asarray(lists)
+
+    @jax.jit
+    def build(idx):
+        lists = gs_mod.token_lists(idx, block_size=bs)
+        tokens, offsets = gs_mod.inverse_lists(lists, nb)
+        return (lists, tokens, offsets, *gs_mod.chunk_ranges(offsets, chunk, n_chunks))
+
+    lists, tokens, offsets, ranges, chunk_offsets = (np.asarray(x) for x in build(idx))
     raw = np.asarray(idx)
     for b in range(B):
         for h in range(K):
@@ -167,6 +194,15 @@ def test_inverse_lists_against_brute_force():
                 got = tokens[b, h, offsets[b, h, c]:offsets[b, h, c + 1]]
                 assert list(got) == want[c], (b, h, c)
             assert offsets[b, h, nb] == sum(len(x) for x in want.values())
+            # chunks: each block's tokens in order, cut into pieces of `chunk` (the last shorter)
+            for c in range(nb):
+                pieces = [tuple(ranges[b, h, p, :3]) for p in range(chunk_offsets[b, h, c],
+                                                                    chunk_offsets[b, h, c + 1])]
+                lo, hi = offsets[b, h, c], offsets[b, h, c + 1]
+                want_pieces = [(c, s, min(s + chunk, hi)) for s in range(lo, hi, chunk)]
+                assert pieces == want_pieces, (b, h, c)
+            unused = ranges[b, h, chunk_offsets[b, h, nb]:]
+            assert (unused[:, 1] == unused[:, 2]).all()
 
 
 def test_rejects_bad_inputs():
@@ -177,6 +213,8 @@ def test_rejects_bad_inputs():
         gather_sparse_attention(q, k, k, idx, block_size=24)
     with pytest.raises(ValueError, match="tokens_per_program"):
         gather_sparse_attention(q, k, k, idx, block_size=16, tokens_per_program=3)
+    with pytest.raises(ValueError, match="dkv_chunk"):
+        gather_sparse_attention(q, k, k, idx, block_size=16, dkv_chunk=0)
     with pytest.raises(ValueError, match="block_idx must be"):
         gather_sparse_attention(q, k, k, jnp.zeros((1, 64, 2, 2), jnp.int32), block_size=16)
     with pytest.raises(ValueError, match="integer"):
@@ -208,4 +246,4 @@ def test_triton_lowering_for_cuda(tokens):
             jax.jit(jax.grad(loss, argnums=(0, 1, 2))), platforms=["cuda"],
             disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
         )(q, kv, kv, idx)
-    assert exp.mlir_module().count("__gpu$xla.gpu.triton") == 3  # fwd, dq, dkv
+    assert exp.mlir_module().count("__gpu$xla.gpu.triton") == 4  # fwd, dq, dkv chunks, dkv sums
