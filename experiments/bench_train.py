@@ -57,6 +57,11 @@ ARCH = {  # gin bindings per variant (the full-attention slot unchanged unless s
                    "'selection': 'block'}"],
     "moba16": ["include 'arch/moba.gin'"],
     "ssa": ["include 'arch/ssa.gin'"],
+    # the same two with the per-token gather kernel / the fused selection (ModelConfig.sparse_impl, selection_impl)
+    "moba16_gather": ["include 'arch/moba.gin'", "ModelConfig.sparse_impl = 'gather'"],
+    "ssa_gather": ["include 'arch/ssa.gin'", "ModelConfig.sparse_impl = 'gather'"],
+    "ssa_gather_fused": ["include 'arch/ssa.gin'", "ModelConfig.sparse_impl = 'gather'",
+                         "ModelConfig.selection_impl = 'fused'"],
 }
 
 

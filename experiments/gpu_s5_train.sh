@@ -7,6 +7,7 @@
 #   bash experiments/gpu_s5_train.sh remat    # session 6: remat dots vs dots_attn, S1-S5, one scale pair per process
 #   bash experiments/gpu_s5_train.sh sparse   # session 6: fused selection check + table, S5 full / moba16 / ssa steps
 #   bash experiments/gpu_s5_train.sh all7a    # session 7, issue 17's table, part 1: the anchor GPT, S1-S3 x 7 archs
+#   bash experiments/gpu_s5_train.sh gather   # issue 18: gather kernel check + kernel table, then S5 sparse train steps
 #   bash experiments/gpu_s5_train.sh all7b    # part 2: S1's slow-compiling archs, S3-S5 full/SWA/SA
 #
 # Run from the repo root (or a `git archive` of it) on the device machine with `.whl` beside or
@@ -75,10 +76,18 @@ case "${1:-table}" in
     [ $left -gt 60 ] && B $left --scale s4,s5 --arch full,swa,sa --remat dots_attn --batch 8 --steps 4 --compile-workers 6 \
       --deadline $(( left - 10 )) --out "$OUT/bench_train_s4_s5_table.json"
     ;;
+  gather)  # issue 18: the per-token gather kernel (session 7), alone and in the S5 train step (T=16K, B=2)
+    timeout 200 python3 experiments/bench_gather_sparse.py --check --out "$OUT/bench_gather_sparse.json" 2>&1 \
+      | grep -v -e "^W1201" -e "^I0000" -e "^W0000" | tail -40
+    left=$(( 570 - SECONDS ))
+    echo "== $left s left for the S5 train steps"
+    [ $left -gt 90 ] && B $left --scale s5 --arch full,moba16,moba16_gather,ssa,ssa_gather --remat dots_attn \
+      --batch 2 --steps 4 --compile-workers 5 --deadline $(( left - 15 )) --out "$OUT/bench_train_s5_gather.json"
+    ;;
   profile)
     timeout 200 python3 experiments/profile_train.py --scale s3 --arch full --batch 8 \
       --steps 3 --out-dir "$OUT/profile" 2>&1 | grep -v -e "^W0000" -e "^I0000" | tail -40
     ;;
-  *) echo "usage: $0 table|s5|remat|sparse|all7a|all7b|profile"; exit 2 ;;
+  *) echo "usage: $0 table|s5|remat|sparse|all7a|all7b|gather|profile"; exit 2 ;;
 esac
 date -u +"end %Y-%m-%dT%H:%M:%SZ"

@@ -75,6 +75,8 @@ DType = Literal["float32", "bfloat16", "float16"]
 Source = Literal["embedded", "tokens"]  # tokens: a prepared token store (hybrid_lm/data/store.py) at DataConfig.path
 Optimizer = Literal["adamw", "muon"]  # muon: Muon for hidden matrices, AdamW for the rest (train/optim.py)
 DecayShape = Literal["linear", "cosine", "1-sqrt"]
+SparseImpl = Literal["auto", "union", "gather"]  # MoBA/SSA sparse kernel on the pallas path (model/moba.py)
+SelectionImpl = Literal["auto", "xla", "fused"]  # who selects MoBA/SSA's blocks on the pallas path (model/moba.py)
 LossImpl = Literal["auto", "full", "chunked"]  # resolved in hybrid_lm/backends.py (loss_backend)
 NanPolicy = Literal["stop", "skip"]  # a non-finite loss/gradient never reaches the state
 
@@ -100,6 +102,11 @@ class ModelConfig:
     # An execution detail (same math up to rounding), so not part of the run id; recorded in config.json.
     linear_impl: LinearImpl = _nid("auto")
     remat: Remat = "none"
+    # MoBA / SSA sparse stream on the pallas path (hybrid_lm/model/moba.py): the kernel (union of a query
+    # tile's blocks, or per-token gather) and the selection (XLA reference or the fused kernel).
+    # Execution details (same math up to rounding, same blocks), so not part of the run id.
+    sparse_impl: SparseImpl = _nid("auto")
+    selection_impl: SelectionImpl = _nid("auto")
     # next-token loss: whole fp32 logits, or chunks of loss_chunk tokens (hybrid_lm/ops/cross_entropy.py);
     # the same math up to float rounding, so not part of the run id
     loss_impl: LossImpl = _nid("auto")

@@ -84,16 +84,42 @@ def selection_backend(selection_impl: str, selection: str) -> tuple[str, str]:
     return "xla", "auto: per-block selection scores nb rows (reference ops.select_blocks)"
 
 
+SPARSE_IMPLS = ("auto", "union", "gather")
+
+
+def sparse_kernel_backend(sparse_impl: str, selection: str, gate: str) -> tuple[str, str]:
+    """``(union | gather, reason)``: the sparse kernel on the pallas path. ``union``
+    (``kernels.block_sparse_attention``): a query tile visits the union of its rows' blocks, any
+    selection. ``gather`` (``kernels.gather_sparse_attention``): one token's query heads of a GQA
+    group over that token's own blocks only, so per-token selection shared by the group (the ``ssa``
+    gate). ``auto`` keeps ``union`` until the gather kernel is measured in a train step
+    (docs/KERNELS.md)."""
+    if sparse_impl not in SPARSE_IMPLS:
+        raise ConfigError(f"sparse_impl={sparse_impl!r}: choose one of {SPARSE_IMPLS}")
+    if sparse_impl == "gather":
+        if selection != "token" or gate != "ssa":
+            raise ConfigError("sparse_impl='gather' runs per-token selection shared by a GQA group (selection="
+                              f"'token', gate='ssa'); got selection={selection!r}, gate={gate!r}: use union")
+        return "gather", "sparse_impl='gather': per-token gather kernel"
+    if sparse_impl == "union":
+        return "union", "sparse_impl='union' set explicitly"
+    return "union", "auto: the union kernel (the gather kernel is not yet measured in a train step)"
+
+
 def moba_attend(q, k, v, *, block_size: int, top_k: int, gate: str, selection: str, impl: str,
-                label: str = "moba", selection_impl: str = "auto", interpret: bool = False):
+                label: str = "moba", selection_impl: str = "auto", sparse_impl: str = "auto",
+                interpret: bool = False):
     """Selection + block-sparse causal attention on the chosen backend (shared by moba and ssa),
-    recorded as ``"{label} block={block_size}"``. ``selection_impl`` picks the selection on the
-    pallas path (:func:`selection_backend`); ``interpret`` runs the Pallas kernels in interpret
-    mode (CPU tests)."""
+    recorded as ``"{label} block={block_size}"``. On the pallas path ``selection_impl`` picks the
+    selection (:func:`selection_backend`) and ``sparse_impl`` the kernel
+    (:func:`sparse_kernel_backend`); ``interpret`` runs the Pallas kernels in interpret mode (CPU
+    tests)."""
     impl, reason = moba_backend(impl, block_size)
     if impl == "pallas":
         sel_impl, sel_reason = selection_backend(selection_impl, selection)
-        record_backend(f"{label} block={block_size}", impl, f"{reason}; selection: {sel_reason}")
+        kernel, kernel_reason = sparse_kernel_backend(sparse_impl, selection, gate)
+        record_backend(f"{label} block={block_size}", impl if kernel == "union" else "pallas-gather",
+                       f"{reason}; selection: {sel_reason}; kernel: {kernel_reason}")
         try:
             import hybrid_lm_kernels as kernels
         except ImportError as e:
@@ -104,6 +130,8 @@ def moba_attend(q, k, v, *, block_size: int, top_k: int, gate: str, selection: s
                                         interpret=interpret)
         else:  # the reference, kept beside the kernel
             idx = ops.select_blocks(q, k, block_size=block_size, top_k=top_k, gate=gate, selection=selection)
+        if kernel == "gather":
+            return kernels.gather_sparse_attention(q, k, v, idx, block_size=block_size, interpret=interpret)
         return kernels.block_sparse_attention(q, k, v, idx, block_size=block_size, interpret=interpret)
     record_backend(f"{label} block={block_size}", impl, reason)
     return ops.moba_attention(q, k, v, block_size=block_size, top_k=top_k, gate=gate, selection=selection)
@@ -162,10 +190,11 @@ class MobaAttention(AttentionDecode, Attention):
     def __init__(self, cfg: ModelConfig, mc: MixerConfig, layer_idx: int, *, rngs: nnx.Rngs):
         super().__init__(cfg, mc, layer_idx, rngs=rngs, window=None)
         self.opts = MobaOptions(**mc.options)
+        self.kernel_impls = dict(selection_impl=cfg.selection_impl, sparse_impl=cfg.sparse_impl)
 
     def attend_prompt(self, q, k, v, ctx: MixerContext):
         return moba_attend(q, k, v, block_size=self.opts.block_size, top_k=self.opts.top_k, gate=self.opts.gate,
-                           selection=self.opts.selection, impl=ctx.attention_impl)
+                           selection=self.opts.selection, impl=ctx.attention_impl, **self.kernel_impls)
 
     def __call__(self, x, ctx: MixerContext):
         q, k, v = self.project_qkv(x, ctx.positions)

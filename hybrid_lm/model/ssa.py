@@ -87,6 +87,7 @@ class SSAAttention(AttentionDecode, Attention):
     def __init__(self, cfg: ModelConfig, mc: MixerConfig, layer_idx: int, *, rngs: nnx.Rngs):
         super().__init__(cfg, mc, layer_idx, rngs=rngs, window=None)
         self.opts = SSAOptions(**mc.options)
+        self.kernel_impls = dict(selection_impl=cfg.selection_impl, sparse_impl=cfg.sparse_impl)
         self.w_gate = param(rngs, (cfg.d_model, cfg.n_heads), ("embed", "heads"), cfg.init_std)
         self.n_ssa_layers = sum(cfg.mixer(t).kind == "ssa" for t in cfg.layer_types())
 
@@ -99,7 +100,8 @@ class SSAAttention(AttentionDecode, Attention):
         if name == "sparse":
             o = self.opts
             return moba_attend(q, k, v, block_size=o.block_size, top_k=o.top_k, gate=o.gate,
-                               selection=o.selection, impl=ctx.attention_impl, label="ssa sparse")
+                               selection=o.selection, impl=ctx.attention_impl, label="ssa sparse",
+                               **self.kernel_impls)
         return attend(q, k, v, window=None, positions=ctx.positions, impl=ctx.attention_impl)
 
     def _streams(self, x, ctx: MixerContext, want_full: bool, want_sparse: bool):
