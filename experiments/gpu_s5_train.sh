@@ -77,7 +77,7 @@ case "${1:-table}" in
       --deadline $(( left - 10 )) --out "$OUT/bench_train_s4_s5_table.json"
     ;;
   gather)  # issue 18: the per-token gather kernel (session 7), alone and in the S5 train step (T=16K, B=2)
-    timeout 200 python3 experiments/bench_gather_sparse.py --check --out "$OUT/bench_gather_sparse.json" 2>&1 \
+    timeout 260 python3 experiments/bench_gather_sparse.py --check --T 16384,32768 --out "$OUT/bench_gather_sparse.json" 2>&1 \
       | grep -v -e "^W1201" -e "^I0000" -e "^W0000" | tail -40
     left=$(( 570 - SECONDS ))
     echo "== $left s left for the S5 train steps"
