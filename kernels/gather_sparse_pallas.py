@@ -330,6 +330,9 @@ _core.defvjp(_core_fwd, _core_bwd)
 # ------------------------------------------------------------------------------------------------
 
 
+# jitted: identical calls (one per layer) lower, and compile their Triton kernels, once per program
+@functools.partial(jax.jit, static_argnames=("block_size", "scale", "interpret", "tokens_per_program", "dkv_chunk",
+                                             "num_warps", "num_stages", "num_warps_bwd", "num_stages_bwd"))
 def gather_sparse_attention(q, k, v, block_idx, *, block_size: int, scale: float | None = None,
                             interpret: bool | None = None, tokens_per_program: int = 1,
                             dkv_chunk: int = 256, num_warps: int = 4, num_stages: int = 2,
