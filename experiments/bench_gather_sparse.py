@@ -97,15 +97,7 @@ def ssa_selection(q, k, block_size, top_k):
 
 
 def random_selection(seed, B, T, K, block_size, top_k):
-    """Top-k of random scores, own block forced, later blocks excluded; -1 where fewer blocks."""
-    nb = -(-T // block_size)
-    imp = jax.random.normal(jax.random.key(seed), (B, T, K, nb))
-    c = jnp.arange(nb)[None, :]
-    own = (jnp.arange(T) // block_size)[:, None]
-    imp = jnp.where((c > own)[None, :, None, :], -jnp.inf, imp)
-    imp = jnp.where((c == own)[None, :, None, :], jnp.inf, imp)
-    vals, idx = jax.lax.top_k(imp, min(top_k, nb))
-    return jnp.where(vals > -jnp.inf, idx, -1).astype(jnp.int32)
+    return ops.random_token_selection(jax.random.key(seed), B, T, K, block_size=block_size, top_k=top_k)
 
 
 def dense_oracle(q, k, v, idx, block_size):

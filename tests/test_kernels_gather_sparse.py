@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from hybrid_lm.ops.block_sparse import block_sparse_attention as ref_block_sparse
-from hybrid_lm.ops.block_sparse import select_blocks
+from hybrid_lm.ops.block_sparse import random_token_selection, select_blocks
 from hybrid_lm_kernels import gather_sparse_attention
 from hybrid_lm_kernels import gather_sparse_pallas as gs_mod
 
@@ -93,16 +93,8 @@ def _ssa_selection(q, k, block_size, S):
 
 @functools.partial(jax.jit, static_argnums=range(6))
 def _random_selection(seed, B, T, K, block_size, S):
-    """Top-S of random scores, own block forced, later blocks excluded (as the gates); -1 slots
-    where fewer blocks exist."""
-    nb = -(-T // block_size)
-    imp = jax.random.normal(jax.random.key(seed), (B, T, K, nb))
-    c = jnp.arange(nb)[None, :]
-    own = (jnp.arange(T) // block_size)[:, None]
-    imp = jnp.where((c > own)[None, :, None, :], -jnp.inf, imp)
-    imp = jnp.where((c == own)[None, :, None, :], jnp.inf, imp)
-    vals, idx = jax.lax.top_k(imp, min(S, nb))
-    return _pad_slots(jnp.where(vals > -jnp.inf, idx, -1).astype(jnp.int32), S)
+    """A random valid selection (``ops.random_token_selection``), -1 slots padded to ``S``."""
+    return _pad_slots(random_token_selection(jax.random.key(seed), B, T, K, block_size=block_size, top_k=S), S)
 
 
 @functools.partial(jax.jit, static_argnums=range(6))

@@ -244,6 +244,20 @@ def _attend_selected(q, t, k, v, idx, *, block_size: int, scale: float):
     return o.reshape(B, Q, H, v.shape[-1])
 
 
+def random_token_selection(key, B: int, T: int, K: int, *, block_size: int, top_k: int):
+    """A random valid per-token selection ``[B, T, K, min(top_k, nb)]`` for tests and benchmarks: the
+    top-k of random block scores per token, own block forced, later blocks excluded (as the gates);
+    -1 where fewer blocks exist."""
+    nb = num_blocks(T, block_size)
+    imp = jax.random.normal(key, (B, T, K, nb))
+    c = jnp.arange(nb)[None, :]
+    own = (jnp.arange(T) // block_size)[:, None]
+    imp = jnp.where((c > own)[None, :, None, :], -jnp.inf, imp)
+    imp = jnp.where((c == own)[None, :, None, :], jnp.inf, imp)
+    vals, idx = jax.lax.top_k(imp, min(top_k, nb))
+    return jnp.where(vals > -jnp.inf, idx, -1).astype(jnp.int32)
+
+
 def block_sparse_attention(q, k, v, block_idx, *, block_size: int, scale: float | None = None):
     """Causal attention over given per-token blocks ``block_idx [B, T, Hs, S]`` (-1 = empty).
 
