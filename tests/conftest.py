@@ -1,10 +1,32 @@
 import os
+import shutil
+import tempfile
 
 import pytest
 
 # One CPU device per test process; the sharding tests set their own device count in subprocesses.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("HYBRID_LM_COMPILATION_CACHE", "off")  # parallel tests: no shared on-disk cache
+os.environ.setdefault("HYBRID_LM_COMPILATION_CACHE", "off")  # never the user's ~/.cache/hybrid_lm/jax
+
+# One persistent compilation cache for this test run, in a fresh temp dir: many tests compile the same
+# tiny model (most of a tiny train is XLA's compile), so a program compiled by one test, xdist worker or
+# subprocess is read back by the next. A cached executable is the compile of the identical program
+# (JAX keys it on the HLO, the compile options and flags, the backend and versions), so what a test
+# checks is unchanged. The xdist controller loads this file first and its workers and their
+# subprocesses inherit the variables. A size limit turns on JAX's file lock around reads and writes,
+# so concurrent processes never read a half-written entry.
+_OWN_JAX_CACHE = None
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _OWN_JAX_CACHE = tempfile.mkdtemp(prefix="hybrid_lm_tests_jax_cache_")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _OWN_JAX_CACHE
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+    os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(16 << 30))
+
+
+def pytest_unconfigure(config):
+    if _OWN_JAX_CACHE is not None:
+        shutil.rmtree(_OWN_JAX_CACHE, ignore_errors=True)
 
 
 @pytest.fixture(scope="session", autouse=True)
