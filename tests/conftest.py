@@ -64,3 +64,26 @@ def _fresh_gin():
     bindings an earlier test's ``load_config`` left behind (e.g. a layer pattern)."""
     import gin
     gin.clear_config()
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory, _data_dir):
+    """``tiny_run(steps)``: a copy of a tiny run (``TINY``, ``TrainConfig.steps = steps``, checkpoints
+    every 5 steps) in a fresh temp dir. The run is trained once per test session (per xdist worker)
+    for each ``steps`` and copied on every call, so the eval test modules share the training and still
+    each write into their own run directory."""
+    from hybrid_lm.config import load_config
+    from hybrid_lm.train.loop import train
+
+    trained = {}  # steps -> the trained run (never handed out)
+
+    def get(steps: int):
+        if steps not in trained:
+            wd = tmp_path_factory.mktemp(f"tiny_run_{steps}_trained")
+            train(load_config([], list(TINY) + [f"TrainConfig.steps = {steps}"]), wd)
+            trained[steps] = wd
+        copy = tmp_path_factory.mktemp(f"tiny_run_{steps}") / "run"
+        shutil.copytree(trained[steps], copy)
+        return copy
+
+    return get

@@ -6,20 +6,15 @@ import json
 import numpy as np
 import pytest
 
-from conftest import TINY
 from hybrid_lm.cli import main
-from hybrid_lm.config import load_config
-from hybrid_lm.train.loop import train
 
 LONGPPL = ["--trunc-len", "8", "--window", "8", "--docs", "2"]
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):
-    """A tiny run with checkpoints at steps 5 and 10."""
-    wd = tmp_path_factory.mktemp("suite_run")
-    train(load_config([], list(TINY) + ["TrainConfig.steps = 10"]), wd)
-    return wd
+def run_dir(tiny_run):
+    """A tiny run with checkpoints at steps 5 and 10 (this module's own copy: its tests write into it)."""
+    return tiny_run(10)
 
 
 @pytest.fixture(scope="module")

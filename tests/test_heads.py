@@ -142,14 +142,8 @@ def test_qk_distance():
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory, _data_dir):
-    from conftest import TINY
-    from hybrid_lm.config import load_config
-    from hybrid_lm.train.loop import train
-
-    wd = tmp_path_factory.mktemp("heads_run")
-    train(load_config([], list(TINY) + ["TrainConfig.steps = 10"]), wd)  # checkpoints at 5 and 10
-    return wd
+def run_dir(tiny_run):
+    return tiny_run(10)  # TINY, 10 steps (conftest.py): checkpoints at 5 and 10
 
 
 def test_evaluate_heads_end_to_end(run_dir, tmp_path):

@@ -36,14 +36,8 @@ def _datasets_cache(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory, _data_dir):
-    from conftest import TINY
-    from hybrid_lm.config import load_config
-    from hybrid_lm.train.loop import train
-
-    wd = tmp_path_factory.mktemp("lm_eval_run")
-    train(load_config([], list(TINY) + ["TrainConfig.steps = 5"]), wd)
-    return wd
+def run_dir(tiny_run):
+    return tiny_run(5)  # TINY, 5 steps (conftest.py)
 
 
 @pytest.fixture(scope="module")

@@ -90,15 +90,10 @@ def test_items_are_deterministic_balanced_and_hold_the_number():
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory, _data_dir):
-    from conftest import TINY
-    from hybrid_lm.config import load_config
+def run(tiny_run):
     from hybrid_lm.eval.restore import RestoredRun
-    from hybrid_lm.train.loop import train
 
-    wd = tmp_path_factory.mktemp("probe_run")
-    train(load_config([], list(TINY) + ["TrainConfig.steps = 5"]), wd)
-    return RestoredRun(wd)
+    return RestoredRun(tiny_run(5))  # TINY, 5 steps (conftest.py)
 
 
 def test_residual_stream_is_the_models_forward_pass(run):

@@ -232,14 +232,8 @@ def test_request_checks():
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory, _data_dir):
-    from conftest import TINY
-    from hybrid_lm.config import load_config
-    from hybrid_lm.train.loop import train
-
-    wd = tmp_path_factory.mktemp("ruler_run")
-    train(load_config([], list(TINY) + ["TrainConfig.steps = 5"]), wd)
-    return wd
+def run_dir(tiny_run):
+    return tiny_run(5)  # TINY, 5 steps (conftest.py)
 
 
 def _one_line_error(capsys, *argv) -> str:
