@@ -67,9 +67,9 @@ def _fresh_gin():
 
 
 @pytest.fixture(scope="session")
-def tiny_run(tmp_path_factory, _data_dir):
+def tiny_run(tmp_path_factory, worker_id, _data_dir):
     """``tiny_run(steps)``: a copy of a tiny run (``TINY``, ``TrainConfig.steps = steps``, checkpoints
-    every 5 steps) in a fresh temp dir. The run is trained once per test session (per xdist worker)
+    every 5 steps) in a fresh temp dir. The run is trained once per test run (across xdist workers too)
     for each ``steps`` and copied on every call, so the eval test modules share the training and still
     each write into their own run directory."""
     from hybrid_lm.config import load_config
@@ -79,11 +79,55 @@ def tiny_run(tmp_path_factory, _data_dir):
 
     def get(steps: int):
         if steps not in trained:
-            wd = tmp_path_factory.mktemp(f"tiny_run_{steps}_trained")
-            train(load_config([], list(TINY) + [f"TrainConfig.steps = {steps}"]), wd)
-            trained[steps] = wd
+            trained[steps] = _built_once_per_run(tmp_path_factory, worker_id, f"tiny_run_{steps}", lambda d: train(
+                load_config([], list(TINY) + [f"TrainConfig.steps = {steps}"]), d / "run")) / "run"
         copy = tmp_path_factory.mktemp(f"tiny_run_{steps}") / "run"
         shutil.copytree(trained[steps], copy)
         return copy
 
     return get
+
+
+def _built_once_per_run(tmp_path_factory, worker_id: str, name: str, build):
+    """``build(dir)`` run once per test run, also across xdist workers: the first worker that asks
+    builds ``name`` under a file lock in the run's shared temp dir (the workers' basetemps' parent),
+    the others wait for it and reuse it. Returns the built directory (never to be written into)."""
+    import fcntl
+    from pathlib import Path
+
+    if worker_id == "master":  # no xdist: this session is the run
+        d = tmp_path_factory.mktemp(name)
+        build(d)
+        return d
+    shared = Path(tmp_path_factory.getbasetemp()).parent
+    d = shared / name
+    with open(shared / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (d / ".complete").exists():  # a failed build is done again (and fails again)
+            shutil.rmtree(d, ignore_errors=True)
+            d.mkdir()
+            build(d)
+            (d / ".complete").touch()
+    return d
+
+
+@pytest.fixture(scope="session")
+def tiny_sweep(tmp_path_factory, worker_id):
+    """``(root, stdout)`` of ``hybrid-lm sweep configs/sweeps/tiny_cpu.toml --only swa8 --launch local``
+    (2 stable runs, 4 WSD branches), run once per test run as a subprocess, for the end-to-end sweep and
+    collect tests. Tests must not write into ``root``: they copy it (``shutil.copytree``)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+
+    def build(d):
+        r = subprocess.run([sys.executable, "-m", "hybrid_lm.cli", "sweep", str(repo / "configs/sweeps/tiny_cpu.toml"),
+                            "--only", "swa8", "--launch", "local", "--root", str(d / "tiny")], capture_output=True,
+                           text=True, cwd=repo, env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=900)
+        assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+        (d / "stdout.txt").write_text(r.stdout)
+
+    d = _built_once_per_run(tmp_path_factory, worker_id, "tiny_sweep", build)
+    return d / "tiny", (d / "stdout.txt").read_text()

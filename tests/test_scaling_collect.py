@@ -277,21 +277,25 @@ def _cli(args, env, timeout=900):
 
 
 @pytest.mark.slow
-def test_tiny_sweep_longppl_collect_fit_and_the_printed_next_steps(tmp_path):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax_cache"),
-           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
-    root = tmp_path / "tiny"
-    r = _cli(["sweep", str(TINY), "--only", "swa8", "--launch", "local", "--root", str(root)], env)
-    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
-    steps = [line.strip() for line in r.stdout.split("next:", 1)[1].splitlines() if line.strip()]
-    assert steps[0] == f"hybrid-lm collect {root}" and any(s.startswith("hybrid-lm fit") for s in steps)
+def test_tiny_sweep_longppl_collect_fit_and_the_printed_next_steps(tmp_path, tiny_sweep):
+    import shutil
 
-    # every next-step command the sweep printed succeeds, in order
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}  # the test run's compilation cache (conftest.py)
+    # `hybrid-lm sweep TINY --only swa8 --launch local --root SHARED`, run once per test run for this
+    # test and test_scaling_sweep.py (conftest.py tiny_sweep); this test works on its own copy of SHARED
+    shared, stdout = tiny_sweep
+    root = tmp_path / "tiny"
+    shutil.copytree(shared, root)
+    steps = [line.strip() for line in stdout.split("next:", 1)[1].splitlines() if line.strip()]
+    assert steps[0] == f"hybrid-lm collect {shared}" and any(s.startswith("hybrid-lm fit") for s in steps)
+
+    # every next-step command the sweep printed succeeds, in order (on the copy: SHARED -> root)
     out = {}
     for line in steps:
         if line.startswith("#"):
             continue
-        args = line.split()
+        assert str(shared) in line, line
+        args = line.replace(str(shared), str(root)).split()
         assert args[0] == "hybrid-lm", line
         r = _cli(args[1:], env)
         assert r.returncode == 0, (line, (r.stdout + r.stderr)[-3000:])

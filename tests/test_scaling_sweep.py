@@ -238,16 +238,19 @@ def _snapshot(root: Path) -> dict:
 
 
 @pytest.mark.slow
-def test_tiny_sweep_end_to_end(tmp_path):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax_cache"),
-           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+def test_tiny_sweep_end_to_end(tmp_path, tiny_sweep):
+    import shutil
+
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}  # the test run's compilation cache (conftest.py)
     root = tmp_path / "tiny"
     launch = ["sweep", str(TINY), "--only", "swa8", "--launch", "local", "--root", str(root)]
 
-    # 1. launch: 2 stable runs (trained in segments to each branch point) and 4 branches
-    r = _cli(launch, env)
-    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
-    assert "6 jobs, 0 already done, 6 launched, 6 finished now, 0 failed" in r.stdout
+    # 1. launch: 2 stable runs (trained in segments to each branch point) and 4 branches; the same
+    #    command as `launch`, run once per test run for this test and test_scaling_collect.py
+    #    (conftest.py tiny_sweep); this test works on its own copy of the sweep root
+    shared, stdout = tiny_sweep
+    assert "6 jobs, 0 already done, 6 launched, 6 finished now, 0 failed" in stdout
+    shutil.copytree(shared, root)
     man = json.loads((root / "sweep.json").read_text())
     jobs = {j["name"]: j for j in man["jobs"] if j["arch"] == "swa8"}
     assert len(jobs) == 6
@@ -286,7 +289,6 @@ def test_tiny_sweep_end_to_end(tmp_path):
 
     # 4. a partial run resumes: drop the newest checkpoint and the done marker of a branch; and a deleted
     #    branch is seeded again by its (finished) stable run, which still holds the checkpoint at 14
-    import shutil
     d = root / big
     loss, t1_loss = _final_loss(d), _final_loss(root / t1)
     ckpts = L.checkpoint_steps(d)
