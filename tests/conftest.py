@@ -22,6 +22,19 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
     os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(16 << 30))
+    os.environ["HYBRID_LM_TESTS_JAX_CACHE"] = _OWN_JAX_CACHE
+if os.environ.get("HYBRID_LM_TESTS_JAX_CACHE") == os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+    # In the test processes (not their subprocesses) every program goes to the cache, the op-by-op
+    # (eager) ones too, which the other xdist worker then reads back. With the size limit each write
+    # would list the whole directory to evict (quadratic in the entries); this temp dir needs no
+    # eviction, so the listing is skipped and the lock kept. Where JAX's cache class differs, only the
+    # programs compiling in 0.1 s or more are cached.
+    import jax
+    from jax._src import lru_cache as _jax_lru_cache
+
+    if callable(getattr(_jax_lru_cache.LRUCache, "_evict_if_needed", None)):
+        _jax_lru_cache.LRUCache._evict_if_needed = lambda self, additional_size=0: None
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
 def pytest_unconfigure(config):
