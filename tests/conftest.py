@@ -144,3 +144,15 @@ def tiny_sweep(tmp_path_factory, worker_id):
 
     d = _built_once_per_run(tmp_path_factory, worker_id, "tiny_sweep", build)
     return d / "tiny", (d / "stdout.txt").read_text()
+
+
+# Modules whose tests take a minute or more each start the run (in this order, each module's own order
+# kept): near the end of a run such a test leaves the other xdist worker idle. The two end-to-end sweep
+# tests sit next to each other, so one worker runs both on the sweep it launched (tiny_sweep).
+_RUN_FIRST = ("test_wide_vocab.py", "test_sharding.py", "test_experiments_smoke.py", "test_scaling_collect.py",
+              "test_scaling_sweep.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    first = {name: i for i, name in enumerate(_RUN_FIRST)}
+    items.sort(key=lambda item: first.get(item.path.name, len(first)))  # stable: the rest keep their order
