@@ -60,6 +60,10 @@ ARCH = {  # gin bindings per variant (the full-attention slot unchanged unless s
     # the same two with the per-token gather kernel / the fused selection (ModelConfig.sparse_impl, selection_impl)
     "moba16_gather": ["include 'arch/moba.gin'", "ModelConfig.sparse_impl = 'gather'"],
     "ssa_gather": ["include 'arch/ssa.gin'", "ModelConfig.sparse_impl = 'gather'"],
+    "moba16_union": ["include 'arch/moba.gin'", "ModelConfig.sparse_impl = 'union'"],
+    "ssa_union": ["include 'arch/ssa.gin'", "ModelConfig.sparse_impl = 'union'"],
+    "moba16_gather_fused": ["include 'arch/moba.gin'", "ModelConfig.sparse_impl = 'gather'",
+                            "ModelConfig.selection_impl = 'fused'"],
     "ssa_gather_fused": ["include 'arch/ssa.gin'", "ModelConfig.sparse_impl = 'gather'",
                          "ModelConfig.selection_impl = 'fused'"],
 }

@@ -8,6 +8,7 @@
 #   bash experiments/gpu_s5_train.sh sparse   # session 6: fused selection check + table, S5 full / moba16 / ssa steps
 #   bash experiments/gpu_s5_train.sh all7a    # session 7, issue 17's table, part 1: the anchor GPT, S1-S3 x 7 archs
 #   bash experiments/gpu_s5_train.sh gather   # issue 18: gather kernel check + kernel table, then S5 sparse train steps
+#   bash experiments/gpu_s5_train.sh gather2  # issue 18, session 8: gather as auto, union/fused beside it, S5 moba16 profile
 #   bash experiments/gpu_s5_train.sh all7b    # part 2: S1's slow-compiling archs, S3-S5 full/SWA/SA
 #
 # Run from the repo root (or a `git archive` of it) on the device machine with `.whl` beside or
@@ -84,10 +85,21 @@ case "${1:-table}" in
     [ $left -gt 90 ] && B $left --scale s5 --arch full,moba16,moba16_gather,ssa,ssa_gather --remat dots_attn \
       --batch 2 --steps 4 --compile-workers 5 --deadline $(( left - 15 )) --out "$OUT/bench_train_s5_gather.json"
     ;;
+  gather2)  # session 8: auto = the gather kernel (one-warp launch); union and fused selection beside it; a profile
+    timeout 90 python3 experiments/bench_gather_sparse.py --T 16384 --configs t1w1s2,t1w1s1,t1w1s3,t2w1s2,t1w1s2c128 \
+      --out "$OUT/bench_gather_configs.json" 2>&1 | grep -v -e "^W1201" -e "^I0000" -e "^W0000" | grep "^|"
+    B 300 --scale s5 --arch full,moba16,moba16_union,moba16_gather_fused,ssa,ssa_gather_fused --remat dots_attn \
+      --batch 2 --steps 4 --compile-workers 6 --deadline 285 --out "$OUT/bench_train_s5_gather2.json"
+    left=$(( 575 - SECONDS ))
+    echo "== $left s left for the S5 moba16 profile"
+    [ $left -gt 80 ] && timeout $left python3 experiments/profile_train.py --scale s5 --arch moba16 --batch 2 \
+      --remat dots_attn --steps 2 --top 40 --out-dir "$OUT/profile_s5_moba16" 2>&1 \
+      | grep -v -e "^W0000" -e "^I0000" -e "^W1201" | tail -60
+    ;;
   profile)
     timeout 200 python3 experiments/profile_train.py --scale s3 --arch full --batch 8 \
       --steps 3 --out-dir "$OUT/profile" 2>&1 | grep -v -e "^W0000" -e "^I0000" | tail -40
     ;;
-  *) echo "usage: $0 table|s5|remat|sparse|all7a|all7b|gather|profile"; exit 2 ;;
+  *) echo "usage: $0 table|s5|remat|sparse|all7a|all7b|gather|gather2|profile"; exit 2 ;;
 esac
 date -u +"end %Y-%m-%dT%H:%M:%SZ"

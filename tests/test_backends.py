@@ -255,7 +255,7 @@ def test_describe_layers_on_a_faked_gpu(fake_gpu, monkeypatch):
     cfg = load_config([str(ROOT / "configs" / "quickstart.gin"), str(ROOT / "configs" / "arch" / "ssa.gin")],
                       ["ModelConfig.compute_dtype = 'bfloat16'"])  # cuDNN takes bf16/fp16 only
     rows = backends.describe_layers(cfg.model, cfg.data.seq_len)
-    assert [(r["op"], r["backend"]) for r in rows[:2]] == [("full", "cudnn"), ("ssa sparse block=16", "pallas")]
+    assert [(r["op"], r["backend"]) for r in rows[:2]] == [("full", "cudnn"), ("ssa sparse block=16", "pallas-gather")]
     cfg = load_config([str(ROOT / "configs" / "quickstart.gin")], ["ModelConfig.compute_dtype = 'bfloat16'"])
     rows = backends.describe_layers(cfg.model, cfg.data.seq_len)
     assert [(r["op"], r["backend"]) for r in rows[:2]] == [("full", "cudnn"), ("swa w=32", "pallas")]

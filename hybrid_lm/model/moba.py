@@ -92,8 +92,8 @@ def sparse_kernel_backend(sparse_impl: str, selection: str, gate: str) -> tuple[
     (``kernels.block_sparse_attention``): a query tile visits the union of its rows' blocks, any
     selection. ``gather`` (``kernels.gather_sparse_attention``): one token's query heads of a GQA
     group over that token's own blocks only, so per-token selection shared by the group (the ``ssa``
-    gate). ``auto`` keeps ``union`` until the gather kernel is measured in a train step
-    (docs/KERNELS.md)."""
+    gate). ``auto`` picks ``gather`` wherever it applies (measured faster in a train step,
+    docs/KERNELS.md), else ``union``."""
     if sparse_impl not in SPARSE_IMPLS:
         raise ConfigError(f"sparse_impl={sparse_impl!r}: choose one of {SPARSE_IMPLS}")
     if sparse_impl == "gather":
@@ -103,7 +103,10 @@ def sparse_kernel_backend(sparse_impl: str, selection: str, gate: str) -> tuple[
         return "gather", "sparse_impl='gather': per-token gather kernel"
     if sparse_impl == "union":
         return "union", "sparse_impl='union' set explicitly"
-    return "union", "auto: the union kernel (the gather kernel is not yet measured in a train step)"
+    if selection == "token" and gate == "ssa":
+        return "gather", ("auto: per-token selection shared by the GQA group -> the gather kernel (H200, S5 "
+                          "train step: arch/moba.gin 0.72x, arch/ssa.gin 0.65x the union kernel's, docs/KERNELS.md)")
+    return "union", "auto: the union kernel (per-block selection or per-head gate)"
 
 
 def moba_attend(q, k, v, *, block_size: int, top_k: int, gate: str, selection: str, impl: str,
