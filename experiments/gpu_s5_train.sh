@@ -9,6 +9,7 @@
 #   bash experiments/gpu_s5_train.sh all7a    # session 7, issue 17's table, part 1: the anchor GPT, S1-S3 x 7 archs
 #   bash experiments/gpu_s5_train.sh gather   # issue 18: gather kernel check + kernel table, then S5 sparse train steps
 #   bash experiments/gpu_s5_train.sh gather2  # issue 18, session 8: gather as auto, union/fused beside it, S5 moba16 profile
+#   bash experiments/gpu_s5_train.sh sparse18 # issue 18: S5 full/moba16/ssa train steps + decode at 128K, one run
 #   bash experiments/gpu_s5_train.sh all7b    # part 2: S1's slow-compiling archs, S3-S5 full/SWA/SA
 #
 # Run from the repo root (or a `git archive` of it) on the device machine with `.whl` beside or
@@ -96,10 +97,19 @@ case "${1:-table}" in
       --remat dots_attn --steps 2 --top 40 --out-dir "$OUT/profile_s5_moba16" 2>&1 \
       | grep -v -e "^W0000" -e "^I0000" -e "^W1201" | tail -60
     ;;
+  sparse18)  # issue 18's table from one run: S5 train steps (the selection kept under dots_attn), then decode at 128K
+    B 310 --scale s5 --arch full,moba16,ssa --remat dots_attn --batch 2 --steps 4 --compile-workers 3 --deadline 295 \
+      --out "$OUT/bench_train_s5_sparse18.json"
+    left=$(( 530 - SECONDS ))
+    echo "== $left s left for decoding at 128K"
+    [ $left -gt 40 ] && timeout $left python3 experiments/bench_decode.py --contexts 131072 \
+      --layer-archs full,moba,ssa_sparse,swa,lightning --model-archs full,ssa_sparse --model-contexts 131072 \
+      --steps 32 --reps 5 --out "$OUT/bench_decode_sparse18.json" 2>&1 | grep -v -e "^W0000" -e "^I0000" -e "^W1201" | tail -20
+    ;;
   profile)
     timeout 200 python3 experiments/profile_train.py --scale s3 --arch full --batch 8 \
       --steps 3 --out-dir "$OUT/profile" 2>&1 | grep -v -e "^W0000" -e "^I0000" | tail -40
     ;;
-  *) echo "usage: $0 table|s5|remat|sparse|all7a|all7b|gather|gather2|profile"; exit 2 ;;
+  *) echo "usage: $0 table|s5|remat|sparse|all7a|all7b|gather|gather2|sparse18|profile"; exit 2 ;;
 esac
 date -u +"end %Y-%m-%dT%H:%M:%SZ"

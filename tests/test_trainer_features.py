@@ -120,6 +120,36 @@ def test_dots_attn_saves_the_attention_kernels_outputs():
     assert len(kept) == 2 and any("f32[1,2,64]" in line for line in kept), kept  # output + statistics
 
 
+def test_dots_attn_saves_the_sparse_selection():
+    """remat 'dots_attn' keeps the selected blocks of a MoBA/SSA layer ('dots' reruns the whole
+    selection, gate scores and top-k passes, in the backward pass)."""
+    import contextlib
+    import io
+
+    from jax.ad_checkpoint import print_saved_residuals
+
+    from hybrid_lm.model.moba import moba_attend
+    from hybrid_lm.model.transformer import _REMAT_POLICIES
+
+    q = jax.random.normal(jax.random.key(0), (1, 64, 2, 16))
+    kv = jax.random.normal(jax.random.key(1), (1, 64, 1, 16))
+
+    def saved(policy, sparse_impl):
+        def loss(x):
+            o = moba_attend(x, kv, kv, block_size=16, top_k=2, gate="ssa", selection="token", impl="pallas",
+                            sparse_impl=sparse_impl, interpret=True)
+            return (o ** 2).sum()
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            print_saved_residuals(jax.checkpoint(loss, policy=policy), q)
+        return [line for line in buf.getvalue().splitlines() if "sparse_selection" in line]
+
+    for sparse_impl in ("union", "gather"):
+        assert saved(_REMAT_POLICIES["dots"], sparse_impl) == []
+        kept = saved(_REMAT_POLICIES["dots_attn"], sparse_impl)
+        assert len(kept) == 1 and "i32[1,64,1,2]" in kept[0], kept
+
+
 @pytest.mark.slow
 def test_profiler_traces_a_window(tiny_params, tmp_path):
     cfg = load_config([], tiny_params + ["TrainConfig.steps = 6", "TrainConfig.profile_start = 2",

@@ -23,6 +23,7 @@ from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from flax import nnx
 
 from hybrid_lm.backends import moba_backend, record_backend
@@ -133,6 +134,7 @@ def moba_attend(q, k, v, *, block_size: int, top_k: int, gate: str, selection: s
                                         interpret=interpret)
         else:  # the reference, kept beside the kernel
             idx = ops.select_blocks(q, k, block_size=block_size, top_k=top_k, gate=gate, selection=selection)
+        idx = checkpoint_name(idx, "sparse_selection")  # remat 'dots_attn' keeps it (model/transformer.py)
         if kernel == "gather":
             return kernels.gather_sparse_attention(q, k, v, idx, block_size=block_size, interpret=interpret)
         return kernels.block_sparse_attention(q, k, v, idx, block_size=block_size, interpret=interpret)

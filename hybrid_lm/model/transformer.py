@@ -28,12 +28,18 @@ log = logging.getLogger(__name__)
 # outputs of these primitives are attention kernels' forward results (output + softmax statistics,
 # the residuals their backward reads): cuDNN fused attention and every Pallas kernel
 _ATTENTION_KERNELS = ("dot_product_attention_fwd", "dot_product_attention_fwd_wrapper", "pallas_call")
+# values tagged with ``jax.ad_checkpoint.checkpoint_name`` that 'dots_attn' keeps: the sparse
+# selection (int32, B x T x K x S), else recomputed in the backward pass with all its gate scores
+SAVED_NAMES = ("sparse_selection",)
 
 
 def _dots_and_attention_saveable(prim, *args, **params) -> bool:
-    """``dots`` plus the attention kernels' forward outputs: the backward pass then reuses the
-    kernel's output and statistics instead of running the attention forward a second time."""
+    """``dots`` plus the attention kernels' forward outputs and the sparse selection: the backward
+    pass then reuses the kernel's output and statistics, and the selected blocks, instead of running
+    the attention forward and the selection a second time."""
     if prim.name in _ATTENTION_KERNELS:
+        return True
+    if prim.name == "name" and params.get("name") in SAVED_NAMES:
         return True
     return jax.checkpoint_policies.dots_with_no_batch_dims_saveable(prim, *args, **params)
 

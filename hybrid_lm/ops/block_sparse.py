@@ -43,6 +43,9 @@ _NEG = -1e30  # finite "minus infinity" for masked scores (keeps padded query ro
 GATES = ("moba", "ssa")
 SELECTIONS = ("token", "block")  # who selects: every query token, or every query block
 _CHUNK_ELEMENTS = 1 << 23  # rough per-chunk budget of gathered key elements (32 MiB in fp32)
+# per-chunk budget of gate scores in select_blocks (256 MiB in fp32): at S5 (T = 16K, 10 heads,
+# 1024 blocks, B = 2) 6 chunks instead of 41, so the top-k passes are fewer, larger kernels
+_SELECT_CHUNK_ELEMENTS = 1 << 26
 
 
 def _check(q, k, v, block_size: int, top_k: int, gate: str):
@@ -166,9 +169,9 @@ def decode_attend(q_t, k_cache, v_cache, idx, pos, *, block_size: int, scale: fl
                             scale=scale)
 
 
-def _query_chunks(T: int, per_query: int, B: int, query_chunk: int | None) -> int:
-    """Queries per chunk: ``query_chunk``, or as many as fit ``_CHUNK_ELEMENTS`` elements."""
-    return min(T, query_chunk or max(1, _CHUNK_ELEMENTS // max(1, B * per_query)))
+def _query_chunks(T: int, per_query: int, B: int, query_chunk: int | None, budget: int = _CHUNK_ELEMENTS) -> int:
+    """Queries per chunk: ``query_chunk``, or as many as fit ``budget`` elements."""
+    return min(T, query_chunk or max(1, budget // max(1, B * per_query)))
 
 
 def _map_query_chunks(fn, q, Qc: int):
@@ -217,7 +220,7 @@ def select_blocks(q, k, *, block_size: int, top_k: int, gate: str = "moba", scal
     def chunk(qc, tc):
         return _top_blocks(block_importance(qc, kbar, tc, block_size=block_size, gate=gate, scale=scale), S, topk)
 
-    return _map_query_chunks(chunk, q, _query_chunks(T, H * nb, B, query_chunk))
+    return _map_query_chunks(chunk, q, _query_chunks(T, H * nb, B, query_chunk, _SELECT_CHUNK_ELEMENTS))
 
 
 def _attend_selected(q, t, k, v, idx, *, block_size: int, scale: float):
