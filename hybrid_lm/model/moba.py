@@ -69,7 +69,8 @@ def selection_backend(selection_impl: str, selection: str) -> tuple[str, str]:
     """``(fused | xla, reason)``: who selects the blocks on the pallas path. ``auto``: the reference
     (``ops.select_blocks``) everywhere, by measurement: on the H200 the fused kernel made the S5
     arch/moba.gin train step 1.57x all-full attention (docs/BENCHMARKS.md, session 6) against 1.34x
-    with the XLA selection (session 3); ``fused`` asks for the kernel (per-token selection only:
+    with the XLA selection (session 3), and with the gather kernel 602.0 against 573.7 ms in one call
+    (session 8); ``fused`` asks for the kernel (per-token selection only:
     ``fused`` with ``selection='block'`` is refused, the kernel scores tokens)."""
     if selection_impl not in SELECTION_IMPLS:
         raise ConfigError(f"selection_impl={selection_impl!r}: choose one of {SELECTION_IMPLS}")
