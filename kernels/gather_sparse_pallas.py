@@ -349,8 +349,8 @@ def gather_sparse_attention(q, k, v, block_idx, *, block_size: int, scale: float
       tokens_per_program: consecutive tokens one program serves in turn (a power of two).
       dkv_chunk: most tokens one dK/dV program visits (a key block listed by more is split).
       num_warps, num_stages: Triton launch parameters of the forward; ``*_bwd``: of the backward.
-        Defaults: the fastest of five launch configs on the H200 (one warp: fwd+bwd 0.62x the four-warp
-        time at T = 16K, block 16, top-16, G = 10; ``bench_gather_sparse.py``, docs/KERNELS.md).
+        Defaults: one warp, two stages (H200, T = 16K, block 16, top-16, G = 10: fwd+bwd 0.62x the
+        four-warp time; three stages were 6% faster in one call, not repeated; docs/BENCHMARKS.md).
     Returns:
       ``[B, T, H, D]`` in q's dtype; no gradient flows to ``block_idx``.
     """

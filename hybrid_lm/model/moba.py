@@ -98,14 +98,15 @@ def sparse_kernel_backend(sparse_impl: str, selection: str, gate: str) -> tuple[
     docs/KERNELS.md), else ``union``."""
     if sparse_impl not in SPARSE_IMPLS:
         raise ConfigError(f"sparse_impl={sparse_impl!r}: choose one of {SPARSE_IMPLS}")
+    gather_applies = selection == "token" and gate == "ssa"  # one list per token and GQA group
     if sparse_impl == "gather":
-        if selection != "token" or gate != "ssa":
+        if not gather_applies:
             raise ConfigError("sparse_impl='gather' runs per-token selection shared by a GQA group (selection="
                               f"'token', gate='ssa'); got selection={selection!r}, gate={gate!r}: use union")
         return "gather", "sparse_impl='gather': per-token gather kernel"
     if sparse_impl == "union":
         return "union", "sparse_impl='union' set explicitly"
-    if selection == "token" and gate == "ssa":
+    if gather_applies:
         return "gather", ("auto: per-token selection shared by the GQA group -> the gather kernel (H200, S5 "
                           "train step: arch/moba.gin 0.72x, arch/ssa.gin 0.65x the union kernel's, docs/KERNELS.md)")
     return "union", "auto: the union kernel (per-block selection or per-head gate)"
