@@ -19,6 +19,9 @@ Modes:
   (``selection_matrix`` + compaction), and the whole ``moba_attend`` pallas path fwd+bwd
   (selection + ``block_sparse_attention``) with the old (XLA) and the new (fused) selection. Also
   the mean union list length per 64-query tile of the selections.
+- ``--split``: the split selection (``block_importance`` + ``top_k_blocks``): its check (as
+  ``--check``, at tf32 and IEEE fp32 dots; tf32 may differ from the reference only between scores
+  within 2e-3), then the table of the selection's parts (``split_table``) instead of the fused table.
 - ``--unions`` (CPU is fine): union list lengths per query tile for random and for correlated
   (smooth) q, k, at ``--unions-T`` (list lengths, not time).
 - neither: the earlier table (``--cases``: per-token vs per-block XLA selection, query chunks).
@@ -83,8 +86,28 @@ def _quantised(key, shape, lo, hi, div=1.0):
     return (jax.random.randint(key, shape, lo, hi).astype(jnp.float32) / div)
 
 
-def check(ops, kern, interpret, T, B):
-    """Exactness of the fused selection against the reference on this device."""
+def kernel_selection(ops, kern, impl, interpret, precision=None):
+    """``select(q, k, bs, top_k, gate)`` of a kernel path: ``fused`` (one kernel) or ``split``
+    (gate kernel + top-k kernel; ``precision`` of its dots, default tf32 on a GPU)."""
+    prec = jax.lax.Precision.DEFAULT if precision is None else precision
+    if impl == "fused":
+        return lambda q, k, bs, top_k, gate: kern.select_blocks(q, k, block_size=bs, top_k=top_k, gate=gate,
+                                                                interpret=interpret)
+    return lambda q, k, bs, top_k, gate: kern.select_blocks_split(
+        q, ops.block_means(k, bs), block_size=bs, top_k=top_k, gate=gate, interpret=interpret, precision=prec)
+
+
+# a kernel selection may differ from the reference only between scores this close (relative):
+# IEEE fp32 dots (fused, split@highest) differ in the order of accumulation; tf32 rounds the inputs
+NEAR_TIE = {"fused": 1e-5, "split@highest": 1e-5, "split": 2e-3}
+
+
+def check(ops, kern, interpret, T, B, impl="fused"):
+    """Exactness of a kernel selection (``fused``, ``split``, ``split@highest``) against the
+    reference on this device."""
+    select = jax.jit(kernel_selection(ops, kern, impl.split("@")[0], interpret,
+                                      jax.lax.Precision.HIGHEST if impl.endswith("@highest") else None),
+                     static_argnums=(2, 3, 4))
     rows = []
     H, K, D = 10, 1, 128
     ks = jax.random.split(jax.random.key(0), 4)
@@ -99,9 +122,8 @@ def check(ops, kern, interpret, T, B):
         with jax.default_matmul_precision("highest"):
             want = np.asarray(jax.jit(lambda q, k: ops.select_blocks(
                 q, k, block_size=bs, top_k=top_k, gate=gate))(q, k))
-        got = np.asarray(jax.jit(lambda q, k: kern.select_blocks(
-            q, k, block_size=bs, top_k=top_k, gate=gate, interpret=interpret))(q, k))
-        rows.append(dict(case=name, gate=gate, block=bs, top_k=top_k, T=T, B=B, H=h, K=K, D=D,
+        got = np.asarray(select(q, k, bs, top_k, gate))
+        rows.append(dict(impl=impl, case=name, gate=gate, block=bs, top_k=top_k, T=T, B=B, H=h, K=K, D=D,
                          ok=bool((got == want).all()), rows_differing=int((got != want).any(-1).sum())))
     # Gaussian bf16: differences allowed only between near-equal reference scores
     for gate, bs in (("ssa", 16), ("moba", 128)):
@@ -110,8 +132,7 @@ def check(ops, kern, interpret, T, B):
         with jax.default_matmul_precision("highest"):
             want = np.asarray(jax.jit(lambda q, k: ops.select_blocks(
                 q, k, block_size=bs, top_k=16, gate=gate))(q, k))
-        got = np.asarray(jax.jit(lambda q, k: kern.select_blocks(
-            q, k, block_size=bs, top_k=16, gate=gate, interpret=interpret))(q, k))
+        got = np.asarray(select(q, k, bs, 16, gate))
         diff = np.argwhere((got != want).any(-1))  # [n, 3]: b, t, h
         worst = 0.0
         if len(diff):
@@ -125,10 +146,10 @@ def check(ops, kern, interpret, T, B):
                 rel = np.abs(sg[fin] - sw[fin]) / np.maximum(1.0, np.abs(sw[fin]))
                 same_empty = (np.isfinite(sg) == np.isfinite(sw)).all()
                 worst = max(worst, float(rel.max(initial=0.0)) if same_empty else float("inf"))
-        rows.append(dict(case=f"gaussian bf16 {gate}", gate=gate, block=bs, top_k=16, T=T, B=B, H=H, K=K, D=D,
-                         ok=worst < 1e-5, rows_differing=len(diff), worst_near_tie=worst,
+        rows.append(dict(impl=impl, case=f"gaussian bf16 {gate}", gate=gate, block=bs, top_k=16, T=T, B=B, H=H,
+                         K=K, D=D, ok=worst < NEAR_TIE[impl], rows_differing=len(diff), worst_near_tie=worst,
                          rows=int(np.prod(got.shape[:3]))))
-    print("\n| check | T | rows differing | ok |\n|---|---|---|---|")
+    print(f"\n{impl}: | check | T | rows differing | ok |\n|---|---|---|---|")
     for r in rows:
         extra = f" (worst score gap {r['worst_near_tie']:.1e})" if "worst_near_tie" in r else ""
         print(f"| {r['case']} | {r['T']} | {r['rows_differing']}{extra} | {r['ok']} |", flush=True)
@@ -240,6 +261,60 @@ def fused_table(ops, kern, interpret, Ts, B, cases, reps, inner):
     return rows
 
 
+# ----------------------------------------------------------------------------- split table
+
+def split_table(ops, kern, interpret, Ts, B, reps, inner):
+    """The selection's parts at S5's heads (H = 10, K = 1, D = 128), bf16, block 16, top-16, ssa
+    gate, forward: the XLA reference (``ops.select_blocks``), its importance and top-k apart, the
+    split kernels (``block_importance`` at tf32 / IEEE fp32 dots, ``top_k_blocks`` at several row
+    tiles), and the fused kernel."""
+    H, K, D, bs, top_k, gate = 10, 1, 128, 16, 16, "ssa"
+    rows = []
+    print(f"\nsplit selection: B={B}, H={H}, K={K}, D={D}, block {bs}, top-{top_k}, {gate} gate, bf16; ms, "
+          f"median of {reps} x {inner} calls")
+    print("| T | xla select | xla importance | xla top-k (passes) | kernel top-k rows 4 / 8 / 16 | kernel importance "
+          "tf32 / fp32 | split tf32 / fp32 | fused |")
+    print("|---|---|---|---|---|---|---|---|")
+    for T in Ts:
+        ks = jax.random.split(jax.random.key(T), 2)
+        q = jax.random.normal(ks[0], (B, T, H, D), jnp.bfloat16)
+        k = jax.random.normal(ks[1], (B, T, K, D), jnp.bfloat16)
+        kbar = jax.jit(lambda k: ops.block_means(k, bs))(k)
+        scale = 1.0 / math.sqrt(D)
+        r = dict(T=T, B=B, H=H, K=K, D=D, block=bs, top_k=top_k, gate=gate)
+        what = f"T={T}"
+        r["xla_select_ms"] = _try_ms(jax.jit(lambda q, k: ops.select_blocks(q, k, block_size=bs, top_k=top_k,
+                                                                             gate=gate)), (q, k), reps, inner, what)
+        imp_fn = jax.jit(lambda q, kbar: ops.block_importance(q, kbar, jnp.arange(T), block_size=bs, gate=gate,
+                                                               scale=scale))
+        r["xla_importance_ms"] = _try_ms(imp_fn, (q, kbar), reps, inner, f"{what} xla importance")
+        imp = imp_fn(q, kbar)
+        r["xla_topk_ms"] = _try_ms(jax.jit(lambda x: ops._top_blocks(x, top_k, "passes")), (imp,), reps, inner,
+                                   f"{what} xla top-k")
+        for br in (4, 8, 16):
+            r[f"kernel_topk_rows{br}_ms"] = _try_ms(jax.jit(lambda x, br=br: kern.top_k_blocks(
+                x, top_k, block_rows=br, interpret=interpret)), (imp,), reps, inner, f"{what} top-k rows {br}")
+        for name, prec in (("tf32", jax.lax.Precision.DEFAULT), ("fp32", jax.lax.Precision.HIGHEST)):
+            r[f"kernel_importance_{name}_ms"] = _try_ms(jax.jit(lambda q, kbar, prec=prec: kern.block_importance(
+                q, kbar, block_size=bs, gate=gate, interpret=interpret, precision=prec)), (q, kbar), reps, inner,
+                f"{what} kernel importance {name}")
+            r[f"split_{name}_ms"] = _try_ms(jax.jit(lambda q, k, prec=prec: kern.select_blocks_split(
+                q, ops.block_means(k, bs), block_size=bs, top_k=top_k, gate=gate, interpret=interpret,
+                precision=prec)), (q, k), reps, inner, f"{what} split {name}")
+        r["fused_ms"] = _try_ms(jax.jit(lambda q, k: kern.select_blocks(q, k, block_size=bs, top_k=top_k, gate=gate,
+                                                                       interpret=interpret)), (q, k), reps, inner,
+                                f"{what} fused")
+        rows.append(r)
+
+        def f(x):
+            return "—" if x is None else f"{x:.3f}"
+        print(f"| {T} | {f(r['xla_select_ms'])} | {f(r['xla_importance_ms'])} | {f(r['xla_topk_ms'])} | "
+              f"{f(r['kernel_topk_rows4_ms'])} / {f(r['kernel_topk_rows8_ms'])} / {f(r['kernel_topk_rows16_ms'])} | "
+              f"{f(r['kernel_importance_tf32_ms'])} / {f(r['kernel_importance_fp32_ms'])} | "
+              f"**{f(r['split_tf32_ms'])}** / {f(r['split_fp32_ms'])} | {f(r['fused_ms'])} |", flush=True)
+    return rows
+
+
 # ----------------------------------------------------------------------------- the earlier table
 
 def xla_table(ops, args):
@@ -280,6 +355,8 @@ def main():
     p.add_argument("--check", action="store_true", help="exactness on the device, then the fused table")
     p.add_argument("--fused", action="store_true", help="the fused-vs-XLA table")
     p.add_argument("--unions", action="store_true", help="union list lengths, random vs correlated inputs")
+    p.add_argument("--split", action="store_true", help="the split selection (gate kernel + top-k kernel): check + "
+                   "its table at S5 heads (with --check: the split's exactness check too)")
     p.add_argument("--T", default="16384,32768", help="sequence lengths of the fused table")
     p.add_argument("--B", type=int, default=2)
     p.add_argument("--check-T", type=int, default=4096)
@@ -298,14 +375,19 @@ def main():
     ops = load_ops()
     result = dict(device=jax.devices()[0].device_kind)
     interpret = args.interpret or jax.default_backend() == "cpu"
-    if args.check or args.fused or args.unions:
+    if args.check or args.fused or args.unions or args.split:
         kern = load_kernels()
         print(f"device: {result['device']}{' (Pallas interpret mode)' if interpret else ''}")
-        if args.check:
+        if args.split:
+            result["check"] = [r for impl in ("split", "split@highest")
+                               for r in check(ops, kern, interpret, args.check_T, args.B, impl)]
+            result["split"] = split_table(ops, kern, interpret, [int(t) for t in args.T.split(",")], args.B,
+                                          args.reps, args.inner)
+        elif args.check:
             result["check"] = check(ops, kern, interpret, args.check_T, args.B)
         if args.unions:
             result["unions"] = unions(ops, kern, args.unions_T)
-        if args.check or args.fused:
+        if (args.check or args.fused) and not args.split:
             cases = [(int(a), int(b), g) for a, b, g in (c.split(":") for c in args.fused_cases.split(","))]
             result["fused"] = fused_table(ops, kern, interpret, [int(t) for t in args.T.split(",")], args.B, cases,
                                           args.reps, args.inner)
@@ -313,7 +395,7 @@ def main():
         result["rows"] = xla_table(ops, args)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
-    if args.check and not all(r["ok"] for r in result["check"]):
+    if "check" in result and not all(r["ok"] for r in result["check"]):
         print("check FAILED")
         sys.exit(1)
 

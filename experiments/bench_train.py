@@ -66,6 +66,9 @@ ARCH = {  # gin bindings per variant (the full-attention slot unchanged unless s
                             "ModelConfig.selection_impl = 'fused'"],
     "ssa_gather_fused": ["include 'arch/ssa.gin'", "ModelConfig.sparse_impl = 'gather'",
                          "ModelConfig.selection_impl = 'fused'"],
+    # the split selection: gate kernel + top-k kernel (ModelConfig.selection_impl = 'split')
+    "moba16_split": ["include 'arch/moba.gin'", "ModelConfig.selection_impl = 'split'"],
+    "ssa_split": ["include 'arch/ssa.gin'", "ModelConfig.selection_impl = 'split'"],
 }
 
 

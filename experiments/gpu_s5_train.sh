@@ -10,6 +10,7 @@
 #   bash experiments/gpu_s5_train.sh gather   # issue 18: gather kernel check + kernel table, then S5 sparse train steps
 #   bash experiments/gpu_s5_train.sh gather2  # issue 18, session 8: gather as auto, union/fused beside it, S5 moba16 profile
 #   bash experiments/gpu_s5_train.sh sparse18 # issue 18: S5 full/moba16/ssa train steps + decode at 128K, one run
+#   bash experiments/gpu_s5_train.sh split18  # issue 18, session 9: the split selection kernels (check, parts), S5 steps, profile
 #   bash experiments/gpu_s5_train.sh all7b    # part 2: S1's slow-compiling archs, S3-S5 full/SWA/SA
 #
 # Run from the repo root (or a `git archive` of it) on the device machine with `.whl` beside or
@@ -106,10 +107,21 @@ case "${1:-table}" in
       --layer-archs full,moba,ssa_sparse,swa,lightning --model-archs full,ssa_sparse --model-contexts 131072 \
       --steps 32 --reps 5 --out "$OUT/bench_decode_sparse18.json" 2>&1 | grep -v -e "^W0000" -e "^I0000" -e "^W1201" | tail -20
     ;;
+  split18)  # session 9: gate kernel + top-k kernel; the S5 train steps beside the XLA selection; a profile
+    timeout 170 python3 experiments/bench_selection.py --split --check-T 4096 --T 16384 --B 2 \
+      --out "$OUT/bench_selection_split.json" 2>&1 | grep -v -e "^W1201" -e "^I0000" -e "^W0000" | tail -40
+    B 300 --scale s5 --arch full,moba16,moba16_split,ssa,ssa_split --remat dots_attn \
+      --batch 2 --steps 4 --compile-workers 3 --deadline 285 --out "$OUT/bench_train_s5_split18.json"
+    left=$(( 575 - SECONDS ))
+    echo "== $left s left for the S5 moba16_split profile"
+    [ $left -gt 80 ] && timeout $left python3 experiments/profile_train.py --scale s5 --arch moba16_split --batch 2 \
+      --remat dots_attn --steps 2 --top 40 --out-dir "$OUT/profile_s5_moba16_split" 2>&1 \
+      | grep -v -e "^W0000" -e "^I0000" -e "^W1201" | tail -60
+    ;;
   profile)
     timeout 200 python3 experiments/profile_train.py --scale s3 --arch full --batch 8 \
       --steps 3 --out-dir "$OUT/profile" 2>&1 | grep -v -e "^W0000" -e "^I0000" | tail -40
     ;;
-  *) echo "usage: $0 table|s5|remat|sparse|all7a|all7b|gather|gather2|sparse18|profile"; exit 2 ;;
+  *) echo "usage: $0 table|s5|remat|sparse|all7a|all7b|gather|gather2|sparse18|split18|profile"; exit 2 ;;
 esac
 date -u +"end %Y-%m-%dT%H:%M:%SZ"

@@ -7,13 +7,16 @@
 - `gather_sparse_attention`: the same attention for per-token selections shared by a GQA group
   (SSA / NSA), one program per token and KV head over only that token's blocks, same backend.
 - `select_blocks`: MoBA / SSA per-token block selection (gate scores + running top-k fused in one
-  kernel; the score matrix never reaches HBM), same backend.
+  kernel; the score matrix never reaches HBM), same backend; `select_blocks_split` does it in two
+  kernels, `block_importance` (the gate) and `top_k_blocks` (the top-k of each row).
 """
 
 from .block_sparse_pallas import SparseBlockSizes, block_sparse_attention
 from .gather_sparse_pallas import gather_sparse_attention
-from .selection_pallas import SelectionBlockSizes, select_blocks
+from .selection_pallas import (SelectionBlockSizes, block_importance, select_blocks, select_blocks_split,
+                               top_k_blocks)
 from .windowed_pallas import BlockSizes, default_block_sizes, windowed_attention
 
-__all__ = ["BlockSizes", "SelectionBlockSizes", "SparseBlockSizes", "block_sparse_attention",
-           "default_block_sizes", "gather_sparse_attention", "select_blocks", "windowed_attention"]
+__all__ = ["BlockSizes", "SelectionBlockSizes", "SparseBlockSizes", "block_importance", "block_sparse_attention",
+           "default_block_sizes", "gather_sparse_attention", "select_blocks",
+           "select_blocks_split", "top_k_blocks", "windowed_attention"]

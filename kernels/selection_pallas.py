@@ -276,3 +276,189 @@ def select_blocks(q, k_or_kbar, *, block_size: int, top_k: int, gate: str, scale
         name=f"select_blocks_{gate}",
     )(q, kb)
     return out[:, :T, :, :S]
+
+
+# ------------------------------------------------------------------------------------------------
+# Split selection: the gate's block importance (one kernel), then the top-k of its rows (another)
+# ------------------------------------------------------------------------------------------------
+# The fused kernel above keeps a running top-k per row while it walks the chunks of block means:
+# serial, low-occupancy work. Split in two, each kernel does one simple thing at full occupancy:
+# `block_importance` writes the gate's importance [B, T, Hs, nb] (fp32; the ssa gate's [.., G, nb]
+# scores never reach HBM), and `top_k_blocks` reads each row once and takes its top-k in registers.
+
+def _top_k_kernel(x_ref, o_ref, *, k):
+    x = x_ref[...]  # [rows, n] fp32, padding at -inf
+    br, n = x.shape
+    iota = lax.broadcasted_iota(jnp.int32, (br, n), 1)
+    slot = lax.broadcasted_iota(jnp.int32, o_ref.shape, 1)
+
+    def one_pass(s, carry):  # the best entry after the previous pick (value descending, index ascending)
+        out, m, i = carry
+        below = (x < m[:, None]) | ((x == m[:, None]) & (iota > i[:, None]))
+        m, i = _best(jnp.where(below, x, -jnp.inf), iota, n)
+        return jnp.where(slot == s, jnp.where(m > -jnp.inf, i, -1)[:, None], out), m, i
+
+    out, _, _ = lax.fori_loop(0, k, one_pass, (jnp.full(o_ref.shape, -1, jnp.int32),
+                                               jnp.full((br,), jnp.inf, jnp.float32),
+                                               jnp.full((br,), -1, jnp.int32)))
+    o_ref[...] = out
+
+
+# fp32 entries of x one top-k program holds (rows x padded row length): 64 per thread at 4 warps
+TOPK_PROGRAM_ELEMENTS = 8192
+
+
+@functools.partial(jax.jit, static_argnames=("k", "block_rows", "num_warps", "interpret"))
+def top_k_blocks(x, k: int, *, block_rows: int | None = None, num_warps: int = 4, interpret: bool | None = None):
+    """Indices ``[..., min(k, n)]`` (int32) of the ``k`` largest entries of each row of ``x [..., n]``,
+    value descending, ties to the lower index, -1 where the value is -inf: what
+    ``hybrid_lm.ops.block_sparse._top_blocks`` returns (its ``passes`` method; ``-0.0`` and ``+0.0``
+    tie). One program per ``block_rows`` rows reads them once and takes ``k`` argmax passes in
+    registers (XLA's passes read the rows ``k`` times from HBM). NaN is never selected."""
+    if x.ndim < 1 or x.shape[-1] < 1:
+        raise ValueError(f"expected x [..., n] with n >= 1, got {x.shape}")
+    if k < 1:
+        raise ValueError(f"k={k} must be >= 1")
+    *lead, n = x.shape
+    k = min(int(k), n)
+    R = math.prod(lead)
+    npad = _next_pow2(n)
+    br = block_rows or max(1, min(64, TOPK_PROGRAM_ELEMENTS // npad))
+    if br & (br - 1):
+        raise ValueError(f"block_rows={br} must be a power of two")
+    Rp = -(-R // br) * br
+    if interpret is None:
+        interpret = jax.default_backend() == "cpu"
+    x2 = jnp.pad(lax.stop_gradient(x).astype(jnp.float32).reshape(R, n), ((0, Rp - R), (0, npad - n)),
+                 constant_values=-jnp.inf)
+    Sp = max(2, _next_pow2(k))
+    out = pl.pallas_call(
+        functools.partial(_top_k_kernel, k=k),
+        grid=(Rp // br,),
+        in_specs=[pl.BlockSpec((br, npad), lambda r: (r, 0))],
+        out_specs=pl.BlockSpec((br, Sp), lambda r: (r, 0)),
+        out_shape=jax.ShapeDtypeStruct((Rp, Sp), jnp.int32),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name="top_k_blocks",
+    )(x2)
+    return out[:R, :k].reshape(*lead, k)
+
+
+def _importance_kernel(q_ref, kbar_ref, o_ref, *, bq, bc, block_size, seq_len, group, gate, scale,
+                       precision):
+    q0 = pl.program_id(0) * bq
+    t = q0 + jnp.arange(bq, dtype=jnp.int32)
+    own = lax.div(t, block_size)
+    complete = lax.div(t + 1, block_size)
+    last = jnp.minimum(q0 + bq, seq_len) - 1
+    nbp = o_ref.shape[-1]
+
+    def scores(g, c0):
+        return pltriton.dot(q_ref[:, g, :].astype(jnp.float32), kbar_ref[pl.ds(c0, bc), :], trans_b=True,
+                            precision=precision)  # [bq, bc]
+
+    def cols(c0):
+        return c0 + jnp.arange(bc, dtype=jnp.int32)[None, :]
+
+    lses = []
+    if gate == "ssa":  # per query head, the online log-sum-exp over the complete blocks
+        n_lse = _cdiv(lax.div(last + 1, block_size), bc)
+        for g in range(group):
+            def lse_body(j, carry, g=g):
+                m, l = carry
+                c0 = j * bc
+                s = jnp.where(cols(c0) < complete[:, None], scores(g, c0) * scale, _MASK)
+                m_new = jnp.maximum(m, jnp.max(s, axis=1))
+                return m_new, l * jnp.exp(m - m_new) + jnp.sum(jnp.exp(s - m_new[:, None]), axis=1)
+
+            m, l = lax.fori_loop(0, n_lse, lse_body, (jnp.full((bq,), _MASK, jnp.float32),
+                                                        jnp.zeros((bq,), jnp.float32)))
+            lses.append(jnp.where(complete > 0, m + jnp.log(l), 0.0))
+
+    def chunk_body(j, carry):
+        c0 = j * bc
+        c = cols(c0)
+        past = c < own[:, None]
+        if gate == "moba":
+            imp = jnp.where(past, scores(0, c0), -jnp.inf)
+        else:
+            acc = jnp.zeros((bq, bc), jnp.float32)
+            for g in range(group):
+                s = scores(g, c0) * scale
+                acc = acc + jnp.where(past, jnp.exp(jnp.where(past, s, 0.0) - lses[g][:, None]), 0.0)
+            imp = jnp.where(past, acc, -jnp.inf)
+        o_ref[:, pl.ds(c0, bc)] = jnp.where(c == own[:, None], jnp.inf, imp)
+        return carry
+
+    n_own = _cdiv(lax.div(last, block_size) + 1, bc)  # chunks up to the tile's last own block
+    lax.fori_loop(0, n_own, chunk_body, jnp.int32(0))
+
+    def later(j, carry):  # blocks after every row's own block: never selectable
+        o_ref[:, pl.ds(j * bc, bc)] = jnp.full((bq, bc), -jnp.inf, jnp.float32)
+        return carry
+
+    lax.fori_loop(n_own, nbp // bc, later, jnp.int32(0))
+
+
+@functools.partial(jax.jit, static_argnames=("block_size", "gate", "scale", "interpret", "block_sizes", "precision"))
+def block_importance(q, kbar, *, block_size: int, gate: str, scale: float | None = None,
+                     interpret: bool | None = None, block_sizes: SelectionBlockSizes | None = None,
+                     precision=lax.Precision.DEFAULT):
+    """The gate's block importance ``[B, T, Hs, nb]`` (fp32), what
+    ``hybrid_lm.ops.block_sparse.block_importance`` gives every query token: ``+inf`` for the own
+    block, ``-inf`` for later blocks, the gate's score for complete past blocks (``ssa``: the
+    softmax probability summed over the GQA group, so ``Hs = K``; ``moba``: per head, ``Hs = H``).
+
+    ``kbar [B, nb, K, D]``: the block means (fp32, as ``block_means``). ``precision`` of the
+    in-kernel dots: DEFAULT lets the GPU round the fp32 operands to tf32 (as XLA's default fp32
+    einsum on a GPU; exact in interpret mode on the CPU), HIGHEST keeps IEEE fp32. One program per
+    (query tile, selection head, batch) runs the lse pass and the importance pass over the block
+    chunks up to its own blocks only (the causal half)."""
+    if q.ndim != 4 or kbar.ndim != 4 or kbar.shape[0] != q.shape[0] or kbar.shape[3] != q.shape[3] \
+            or q.shape[2] % kbar.shape[2]:
+        raise ValueError(f"expected q [B,T,H,D] and kbar [B,nb,K,D] with H % K == 0: q{q.shape} kbar{kbar.shape}")
+    if gate not in GATES:
+        raise ValueError(f"gate={gate!r}: choose one of {GATES}")
+    B, T, H, D = q.shape
+    nb, K = kbar.shape[1], kbar.shape[2]
+    block_size = int(block_size)
+    if block_size < 1 or nb != -(-T // block_size):
+        raise ValueError(f"kbar{kbar.shape}: expected ceil(T / block_size) = {-(-T // max(1, block_size))} blocks")
+    blocks = block_sizes or SelectionBlockSizes()
+    for b in (blocks.block_q, blocks.block_c):
+        if b < 16 or b & (b - 1):
+            raise ValueError(f"tile sizes must be powers of two >= 16, got {blocks}")
+    if interpret is None:
+        interpret = jax.default_backend() == "cpu"
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    Hs = H if gate == "moba" else K
+    G, per_kv = H // Hs, Hs // K
+    bc = min(blocks.block_c, max(16, _next_pow2(nb)))
+    Dp = max(16, _next_pow2(D))
+    bq = query_tile(blocks.block_q, T, G, bc, Dp)
+    Tp, nbp = -(-T // bq) * bq, -(-nb // bc) * bc
+    q = jnp.pad(lax.stop_gradient(q), ((0, 0), (0, Tp - T), (0, 0), (0, Dp - D))).reshape(B, Tp, Hs, G, Dp)
+    kb = jnp.pad(lax.stop_gradient(kbar).astype(jnp.float32), ((0, 0), (0, nbp - nb), (0, 0), (0, Dp - D)))
+    out = pl.pallas_call(
+        functools.partial(_importance_kernel, bq=bq, bc=bc, block_size=block_size, seq_len=T, group=G,
+                          gate=gate, scale=scale, precision=precision),
+        grid=(Tp // bq, Hs, B),
+        in_specs=[pl.BlockSpec((None, bq, None, G, Dp), lambda i, h, b: (b, i, h, 0, 0)),
+                  pl.BlockSpec((None, nbp, None, Dp), lambda i, h, b: (b, 0, h // per_kv, 0))],
+        out_specs=pl.BlockSpec((None, bq, None, nbp), lambda i, h, b: (b, i, h, 0)),
+        out_shape=jax.ShapeDtypeStruct((B, Tp, Hs, nbp), jnp.float32),
+        compiler_params=pltriton.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages),
+        interpret=interpret,
+        name=f"block_importance_{gate}",
+    )(q, kb)
+    return out[:, :T, :, :nb]
+
+
+def select_blocks_split(q, kbar, *, block_size: int, top_k: int, gate: str, scale: float | None = None,
+                        interpret: bool | None = None, precision=lax.Precision.DEFAULT):
+    """:func:`select_blocks` in two kernels: :func:`block_importance`, then :func:`top_k_blocks`.
+    ``kbar``: the block means ``[B, nb, K, D]``. Returns int32 ``[B, T, Hs, min(top_k, nb)]``."""
+    imp = block_importance(q, kbar, block_size=block_size, gate=gate, scale=scale, interpret=interpret,
+                           precision=precision)
+    return top_k_blocks(imp, int(top_k), interpret=interpret)

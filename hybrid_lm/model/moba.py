@@ -11,7 +11,9 @@ powers of two >= 16); ``auto`` = pallas on a GPU for those blocks, else xla
 Selection on the pallas path (``moba_attend(selection_impl=...)``, see :func:`selection_backend`):
 ``auto`` and ``xla`` run the reference ``ops.select_blocks``; ``fused`` runs the fused gate + top-k
 kernel for per-token selection (``hybrid_lm_kernels.select_blocks``: the ``[T, n_blocks]`` scores
-never reach HBM), exact but measured slower in an S5 train step, so not the default. Both give the
+never reach HBM), exact but measured slower in an S5 train step, so not the default; ``split`` runs
+two kernels, the gate's importance (``block_importance``) and then its rows' top-k
+(``top_k_blocks``). Both give the
 same blocks (``tests/test_kernels_selection.py``). The xla path keeps the reference's chunked
 selection + attention.
 """
@@ -62,7 +64,7 @@ class MobaOptions:
             raise ConfigError(f"{self._mixer} option selection={self.selection!r}: choose one of {ops.SELECTIONS}")
 
 
-SELECTION_IMPLS = ("auto", "fused", "xla")
+SELECTION_IMPLS = ("auto", "fused", "split", "xla")
 
 
 def selection_backend(selection_impl: str, selection: str) -> tuple[str, str]:
@@ -76,10 +78,12 @@ def selection_backend(selection_impl: str, selection: str) -> tuple[str, str]:
         raise ConfigError(f"selection_impl={selection_impl!r}: choose one of {SELECTION_IMPLS}")
     if selection_impl == "xla":
         return "xla", "selection_impl='xla' set explicitly"
-    if selection_impl == "fused":
+    if selection_impl in ("fused", "split"):
         if selection != "token":
-            raise ConfigError("selection_impl='fused' runs per-token selection only; selection='block' "
+            raise ConfigError(f"selection_impl={selection_impl!r} runs per-token selection only; selection='block' "
                               "uses the reference (ops.select_blocks)")
+        if selection_impl == "split":
+            return "split", "selection_impl='split', per-token selection: gate kernel, then top-k kernel"
         return "fused", "selection_impl='fused', per-token selection: fused gate + top-k kernel"
     if selection == "token":
         return "xla", "auto: the XLA selection (the fused kernel measured slower in a train step, docs/KERNELS.md)"
@@ -130,10 +134,14 @@ def moba_attend(q, k, v, *, block_size: int, top_k: int, gate: str, selection: s
             import hybrid_lm_kernels as kernels
         except ImportError as e:
             raise ConfigError(f"attention_impl='pallas' needs the Pallas kernels (hybrid_lm_kernels): {e}") from None
-        if sel_impl == "fused":
+        if sel_impl in ("fused", "split"):
             kbar = ops.block_means(jax.lax.stop_gradient(k), block_size)
-            idx = kernels.select_blocks(q, kbar, block_size=block_size, top_k=top_k, gate=gate, kbar=True,
-                                        interpret=interpret)
+            if sel_impl == "split":
+                idx = kernels.select_blocks_split(q, kbar, block_size=block_size, top_k=top_k, gate=gate,
+                                                  interpret=interpret)
+            else:
+                idx = kernels.select_blocks(q, kbar, block_size=block_size, top_k=top_k, gate=gate, kbar=True,
+                                            interpret=interpret)
         else:  # the reference, kept beside the kernel
             idx = ops.select_blocks(q, k, block_size=block_size, top_k=top_k, gate=gate, selection=selection)
         idx = checkpoint_name(idx, "sparse_selection")  # remat 'dots_attn' keeps it (model/transformer.py)
