@@ -265,16 +265,16 @@ def fused_table(ops, kern, interpret, Ts, B, cases, reps, inner):
 
 def split_table(ops, kern, interpret, Ts, B, reps, inner):
     """The selection's parts at S5's heads (H = 10, K = 1, D = 128), bf16, block 16, top-16, ssa
-    gate, forward: the XLA reference (``ops.select_blocks``), its importance and top-k apart, the
-    split kernels (``block_importance`` at tf32 / IEEE fp32 dots, ``top_k_blocks`` at several row
-    tiles), and the fused kernel."""
+    gate, forward: the XLA reference (``ops.select_blocks``), its importance and top-k apart, and
+    the split kernels (``block_importance`` with tf32 dots and with bf16 dots, ``top_k_blocks`` at
+    8 and 16 rows per program)."""
     H, K, D, bs, top_k, gate = 10, 1, 128, 16, 16, "ssa"
     rows = []
     print(f"\nsplit selection: B={B}, H={H}, K={K}, D={D}, block {bs}, top-{top_k}, {gate} gate, bf16; ms, "
           f"median of {reps} x {inner} calls")
-    print("| T | xla select | xla importance | xla top-k (passes) | kernel top-k rows 4 / 8 / 16 | kernel importance "
-          "tf32 / fp32 | split tf32 / fp32 | fused |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| T | xla select | xla importance | xla top-k (passes) | kernel top-k rows 8 / 16 | kernel importance "
+          "tf32 / bf16 | split tf32 / bf16 |")
+    print("|---|---|---|---|---|---|---|")
     for T in Ts:
         ks = jax.random.split(jax.random.key(T), 2)
         q = jax.random.normal(ks[0], (B, T, H, D), jnp.bfloat16)
@@ -283,35 +283,33 @@ def split_table(ops, kern, interpret, Ts, B, reps, inner):
         scale = 1.0 / math.sqrt(D)
         r = dict(T=T, B=B, H=H, K=K, D=D, block=bs, top_k=top_k, gate=gate)
         what = f"T={T}"
-        r["xla_select_ms"] = _try_ms(jax.jit(lambda q, k: ops.select_blocks(q, k, block_size=bs, top_k=top_k,
-                                                                             gate=gate)), (q, k), reps, inner, what)
         imp_fn = jax.jit(lambda q, kbar: ops.block_importance(q, kbar, jnp.arange(T), block_size=bs, gate=gate,
                                                                scale=scale))
-        r["xla_importance_ms"] = _try_ms(imp_fn, (q, kbar), reps, inner, f"{what} xla importance")
         imp = imp_fn(q, kbar)
-        r["xla_topk_ms"] = _try_ms(jax.jit(lambda x: ops._top_blocks(x, top_k, "passes")), (imp,), reps, inner,
-                                   f"{what} xla top-k")
-        for br in (4, 8, 16):
+        for dt in ("float32", "bfloat16"):
+            name = "tf32" if dt == "float32" else "bf16"
+            r[f"split_{name}_ms"] = _try_ms(jax.jit(lambda q, k, dt=dt: kern.select_blocks_split(
+                q, ops.block_means(k, bs), block_size=bs, top_k=top_k, gate=gate, interpret=interpret,
+                dot_dtype=dt)), (q, k), reps, inner, f"{what} split {name}")
+            r[f"kernel_importance_{name}_ms"] = _try_ms(jax.jit(lambda q, kbar, dt=dt: kern.block_importance(
+                q, kbar, block_size=bs, gate=gate, interpret=interpret, dot_dtype=dt)), (q, kbar), reps, inner,
+                f"{what} kernel importance {name}")
+        for br in (8, 16):
             r[f"kernel_topk_rows{br}_ms"] = _try_ms(jax.jit(lambda x, br=br: kern.top_k_blocks(
                 x, top_k, block_rows=br, interpret=interpret)), (imp,), reps, inner, f"{what} top-k rows {br}")
-        for name, prec in (("tf32", jax.lax.Precision.DEFAULT), ("fp32", jax.lax.Precision.HIGHEST)):
-            r[f"kernel_importance_{name}_ms"] = _try_ms(jax.jit(lambda q, kbar, prec=prec: kern.block_importance(
-                q, kbar, block_size=bs, gate=gate, interpret=interpret, precision=prec)), (q, kbar), reps, inner,
-                f"{what} kernel importance {name}")
-            r[f"split_{name}_ms"] = _try_ms(jax.jit(lambda q, k, prec=prec: kern.select_blocks_split(
-                q, ops.block_means(k, bs), block_size=bs, top_k=top_k, gate=gate, interpret=interpret,
-                precision=prec)), (q, k), reps, inner, f"{what} split {name}")
-        r["fused_ms"] = _try_ms(jax.jit(lambda q, k: kern.select_blocks(q, k, block_size=bs, top_k=top_k, gate=gate,
-                                                                       interpret=interpret)), (q, k), reps, inner,
-                                f"{what} fused")
+        r["xla_select_ms"] = _try_ms(jax.jit(lambda q, k: ops.select_blocks(q, k, block_size=bs, top_k=top_k,
+                                                                             gate=gate)), (q, k), reps, inner, what)
+        r["xla_importance_ms"] = _try_ms(imp_fn, (q, kbar), reps, inner, f"{what} xla importance")
+        r["xla_topk_ms"] = _try_ms(jax.jit(lambda x: ops._top_blocks(x, top_k, "passes")), (imp,), reps, inner,
+                                   f"{what} xla top-k")
         rows.append(r)
 
         def f(x):
             return "—" if x is None else f"{x:.3f}"
         print(f"| {T} | {f(r['xla_select_ms'])} | {f(r['xla_importance_ms'])} | {f(r['xla_topk_ms'])} | "
-              f"{f(r['kernel_topk_rows4_ms'])} / {f(r['kernel_topk_rows8_ms'])} / {f(r['kernel_topk_rows16_ms'])} | "
-              f"{f(r['kernel_importance_tf32_ms'])} / {f(r['kernel_importance_fp32_ms'])} | "
-              f"**{f(r['split_tf32_ms'])}** / {f(r['split_fp32_ms'])} | {f(r['fused_ms'])} |", flush=True)
+              f"{f(r['kernel_topk_rows8_ms'])} / {f(r['kernel_topk_rows16_ms'])} | "
+              f"{f(r['kernel_importance_tf32_ms'])} / {f(r['kernel_importance_bf16_ms'])} | "
+              f"**{f(r['split_tf32_ms'])}** / {f(r['split_bf16_ms'])} |", flush=True)
     return rows
 
 
@@ -356,7 +354,8 @@ def main():
     p.add_argument("--fused", action="store_true", help="the fused-vs-XLA table")
     p.add_argument("--unions", action="store_true", help="union list lengths, random vs correlated inputs")
     p.add_argument("--split", action="store_true", help="the split selection (gate kernel + top-k kernel): check + "
-                   "its table at S5 heads (with --check: the split's exactness check too)")
+                   "its table at S5 heads")
+    p.add_argument("--no-check", action="store_true", help="with --split: the table only")
     p.add_argument("--T", default="16384,32768", help="sequence lengths of the fused table")
     p.add_argument("--B", type=int, default=2)
     p.add_argument("--check-T", type=int, default=4096)
@@ -379,8 +378,9 @@ def main():
         kern = load_kernels()
         print(f"device: {result['device']}{' (Pallas interpret mode)' if interpret else ''}")
         if args.split:
-            result["check"] = [r for impl in ("split", "split@highest")
-                               for r in check(ops, kern, interpret, args.check_T, args.B, impl)]
+            if not args.no_check:
+                result["check"] = [r for impl in ("split", "split@highest")
+                                   for r in check(ops, kern, interpret, args.check_T, args.B, impl)]
             result["split"] = split_table(ops, kern, interpret, [int(t) for t in args.T.split(",")], args.B,
                                           args.reps, args.inner)
         elif args.check:

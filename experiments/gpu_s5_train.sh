@@ -11,6 +11,7 @@
 #   bash experiments/gpu_s5_train.sh gather2  # issue 18, session 8: gather as auto, union/fused beside it, S5 moba16 profile
 #   bash experiments/gpu_s5_train.sh sparse18 # issue 18: S5 full/moba16/ssa train steps + decode at 128K, one run
 #   bash experiments/gpu_s5_train.sh split18  # issue 18, session 9: the split selection kernels (check, parts), S5 steps, profile
+#   bash experiments/gpu_s5_train.sh split18b # session 9: the selection's parts timed; S5 full / ssa_split steps; ssa_split profile
 #   bash experiments/gpu_s5_train.sh all7b    # part 2: S1's slow-compiling archs, S3-S5 full/SWA/SA
 #
 # Run from the repo root (or a `git archive` of it) on the device machine with `.whl` beside or
@@ -118,10 +119,21 @@ case "${1:-table}" in
       --remat dots_attn --steps 2 --top 40 --out-dir "$OUT/profile_s5_moba16_split" 2>&1 \
       | grep -v -e "^W0000" -e "^I0000" -e "^W1201" | tail -60
     ;;
+  split18b)  # session 9, second call: the split table alone, SSA with the split selection, its profile
+    timeout 130 python3 experiments/bench_selection.py --split --no-check --T 16384 --B 2 \
+      --out "$OUT/bench_selection_split.json" 2>&1 | grep -v -e "^W1201" -e "^I0000" -e "^W0000" | grep -e "^|" -e Error
+    B 230 --scale s5 --arch full,ssa_split --remat dots_attn \
+      --batch 2 --steps 4 --compile-workers 2 --deadline 220 --out "$OUT/bench_train_s5_split18b.json"
+    left=$(( 580 - SECONDS ))
+    echo "== $left s left for the S5 ssa_split profile"
+    [ $left -gt 80 ] && timeout $left python3 experiments/profile_train.py --scale s5 --arch ssa_split --batch 2 \
+      --remat dots_attn --steps 2 --top 40 --out-dir "$OUT/profile_s5_ssa_split" 2>&1 \
+      | grep -v -e "^W0000" -e "^I0000" -e "^W1201" | tail -60
+    ;;
   profile)
     timeout 200 python3 experiments/profile_train.py --scale s3 --arch full --batch 8 \
       --steps 3 --out-dir "$OUT/profile" 2>&1 | grep -v -e "^W0000" -e "^I0000" | tail -40
     ;;
-  *) echo "usage: $0 table|s5|remat|sparse|all7a|all7b|gather|gather2|sparse18|split18|profile"; exit 2 ;;
+  *) echo "usage: $0 table|s5|remat|sparse|all7a|all7b|gather|gather2|sparse18|split18|split18b|profile"; exit 2 ;;
 esac
 date -u +"end %Y-%m-%dT%H:%M:%SZ"

@@ -346,7 +346,7 @@ def top_k_blocks(x, k: int, *, block_rows: int | None = None, num_warps: int = 4
 
 
 def _importance_kernel(q_ref, kbar_ref, o_ref, *, bq, bc, block_size, seq_len, group, gate, scale,
-                       precision):
+                       precision, dot_dtype):
     q0 = pl.program_id(0) * bq
     t = q0 + jnp.arange(bq, dtype=jnp.int32)
     own = lax.div(t, block_size)
@@ -355,8 +355,8 @@ def _importance_kernel(q_ref, kbar_ref, o_ref, *, bq, bc, block_size, seq_len, g
     nbp = o_ref.shape[-1]
 
     def scores(g, c0):
-        return pltriton.dot(q_ref[:, g, :].astype(jnp.float32), kbar_ref[pl.ds(c0, bc), :], trans_b=True,
-                            precision=precision)  # [bq, bc]
+        return pltriton.dot(q_ref[:, g, :].astype(dot_dtype), kbar_ref[pl.ds(c0, bc), :], trans_b=True,
+                            precision=precision)  # [bq, bc], fp32 accumulation
 
     def cols(c0):
         return c0 + jnp.arange(bc, dtype=jnp.int32)[None, :]
@@ -401,10 +401,14 @@ def _importance_kernel(q_ref, kbar_ref, o_ref, *, bq, bc, block_size, seq_len, g
     lax.fori_loop(n_own, nbp // bc, later, jnp.int32(0))
 
 
-@functools.partial(jax.jit, static_argnames=("block_size", "gate", "scale", "interpret", "block_sizes", "precision"))
+DOT_DTYPES = ("float32", "bfloat16")
+
+
+@functools.partial(jax.jit, static_argnames=("block_size", "gate", "scale", "interpret", "block_sizes", "precision",
+                                             "dot_dtype"))
 def block_importance(q, kbar, *, block_size: int, gate: str, scale: float | None = None,
                      interpret: bool | None = None, block_sizes: SelectionBlockSizes | None = None,
-                     precision=lax.Precision.DEFAULT):
+                     precision=lax.Precision.DEFAULT, dot_dtype: str = "float32"):
     """The gate's block importance ``[B, T, Hs, nb]`` (fp32), what
     ``hybrid_lm.ops.block_sparse.block_importance`` gives every query token: ``+inf`` for the own
     block, ``-inf`` for later blocks, the gate's score for complete past blocks (``ssa``: the
@@ -414,7 +418,10 @@ def block_importance(q, kbar, *, block_size: int, gate: str, scale: float | None
     in-kernel dots: DEFAULT lets the GPU round the fp32 operands to tf32 (as XLA's default fp32
     einsum on a GPU; exact in interpret mode on the CPU), HIGHEST keeps IEEE fp32. One program per
     (query tile, selection head, batch) runs the lse pass and the importance pass over the block
-    chunks up to its own blocks only (the causal half)."""
+    chunks up to its own blocks only (the causal half). ``dot_dtype='bfloat16'`` runs the dots on
+    bf16 operands (the block means rounded to bf16, as NSA's own kernel scores bf16 compressed
+    keys), fp32 accumulation: the scores then differ from the reference by the block means'
+    rounding."""
     if q.ndim != 4 or kbar.ndim != 4 or kbar.shape[0] != q.shape[0] or kbar.shape[3] != q.shape[3] \
             or q.shape[2] % kbar.shape[2]:
         raise ValueError(f"expected q [B,T,H,D] and kbar [B,nb,K,D] with H % K == 0: q{q.shape} kbar{kbar.shape}")
@@ -429,6 +436,8 @@ def block_importance(q, kbar, *, block_size: int, gate: str, scale: float | None
     for b in (blocks.block_q, blocks.block_c):
         if b < 16 or b & (b - 1):
             raise ValueError(f"tile sizes must be powers of two >= 16, got {blocks}")
+    if dot_dtype not in DOT_DTYPES:
+        raise ValueError(f"dot_dtype={dot_dtype!r}: choose one of {DOT_DTYPES}")
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
@@ -439,10 +448,10 @@ def block_importance(q, kbar, *, block_size: int, gate: str, scale: float | None
     bq = query_tile(blocks.block_q, T, G, bc, Dp)
     Tp, nbp = -(-T // bq) * bq, -(-nb // bc) * bc
     q = jnp.pad(lax.stop_gradient(q), ((0, 0), (0, Tp - T), (0, 0), (0, Dp - D))).reshape(B, Tp, Hs, G, Dp)
-    kb = jnp.pad(lax.stop_gradient(kbar).astype(jnp.float32), ((0, 0), (0, nbp - nb), (0, 0), (0, Dp - D)))
+    kb = jnp.pad(lax.stop_gradient(kbar).astype(dot_dtype), ((0, 0), (0, nbp - nb), (0, 0), (0, Dp - D)))
     out = pl.pallas_call(
         functools.partial(_importance_kernel, bq=bq, bc=bc, block_size=block_size, seq_len=T, group=G,
-                          gate=gate, scale=scale, precision=precision),
+                          gate=gate, scale=scale, precision=precision, dot_dtype=jnp.dtype(dot_dtype)),
         grid=(Tp // bq, Hs, B),
         in_specs=[pl.BlockSpec((None, bq, None, G, Dp), lambda i, h, b: (b, i, h, 0, 0)),
                   pl.BlockSpec((None, nbp, None, Dp), lambda i, h, b: (b, 0, h // per_kv, 0))],
@@ -456,9 +465,9 @@ def block_importance(q, kbar, *, block_size: int, gate: str, scale: float | None
 
 
 def select_blocks_split(q, kbar, *, block_size: int, top_k: int, gate: str, scale: float | None = None,
-                        interpret: bool | None = None, precision=lax.Precision.DEFAULT):
+                        interpret: bool | None = None, precision=lax.Precision.DEFAULT, dot_dtype: str = "float32"):
     """:func:`select_blocks` in two kernels: :func:`block_importance`, then :func:`top_k_blocks`.
     ``kbar``: the block means ``[B, nb, K, D]``. Returns int32 ``[B, T, Hs, min(top_k, nb)]``."""
     imp = block_importance(q, kbar, block_size=block_size, gate=gate, scale=scale, interpret=interpret,
-                           precision=precision)
+                           precision=precision, dot_dtype=dot_dtype)
     return top_k_blocks(imp, int(top_k), interpret=interpret)

@@ -212,6 +212,18 @@ def test_split_selection_equals_reference(B, T, H, K, D, block, top_k, gate, qua
     np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("gate,H,K,block", [("ssa", 8, 2, 4), ("moba", 4, 1, 8)])
+def test_split_selection_bf16_dots_on_exact_inputs(gate, H, K, block):
+    """``dot_dtype='bfloat16'``: on quantised inputs the block means are exact in bf16 (multiples of
+    1/16 below 4), so the selection is still the reference's."""
+    q, k = _inputs(7, 1, 300, H, K, 16, True)
+    kbar = ops.block_means(k, block)
+    want = np.asarray(ops.select_blocks(q, k, block_size=block, top_k=5, gate=gate))
+    got = np.asarray(jax.jit(lambda q, kbar: select_blocks_split(
+        q, kbar, block_size=block, top_k=5, gate=gate, interpret=True, dot_dtype="bfloat16"))(q, kbar))
+    np.testing.assert_array_equal(got, want)
+
+
 def test_split_selection_rejects_bad_inputs():
     q, kbar = jnp.zeros((1, 64, 4, 16)), jnp.zeros((1, 4, 2, 16))
     with pytest.raises(ValueError, match="gate"):
@@ -222,6 +234,8 @@ def test_split_selection_rejects_bad_inputs():
         block_importance(q, jnp.zeros((1, 4, 3, 16)), block_size=16, gate="ssa")
     with pytest.raises(ValueError, match="powers of two"):
         block_importance(q, kbar, block_size=16, gate="ssa", block_sizes=SelectionBlockSizes(block_c=24))
+    with pytest.raises(ValueError, match="dot_dtype"):
+        block_importance(q, kbar, block_size=16, gate="ssa", dot_dtype="float16")
     with pytest.raises(ValueError, match="k=0"):
         top_k_blocks(jnp.zeros((4, 8)), 0)
     with pytest.raises(ValueError, match="power of two"):
