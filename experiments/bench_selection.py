@@ -20,8 +20,8 @@ Modes:
   (selection + ``block_sparse_attention``) with the old (XLA) and the new (fused) selection. Also
   the mean union list length per 64-query tile of the selections.
 - ``--split``: the split selection (``block_importance`` + ``top_k_blocks``): its check (as
-  ``--check``, at tf32 and IEEE fp32 dots; tf32 may differ from the reference only between scores
-  within 2e-3), then the table of the selection's parts (``split_table``) instead of the fused table.
+  ``--check``, at tf32, IEEE fp32 and bf16 dots, ``--check-impls``; tf32 may differ from the
+  reference only between scores within 2e-3, bf16 within 1e-2), then the table of the selection's parts (``split_table``) instead of the fused table.
 - ``--unions`` (CPU is fine): union list lengths per query tile for random and for correlated
   (smooth) q, k, at ``--unions-T`` (list lengths, not time).
 - neither: the earlier table (``--cases``: per-token vs per-block XLA selection, query chunks).
@@ -86,28 +86,30 @@ def _quantised(key, shape, lo, hi, div=1.0):
     return (jax.random.randint(key, shape, lo, hi).astype(jnp.float32) / div)
 
 
-def kernel_selection(ops, kern, impl, interpret, precision=None):
+def kernel_selection(ops, kern, impl, interpret):
     """``select(q, k, bs, top_k, gate)`` of a kernel path: ``fused`` (one kernel) or ``split``
-    (gate kernel + top-k kernel; ``precision`` of its dots, default tf32 on a GPU)."""
-    prec = jax.lax.Precision.DEFAULT if precision is None else precision
+    (gate kernel + top-k kernel; ``split`` tf32 dots on a GPU, ``split@highest`` IEEE fp32,
+    ``split@bf16`` bf16 operands)."""
     if impl == "fused":
         return lambda q, k, bs, top_k, gate: kern.select_blocks(q, k, block_size=bs, top_k=top_k, gate=gate,
                                                                 interpret=interpret)
+    prec = jax.lax.Precision.HIGHEST if impl == "split@highest" else jax.lax.Precision.DEFAULT
+    dt = "bfloat16" if impl == "split@bf16" else "float32"
     return lambda q, k, bs, top_k, gate: kern.select_blocks_split(
-        q, ops.block_means(k, bs), block_size=bs, top_k=top_k, gate=gate, interpret=interpret, precision=prec)
+        q, ops.block_means(k, bs), block_size=bs, top_k=top_k, gate=gate, interpret=interpret, precision=prec,
+        dot_dtype=dt)
 
 
 # a kernel selection may differ from the reference only between scores this close (relative):
 # IEEE fp32 dots (fused, split@highest) differ in the order of accumulation; tf32 rounds the inputs
-NEAR_TIE = {"fused": 1e-5, "split@highest": 1e-5, "split": 2e-3}
+# to 10 mantissa bits, bf16 to 7
+NEAR_TIE = {"fused": 1e-5, "split@highest": 1e-5, "split": 2e-3, "split@bf16": 1e-2}
 
 
 def check(ops, kern, interpret, T, B, impl="fused"):
-    """Exactness of a kernel selection (``fused``, ``split``, ``split@highest``) against the
-    reference on this device."""
-    select = jax.jit(kernel_selection(ops, kern, impl.split("@")[0], interpret,
-                                      jax.lax.Precision.HIGHEST if impl.endswith("@highest") else None),
-                     static_argnums=(2, 3, 4))
+    """Exactness of a kernel selection (``fused``, ``split``, ``split@highest``, ``split@bf16``)
+    against the reference on this device."""
+    select = jax.jit(kernel_selection(ops, kern, impl, interpret), static_argnums=(2, 3, 4))
     rows = []
     H, K, D = 10, 1, 128
     ks = jax.random.split(jax.random.key(0), 4)
@@ -356,6 +358,9 @@ def main():
     p.add_argument("--split", action="store_true", help="the split selection (gate kernel + top-k kernel): check + "
                    "its table at S5 heads")
     p.add_argument("--no-check", action="store_true", help="with --split: the table only")
+    p.add_argument("--check-impls", default="split,split@highest,split@bf16", help="with --split: the kernel "
+                   "selections checked")
+    p.add_argument("--no-table", action="store_true", help="with --split: the check only")
     p.add_argument("--T", default="16384,32768", help="sequence lengths of the fused table")
     p.add_argument("--B", type=int, default=2)
     p.add_argument("--check-T", type=int, default=4096)
@@ -379,9 +384,9 @@ def main():
         print(f"device: {result['device']}{' (Pallas interpret mode)' if interpret else ''}")
         if args.split:
             if not args.no_check:
-                result["check"] = [r for impl in ("split", "split@highest")
+                result["check"] = [r for impl in args.check_impls.split(",")
                                    for r in check(ops, kern, interpret, args.check_T, args.B, impl)]
-            result["split"] = split_table(ops, kern, interpret, [int(t) for t in args.T.split(",")], args.B,
+            result["split"] = [] if args.no_table else split_table(ops, kern, interpret, [int(t) for t in args.T.split(",")], args.B,
                                           args.reps, args.inner)
         elif args.check:
             result["check"] = check(ops, kern, interpret, args.check_T, args.B)

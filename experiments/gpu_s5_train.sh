@@ -12,6 +12,7 @@
 #   bash experiments/gpu_s5_train.sh sparse18 # issue 18: S5 full/moba16/ssa train steps + decode at 128K, one run
 #   bash experiments/gpu_s5_train.sh split18  # issue 18, session 9: the split selection kernels (check, parts), S5 steps, profile
 #   bash experiments/gpu_s5_train.sh split18b # session 9: the selection's parts timed; S5 full / ssa_split steps; ssa_split profile
+#   bash experiments/gpu_s5_train.sh final18  # session 9, third call: the bf16 split check, then sparse18 (auto = split_bf16)
 #   bash experiments/gpu_s5_train.sh all7b    # part 2: S1's slow-compiling archs, S3-S5 full/SWA/SA
 #
 # Run from the repo root (or a `git archive` of it) on the device machine with `.whl` beside or
@@ -99,10 +100,15 @@ case "${1:-table}" in
       --remat dots_attn --steps 2 --top 40 --out-dir "$OUT/profile_s5_moba16" 2>&1 \
       | grep -v -e "^W0000" -e "^I0000" -e "^W1201" | tail -60
     ;;
+  final18)  # session 9: the bf16 split selection checked on the GPU (a short case list), then issue 18's table
+    timeout 50 python3 experiments/bench_selection.py --split --no-table --check-impls split@bf16 --check-T 2048 \
+      --out "$OUT/bench_selection_check_bf16.json" 2>&1 | grep -v -e "^W1201" -e "^I0000" -e "^W0000" | grep -e "^|" -e Error -e FAIL
+    SPARSE18_END=515
+    ;&  # then sparse18's steps, in this shell (SECONDS counts the check)
   sparse18)  # issue 18's table from one run: S5 train steps (the selection kept under dots_attn), then decode at 128K
-    B 310 --scale s5 --arch full,moba16,ssa --remat dots_attn --batch 2 --steps 4 --compile-workers 3 --deadline 295 \
+    B 290 --scale s5 --arch full,moba16,ssa --remat dots_attn --batch 2 --steps 4 --compile-workers 3 --deadline 280 \
       --out "$OUT/bench_train_s5_sparse18.json"
-    left=$(( 530 - SECONDS ))
+    left=$(( ${SPARSE18_END:-530} - SECONDS ))
     echo "== $left s left for decoding at 128K"
     [ $left -gt 40 ] && timeout $left python3 experiments/bench_decode.py --contexts 131072 \
       --layer-archs full,moba,ssa_sparse,swa,lightning --model-archs full,ssa_sparse --model-contexts 131072 \

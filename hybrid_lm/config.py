@@ -76,7 +76,7 @@ Source = Literal["embedded", "tokens"]  # tokens: a prepared token store (hybrid
 Optimizer = Literal["adamw", "muon"]  # muon: Muon for hidden matrices, AdamW for the rest (train/optim.py)
 DecayShape = Literal["linear", "cosine", "1-sqrt"]
 SparseImpl = Literal["auto", "union", "gather"]  # MoBA/SSA sparse kernel on the pallas path (model/moba.py)
-SelectionImpl = Literal["auto", "xla", "fused", "split"]  # who selects MoBA/SSA's blocks on the pallas path (model/moba.py)
+SelectionImpl = Literal["auto", "xla", "fused", "split", "split_bf16"]  # who selects MoBA/SSA's blocks on the pallas path (model/moba.py)
 LossImpl = Literal["auto", "full", "chunked"]  # resolved in hybrid_lm/backends.py (loss_backend)
 NanPolicy = Literal["stop", "skip"]  # a non-finite loss/gradient never reaches the state
 

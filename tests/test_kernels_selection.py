@@ -115,12 +115,14 @@ def test_triton_lowering_for_cuda(gate, H):
 
 
 def test_selection_backend_rules():
-    assert selection_backend("auto", "token")[0] == "xla"  # measured: the fused kernel was slower in a train step
+    assert selection_backend("auto", "token", "ssa")[0] == "split_bf16"  # measured fastest (docs/KERNELS.md)
+    assert selection_backend("auto", "token", "moba")[0] == "xla"  # the kernels are not timed on the moba gate
     assert selection_backend("fused", "token")[0] == "fused"
     assert selection_backend("split", "token")[0] == "split"
+    assert selection_backend("split_bf16", "token", "moba")[0] == "split_bf16"
     assert selection_backend("auto", "block")[0] == "xla"  # per-block: the reference
     assert selection_backend("xla", "token")[0] == "xla"
-    for impl in ("fused", "split"):
+    for impl in ("fused", "split", "split_bf16"):
         with pytest.raises(ConfigError, match="per-token selection only"):
             selection_backend(impl, "block")
     with pytest.raises(ConfigError, match="selection_impl"):
@@ -128,7 +130,8 @@ def test_selection_backend_rules():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("gate,H,K,sel", [("ssa", 4, 2, "fused"), ("moba", 2, 1, "fused"), ("ssa", 4, 2, "split")])
+@pytest.mark.parametrize("gate,H,K,sel", [("ssa", 4, 2, "fused"), ("moba", 2, 1, "fused"), ("ssa", 4, 2, "split"),
+                                          ("ssa", 4, 2, "auto")])
 def test_moba_attend_fused_selection_end_to_end(gate, H, K, sel):
     """moba_attend's pallas path with the fused selection equals the reference moba_attention
     (the xla path) in output and dq, dk, dv; the selection carries no gradient."""

@@ -9,11 +9,12 @@ powers of two >= 16); ``auto`` = pallas on a GPU for those blocks, else xla
 (``hybrid_lm.backends.moba_backend``). cuDNN and jla cannot express the mask.
 
 Selection on the pallas path (``moba_attend(selection_impl=...)``, see :func:`selection_backend`):
-``auto`` and ``xla`` run the reference ``ops.select_blocks``; ``fused`` runs the fused gate + top-k
+``xla`` runs the reference ``ops.select_blocks``; ``fused`` runs the fused gate + top-k
 kernel for per-token selection (``hybrid_lm_kernels.select_blocks``: the ``[T, n_blocks]`` scores
-never reach HBM), exact but measured slower in an S5 train step, so not the default; ``split`` runs
-two kernels, the gate's importance (``block_importance``) and then its rows' top-k
-(``top_k_blocks``). Both give the
+never reach HBM), exact but measured slower in an S5 train step; ``split`` runs two kernels, the
+gate's importance (``block_importance``, fp32 operands) and then its rows' top-k (``top_k_blocks``);
+``split_bf16`` the same with bf16 operands in the gate's dots (as NSA's top-k kernel), ``auto``'s
+choice for per-token selection with the ssa gate (see :func:`selection_backend`). Both give the
 same blocks (``tests/test_kernels_selection.py``). The xla path keeps the reference's chunked
 selection + attention.
 """
@@ -64,29 +65,36 @@ class MobaOptions:
             raise ConfigError(f"{self._mixer} option selection={self.selection!r}: choose one of {ops.SELECTIONS}")
 
 
-SELECTION_IMPLS = ("auto", "fused", "split", "xla")
+SELECTION_IMPLS = ("auto", "fused", "split", "split_bf16", "xla")
+# the kernel selections: one fused kernel, or the gate kernel then the top-k kernel (dots on fp32
+# operands, tf32 on a GPU; or on bf16 operands, as NSA's own top-k kernel scores)
+_KERNEL_SELECTIONS = ("fused", "split", "split_bf16")
 
 
-def selection_backend(selection_impl: str, selection: str) -> tuple[str, str]:
-    """``(fused | xla, reason)``: who selects the blocks on the pallas path. ``auto``: the reference
-    (``ops.select_blocks``) everywhere, by measurement: on the H200 the fused kernel made the S5
-    arch/moba.gin train step 1.57x all-full attention (docs/BENCHMARKS.md, session 6) against 1.34x
-    with the XLA selection (session 3), and with the gather kernel 602.0 against 573.7 ms in one call
-    (session 8); ``fused`` asks for the kernel (per-token selection only:
-    ``fused`` with ``selection='block'`` is refused, the kernel scores tokens)."""
+def selection_backend(selection_impl: str, selection: str, gate: str = "ssa") -> tuple[str, str]:
+    """``(fused | split | split_bf16 | xla, reason)``: who selects the blocks on the pallas path.
+
+    ``auto``, by measurement on the H200 (docs/KERNELS.md): ``split_bf16`` for per-token selection
+    with the ``ssa`` gate (S5 selection alone, T = 16K, B = 2: 1.47 ms against 3.35 ms for the XLA
+    reference and 2.50 ms for ``split``; session 9), else the reference ``ops.select_blocks``. The
+    fused kernel was slower than the XLA selection in every train step measured (sessions 6 and
+    8). The kernel selections run per-token selection only (``selection='block'`` is refused)."""
     if selection_impl not in SELECTION_IMPLS:
         raise ConfigError(f"selection_impl={selection_impl!r}: choose one of {SELECTION_IMPLS}")
     if selection_impl == "xla":
         return "xla", "selection_impl='xla' set explicitly"
-    if selection_impl in ("fused", "split"):
+    if selection_impl in _KERNEL_SELECTIONS:
         if selection != "token":
             raise ConfigError(f"selection_impl={selection_impl!r} runs per-token selection only; selection='block' "
                               "uses the reference (ops.select_blocks)")
-        if selection_impl == "split":
-            return "split", "selection_impl='split', per-token selection: gate kernel, then top-k kernel"
-        return "fused", "selection_impl='fused', per-token selection: fused gate + top-k kernel"
+        return selection_impl, {"fused": "fused gate + top-k kernel",
+                                "split": "gate kernel (fp32 operands), then top-k kernel",
+                                "split_bf16": "gate kernel (bf16 operands), then top-k kernel"}[selection_impl]
+    if selection == "token" and gate == "ssa":
+        return "split_bf16", ("auto: per-token ssa gate -> gate kernel on bf16 operands + top-k kernel (H200: "
+                              "0.44x the XLA selection's time, docs/KERNELS.md)")
     if selection == "token":
-        return "xla", "auto: the XLA selection (the fused kernel measured slower in a train step, docs/KERNELS.md)"
+        return "xla", "auto: the XLA selection for the per-head moba gate (the kernels are timed on the ssa gate)"
     return "xla", "auto: per-block selection scores nb rows (reference ops.select_blocks)"
 
 
@@ -126,7 +134,7 @@ def moba_attend(q, k, v, *, block_size: int, top_k: int, gate: str, selection: s
     tests)."""
     impl, reason = moba_backend(impl, block_size)
     if impl == "pallas":
-        sel_impl, sel_reason = selection_backend(selection_impl, selection)
+        sel_impl, sel_reason = selection_backend(selection_impl, selection, gate)
         kernel, kernel_reason = sparse_kernel_backend(sparse_impl, selection, gate)
         record_backend(f"{label} block={block_size}", impl if kernel == "union" else "pallas-gather",
                        f"{reason}; selection: {sel_reason}; kernel: {kernel_reason}")
@@ -134,11 +142,12 @@ def moba_attend(q, k, v, *, block_size: int, top_k: int, gate: str, selection: s
             import hybrid_lm_kernels as kernels
         except ImportError as e:
             raise ConfigError(f"attention_impl='pallas' needs the Pallas kernels (hybrid_lm_kernels): {e}") from None
-        if sel_impl in ("fused", "split"):
+        if sel_impl in _KERNEL_SELECTIONS:
             kbar = ops.block_means(jax.lax.stop_gradient(k), block_size)
-            if sel_impl == "split":
+            if sel_impl.startswith("split"):
                 idx = kernels.select_blocks_split(q, kbar, block_size=block_size, top_k=top_k, gate=gate,
-                                                  interpret=interpret)
+                                                  interpret=interpret,
+                                                  dot_dtype="bfloat16" if sel_impl == "split_bf16" else "float32")
             else:
                 idx = kernels.select_blocks(q, kbar, block_size=block_size, top_k=top_k, gate=gate, kbar=True,
                                             interpret=interpret)
