@@ -98,21 +98,21 @@ def _beats(v, i, wv, wi):
     return (v > -jnp.inf) & ((v > wv) | ((v == wv) & (i < wi)))
 
 
-def _select_kernel(q_ref, kbar_ref, o_ref, *, bq, bc, block_size, seq_len, top_k, group, gate,
-                   scale, precision):
+def _gate_tile(q_ref, kbar_ref, *, bq, bc, block_size, seq_len, group, gate, scale, precision,
+               dot_dtype=jnp.float32):
+    """The gate of one query tile (program 0's axis), shared by both selection kernels: runs the ssa
+    lse pass and returns ``(own, last, chunk_scores)``: each row's own block, the tile's last real
+    token, and ``chunk_scores(c0) -> (c, imp)``, the importance ``[bq, bc]`` of blocks
+    ``c = c0 ... c0 + bc - 1`` (the gate's score for past blocks, ``-inf`` elsewhere)."""
     q0 = pl.program_id(0) * bq
     t = q0 + jnp.arange(bq, dtype=jnp.int32)  # token index of each row
     own = lax.div(t, block_size)
     complete = lax.div(t + 1, block_size)  # blocks c < complete enter the ssa lse
     last = jnp.minimum(q0 + bq, seq_len) - 1  # the tile's last real token
-    Sp = o_ref.shape[-1]
-    slot = jnp.arange(Sp, dtype=jnp.int32)[None, :]
-    valid = slot < top_k
 
     def scores(g, c0):
-        qg = q_ref[:, g, :].astype(jnp.float32)
-        kb = kbar_ref[pl.ds(c0, bc), :]
-        return pltriton.dot(qg, kb, trans_b=True, precision=precision)  # [bq, bc]
+        return pltriton.dot(q_ref[:, g, :].astype(dot_dtype), kbar_ref[pl.ds(c0, bc), :], trans_b=True,
+                            precision=precision)  # [bq, bc], fp32 accumulation
 
     def cols(c0):
         return c0 + jnp.arange(bc, dtype=jnp.int32)[None, :]
@@ -134,7 +134,6 @@ def _select_kernel(q_ref, kbar_ref, o_ref, *, bq, bc, block_size, seq_len, top_k
                                                         jnp.zeros((bq,), jnp.float32)))
             lses.append(jnp.where(complete > 0, m + jnp.log(l), 0.0))
 
-    # -- pass 2: chunk scores merged into a running top-k list per row
     def chunk_scores(c0):
         c = cols(c0)
         past = c < own[:, None]
@@ -146,6 +145,18 @@ def _select_kernel(q_ref, kbar_ref, o_ref, *, bq, bc, block_size, seq_len, top_k
             acc = acc + jnp.where(past, jnp.exp(jnp.where(past, s, 0.0) - lses[g][:, None]), 0.0)
         return c, jnp.where(past, acc, -jnp.inf)
 
+    return own, last, chunk_scores
+
+
+def _select_kernel(q_ref, kbar_ref, o_ref, *, bq, bc, block_size, seq_len, top_k, group, gate,
+                   scale, precision):
+    own, last, chunk_scores = _gate_tile(q_ref, kbar_ref, bq=bq, bc=bc, block_size=block_size, seq_len=seq_len,
+                                         group=group, gate=gate, scale=scale, precision=precision)
+    Sp = o_ref.shape[-1]
+    slot = jnp.arange(Sp, dtype=jnp.int32)[None, :]
+    valid = slot < top_k
+
+    # -- pass 2: chunk scores merged into a running top-k list per row
     def chunk_body(j, carry):
         bv, bi = carry
         c, x = chunk_scores(j * bc)
@@ -201,6 +212,44 @@ def query_tile(block_q: int, seq_len: int, group: int, block_c: int, head_dim_pa
     return bq
 
 
+def _check_tiles(blocks: SelectionBlockSizes) -> None:
+    for b in (blocks.block_q, blocks.block_c):
+        if b < 16 or b & (b - 1):
+            raise ValueError(f"tile sizes must be powers of two >= 16, got {blocks}")
+
+
+def _gate_call(kernel, q, kb, *, block_size, gate, scale, precision, blocks, interpret, out_cols, out_dtype,
+               name, **kernel_args):
+    """One gate kernel over ``q [B, T, H, D]`` and block means ``kb [B, nb, K, D]`` (in their dot
+    dtype), grid (query tile, selection head, batch), with the shared padding and tiles; the
+    output ``[B, T, Hs, out_cols(nb_padded)]`` is cut back to T rows (columns are the caller's)."""
+    B, T, H, D = q.shape
+    nb, K = kb.shape[1], kb.shape[2]
+    Hs = H if gate == "moba" else K
+    G = H // Hs  # query heads per selection head: 1 (moba) or the GQA group (ssa)
+    per_kv = Hs // K  # selection heads per KV head
+    bc = min(blocks.block_c, max(16, _next_pow2(nb)))
+    Dp = max(16, _next_pow2(D))
+    bq = query_tile(blocks.block_q, T, G, bc, Dp)
+    Tp, nbp = -(-T // bq) * bq, -(-nb // bc) * bc
+    n_out = out_cols(nbp)
+    q = jnp.pad(lax.stop_gradient(q), ((0, 0), (0, Tp - T), (0, 0), (0, Dp - D))).reshape(B, Tp, Hs, G, Dp)
+    kb = jnp.pad(lax.stop_gradient(kb), ((0, 0), (0, nbp - nb), (0, 0), (0, Dp - D)))
+    out = pl.pallas_call(
+        functools.partial(kernel, bq=bq, bc=bc, block_size=block_size, seq_len=T, group=G, gate=gate,
+                          scale=scale, precision=precision, **kernel_args),
+        grid=(Tp // bq, Hs, B),
+        in_specs=[pl.BlockSpec((None, bq, None, G, Dp), lambda i, h, b: (b, i, h, 0, 0)),
+                  pl.BlockSpec((None, nbp, None, Dp), lambda i, h, b: (b, 0, h // per_kv, 0))],
+        out_specs=pl.BlockSpec((None, bq, None, n_out), lambda i, h, b: (b, i, h, 0)),
+        out_shape=jax.ShapeDtypeStruct((B, Tp, Hs, n_out), out_dtype),
+        compiler_params=pltriton.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages),
+        interpret=interpret,
+        name=name,
+    )(q, kb)
+    return out[:, :T]
+
+
 # jitted: identical calls (one per layer) lower, and compile their Triton kernels, once per program
 @functools.partial(jax.jit, static_argnames=("block_size", "top_k", "gate", "scale", "interpret", "block_sizes", "kbar", "precision"))
 def select_blocks(q, k_or_kbar, *, block_size: int, top_k: int, gate: str, scale: float | None = None,
@@ -243,39 +292,17 @@ def select_blocks(q, k_or_kbar, *, block_size: int, top_k: int, gate: str, scale
         raise ValueError(f"k_or_kbar{k_or_kbar.shape}: expected [B, {T}, K, D] keys or [B, {nb}, K, D] "
                          "block means")
     blocks = block_sizes or SelectionBlockSizes()
-    for b in (blocks.block_q, blocks.block_c):
-        if b < 16 or b & (b - 1):
-            raise ValueError(f"tile sizes must be powers of two >= 16, got {blocks}")
+    _check_tiles(blocks)
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    q = lax.stop_gradient(q)
     kb = lax.stop_gradient(k_or_kbar).astype(jnp.float32) if kbar else block_means(
         lax.stop_gradient(k_or_kbar), block_size)
     S = min(top_k, nb)
-    Hs = H if gate == "moba" else K
-    G = H // Hs  # query heads per selection head: 1 (moba) or the GQA group (ssa)
-    per_kv = Hs // K  # selection heads per KV head
-    bc = min(blocks.block_c, max(16, _next_pow2(nb)))
-    Dp = max(16, _next_pow2(D))
-    bq = query_tile(blocks.block_q, T, G, bc, Dp)
-    Tp, nbp = -(-T // bq) * bq, -(-nb // bc) * bc
-    Sp = max(2, _next_pow2(S))
-    q = jnp.pad(q, ((0, 0), (0, Tp - T), (0, 0), (0, Dp - D))).reshape(B, Tp, Hs, G, Dp)
-    kb = jnp.pad(kb, ((0, 0), (0, nbp - nb), (0, 0), (0, Dp - D)))
-    out = pl.pallas_call(
-        functools.partial(_select_kernel, bq=bq, bc=bc, block_size=block_size, seq_len=T, top_k=S,
-                          group=G, gate=gate, scale=scale, precision=precision),
-        grid=(Tp // bq, Hs, B),
-        in_specs=[pl.BlockSpec((None, bq, None, G, Dp), lambda i, h, b: (b, i, h, 0, 0)),
-                  pl.BlockSpec((None, nbp, None, Dp), lambda i, h, b: (b, 0, h // per_kv, 0))],
-        out_specs=pl.BlockSpec((None, bq, None, Sp), lambda i, h, b: (b, i, h, 0)),
-        out_shape=jax.ShapeDtypeStruct((B, Tp, Hs, Sp), jnp.int32),
-        compiler_params=pltriton.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages),
-        interpret=interpret,
-        name=f"select_blocks_{gate}",
-    )(q, kb)
-    return out[:, :T, :, :S]
+    out = _gate_call(_select_kernel, q, kb, block_size=block_size, gate=gate, scale=scale, precision=precision,
+                     blocks=blocks, interpret=interpret, out_cols=lambda _: max(2, _next_pow2(S)),
+                     out_dtype=jnp.int32, name=f"select_blocks_{gate}", top_k=S)
+    return out[..., :S]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -347,48 +374,14 @@ def top_k_blocks(x, k: int, *, block_rows: int | None = None, num_warps: int = 4
 
 def _importance_kernel(q_ref, kbar_ref, o_ref, *, bq, bc, block_size, seq_len, group, gate, scale,
                        precision, dot_dtype):
-    q0 = pl.program_id(0) * bq
-    t = q0 + jnp.arange(bq, dtype=jnp.int32)
-    own = lax.div(t, block_size)
-    complete = lax.div(t + 1, block_size)
-    last = jnp.minimum(q0 + bq, seq_len) - 1
+    own, last, chunk_scores = _gate_tile(q_ref, kbar_ref, bq=bq, bc=bc, block_size=block_size, seq_len=seq_len,
+                                         group=group, gate=gate, scale=scale, precision=precision,
+                                         dot_dtype=dot_dtype)
     nbp = o_ref.shape[-1]
 
-    def scores(g, c0):
-        return pltriton.dot(q_ref[:, g, :].astype(dot_dtype), kbar_ref[pl.ds(c0, bc), :], trans_b=True,
-                            precision=precision)  # [bq, bc], fp32 accumulation
-
-    def cols(c0):
-        return c0 + jnp.arange(bc, dtype=jnp.int32)[None, :]
-
-    lses = []
-    if gate == "ssa":  # per query head, the online log-sum-exp over the complete blocks
-        n_lse = _cdiv(lax.div(last + 1, block_size), bc)
-        for g in range(group):
-            def lse_body(j, carry, g=g):
-                m, l = carry
-                c0 = j * bc
-                s = jnp.where(cols(c0) < complete[:, None], scores(g, c0) * scale, _MASK)
-                m_new = jnp.maximum(m, jnp.max(s, axis=1))
-                return m_new, l * jnp.exp(m - m_new) + jnp.sum(jnp.exp(s - m_new[:, None]), axis=1)
-
-            m, l = lax.fori_loop(0, n_lse, lse_body, (jnp.full((bq,), _MASK, jnp.float32),
-                                                        jnp.zeros((bq,), jnp.float32)))
-            lses.append(jnp.where(complete > 0, m + jnp.log(l), 0.0))
-
     def chunk_body(j, carry):
-        c0 = j * bc
-        c = cols(c0)
-        past = c < own[:, None]
-        if gate == "moba":
-            imp = jnp.where(past, scores(0, c0), -jnp.inf)
-        else:
-            acc = jnp.zeros((bq, bc), jnp.float32)
-            for g in range(group):
-                s = scores(g, c0) * scale
-                acc = acc + jnp.where(past, jnp.exp(jnp.where(past, s, 0.0) - lses[g][:, None]), 0.0)
-            imp = jnp.where(past, acc, -jnp.inf)
-        o_ref[:, pl.ds(c0, bc)] = jnp.where(c == own[:, None], jnp.inf, imp)
+        c, imp = chunk_scores(j * bc)
+        o_ref[:, pl.ds(j * bc, bc)] = jnp.where(c == own[:, None], jnp.inf, imp)
         return carry
 
     n_own = _cdiv(lax.div(last, block_size) + 1, bc)  # chunks up to the tile's last own block
@@ -433,35 +426,16 @@ def block_importance(q, kbar, *, block_size: int, gate: str, scale: float | None
     if block_size < 1 or nb != -(-T // block_size):
         raise ValueError(f"kbar{kbar.shape}: expected ceil(T / block_size) = {-(-T // max(1, block_size))} blocks")
     blocks = block_sizes or SelectionBlockSizes()
-    for b in (blocks.block_q, blocks.block_c):
-        if b < 16 or b & (b - 1):
-            raise ValueError(f"tile sizes must be powers of two >= 16, got {blocks}")
+    _check_tiles(blocks)
     if dot_dtype not in DOT_DTYPES:
         raise ValueError(f"dot_dtype={dot_dtype!r}: choose one of {DOT_DTYPES}")
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    Hs = H if gate == "moba" else K
-    G, per_kv = H // Hs, Hs // K
-    bc = min(blocks.block_c, max(16, _next_pow2(nb)))
-    Dp = max(16, _next_pow2(D))
-    bq = query_tile(blocks.block_q, T, G, bc, Dp)
-    Tp, nbp = -(-T // bq) * bq, -(-nb // bc) * bc
-    q = jnp.pad(lax.stop_gradient(q), ((0, 0), (0, Tp - T), (0, 0), (0, Dp - D))).reshape(B, Tp, Hs, G, Dp)
-    kb = jnp.pad(lax.stop_gradient(kbar).astype(dot_dtype), ((0, 0), (0, nbp - nb), (0, 0), (0, Dp - D)))
-    out = pl.pallas_call(
-        functools.partial(_importance_kernel, bq=bq, bc=bc, block_size=block_size, seq_len=T, group=G,
-                          gate=gate, scale=scale, precision=precision, dot_dtype=jnp.dtype(dot_dtype)),
-        grid=(Tp // bq, Hs, B),
-        in_specs=[pl.BlockSpec((None, bq, None, G, Dp), lambda i, h, b: (b, i, h, 0, 0)),
-                  pl.BlockSpec((None, nbp, None, Dp), lambda i, h, b: (b, 0, h // per_kv, 0))],
-        out_specs=pl.BlockSpec((None, bq, None, nbp), lambda i, h, b: (b, i, h, 0)),
-        out_shape=jax.ShapeDtypeStruct((B, Tp, Hs, nbp), jnp.float32),
-        compiler_params=pltriton.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages),
-        interpret=interpret,
-        name=f"block_importance_{gate}",
-    )(q, kb)
-    return out[:, :T, :, :nb]
+    out = _gate_call(_importance_kernel, q, kbar.astype(dot_dtype), block_size=block_size, gate=gate, scale=scale,
+                     precision=precision, blocks=blocks, interpret=interpret, out_cols=lambda nbp: nbp,
+                     out_dtype=jnp.float32, name=f"block_importance_{gate}", dot_dtype=jnp.dtype(dot_dtype))
+    return out[..., :nb]
 
 
 def select_blocks_split(q, kbar, *, block_size: int, top_k: int, gate: str, scale: float | None = None,
