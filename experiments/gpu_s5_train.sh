@@ -22,6 +22,9 @@ export HYBRID_LM_COMPILATION_CACHE=off
 unset JAX_COMPILATION_CACHE_DIR
 date -u +"start %Y-%m-%dT%H:%M:%SZ"; nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv,noheader
 ARCHS=full,swa,sa,sa_swa,lightning,mamba2,gdn
+# PROF seconds arch: a jax.profiler trace of 2 S5 steps at B 2 under dots_attn, with its top-40 kernel table
+PROF() { timeout "$1" python3 experiments/profile_train.py --scale s5 --arch "$2" --batch 2 --remat dots_attn \
+  --steps 2 --top 40 --out-dir "$OUT/profile_s5_$2" 2>&1 | grep -v -e "^W0000" -e "^I0000" -e "^W1201" | tail -60; }
 B() { timeout "$1" python3 experiments/bench_train.py "${@:2}" 2>&1 | grep -v -e gin_param -e "^W1201" -e "slow_operation" \
   -e "Constant folding" -e "isn.t necessarily" -e "If you.d like" -e "reduce-window" -e "%map" -e "^$"; }
 
@@ -96,9 +99,7 @@ case "${1:-table}" in
       --batch 2 --steps 4 --compile-workers 6 --deadline 285 --out "$OUT/bench_train_s5_gather2.json"
     left=$(( 575 - SECONDS ))
     echo "== $left s left for the S5 moba16 profile"
-    [ $left -gt 80 ] && timeout $left python3 experiments/profile_train.py --scale s5 --arch moba16 --batch 2 \
-      --remat dots_attn --steps 2 --top 40 --out-dir "$OUT/profile_s5_moba16" 2>&1 \
-      | grep -v -e "^W0000" -e "^I0000" -e "^W1201" | tail -60
+    [ $left -gt 80 ] && PROF $left moba16
     ;;
   final18)  # session 9: the bf16 split selection checked on the GPU (a short case list), then issue 18's table
     timeout 50 python3 experiments/bench_selection.py --split --no-table --check-impls split@bf16 --check-T 2048 \
@@ -121,9 +122,7 @@ case "${1:-table}" in
       --batch 2 --steps 4 --compile-workers 3 --deadline 285 --out "$OUT/bench_train_s5_split18.json"
     left=$(( 575 - SECONDS ))
     echo "== $left s left for the S5 moba16_split profile"
-    [ $left -gt 80 ] && timeout $left python3 experiments/profile_train.py --scale s5 --arch moba16_split --batch 2 \
-      --remat dots_attn --steps 2 --top 40 --out-dir "$OUT/profile_s5_moba16_split" 2>&1 \
-      | grep -v -e "^W0000" -e "^I0000" -e "^W1201" | tail -60
+    [ $left -gt 80 ] && PROF $left moba16_split
     ;;
   split18b)  # session 9, second call: the split table alone, SSA with the split selection, its profile
     timeout 130 python3 experiments/bench_selection.py --split --no-check --T 16384 --B 2 \
@@ -132,9 +131,7 @@ case "${1:-table}" in
       --batch 2 --steps 4 --compile-workers 2 --deadline 220 --out "$OUT/bench_train_s5_split18b.json"
     left=$(( 580 - SECONDS ))
     echo "== $left s left for the S5 ssa_split profile"
-    [ $left -gt 80 ] && timeout $left python3 experiments/profile_train.py --scale s5 --arch ssa_split --batch 2 \
-      --remat dots_attn --steps 2 --top 40 --out-dir "$OUT/profile_s5_ssa_split" 2>&1 \
-      | grep -v -e "^W0000" -e "^I0000" -e "^W1201" | tail -60
+    [ $left -gt 80 ] && PROF $left ssa_split
     ;;
   profile)
     timeout 200 python3 experiments/profile_train.py --scale s3 --arch full --batch 8 \
