@@ -13,6 +13,7 @@
 #   bash experiments/gpu_s5_train.sh split18  # issue 18, session 9: the split selection kernels (check, parts), S5 steps, profile
 #   bash experiments/gpu_s5_train.sh split18b # session 9: the selection's parts timed; S5 full / ssa_split steps; ssa_split profile
 #   bash experiments/gpu_s5_train.sh final18  # session 9, third call: the bf16 split check, then sparse18 (auto = split_bf16)
+#   bash experiments/gpu_s5_train.sh rest17a  # issue 17's missing table cells, 4 calls (a-d), each scale with its full row
 #   bash experiments/gpu_s5_train.sh all7b    # part 2: S1's slow-compiling archs, S3-S5 full/SWA/SA
 #
 # Run from the repo root (or a `git archive` of it) on the device machine with `.whl` beside or
@@ -133,10 +134,23 @@ case "${1:-table}" in
     echo "== $left s left for the S5 ssa_split profile"
     [ $left -gt 80 ] && PROF $left ssa_split
     ;;
+  rest17a|rest17b|rest17c|rest17d)  # issue 17: the cells session 7 did not compile (<= 3 compile workers a process)
+    case "$1" in
+      rest17a) plan="s2:full,sa_swa,lightning,mamba2,gdn:280 s3:full,swa,sa:240" ;;
+      rest17b) plan="s3:sa_swa,lightning,mamba2,gdn:280 s4:full,sa_swa,lightning:240" ;;
+      rest17c) plan="s4:mamba2,gdn:230 s5:full,swa,sa_swa:290" ;;
+      rest17d) plan="s5:full,lightning,mamba2,gdn:520" ;;
+    esac
+    for item in $plan; do
+      IFS=: read -r scale archs secs <<< "$item"
+      B $(( secs + 10 )) --scale $scale --arch $archs --remat dots_attn --batch 8 --steps 5 --compile-workers 3 \
+        --deadline $secs --out "$OUT/bench_train_${scale}_$1.json"
+    done
+    ;;
   profile)
     timeout 200 python3 experiments/profile_train.py --scale s3 --arch full --batch 8 \
       --steps 3 --out-dir "$OUT/profile" 2>&1 | grep -v -e "^W0000" -e "^I0000" | tail -40
     ;;
-  *) echo "usage: $0 table|s5|remat|sparse|all7a|all7b|gather|gather2|sparse18|split18|split18b|profile"; exit 2 ;;
+  *) echo "usage: $0 table|s5|remat|sparse|all7a|all7b|gather|gather2|sparse18|split18|split18b|final18|rest17a-d|profile"; exit 2 ;;
 esac
 date -u +"end %Y-%m-%dT%H:%M:%SZ"
