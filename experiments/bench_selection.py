@@ -376,6 +376,9 @@ def main():
     p.add_argument("--chunks", default="0", help="query_chunk values (0 = default)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    bad = [i for i in args.check_impls.split(",") if i not in NEAR_TIE or i == "fused"]
+    if bad:
+        p.error(f"--check-impls: unknown {bad}; choose from {[i for i in NEAR_TIE if i != 'fused']}")
     ops = load_ops()
     result = dict(device=jax.devices()[0].device_kind)
     interpret = args.interpret or jax.default_backend() == "cpu"

@@ -96,3 +96,17 @@ def test_bench_selection_fused_check(tmp_path):
     assert r["check"] and all(row["ok"] for row in r["check"])
     assert [(row["T"], row["gate"]) for row in r["fused"]] == [(128, "ssa")]
     assert r["fused"][0]["fused_ms"] > 0 and r["fused"][0]["attend_fused_sel_ms"] > 0
+
+
+@pytest.mark.slow
+def test_bench_selection_split_check_and_table(tmp_path):
+    """bench_selection --split: the split kernels' selections == the reference (interpret mode), then
+    the table of the selection's parts."""
+    out = tmp_path / "selection_split.json"
+    _run(["experiments/bench_selection.py", "--split", "--check-T", "64", "--T", "128", "--B", "1",
+          "--check-impls", "split,split@bf16", "--reps", "1", "--inner", "1", "--out", str(out)], tmp_path)
+    r = json.loads(out.read_text())
+    assert {row["impl"] for row in r["check"]} == {"split", "split@bf16"} and all(row["ok"] for row in r["check"])
+    (row,) = r["split"]
+    assert row["T"] == 128 and all(row[k] > 0 for k in ("xla_select_ms", "split_tf32_ms", "split_bf16_ms",
+                                                         "kernel_topk_rows8_ms"))
