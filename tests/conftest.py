@@ -7,13 +7,6 @@ import pytest
 # One CPU device per test process; the sharding tests set their own device count in subprocesses.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HYBRID_LM_COMPILATION_CACHE", "off")  # never the user's ~/.cache/hybrid_lm/jax
-# Most of the suite's time is XLA compiling tiny programs. The CPU backend without LLVM's optimisation
-# passes compiles them in about half the time (tests/test_scan_layers.py alone: 264 -> 169 s on 2
-# cores, session 9) and runs programs that compute the same operations. Tests compare
-# implementations run under the same flags, so what they check is unchanged. Set XLA_FLAGS yourself
-# to run the suite otherwise; subprocesses inherit it (test_sharding appends its device count).
-XLA_TEST_FLAGS = "--xla_backend_optimization_level=0"
-os.environ.setdefault("XLA_FLAGS", XLA_TEST_FLAGS)
 
 # One persistent compilation cache for this test run, in a fresh temp dir: many tests compile the same
 # tiny model (most of a tiny train is XLA's compile), so a program compiled by one test, xdist worker or

@@ -73,8 +73,7 @@ GOLDEN_MIXED = {  # logical axes -> (data=2, fsdp=2, tensor=2) under the default
 
 
 def _env(n_devices):
-    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={n_devices}".strip()
-    return dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
+    return dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={n_devices}", JAX_PLATFORMS="cpu")
 
 
 def _result(out):
