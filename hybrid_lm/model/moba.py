@@ -14,8 +14,9 @@ kernel for per-token selection (``hybrid_lm_kernels.select_blocks``: the ``[T, n
 never reach HBM), exact but measured slower in an S5 train step; ``split`` runs two kernels, the
 gate's importance (``block_importance``, fp32 operands) and then its rows' top-k (``top_k_blocks``);
 ``split_bf16`` the same with bf16 operands in the gate's dots (as NSA's top-k kernel), ``auto``'s
-choice for per-token selection with the ssa gate (see :func:`selection_backend`). Both give the
-same blocks (``tests/test_kernels_selection.py``). The xla path keeps the reference's chunked
+choice for per-token selection with the ssa gate (see :func:`selection_backend`). The kernels give
+the reference's blocks up to near-ties of the scores (bf16 operands round the block means;
+``tests/test_kernels_selection.py``, ``experiments/bench_selection.py --check / --split``). The xla path keeps the reference's chunked
 selection + attention.
 """
 
