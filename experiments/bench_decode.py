@@ -130,7 +130,8 @@ def bench_model(scale, arch, context, batch, steps, reps, dtype):
 
 def bench_sparse_parts(context, batch, heads, kv_heads, head_dim, block, top_k, steps, reps, dtype):
     """The parts of one MoBA/SSA decode read at cache length ``context``: the gate's scores, its
-    top-k (sort vs argmax passes), the attention over the selected blocks, the block-sum update."""
+    top-k (sort vs argmax passes; on a GPU the top-k kernel too), the attention over the selected
+    blocks (XLA; on a GPU the decode kernel too), the block-sum update."""
     from hybrid_lm.ops import block_sparse as bs
 
     ks = jax.random.split(jax.random.key(4), 4)
@@ -150,6 +151,16 @@ def bench_sparse_parts(context, batch, heads, kv_heads, head_dim, block, top_k, 
         "top-k passes": lambda c: c + bs.top_k_by_passes(imp0 + c, top_k)[0][..., :1].sum() * 0,
         "attend selected": lambda c: c + bs.decode_attend(q + c.astype(dtype), kc, vc, idx0, pos,
                                                           block_size=block)[..., :1].sum(),
+    }
+    if jax.default_backend() == "gpu":  # the kernels moba_read takes on a GPU (backends.sparse_decode_backend)
+        import hybrid_lm_kernels as kernels
+        parts |= {
+            "top-k kernel": lambda c: c + (kernels.top_k_blocks(imp0[:, 0] + c, top_k)[..., :1].sum() * 0
+                                           ).astype(jnp.float32),
+            "attend kernel": lambda c: c + kernels.gather_decode_attention(
+                q[:, 0] + c.astype(dtype), kc, vc, idx0[:, 0], pos, block_size=block)[..., :1].sum(),
+        }
+    parts |= {
         "block-sum update": None,
     }
     out = []

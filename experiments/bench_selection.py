@@ -38,6 +38,7 @@ import importlib
 import importlib.util
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -315,6 +316,55 @@ def split_table(ops, kern, interpret, Ts, B, reps, inner):
     return rows
 
 
+def split_sweep(ops, kern, interpret, T, B, reps, inner, tiles, topk_launches):
+    """Launch sweep of the split kernels at S5's heads (as :func:`split_table`), bf16 dots:
+    ``block_importance`` per ``tiles`` (``q<block_q>c<block_c>w<warps>s<stages>[h]``, ``h`` = query
+    tiles hoisted), then ``top_k_blocks`` per ``topk_launches`` (``r<rows>w<warps>``). Each row
+    is one launch's ms (median of reps x inner calls); the fastest of each kernel is marked."""
+    H, K, D, bs, top_k, gate = 10, 1, 128, 16, 16, "ssa"
+    parsed = [(name, re.fullmatch(r"q(\d+)c(\d+)w(\d+)s(\d+)(h?)", name)) for name in tiles.split(",")]
+    launches = [(name, re.fullmatch(r"r(\d+)w(\d+)", name)) for name in topk_launches.split(",")]
+    bad = [n for n, m in parsed + launches if m is None]
+    if bad:
+        raise SystemExit(f"bad launches {bad}: expected q<block_q>c<block_c>w<warps>s<stages>[h] (gate) and "
+                         "r<rows>w<warps> (top-k)")
+    ks = jax.random.split(jax.random.key(T), 2)
+    q = jax.random.normal(ks[0], (B, T, H, D), jnp.bfloat16)
+    kbar = jax.jit(lambda k: ops.block_means(k, bs))(jax.random.normal(ks[1], (B, T, K, D), jnp.bfloat16))
+    imp = jax.jit(lambda q, kbar: kern.block_importance(q, kbar, block_size=bs, gate=gate, interpret=interpret,
+                                                        dot_dtype="bfloat16"))(q, kbar)
+    rows = []
+    print(f"\nsplit-kernel launch sweep: T={T} B={B} H={H} K={K} D={D}, block {bs}, top-{top_k}, {gate} gate")
+    print("| kernel | launch | rows per program | ms |")
+    print("|---|---|---|---|")
+    for name, m in parsed:
+        bq, bc, w, st, h = m.groups()
+        blocks = kern.SelectionBlockSizes(block_q=int(bq), block_c=int(bc), num_warps=int(w), num_stages=int(st),
+                                          hoist_q=bool(h))
+        used = kern.selection_pallas.query_tile(int(bq), T, H // K, min(int(bc), 1 << (T // bs - 1).bit_length()),
+                                                D, 2)
+        ms = _try_ms(jax.jit(lambda q, kbar, blocks=blocks: kern.block_importance(
+            q, kbar, block_size=bs, gate=gate, interpret=interpret, dot_dtype="bfloat16", block_sizes=blocks)),
+            (q, kbar), reps, inner, f"importance {name}")
+        rows.append(dict(kernel="block_importance", launch=name, rows=used, ms=ms))
+    for name, m in launches:
+        br, w = (int(x) for x in m.groups())
+        ms = _try_ms(jax.jit(lambda x, br=br, w=w: kern.top_k_blocks(x, top_k, block_rows=br, num_warps=w,
+                                                                       interpret=interpret)),
+                     (imp,), reps, inner, f"top-k {name}")
+        rows.append(dict(kernel="top_k_blocks", launch=name, rows=br, ms=ms))
+    for kernel in ("block_importance", "top_k_blocks"):
+        timed = [r for r in rows if r["kernel"] == kernel and r["ms"] is not None]
+        best = min(timed, key=lambda r: r["ms"]) if timed else None
+        for r in rows:
+            if r["kernel"] == kernel:
+                r["fastest"] = r is best
+                ms = "—" if r["ms"] is None else f"{r['ms']:.3f}"
+                print(f"| {kernel} | {r['launch']} | {r['rows']} | {'**' + ms + '**' if r['fastest'] else ms} |",
+                      flush=True)
+    return rows
+
+
 # ----------------------------------------------------------------------------- the earlier table
 
 def xla_table(ops, args):
@@ -361,6 +411,10 @@ def main():
     p.add_argument("--check-impls", default="split,split@highest,split@bf16", help="with --split: the kernel "
                    "selections checked")
     p.add_argument("--no-table", action="store_true", help="with --split: the check only")
+    p.add_argument("--sweep", default=None, metavar="TILES", help="with --split: a launch sweep of the bf16 gate "
+                   "kernel over these tiles (q16c64w4s2,q32c64w4s2h,...; h = hoisted query tiles), then of the "
+                   "top-k kernel over --sweep-topk, at T = the first of --T")
+    p.add_argument("--sweep-topk", default="r8w4,r4w4,r4w2,r2w2,r8w8", help="top-k launches r<rows>w<warps>")
     p.add_argument("--T", default="16384,32768", help="sequence lengths of the fused table")
     p.add_argument("--B", type=int, default=2)
     p.add_argument("--check-T", type=int, default=4096)
@@ -389,6 +443,9 @@ def main():
             if not args.no_check:
                 result["check"] = [r for impl in args.check_impls.split(",")
                                    for r in check(ops, kern, interpret, args.check_T, args.B, impl)]
+            if args.sweep:
+                result["sweep"] = split_sweep(ops, kern, interpret, int(args.T.split(",")[0]), args.B, args.reps,
+                                              args.inner, args.sweep, args.sweep_topk)
             result["split"] = [] if args.no_table else split_table(ops, kern, interpret, [int(t) for t in args.T.split(",")], args.B,
                                           args.reps, args.inner)
         elif args.check:

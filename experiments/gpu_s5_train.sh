@@ -13,6 +13,7 @@
 #   bash experiments/gpu_s5_train.sh split18  # issue 18, session 9: the split selection kernels (check, parts), S5 steps, profile
 #   bash experiments/gpu_s5_train.sh split18b # session 9: the selection's parts timed; S5 full / ssa_split steps; ssa_split profile
 #   bash experiments/gpu_s5_train.sh final18  # session 9, third call: the bf16 split check, then sparse18 (auto = split_bf16)
+#   bash experiments/gpu_s5_train.sh tune18   # session 10: bf16 split check, decode kernels (check, table), launch sweeps
 #   bash experiments/gpu_s5_train.sh rest17a  # issue 17's missing table cells, 4 calls (a-d), each scale with its full row
 #   bash experiments/gpu_s5_train.sh all7b    # part 2: S1's slow-compiling archs, S3-S5 full/SWA/SA
 #
@@ -134,6 +135,23 @@ case "${1:-table}" in
     echo "== $left s left for the S5 ssa_split profile"
     [ $left -gt 80 ] && PROF $left ssa_split
     ;;
+  tune18)  # session 10: bf16 split check; decode on the kernels (check, 128K table, parts); launch sweeps of the
+    # split selection's kernels and of the gather kernel (S5 heads, T = 16K, B = 2)
+    F() { grep -v -e "^W1201" -e "^I0000" -e "^W0000" -e "^W1202" -e "^I1202"; }
+    timeout 150 python3 experiments/bench_selection.py --split --no-table --check-impls split@bf16 --check-T 2048 \
+      --out "$OUT/bench_selection_check_bf16.json" 2>&1 | F | grep -e "^|" -e Error -e FAIL -e check
+    timeout 90 python3 experiments/bench_decode.py --check --check-archs moba,ssa_sparse \
+      --out "$OUT/bench_decode_check.json" 2>&1 | F | tail -4
+    timeout 150 python3 experiments/bench_decode.py --contexts 131072 --layer-archs full,moba,ssa_sparse,swa \
+      --model-archs full,ssa_sparse --parts --steps 32 --reps 5 --out "$OUT/bench_decode_tune18.json" 2>&1 | F | tail -20
+    timeout 120 python3 experiments/bench_selection.py --split --no-check --no-table --T 16384 --B 2 --reps 3 \
+      --sweep q16c64w4s2,q16c64w4s2h,q32c64w4s2,q32c64w4s2h,q16c32w4s2,q16c128w4s2,q32c32w4s2,q32c128w4s2,q16c64w2s2,q16c64w8s2,q32c64w8s2,q32c64w8s2h,q16c64w4s1,q16c64w4s3,q32c64w4s3,q32c128w8s2 \
+      --sweep-topk r8w4,r4w4,r4w2,r2w2,r8w8,r16w8,r2w1 --out "$OUT/bench_selection_sweep.json" 2>&1 | F | grep -e "^|" -e Error
+    left=$(( 570 - SECONDS ))
+    echo "== $left s left for the gather kernel's launches"
+    [ $left -gt 40 ] && timeout $left python3 experiments/bench_gather_sparse.py --T 16384 --B 2 \
+      --configs t1w1s2,t1w1s3,t1w1s3c128,t1w1s2c128,t1w2s3 --out "$OUT/bench_gather_tune18.json" 2>&1 | F | grep -e "^|" -e Error
+    ;;
   rest17a|rest17b|rest17c|rest17d)  # issue 17: the cells session 7 did not compile (<= 3 compile workers a process)
     case "$1" in
       rest17a) plan="s2:full,sa_swa,lightning,mamba2,gdn:280 s3:full,swa,sa:240" ;;
@@ -151,6 +169,6 @@ case "${1:-table}" in
     timeout 200 python3 experiments/profile_train.py --scale s3 --arch full --batch 8 \
       --steps 3 --out-dir "$OUT/profile" 2>&1 | grep -v -e "^W0000" -e "^I0000" | tail -40
     ;;
-  *) echo "usage: $0 table|s5|remat|sparse|all7a|all7b|gather|gather2|sparse18|split18|split18b|final18|rest17a-d|profile"; exit 2 ;;
+  *) echo "usage: $0 table|s5|remat|sparse|all7a|all7b|gather|gather2|sparse18|split18|split18b|final18|tune18|rest17a-d|profile"; exit 2 ;;
 esac
 date -u +"end %Y-%m-%dT%H:%M:%SZ"

@@ -5,6 +5,7 @@ One function per op family, each returning ``(backend, reason)``:
 - :func:`attention_backend`: causal softmax attention (full, SWA, SA's permuted band);
 - :func:`moba_backend`: MoBA's block-sparse attention (the ``moba`` mixer and SSA's sparse stream);
 - :func:`topk_method`: the top-k of the block selection (sort or argmax passes);
+- :func:`sparse_decode_backend`: MoBA / SSA-sparse decoding (our kernels or the reference);
 - :func:`linear_attention_backend`: the linear-attention ops of lightning / mamba2 / gdn.
 
 :func:`check_document_mask` says whether a model can run with ``DataConfig.document_mask`` (the
@@ -223,6 +224,23 @@ def topk_method(method: str, k: int, n: int, platform: str | None = None) -> tup
     if k <= PASSES_MAX_K and n >= PASSES_MIN_RATIO * k:
         return "passes", f"auto: k={k} <= {PASSES_MAX_K} and n={n} >= {PASSES_MIN_RATIO}k"
     return "sort", f"auto: k={k} > {PASSES_MAX_K} or n={n} < {PASSES_MIN_RATIO}k"
+
+
+def sparse_decode_backend(block_size: int, cache_len: int, head_dim: int,
+                          platform: str | None = None) -> tuple[str, str]:
+    """``(backend, reason)`` for one MoBA / SSA-sparse decoding read: ``pallas`` (the top-k kernel,
+    then the gather decode kernel over the selected blocks) on a GPU when the kernels take the cache,
+    else ``xla`` (the reference). Decoding has no ``attention_impl``: the platform decides."""
+    if not on_gpu(platform):
+        return "xla", f"auto: {_no_gpu(platform)}"
+    try:
+        import hybrid_lm_kernels as kernels
+    except ImportError as e:
+        return "xla", f"auto: the Pallas kernels (hybrid_lm_kernels) do not import: {e}"
+    why = kernels.decode_kernel_reason(cache_len, head_dim, block_size)
+    if why:
+        return "xla", f"auto: {why}"
+    return "pallas", "auto: GPU, the cache fits the decode kernel"
 
 
 # ----------------------------------------------------------------------------- linear attention

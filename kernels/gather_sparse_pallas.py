@@ -393,3 +393,103 @@ def gather_sparse_attention(q, k, v, block_idx, *, block_size: int, scale: float
     lists = token_lists(idx, block_size=block_size)
     o = _core(q, k, v, lists, cfg)
     return o[:, :T, :, :G, :D].reshape(B, T, H, D)
+
+
+# ------------------------------------------------------------------------------------------------
+# Decoding: one query per sequence over a KV cache, reading only its selected blocks
+# ------------------------------------------------------------------------------------------------
+
+
+def _decode_kernel(lst_ref, q_ref, k_ref, v_ref, o_ref, *, n_slots, n_blocks, block_size, qk_scale,
+                   precision):
+    """One program: one selection head of one sequence. ``lst_ref [1 + S]`` = (position, blocks),
+    ``q_ref [Gp, Dp]`` the head's query rows, ``k_ref/v_ref [C, Dp]`` the cache of its KV head. The
+    S slots are unrolled (their loads are independent); a slot at -1, past the cache or wholly
+    after the position adds nothing (its probabilities are zeroed, not just masked)."""
+    q = q_ref[...]
+    pos = lst_ref[0]
+    acc = jnp.zeros(q.shape, jnp.float32)
+    m = jnp.full((q.shape[0],), tiles.MASK_VALUE, jnp.float32)
+    l = jnp.zeros((q.shape[0],), jnp.float32)
+    for n in range(n_slots):
+        blk = lst_ref[1 + n]
+        k0 = jnp.clip(blk, 0, n_blocks - 1) * block_size
+        vis = (blk >= 0) & (blk < n_blocks) & _visible(k0, pos, block_size)
+        s = tiles.scores(q, k_ref[pl.ds(k0, block_size), :], qk_scale, precision, vis)
+        m_next = jnp.maximum(m, jnp.max(s, axis=1))
+        corr = jnp.exp2(m - m_next)
+        p = jnp.where(vis, jnp.exp2(s - m_next[:, None]), 0.0)
+        l = l * corr + jnp.sum(p, axis=1)
+        v = v_ref[pl.ds(k0, block_size), :].astype(jnp.float32)
+        acc = acc * corr[:, None] + pltriton.dot(p, v, precision=lax.Precision.HIGHEST)
+        m = m_next
+    o_ref[...] = acc / jnp.where(l > 0, l, 1.0)[:, None]
+
+
+def decode_kernel_reason(cache_len: int, head_dim: int, block_size: int) -> str | None:
+    """Why :func:`gather_decode_attention` cannot take this cache (``None`` if it can)."""
+    if block_size < 16 or block_size & (block_size - 1):
+        return f"block_size {block_size} is not a power of two >= 16"
+    if cache_len % block_size:
+        return f"the cache length {cache_len} is not a multiple of block_size {block_size}"
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        return f"head_dim {head_dim} is not a power of two >= 16 (the cache is read unpadded)"
+    return None
+
+
+@functools.partial(jax.jit, static_argnames=("block_size", "scale", "interpret", "num_warps"))
+def gather_decode_attention(q, k_cache, v_cache, block_idx, pos, *, block_size: int,
+                            scale: float | None = None, interpret: bool | None = None, num_warps: int = 4):
+    """One decoding step of block-sparse attention: each sequence's query over the selected blocks
+    of its KV cache only (Pallas, Triton lowering; forward only).
+
+    Args:
+      q: ``[B, H, D]`` the queries at position ``pos``.
+      k_cache, v_cache: ``[B, C, K, D]``, slot = position (the cache is read in place: ``C`` a
+        multiple of ``block_size``, ``D`` a power of two >= 16; see :func:`decode_kernel_reason`).
+      block_idx: int ``[B, Hs, S]``: per selection head the selected blocks, -1 = empty. ``Hs`` is
+        a multiple of K dividing H (``Hs = H``: MoBA's per-head gate; ``Hs = K``: SSA's group
+        gate); selection head h serves query heads ``h * H/Hs ...`` and reads KV head
+        ``h // (Hs / K)``.
+      pos: int32 scalar, the query position (keys after it are masked).
+    Returns:
+      ``[B, H, D]`` fp32: what ``hybrid_lm.ops.block_sparse.decode_attend`` gives (keys ``<= pos``
+      of the listed blocks, a block listed twice counts twice), up to the order of fp32 sums.
+      The scores run on the cache's dtype with fp32 accumulation, the probabilities meet V in fp32.
+      A query with no visible key gets 0 (the reference averages its masked keys there).
+    """
+    if q.ndim != 3 or k_cache.ndim != 4 or k_cache.shape != v_cache.shape or block_idx.ndim != 3:
+        raise ValueError(f"expected q [B,H,D], k/v cache [B,C,K,D], block_idx [B,Hs,S]: q{q.shape} "
+                         f"k{k_cache.shape} v{v_cache.shape} block_idx{block_idx.shape}")
+    B, H, D = q.shape
+    C, K = k_cache.shape[1], k_cache.shape[2]
+    Hs, S = block_idx.shape[1], block_idx.shape[2]
+    if k_cache.shape[0] != B or k_cache.shape[3] != D or block_idx.shape[0] != B or H % Hs or Hs % K:
+        raise ValueError(f"q{q.shape}, cache{k_cache.shape} and block_idx{block_idx.shape} do not match "
+                         "(B, D; Hs a multiple of K dividing H)")
+    if not jnp.issubdtype(block_idx.dtype, jnp.integer):
+        raise ValueError(f"block_idx must be integer, got {block_idx.dtype}")
+    block_size = int(block_size)
+    why = decode_kernel_reason(C, D, block_size)
+    if why:
+        raise ValueError(f"gather_decode_attention: {why}")
+    Gs, per_kv = H // Hs, Hs // K
+    Gp = max(16, next_pow2(Gs))
+    qp = jnp.pad(q.astype(k_cache.dtype).reshape(B, Hs, Gs, D), ((0, 0), (0, 0), (0, Gp - Gs), (0, 0)))
+    lst = jnp.concatenate([jnp.broadcast_to(jnp.asarray(pos, jnp.int32), (B, Hs, 1)),
+                           block_idx.astype(jnp.int32)], axis=-1)
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    cache = pl.BlockSpec((None, C, None, D), lambda h, b: (b, 0, h // per_kv, 0))
+    heads = pl.BlockSpec((None, None, Gp, D), lambda h, b: (b, h, 0, 0))
+    out = pl.pallas_call(
+        functools.partial(_decode_kernel, n_slots=S, n_blocks=C // block_size, block_size=block_size,
+                          qk_scale=scale * LOG2E, precision=precision_for(k_cache.dtype)),
+        grid=(Hs, B),
+        in_specs=[pl.BlockSpec((None, None, 1 + S), lambda h, b: (b, h, 0)), heads, cache, cache],
+        out_specs=heads,
+        out_shape=jax.ShapeDtypeStruct((B, Hs, Gp, D), jnp.float32),
+        compiler_params=pltriton.CompilerParams(num_warps=int(num_warps), num_stages=1),
+        interpret=jax.default_backend() == "cpu" if interpret is None else bool(interpret),
+        name="gather_decode_attention",
+    )(lst, qp, k_cache, v_cache)
+    return out[:, :, :Gs].reshape(B, H, D)

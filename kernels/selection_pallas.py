@@ -58,12 +58,14 @@ _MASK = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite "-inf" of the online 
 @dataclasses.dataclass(frozen=True)
 class SelectionBlockSizes:
     """Query rows per program (``block_q``), key blocks per chunk (``block_c``; both powers of two
-    >= 16) and Triton launch parameters."""
+    >= 16), Triton launch parameters, and ``hoist_q``: load the G query-head tiles once per program
+    (kept in registers across the chunk loops) instead of once per chunk and head."""
 
     block_q: int = 64
     block_c: int = 64
     num_warps: int = 4
     num_stages: int = 2
+    hoist_q: bool = False
 
 
 def block_means(k, block_size: int):
@@ -99,7 +101,7 @@ def _beats(v, i, wv, wi):
 
 
 def _gate_tile(q_ref, kbar_ref, *, bq, bc, block_size, seq_len, group, gate, scale, precision,
-               dot_dtype=jnp.float32):
+               dot_dtype=jnp.float32, hoist_q=False):
     """The gate of one query tile (program 0's axis), shared by both selection kernels: runs the ssa
     lse pass and returns ``(own, last, chunk_scores)``: each row's own block, the tile's last real
     token, and ``chunk_scores(c0) -> (c, imp)``, the importance ``[bq, bc]`` of blocks
@@ -110,8 +112,11 @@ def _gate_tile(q_ref, kbar_ref, *, bq, bc, block_size, seq_len, group, gate, sca
     complete = lax.div(t + 1, block_size)  # blocks c < complete enter the ssa lse
     last = jnp.minimum(q0 + bq, seq_len) - 1  # the tile's last real token
 
+    qs = [q_ref[:, g, :].astype(dot_dtype) for g in range(group)] if hoist_q else None
+
     def scores(g, c0):
-        return pltriton.dot(q_ref[:, g, :].astype(dot_dtype), kbar_ref[pl.ds(c0, bc), :], trans_b=True,
+        qg = qs[g] if hoist_q else q_ref[:, g, :].astype(dot_dtype)
+        return pltriton.dot(qg, kbar_ref[pl.ds(c0, bc), :], trans_b=True,
                             precision=precision)  # [bq, bc], fp32 accumulation
 
     def cols(c0):
@@ -149,9 +154,10 @@ def _gate_tile(q_ref, kbar_ref, *, bq, bc, block_size, seq_len, group, gate, sca
 
 
 def _select_kernel(q_ref, kbar_ref, o_ref, *, bq, bc, block_size, seq_len, top_k, group, gate,
-                   scale, precision):
+                   scale, precision, hoist_q):
     own, last, chunk_scores = _gate_tile(q_ref, kbar_ref, bq=bq, bc=bc, block_size=block_size, seq_len=seq_len,
-                                         group=group, gate=gate, scale=scale, precision=precision)
+                                         group=group, gate=gate, scale=scale, precision=precision,
+                                         hoist_q=hoist_q)
     Sp = o_ref.shape[-1]
     slot = jnp.arange(Sp, dtype=jnp.int32)[None, :]
     valid = slot < top_k
@@ -196,18 +202,21 @@ def _select_kernel(q_ref, kbar_ref, o_ref, *, bq, bc, block_size, seq_len, top_k
 # Public entry point
 # ------------------------------------------------------------------------------------------------
 
-# fp32 operand tiles a program holds in shared memory: the G query-head tiles and one chunk of block
-# means. The H200 has 227 KiB per block; the first H200 run (S5: G = 10, D = 128, 64-row tiles)
-# asked for 352 KiB and failed to launch, so the query tile shrinks until the operands fit this.
+# Operand tiles a program holds in shared memory: the G query-head tiles and one chunk of block
+# means, in the dots' dtype. The H200 has 227 KiB per block; the first H200 run (S5: G = 10, D = 128,
+# 64-row fp32 tiles) asked for 352 KiB and failed to launch, so the query tile shrinks until the
+# operands fit this.
 SMEM_OPERAND_BUDGET = 160 * 1024
 
 
-def query_tile(block_q: int, seq_len: int, group: int, block_c: int, head_dim_padded: int) -> int:
-    """Query rows per program: ``block_q`` (a power of two >= 16), halved while the fp32 operand
-    tiles (``group`` query heads of ``rows x D`` and one ``block_c x D`` chunk) exceed
-    :data:`SMEM_OPERAND_BUDGET`, and no more than the sequence needs; never below 16 (``tl.dot``)."""
+def query_tile(block_q: int, seq_len: int, group: int, block_c: int, head_dim_padded: int,
+               itemsize: int = 4) -> int:
+    """Query rows per program: ``block_q`` (a power of two >= 16), halved while the operand tiles
+    (``group`` query heads of ``rows x D`` and one ``block_c x D`` chunk, ``itemsize`` bytes each:
+    4 for fp32 / tf32 dots, 2 for bf16) exceed :data:`SMEM_OPERAND_BUDGET`, and no more than the
+    sequence needs; never below 16 (``tl.dot``)."""
     bq = min(block_q, max(16, _next_pow2(seq_len)))
-    while bq > 16 and (group * bq + block_c) * head_dim_padded * 4 > SMEM_OPERAND_BUDGET:
+    while bq > 16 and (group * bq + block_c) * head_dim_padded * itemsize > SMEM_OPERAND_BUDGET:
         bq //= 2
     return bq
 
@@ -230,14 +239,14 @@ def _gate_call(kernel, q, kb, *, block_size, gate, scale, precision, blocks, int
     per_kv = Hs // K  # selection heads per KV head
     bc = min(blocks.block_c, max(16, _next_pow2(nb)))
     Dp = max(16, _next_pow2(D))
-    bq = query_tile(blocks.block_q, T, G, bc, Dp)
+    bq = query_tile(blocks.block_q, T, G, bc, Dp, kb.dtype.itemsize)
     Tp, nbp = -(-T // bq) * bq, -(-nb // bc) * bc
     n_out = out_cols(nbp)
     q = jnp.pad(lax.stop_gradient(q), ((0, 0), (0, Tp - T), (0, 0), (0, Dp - D))).reshape(B, Tp, Hs, G, Dp)
     kb = jnp.pad(lax.stop_gradient(kb), ((0, 0), (0, nbp - nb), (0, 0), (0, Dp - D)))
     out = pl.pallas_call(
         functools.partial(kernel, bq=bq, bc=bc, block_size=block_size, seq_len=T, group=G, gate=gate,
-                          scale=scale, precision=precision, **kernel_args),
+                          scale=scale, precision=precision, hoist_q=blocks.hoist_q, **kernel_args),
         grid=(Tp // bq, Hs, B),
         in_specs=[pl.BlockSpec((None, bq, None, G, Dp), lambda i, h, b: (b, i, h, 0, 0)),
                   pl.BlockSpec((None, nbp, None, Dp), lambda i, h, b: (b, 0, h // per_kv, 0))],
@@ -373,10 +382,10 @@ def top_k_blocks(x, k: int, *, block_rows: int | None = None, num_warps: int = 4
 
 
 def _importance_kernel(q_ref, kbar_ref, o_ref, *, bq, bc, block_size, seq_len, group, gate, scale,
-                       precision, dot_dtype):
+                       precision, dot_dtype, hoist_q):
     own, last, chunk_scores = _gate_tile(q_ref, kbar_ref, bq=bq, bc=bc, block_size=block_size, seq_len=seq_len,
                                          group=group, gate=gate, scale=scale, precision=precision,
-                                         dot_dtype=dot_dtype)
+                                         dot_dtype=dot_dtype, hoist_q=hoist_q)
     nbp = o_ref.shape[-1]
 
     def chunk_body(j, carry):
@@ -439,9 +448,10 @@ def block_importance(q, kbar, *, block_size: int, gate: str, scale: float | None
 
 
 def select_blocks_split(q, kbar, *, block_size: int, top_k: int, gate: str, scale: float | None = None,
-                        interpret: bool | None = None, precision=lax.Precision.DEFAULT, dot_dtype: str = "float32"):
+                        interpret: bool | None = None, precision=lax.Precision.DEFAULT, dot_dtype: str = "float32",
+                        block_sizes: SelectionBlockSizes | None = None):
     """:func:`select_blocks` in two kernels: :func:`block_importance`, then :func:`top_k_blocks`.
     ``kbar``: the block means ``[B, nb, K, D]``. Returns int32 ``[B, T, Hs, min(top_k, nb)]``."""
     imp = block_importance(q, kbar, block_size=block_size, gate=gate, scale=scale, interpret=interpret,
-                           precision=precision, dot_dtype=dot_dtype)
+                           precision=precision, dot_dtype=dot_dtype, block_sizes=block_sizes)
     return top_k_blocks(imp, int(top_k), interpret=interpret)

@@ -101,11 +101,14 @@ def test_bench_selection_fused_check(tmp_path):
 @pytest.mark.slow
 def test_bench_selection_split_check_and_table(tmp_path):
     """bench_selection --split: the split kernels' selections == the reference (interpret mode), then
-    the table of the selection's parts."""
+    the launch sweep and the table of the selection's parts."""
     out = tmp_path / "selection_split.json"
     _run(["experiments/bench_selection.py", "--split", "--check-T", "64", "--T", "128", "--B", "1",
-          "--check-impls", "split,split@bf16", "--reps", "1", "--inner", "1", "--out", str(out)], tmp_path)
+          "--check-impls", "split,split@bf16", "--sweep", "q16c16w4s2h", "--sweep-topk", "r8w4",
+          "--reps", "1", "--inner", "1", "--out", str(out)], tmp_path)
     r = json.loads(out.read_text())
+    assert [(x["kernel"], x["fastest"]) for x in r["sweep"]] == [("block_importance", True), ("top_k_blocks", True)]
+    assert all(x["ms"] > 0 for x in r["sweep"])
     assert {row["impl"] for row in r["check"]} == {"split", "split@bf16"} and all(row["ok"] for row in r["check"])
     (row,) = r["split"]
     assert row["T"] == 128 and all(row[k] > 0 for k in ("xla_select_ms", "split_tf32_ms", "split_bf16_ms",

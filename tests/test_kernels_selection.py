@@ -26,6 +26,7 @@ from hybrid_lm_kernels import selection_pallas as sel_mod
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
 
 SMALL = SelectionBlockSizes(block_q=16, block_c=16)  # several query tiles and block chunks
+HOIST = SelectionBlockSizes(block_q=16, block_c=16, hoist_q=True)  # the same, query tiles loaded once
 
 
 def _inputs(seed, B, T, H, K, D, quantised):
@@ -42,9 +43,9 @@ CASES = [  # B, T, H, K, D, block, top_k, gate, quantised, tiles
     (1, 200, 4, 2, 32, 16, 4, "ssa", True, None),  # T not a multiple of the block or the tile
     (2, 150, 4, 1, 16, 8, 3, "moba", True, None),  # B = 2, GQA group 4, per-head gate
     (1, 97, 2, 2, 64, 32, 16, "ssa", True, None),  # nb = 4 < top_k, G = 1
-    (1, 400, 8, 2, 32, 4, 6, "ssa", True, SMALL),  # G = 4, 25 query tiles x 7 block chunks
+    (1, 400, 8, 2, 32, 4, 6, "ssa", True, HOIST),  # G = 4, 25 query tiles x 7 block chunks
     (1, 300, 4, 4, 16, 4, 6, "moba", False, SMALL),  # Gaussian
-    (2, 333, 4, 1, 16, 2, 5, "ssa", False, SMALL),  # Gaussian, G = 4
+    (2, 333, 4, 1, 16, 2, 5, "ssa", False, HOIST),  # Gaussian, G = 4
     (1, 20, 2, 1, 24, 16, 4, "moba", True, None),  # one complete block at most; D padded to 32
 ]
 
@@ -170,6 +171,7 @@ def test_query_tile_fits_shared_memory():
     assert sel_mod.query_tile(64, 16384, 10, 64, 128) == 16
     assert sel_mod.query_tile(64, 16384, 1, 64, 128) == 64  # moba: unchanged
     assert sel_mod.query_tile(64, 20, 1, 64, 128) == 32  # no more rows than the sequence needs
+    assert sel_mod.query_tile(64, 16384, 10, 64, 128, itemsize=2) == 32  # bf16 operands: half the bytes
 
 
 # ----------------------------------------------------------------------------- the split selection
@@ -211,7 +213,7 @@ def test_split_selection_equals_reference(B, T, H, K, D, block, top_k, gate, qua
     np.testing.assert_allclose(imp[np.isfinite(ref)], ref[np.isfinite(ref)], rtol=2e-6, atol=1e-7)
     want = np.asarray(ops.select_blocks(q, k, block_size=block, top_k=top_k, gate=gate))
     got = np.asarray(jax.jit(lambda q, kbar: select_blocks_split(
-        q, kbar, block_size=block, top_k=top_k, gate=gate, interpret=True))(q, kbar))
+        q, kbar, block_size=block, top_k=top_k, gate=gate, interpret=True, block_sizes=tiles))(q, kbar))
     np.testing.assert_array_equal(got, want)
 
 

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from flax import nnx
 
-from hybrid_lm.backends import moba_backend, record_backend
+from hybrid_lm.backends import moba_backend, record_backend, sparse_decode_backend
 from hybrid_lm.config import MixerConfig, ModelConfig
 from hybrid_lm.errors import ConfigError
 from hybrid_lm.model.accounting import attention_mixing_flops
@@ -247,7 +247,20 @@ def moba_extend_state(state: dict, q, k, pos, opts) -> dict:
 
 
 def moba_read(q_t, state: dict, opts):
-    """One query's MoBA attention over the decode cache (selection as in the forward pass)."""
-    idx = ops.decode_select(q_t, state["kbar_sum"], state["pos"], block_size=opts.block_size, top_k=opts.top_k,
-                            gate=opts.gate, selection=opts.selection, qbar_sum=state.get("qbar_sum"))
-    return ops.decode_attend(q_t, state["k"], state["v"], idx, state["pos"], block_size=opts.block_size)
+    """One query's MoBA attention over the decode cache (selection as in the forward pass), on the
+    backend of :func:`hybrid_lm.backends.sparse_decode_backend`: on a GPU the top-k kernel and the
+    gather decode kernel, which reads only the selected blocks of the cache."""
+    kc = state["k"]
+    impl, reason = sparse_decode_backend(opts.block_size, kc.shape[1], kc.shape[-1])
+    record_backend(f"moba decode block={opts.block_size}", impl, reason)
+    if impl == "xla":
+        idx = ops.decode_select(q_t, state["kbar_sum"], state["pos"], block_size=opts.block_size,
+                                top_k=opts.top_k, gate=opts.gate, selection=opts.selection,
+                                qbar_sum=state.get("qbar_sum"))
+        return ops.decode_attend(q_t, kc, state["v"], idx, state["pos"], block_size=opts.block_size)
+    import hybrid_lm_kernels as kernels
+    imp = ops.decode_importance(q_t, state["kbar_sum"], state["pos"], block_size=opts.block_size, gate=opts.gate,
+                                selection=opts.selection, qbar_sum=state.get("qbar_sum"))
+    idx = kernels.top_k_blocks(imp[:, 0], opts.top_k)
+    o = kernels.gather_decode_attention(q_t[:, 0], kc, state["v"], idx, state["pos"], block_size=opts.block_size)
+    return o[:, None]

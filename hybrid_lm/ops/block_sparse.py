@@ -139,6 +139,10 @@ def _top_blocks(imp, top_k: int, method: str = "auto"):
 def add_block_sums(sums, x, pos, block_size: int):
     """``sums [B, nb, h, D]`` (fp32) plus the tokens ``x [B, n, h, D]`` at positions ``pos ... pos+n-1``,
     each added to its block: the running block sums behind the decode-time gate."""
+    if x.shape[1] == 1:  # a decode step: one block, updated in place (a scatter may copy all sums)
+        b = jnp.asarray(pos, jnp.int32) // block_size
+        row = jax.lax.dynamic_slice_in_dim(sums, b, 1, axis=1) + x.astype(jnp.float32)
+        return jax.lax.dynamic_update_slice_in_dim(sums, row, b, axis=1)
     blocks = (pos + jnp.arange(x.shape[1])) // block_size
     return sums.at[:, blocks].add(x.astype(jnp.float32))
 
@@ -148,6 +152,14 @@ def decode_select(q_t, kbar_sum, pos, *, block_size: int, top_k: int, gate: str,
     """The blocks ``[B, 1, Hs, S]`` that :func:`select_blocks` gives the query ``q_t [B, 1, H, D]`` at
     position ``pos``, from running block sums of the keys (and, for ``selection='block'``, of the
     queries) up to ``pos``: only complete past blocks are scored, so the sums are all it needs."""
+    imp = decode_importance(q_t, kbar_sum, pos, block_size=block_size, gate=gate, selection=selection,
+                            qbar_sum=qbar_sum, scale=scale)
+    return _top_blocks(imp, min(top_k, imp.shape[-1]))
+
+
+def decode_importance(q_t, kbar_sum, pos, *, block_size: int, gate: str, selection: str, qbar_sum=None,
+                      scale: float | None = None):
+    """The block importance ``[B, 1, Hs, nb]`` behind :func:`decode_select` (its top-k is the selection)."""
     D = q_t.shape[-1]
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     kbar = kbar_sum / block_size
@@ -157,8 +169,7 @@ def decode_select(q_t, kbar_sum, pos, *, block_size: int, top_k: int, gate: str,
         q_t, t = jnp.where(b >= 1, prev, 0.0), (b * block_size)[None]
     else:
         t = jnp.asarray(pos)[None]
-    imp = block_importance(q_t, kbar, t, block_size=block_size, gate=gate, scale=scale)
-    return _top_blocks(imp, min(top_k, kbar.shape[1]))
+    return block_importance(q_t, kbar, t, block_size=block_size, gate=gate, scale=scale)
 
 
 def decode_attend(q_t, k_cache, v_cache, idx, pos, *, block_size: int, scale: float | None = None):
