@@ -2,6 +2,7 @@
 
     python experiments/bench_decode.py --contexts 8192,32768,131072 --batch 8 --out bench_decode.json
     python experiments/bench_decode.py --check          # decode == forward pass on this device first
+    python experiments/bench_decode.py --contexts 131072 --profile moba,swa   # where a layer's step goes
 
 Two tables, each against full attention measured in the same run:
 - **layer**: one mixer's ``step`` (the decode path of ``hybrid_lm/model/*``) at cache length C, for
@@ -89,7 +90,8 @@ def timed_scan(step_fn, carry, steps: int, reps: int) -> float:
     return float(np.median(times)) / steps
 
 
-def bench_layer(scale, arch, context, batch, steps, reps, dtype):
+def layer_step(scale, arch, context, batch, dtype):
+    """``(step, carry, mixer kind)``: one decode step of the arch's mixer layer and its start state."""
     cfg = config(scale, arch, context, dtype)
     slot = LAYER_SLOT.get(arch, "E")
     mc = cfg.model.mixer(slot)
@@ -106,9 +108,45 @@ def bench_layer(scale, arch, context, batch, steps, reps, dtype):
         y = y.astype(jnp.float32)
         return p, s, (y * jax.lax.rsqrt(jnp.mean(y * y, -1, keepdims=True) + 1e-6)).astype(x_t.dtype)
 
-    sec = timed_scan(step, (params, state, x0[:, 0]), steps, reps)
-    return {"level": "layer", "arch": arch, "mixer": mc.kind, "context": context, "batch": batch,
+    return step, (params, state, x0[:, 0]), mc.kind
+
+
+def bench_layer(scale, arch, context, batch, steps, reps, dtype):
+    step, carry, kind = layer_step(scale, arch, context, batch, dtype)
+    sec = timed_scan(step, carry, steps, reps)
+    return {"level": "layer", "arch": arch, "mixer": kind, "context": context, "batch": batch,
             "ms_per_step": 1e3 * sec, "tokens_per_sec": batch / sec}
+
+
+def profile_layer(scale, arch, context, batch, steps, dtype, out_dir, top):
+    """A ``jax.profiler`` trace of ``steps`` decode steps of one layer (one scan), summarised per
+    kernel (``profile_train.summarize``: ms per decode step), plus the scan's optimised HLO."""
+    import glob
+    import shutil
+    from pathlib import Path
+
+    from profile_train import print_summary, summarize
+
+    step, carry, _ = layer_step(scale, arch, context, batch, dtype)
+    run = jax.jit(lambda c: jax.lax.scan(lambda c, _: (step(c), None), c, None, length=steps)[0])
+    compiled = run.lower(carry).compile()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"decode_{arch}_{context}.hlo.txt").write_text(compiled.as_text())
+    jax.block_until_ready(compiled(carry))
+    trace_dir = out / f"trace_{arch}"
+    with jax.profiler.trace(str(trace_dir)):
+        jax.block_until_ready(compiled(carry))
+    found = sorted(glob.glob(str(trace_dir / "**" / "*.trace.json.gz"), recursive=True))
+    if not found:
+        raise SystemExit(f"no *.trace.json.gz under {trace_dir}")
+    saved = out / f"trace_decode_{arch}_{context}.json.gz"
+    shutil.copy(found[-1], saved)
+    shutil.rmtree(trace_dir, ignore_errors=True)
+    summary = summarize(saved, steps, None, top)
+    print(f"profile: {arch} layer, one decode step at {context} tokens, batch {batch}")
+    print_summary(summary)
+    return dict(summary, level="profile", arch=arch, context=context, batch=batch)
 
 
 def bench_model(scale, arch, context, batch, steps, reps, dtype):
@@ -126,6 +164,10 @@ def bench_model(scale, arch, context, batch, steps, reps, dtype):
     sec = timed_scan(step, (params, cache, jnp.ones((batch,), jnp.int32)), steps, reps)
     return {"level": "model", "arch": arch, "scale": scale, "layers": "".join(cfg.model.layer_types()),
             "context": context, "batch": batch, "ms_per_step": 1e3 * sec, "tokens_per_sec": batch / sec}
+
+
+# gather_decode_attention launches (chunk_rows, num_warps) --parts times beside the default
+DECODE_KERNEL_LAUNCHES = [(256, 4), (256, 8), (64, 4), (128, 2), (64, 2)]
 
 
 def bench_sparse_parts(context, batch, heads, kv_heads, head_dim, block, top_k, steps, reps, dtype):
@@ -160,6 +202,10 @@ def bench_sparse_parts(context, batch, heads, kv_heads, head_dim, block, top_k, 
             "attend kernel": lambda c: c + kernels.gather_decode_attention(
                 q[:, 0] + c.astype(dtype), kc, vc, idx0[:, 0], pos, block_size=block)[..., :1].sum(),
         }
+        for rows, warps in DECODE_KERNEL_LAUNCHES:  # launches beside the default
+            parts[f"attend kernel c{rows}w{warps}"] = lambda c, rows=rows, warps=warps: c + kernels.gather_decode_attention(
+                q[:, 0] + c.astype(dtype), kc, vc, idx0[:, 0], pos, block_size=block, chunk_rows=rows,
+                num_warps=warps)[..., :1].sum()
     parts |= {
         "block-sum update": None,
     }
@@ -211,6 +257,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--parts", action="store_true", help="time the parts of the sparse decode read too")
+    ap.add_argument("--profile", default="", metavar="ARCHS",
+                    help="jax.profiler traces of these layer archs' decode steps (at the first context), then exit")
+    ap.add_argument("--profile-dir", default="decode_profile")
     ap.add_argument("--check-archs", default="full,swa,moba,ssa_sparse,lightning,mamba2,gdn")
     ap.add_argument("--gin_param", action="append", default=[], help="extra gin binding (repeatable)")
     ap.add_argument("--check", action="store_true", help="decode == forward on this device, then exit")
@@ -226,6 +275,14 @@ def main() -> None:
         with open(args.out, "w") as fh:
             json.dump(result, fh, indent=2)
         raise SystemExit(0 if all(r["ok"] for r in result["check"]) else 1)
+
+    if args.profile:
+        C = int(args.contexts.split(",")[0])
+        result["profiles"] = [profile_layer(args.scale, a, C, args.batch, args.steps, args.dtype, args.profile_dir, 30)
+                              for a in args.profile.split(",")]
+        with open(args.out, "w") as fh:
+            json.dump(result, fh, indent=2)
+        return
 
     def save():
         with open(args.out, "w") as fh:

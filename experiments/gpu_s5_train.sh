@@ -14,6 +14,7 @@
 #   bash experiments/gpu_s5_train.sh split18b # session 9: the selection's parts timed; S5 full / ssa_split steps; ssa_split profile
 #   bash experiments/gpu_s5_train.sh final18  # session 9, third call: the bf16 split check, then sparse18 (auto = split_bf16)
 #   bash experiments/gpu_s5_train.sh tune18   # session 10: bf16 split check, decode kernels (check, table), launch sweeps
+#   bash experiments/gpu_s5_train.sh tune18b  # session 10: decode parts + profiles, gate tiles, S5 SSA step vs full
 #   bash experiments/gpu_s5_train.sh rest17a  # issue 17's missing table cells, 4 calls (a-d), each scale with its full row
 #   bash experiments/gpu_s5_train.sh all7b    # part 2: S1's slow-compiling archs, S3-S5 full/SWA/SA
 #
@@ -152,6 +153,21 @@ case "${1:-table}" in
     [ $left -gt 40 ] && timeout $left python3 experiments/bench_gather_sparse.py --T 16384 --B 2 \
       --configs t1w1s2,t1w1s3,t1w1s3c128,t1w1s2c128,t1w2s3 --out "$OUT/bench_gather_tune18.json" 2>&1 | F | grep -e "^|" -e Error
     ;;
+  tune18b)  # session 10, second call: decode on the kernels (parts with launches, profiles, 128K table);
+    # the gate kernel's tiles around the best; the S5 SSA step with the tuned defaults against full
+    F() { grep -v -e "^W1201" -e "^I0000" -e "^W0000" -e "^W1202" -e "^I1202"; }
+    timeout 100 python3 experiments/bench_decode.py --contexts 131072 --layer-archs full,moba,ssa_sparse \
+      --model-archs full,ssa_sparse --parts --steps 32 --reps 5 --out "$OUT/bench_decode_tune18b.json" 2>&1 | F | tail -24
+    timeout 60 python3 experiments/bench_decode.py --contexts 131072 --steps 32 --profile moba,swa \
+      --profile-dir "$OUT/decode_profile" --out "$OUT/bench_decode_profile.json" 2>&1 | F | grep -v "^ *0.000" | head -70
+    timeout 60 python3 experiments/bench_selection.py --split --no-check --no-table --T 16384 --B 2 --reps 3 \
+      --sweep q16c128w4s2,q16c128w4s2h,q16c256w4s2,q16c128w2s2,q16c128w4s3,q16c256w8s2 \
+      --sweep-topk r2w1,r1w1,r4w1 --out "$OUT/bench_selection_sweep2.json" 2>&1 | F | grep -e "^|" -e Error
+    left=$(( 575 - SECONDS ))
+    echo "== $left s left for the S5 steps"
+    B $left --scale s5 --arch full,ssa --remat dots_attn --batch 2 --steps 4 --compile-workers 2 \
+      --deadline $(( left - 15 )) --out "$OUT/bench_train_s5_tune18b.json"
+    ;;
   rest17a|rest17b|rest17c|rest17d)  # issue 17: the cells session 7 did not compile (<= 3 compile workers a process)
     case "$1" in
       rest17a) plan="s2:full,sa_swa,lightning,mamba2,gdn:280 s3:full,swa,sa:240" ;;
@@ -169,6 +185,6 @@ case "${1:-table}" in
     timeout 200 python3 experiments/profile_train.py --scale s3 --arch full --batch 8 \
       --steps 3 --out-dir "$OUT/profile" 2>&1 | grep -v -e "^W0000" -e "^I0000" | tail -40
     ;;
-  *) echo "usage: $0 table|s5|remat|sparse|all7a|all7b|gather|gather2|sparse18|split18|split18b|final18|tune18|rest17a-d|profile"; exit 2 ;;
+  *) echo "usage: $0 table|s5|remat|sparse|all7a|all7b|gather|gather2|sparse18|split18|split18b|final18|tune18|tune18b|rest17a-d|profile"; exit 2 ;;
 esac
 date -u +"end %Y-%m-%dT%H:%M:%SZ"

@@ -335,8 +335,8 @@ _core.defvjp(_core_fwd, _core_bwd)
                                              "num_warps", "num_stages", "num_warps_bwd", "num_stages_bwd"))
 def gather_sparse_attention(q, k, v, block_idx, *, block_size: int, scale: float | None = None,
                             interpret: bool | None = None, tokens_per_program: int = 1,
-                            dkv_chunk: int = 256, num_warps: int = 1, num_stages: int = 2,
-                            num_warps_bwd: int = 1, num_stages_bwd: int = 2):
+                            dkv_chunk: int = 128, num_warps: int = 1, num_stages: int = 3,
+                            num_warps_bwd: int = 1, num_stages_bwd: int = 3):
     """Causal attention of every token over its own selected key blocks (Pallas, Triton lowering).
 
     Args:
@@ -349,8 +349,9 @@ def gather_sparse_attention(q, k, v, block_idx, *, block_size: int, scale: float
       tokens_per_program: consecutive tokens one program serves in turn (a power of two).
       dkv_chunk: most tokens one dK/dV program visits (a key block listed by more is split).
       num_warps, num_stages: Triton launch parameters of the forward; ``*_bwd``: of the backward.
-        Defaults: one warp, two stages (H200, T = 16K, block 16, top-16, G = 10: fwd+bwd 0.62x the
-        four-warp time; three stages were 6% faster in one call, not repeated; docs/BENCHMARKS.md).
+        Defaults: one warp, three stages, dK/dV chunks of 128 (H200, T = 16K, B = 2, block 16,
+        top-16, G = 10, session 10: fwd+bwd 2.507 ms against 2.850 with two stages and chunks of
+        256; one warp was 0.62x the four-warp time in session 8; docs/BENCHMARKS.md).
     Returns:
       ``[B, T, H, D]`` in q's dtype; no gradient flows to ``block_idx``.
     """
@@ -400,27 +401,29 @@ def gather_sparse_attention(q, k, v, block_idx, *, block_size: int, scale: float
 # ------------------------------------------------------------------------------------------------
 
 
-def _decode_kernel(lst_ref, q_ref, k_ref, v_ref, o_ref, *, n_slots, n_blocks, block_size, qk_scale,
-                   precision):
+def _decode_kernel(lst_ref, q_ref, k_ref, v_ref, o_ref, *, n_slots, n_blocks, block_size, chunk_rows,
+                   qk_scale, precision):
     """One program: one selection head of one sequence. ``lst_ref [1 + S]`` = (position, blocks),
     ``q_ref [Gp, Dp]`` the head's query rows, ``k_ref/v_ref [C, Dp]`` the cache of its KV head. The
-    S slots are unrolled (their loads are independent); a slot at -1, past the cache or wholly
-    after the position adds nothing (its probabilities are zeroed, not just masked)."""
+    listed blocks' keys are gathered ``chunk_rows`` rows at a time (one load per chunk, chunks
+    unrolled) under an online softmax; a slot at -1, past the cache or wholly after the position
+    adds nothing (its probabilities are zeroed, not just masked)."""
     q = q_ref[...]
     pos = lst_ref[0]
     acc = jnp.zeros(q.shape, jnp.float32)
     m = jnp.full((q.shape[0],), tiles.MASK_VALUE, jnp.float32)
     l = jnp.zeros((q.shape[0],), jnp.float32)
-    for n in range(n_slots):
-        blk = lst_ref[1 + n]
-        k0 = jnp.clip(blk, 0, n_blocks - 1) * block_size
-        vis = (blk >= 0) & (blk < n_blocks) & _visible(k0, pos, block_size)
-        s = tiles.scores(q, k_ref[pl.ds(k0, block_size), :], qk_scale, precision, vis)
+    for r0 in range(0, n_slots * block_size, chunk_rows):
+        r = r0 + jnp.arange(chunk_rows, dtype=jnp.int32)
+        blk = lst_ref[1 + r // block_size]
+        key = jnp.clip(blk, 0, n_blocks - 1) * block_size + r % block_size
+        vis = ((blk >= 0) & (blk < n_blocks) & (key <= pos))[None, :]
+        s = tiles.scores(q, k_ref[key, :], qk_scale, precision, vis)
         m_next = jnp.maximum(m, jnp.max(s, axis=1))
         corr = jnp.exp2(m - m_next)
         p = jnp.where(vis, jnp.exp2(s - m_next[:, None]), 0.0)
         l = l * corr + jnp.sum(p, axis=1)
-        v = v_ref[pl.ds(k0, block_size), :].astype(jnp.float32)
+        v = v_ref[key, :].astype(jnp.float32)
         acc = acc * corr[:, None] + pltriton.dot(p, v, precision=lax.Precision.HIGHEST)
         m = m_next
     o_ref[...] = acc / jnp.where(l > 0, l, 1.0)[:, None]
@@ -437,9 +440,10 @@ def decode_kernel_reason(cache_len: int, head_dim: int, block_size: int) -> str 
     return None
 
 
-@functools.partial(jax.jit, static_argnames=("block_size", "scale", "interpret", "num_warps"))
+@functools.partial(jax.jit, static_argnames=("block_size", "scale", "interpret", "num_warps", "chunk_rows"))
 def gather_decode_attention(q, k_cache, v_cache, block_idx, pos, *, block_size: int,
-                            scale: float | None = None, interpret: bool | None = None, num_warps: int = 4):
+                            scale: float | None = None, interpret: bool | None = None, num_warps: int = 4,
+                            chunk_rows: int = 128):
     """One decoding step of block-sparse attention: each sequence's query over the selected blocks
     of its KV cache only (Pallas, Triton lowering; forward only).
 
@@ -452,6 +456,8 @@ def gather_decode_attention(q, k_cache, v_cache, block_idx, pos, *, block_size: 
         gate); selection head h serves query heads ``h * H/Hs ...`` and reads KV head
         ``h // (Hs / K)``.
       pos: int32 scalar, the query position (keys after it are masked).
+      num_warps: Triton warps per program. chunk_rows: keys gathered per load (a power of two;
+        at least one block).
     Returns:
       ``[B, H, D]`` fp32: what ``hybrid_lm.ops.block_sparse.decode_attend`` gives (keys ``<= pos``
       of the listed blocks, a block listed twice counts twice), up to the order of fp32 sums.
@@ -473,19 +479,27 @@ def gather_decode_attention(q, k_cache, v_cache, block_idx, pos, *, block_size: 
     why = decode_kernel_reason(C, D, block_size)
     if why:
         raise ValueError(f"gather_decode_attention: {why}")
+    chunk_rows = int(chunk_rows)
+    if chunk_rows < 16 or chunk_rows & (chunk_rows - 1):
+        raise ValueError(f"chunk_rows must be a power of two >= 16, got {chunk_rows}")
     Gs, per_kv = H // Hs, Hs // K
     Gp = max(16, next_pow2(Gs))
     qp = jnp.pad(q.astype(k_cache.dtype).reshape(B, Hs, Gs, D), ((0, 0), (0, 0), (0, Gp - Gs), (0, 0)))
+    # slots padded (-1) so the rows fill whole chunks: S * block_size a multiple of chunk_rows
+    chunk_rows = min(chunk_rows, next_pow2(S * block_size))
+    chunk_rows = max(chunk_rows, block_size)
+    Sp = -(-S * block_size // chunk_rows) * chunk_rows // block_size
     lst = jnp.concatenate([jnp.broadcast_to(jnp.asarray(pos, jnp.int32), (B, Hs, 1)),
-                           block_idx.astype(jnp.int32)], axis=-1)
+                           jnp.pad(block_idx.astype(jnp.int32), ((0, 0), (0, 0), (0, Sp - S)), constant_values=-1)],
+                          axis=-1)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     cache = pl.BlockSpec((None, C, None, D), lambda h, b: (b, 0, h // per_kv, 0))
     heads = pl.BlockSpec((None, None, Gp, D), lambda h, b: (b, h, 0, 0))
     out = pl.pallas_call(
-        functools.partial(_decode_kernel, n_slots=S, n_blocks=C // block_size, block_size=block_size,
-                          qk_scale=scale * LOG2E, precision=precision_for(k_cache.dtype)),
+        functools.partial(_decode_kernel, n_slots=Sp, n_blocks=C // block_size, block_size=block_size,
+                          chunk_rows=chunk_rows, qk_scale=scale * LOG2E, precision=precision_for(k_cache.dtype)),
         grid=(Hs, B),
-        in_specs=[pl.BlockSpec((None, None, 1 + S), lambda h, b: (b, h, 0)), heads, cache, cache],
+        in_specs=[pl.BlockSpec((None, None, 1 + Sp), lambda h, b: (b, h, 0)), heads, cache, cache],
         out_specs=heads,
         out_shape=jax.ShapeDtypeStruct((B, Hs, Gp, D), jnp.float32),
         compiler_params=pltriton.CompilerParams(num_warps=int(num_warps), num_stages=1),

@@ -340,12 +340,17 @@ def _top_k_kernel(x_ref, o_ref, *, k):
     o_ref[...] = out
 
 
-# fp32 entries of x one top-k program holds (rows x padded row length): 64 per thread at 4 warps
-TOPK_PROGRAM_ELEMENTS = 8192
+# fp32 entries of x one top-k program holds (rows x padded row length), and per thread: the default
+# launch takes as many warps as give each thread TOPK_THREAD_ELEMENTS (H200, S5 importance rows of
+# 1,024 blocks, session 10: 2 rows and 1 warp 0.393 ms, 8 rows and 4 warps 0.467, 8 rows and 8 warps
+# 0.603; a decode row of 8,192 blocks: 1 row, 4 warps)
+TOPK_PROGRAM_ELEMENTS = 2048
+TOPK_THREAD_ELEMENTS = 64
 
 
 @functools.partial(jax.jit, static_argnames=("k", "block_rows", "num_warps", "interpret"))
-def top_k_blocks(x, k: int, *, block_rows: int | None = None, num_warps: int = 4, interpret: bool | None = None):
+def top_k_blocks(x, k: int, *, block_rows: int | None = None, num_warps: int | None = None,
+                 interpret: bool | None = None):
     """Indices ``[..., min(k, n)]`` (int32) of the ``k`` largest entries of each row of ``x [..., n]``,
     value descending, ties to the lower index, -1 where the value is -inf: what
     ``hybrid_lm.ops.block_sparse._top_blocks`` returns (its ``passes`` method; ``-0.0`` and ``+0.0``
@@ -362,6 +367,7 @@ def top_k_blocks(x, k: int, *, block_rows: int | None = None, num_warps: int = 4
     br = block_rows or max(1, min(64, TOPK_PROGRAM_ELEMENTS // npad))
     if br & (br - 1):
         raise ValueError(f"block_rows={br} must be a power of two")
+    warps = num_warps or max(1, min(8, br * npad // (32 * TOPK_THREAD_ELEMENTS)))
     Rp = -(-R // br) * br
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
@@ -374,7 +380,7 @@ def top_k_blocks(x, k: int, *, block_rows: int | None = None, num_warps: int = 4
         in_specs=[pl.BlockSpec((br, npad), lambda r: (r, 0))],
         out_specs=pl.BlockSpec((br, Sp), lambda r: (r, 0)),
         out_shape=jax.ShapeDtypeStruct((Rp, Sp), jnp.int32),
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+        compiler_params=pltriton.CompilerParams(num_warps=warps, num_stages=1),
         interpret=interpret,
         name="top_k_blocks",
     )(x2)
@@ -404,6 +410,10 @@ def _importance_kernel(q_ref, kbar_ref, o_ref, *, bq, bc, block_size, seq_len, g
 
 
 DOT_DTYPES = ("float32", "bfloat16")
+# The gate kernel's default tiles with bf16 dots (H200, S5: T = 16K, B = 2, G = 10, session 10's
+# sweep of 16 launches: 16 rows x 128-block chunks, 4 warps, 2 stages 0.847 ms; 16 x 64 1.030;
+# 32 x 64 0.886; docs/BENCHMARKS.md). fp32 / tf32 dots keep SelectionBlockSizes()' tiles.
+BF16_GATE_BLOCKS = SelectionBlockSizes(block_q=16, block_c=128)
 
 
 @functools.partial(jax.jit, static_argnames=("block_size", "gate", "scale", "interpret", "block_sizes", "precision",
@@ -434,10 +444,10 @@ def block_importance(q, kbar, *, block_size: int, gate: str, scale: float | None
     block_size = int(block_size)
     if block_size < 1 or nb != -(-T // block_size):
         raise ValueError(f"kbar{kbar.shape}: expected ceil(T / block_size) = {-(-T // max(1, block_size))} blocks")
-    blocks = block_sizes or SelectionBlockSizes()
-    _check_tiles(blocks)
     if dot_dtype not in DOT_DTYPES:
         raise ValueError(f"dot_dtype={dot_dtype!r}: choose one of {DOT_DTYPES}")
+    blocks = block_sizes or (BF16_GATE_BLOCKS if dot_dtype == "bfloat16" else SelectionBlockSizes())
+    _check_tiles(blocks)
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)

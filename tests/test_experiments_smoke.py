@@ -69,6 +69,14 @@ def test_bench_decode_check_and_tables(tmp_path):
     assert all(r["tokens_per_sec"] > 0 and r["vs_full"] > 0 for r in tables)
     assert {r["part"] for r in rows if r["level"] == "part"} == {
         "gate scores", "top-k sort", "top-k passes", "attend selected", "block-sum update"}
+    prof = tmp_path / "prof"
+    _run(["experiments/bench_decode.py", "--scale", "s1", "--contexts", "256", "--batch", "2", "--steps", "2",
+          "--dtype", "float32", "--profile", "moba", "--profile-dir", str(prof), "--out", str(out), *TINY_ARGS],
+         tmp_path)
+    (p,) = json.loads(out.read_text())["profiles"]
+    assert p["arch"] == "moba" and p["steps"] == 2  # the CPU trace has no GPU stream lines to sum
+    assert "while" in (prof / "decode_moba_256.hlo.txt").read_text()
+    assert (prof / "trace_decode_moba_256.json.gz").stat().st_size > 0
 
 
 @pytest.mark.slow

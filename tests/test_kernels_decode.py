@@ -63,13 +63,16 @@ CASES = [  # B, C, H, K, D, block, S, Hs, pos
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("slots", ["full", "empty_and_dup"])
-def test_decode_kernel_equals_decode_attend(case, dtype, slots):
+@pytest.mark.parametrize("slots,chunk_rows", [("full", 128), ("empty_and_dup", 16)])
+def test_decode_kernel_equals_decode_attend(case, dtype, slots, chunk_rows):
+    """``chunk_rows`` 16: one block per gathered chunk (several online-softmax steps); 128: the
+    default (one or two chunks, slots padded to fill them)."""
     B, C, H, K, D, bs, S, Hs, pos = case
     q, kc, vc = _inputs(sum(case), B, C, H, K, D, dtype)
     messy = slots == "empty_and_dup"
     idx = _selection(pos, B, Hs, S, pos, bs, n_empty=1 if messy else 0, dup=messy)
-    got = gather_decode_attention(q, kc, vc, idx, jnp.int32(pos), block_size=bs, interpret=True)
+    got = gather_decode_attention(q, kc, vc, idx, jnp.int32(pos), block_size=bs, interpret=True,
+                                  chunk_rows=max(chunk_rows, bs))
     with jax.default_matmul_precision("highest"):
         want = ops.decode_attend(q[:, None], kc, vc, idx[:, None], jnp.int32(pos), block_size=bs)[:, 0]
     assert got.shape == (B, H, D) and got.dtype == jnp.float32
@@ -83,7 +86,7 @@ def test_decode_kernel_skips_slots_that_see_nothing():
     pos = 40  # block 2
     bad = jnp.asarray([[[-1, 9, 5, 2, 0]]], jnp.int32)  # 9: past the cache (8 blocks), 5: future
     good = jnp.asarray([[[2, 0]]], jnp.int32)
-    got = gather_decode_attention(q, kc, vc, bad, jnp.int32(pos), block_size=bs, interpret=True)
+    got = gather_decode_attention(q, kc, vc, bad, jnp.int32(pos), block_size=bs, interpret=True, chunk_rows=16)
     want = gather_decode_attention(q, kc, vc, good, jnp.int32(pos), block_size=bs, interpret=True)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
     nothing = gather_decode_attention(q, kc, vc, jnp.asarray([[[-1, 6]]], jnp.int32), jnp.int32(pos),
@@ -104,6 +107,8 @@ def test_decode_kernel_rejects_bad_inputs():
         gather_decode_attention(q, kc, vc, jnp.zeros((1, 3, 2), jnp.int32), 0, block_size=16)
     with pytest.raises(ValueError, match="integer"):
         gather_decode_attention(q, kc, vc, idx.astype(jnp.float32), 0, block_size=16)
+    with pytest.raises(ValueError, match="chunk_rows"):
+        gather_decode_attention(q, kc, vc, idx, 0, block_size=16, chunk_rows=48)
     with pytest.raises(ValueError, match="expected q"):
         gather_decode_attention(q[:, None], kc, vc, idx, 0, block_size=16)
 
