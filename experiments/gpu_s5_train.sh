@@ -15,6 +15,7 @@
 #   bash experiments/gpu_s5_train.sh final18  # session 9, third call: the bf16 split check, then sparse18 (auto = split_bf16)
 #   bash experiments/gpu_s5_train.sh tune18   # session 10: bf16 split check, decode kernels (check, table), launch sweeps
 #   bash experiments/gpu_s5_train.sh tune18b  # session 10: decode parts + profiles, gate tiles, S5 SSA step vs full
+#   bash experiments/gpu_s5_train.sh final18b # session 10: issue 18's one-run table (checks, S5 steps, decode at 128K)
 #   bash experiments/gpu_s5_train.sh rest17a  # issue 17's missing table cells, 4 calls (a-d), each scale with its full row
 #   bash experiments/gpu_s5_train.sh all7b    # part 2: S1's slow-compiling archs, S3-S5 full/SWA/SA
 #
@@ -168,6 +169,23 @@ case "${1:-table}" in
     B $left --scale s5 --arch full,ssa --remat dots_attn --batch 2 --steps 4 --compile-workers 2 \
       --deadline $(( left - 15 )) --out "$OUT/bench_train_s5_tune18b.json"
     ;;
+  final18b)  # session 10: issue 18's table from one run: decode == forward check, the S5 train steps, the decode
+    # table at 128K (layers, parts with the decode kernel's launches, models), then the bf16 split check
+    F() { grep -v -e "^W1201" -e "^I0000" -e "^W0000" -e "^W1202" -e "^I1202"; }
+    timeout 60 python3 experiments/bench_decode.py --check --check-archs full,moba,ssa_sparse \
+      --out "$OUT/bench_decode_check.json" 2>&1 | F | grep -e check -e Error
+    B 300 --scale s5 --arch full,moba16,ssa --remat dots_attn --batch 2 --steps 4 --compile-workers 3 --deadline 290 \
+      --out "$OUT/bench_train_s5_final18b.json"
+    left=$(( 520 - SECONDS ))
+    echo "== $left s left for decoding at 128K"
+    [ $left -gt 40 ] && timeout $left python3 experiments/bench_decode.py --contexts 131072 \
+      --layer-archs full,moba,ssa_sparse,swa,lightning --model-archs full,ssa_sparse --model-contexts 131072 \
+      --parts --steps 32 --reps 5 --out "$OUT/bench_decode_final18b.json" 2>&1 | F | tail -24
+    left=$(( 585 - SECONDS ))
+    echo "== $left s left for the bf16 split check"
+    [ $left -gt 30 ] && timeout $left python3 experiments/bench_selection.py --split --no-table --check-impls split@bf16 \
+      --check-T 2048 --out "$OUT/bench_selection_check_bf16.json" 2>&1 | F | grep -e "^|" -e Error -e FAIL
+    ;;
   rest17a|rest17b|rest17c|rest17d)  # issue 17: the cells session 7 did not compile (<= 3 compile workers a process)
     case "$1" in
       rest17a) plan="s2:full,sa_swa,lightning,mamba2,gdn:280 s3:full,swa,sa:240" ;;
@@ -185,6 +203,6 @@ case "${1:-table}" in
     timeout 200 python3 experiments/profile_train.py --scale s3 --arch full --batch 8 \
       --steps 3 --out-dir "$OUT/profile" 2>&1 | grep -v -e "^W0000" -e "^I0000" | tail -40
     ;;
-  *) echo "usage: $0 table|s5|remat|sparse|all7a|all7b|gather|gather2|sparse18|split18|split18b|final18|tune18|tune18b|rest17a-d|profile"; exit 2 ;;
+  *) echo "usage: $0 table|s5|remat|sparse|all7a|all7b|gather|gather2|sparse18|split18|split18b|final18|tune18|tune18b|final18b|rest17a-d|profile"; exit 2 ;;
 esac
 date -u +"end %Y-%m-%dT%H:%M:%SZ"

@@ -248,19 +248,17 @@ def moba_extend_state(state: dict, q, k, pos, opts) -> dict:
 
 def moba_read(q_t, state: dict, opts):
     """One query's MoBA attention over the decode cache (selection as in the forward pass), on the
-    backend of :func:`hybrid_lm.backends.sparse_decode_backend`: on a GPU the top-k kernel and the
-    gather decode kernel, which reads only the selected blocks of the cache."""
-    kc = state["k"]
-    impl, reason = sparse_decode_backend(opts.block_size, kc.shape[1], kc.shape[-1])
+    backend of :func:`hybrid_lm.backends.sparse_decode_backend`: on a GPU the selection's top-k runs
+    as the top-k kernel. Either way the attention gathers only the selected blocks of the cache (in
+    XLA: ``hybrid_lm_kernels.gather_decode_attention`` does it in one kernel but was slower at S5,
+    128K, batch 8: docs/KERNELS.md)."""
+    impl, reason = sparse_decode_backend()
     record_backend(f"moba decode block={opts.block_size}", impl, reason)
-    if impl == "xla":
-        idx = ops.decode_select(q_t, state["kbar_sum"], state["pos"], block_size=opts.block_size,
-                                top_k=opts.top_k, gate=opts.gate, selection=opts.selection,
-                                qbar_sum=state.get("qbar_sum"))
-        return ops.decode_attend(q_t, kc, state["v"], idx, state["pos"], block_size=opts.block_size)
-    import hybrid_lm_kernels as kernels
     imp = ops.decode_importance(q_t, state["kbar_sum"], state["pos"], block_size=opts.block_size, gate=opts.gate,
                                 selection=opts.selection, qbar_sum=state.get("qbar_sum"))
-    idx = kernels.top_k_blocks(imp[:, 0], opts.top_k)
-    o = kernels.gather_decode_attention(q_t[:, 0], kc, state["v"], idx, state["pos"], block_size=opts.block_size)
-    return o[:, None]
+    if impl == "xla":
+        idx = ops.decode_top_blocks(imp, opts.top_k)
+    else:
+        import hybrid_lm_kernels as kernels
+        idx = kernels.top_k_blocks(imp, opts.top_k)
+    return ops.decode_attend(q_t, state["k"], state["v"], idx, state["pos"], block_size=opts.block_size)

@@ -154,6 +154,11 @@ def decode_select(q_t, kbar_sum, pos, *, block_size: int, top_k: int, gate: str,
     queries) up to ``pos``: only complete past blocks are scored, so the sums are all it needs."""
     imp = decode_importance(q_t, kbar_sum, pos, block_size=block_size, gate=gate, selection=selection,
                             qbar_sum=qbar_sum, scale=scale)
+    return decode_top_blocks(imp, top_k)
+
+
+def decode_top_blocks(imp, top_k: int):
+    """The selection from :func:`decode_importance`'s scores: the ``top_k`` best blocks, -1 = empty."""
     return _top_blocks(imp, min(top_k, imp.shape[-1]))
 
 
