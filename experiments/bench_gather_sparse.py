@@ -135,8 +135,9 @@ def errors(got, want):
 # --check
 # ------------------------------------------------------------------------------------------------
 
-CHECK_CASES = [  # the kernel's default launch (1 warp, 2 stages) and the 4-warp one of session 7
-    dict(B=2, T=1000, H=10, K=1, D=128, block=16, top_k=16, dtype="bfloat16", sel="ssa", config="t1w1s2"),
+CHECK_CASES = [  # the kernel's default launch (1 warp, 3 stages, dK/dV chunks of 128), the earlier 2-stage one,
+    # and the 4-warp one of session 7
+    dict(B=2, T=1000, H=10, K=1, D=128, block=16, top_k=16, dtype="bfloat16", sel="ssa", config="t1w1s3c128"),
     dict(B=1, T=777, H=8, K=2, D=64, block=32, top_k=8, dtype="float32", sel="random", config="t1w1s2"),
     dict(B=1, T=1024, H=4, K=4, D=128, block=16, top_k=16, dtype="bfloat16", sel="random", config="t2w1s2c32"),
     dict(B=2, T=2048, H=10, K=1, D=128, block=16, top_k=16, dtype="bfloat16", sel="ssa", config="t1w4s2"),

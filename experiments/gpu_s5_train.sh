@@ -16,6 +16,7 @@
 #   bash experiments/gpu_s5_train.sh tune18   # session 10: bf16 split check, decode kernels (check, table), launch sweeps
 #   bash experiments/gpu_s5_train.sh tune18b  # session 10: decode parts + profiles, gate tiles, S5 SSA step vs full
 #   bash experiments/gpu_s5_train.sh final18b # session 10: issue 18's one-run table (checks, S5 steps, decode at 128K)
+#   bash experiments/gpu_s5_train.sh check18  # session 10: decode check (moba, ssa_sparse), gather kernel check
 #   bash experiments/gpu_s5_train.sh rest17a  # issue 17's missing table cells, 4 calls (a-d), each scale with its full row
 #   bash experiments/gpu_s5_train.sh all7b    # part 2: S1's slow-compiling archs, S3-S5 full/SWA/SA
 #
@@ -186,6 +187,13 @@ case "${1:-table}" in
     [ $left -gt 30 ] && timeout $left python3 experiments/bench_selection.py --split --no-table --check-impls split@bf16 \
       --check-T 2048 --out "$OUT/bench_selection_check_bf16.json" 2>&1 | F | grep -e "^|" -e Error -e FAIL
     ;;
+  check18)  # session 10, last call: the GPU checks of the final code (gather kernel's new default launch; decode)
+    F() { grep -v -e "^W1201" -e "^I0000" -e "^W0000" -e "^W1202" -e "^I1202"; }
+    timeout 100 python3 experiments/bench_decode.py --check --check-archs moba,ssa_sparse \
+      --out "$OUT/bench_decode_check.json" 2>&1 | F | grep -e check -e Error
+    timeout 110 python3 experiments/bench_gather_sparse.py --check-only --out "$OUT/bench_gather_check.json" 2>&1 \
+      | F | tail -12
+    ;;
   rest17a|rest17b|rest17c|rest17d)  # issue 17: the cells session 7 did not compile (<= 3 compile workers a process)
     case "$1" in
       rest17a) plan="s2:full,sa_swa,lightning,mamba2,gdn:280 s3:full,swa,sa:240" ;;
@@ -203,6 +211,6 @@ case "${1:-table}" in
     timeout 200 python3 experiments/profile_train.py --scale s3 --arch full --batch 8 \
       --steps 3 --out-dir "$OUT/profile" 2>&1 | grep -v -e "^W0000" -e "^I0000" | tail -40
     ;;
-  *) echo "usage: $0 table|s5|remat|sparse|all7a|all7b|gather|gather2|sparse18|split18|split18b|final18|tune18|tune18b|final18b|rest17a-d|profile"; exit 2 ;;
+  *) echo "usage: $0 table|s5|remat|sparse|all7a|all7b|gather|gather2|sparse18|split18|split18b|final18|tune18|tune18b|final18b|check18|rest17a-d|profile"; exit 2 ;;
 esac
 date -u +"end %Y-%m-%dT%H:%M:%SZ"
