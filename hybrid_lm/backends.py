@@ -237,7 +237,7 @@ def sparse_decode_backend(platform: str | None = None) -> tuple[str, str]:
         import hybrid_lm_kernels  # noqa: F401
     except ImportError as e:
         return "xla", f"auto: the Pallas kernels (hybrid_lm_kernels) do not import: {e}"
-    return "pallas", "auto: GPU (top-k kernel: 0.004 ms against 0.029 for XLA's passes at 128K, B 8)"
+    return "pallas", "auto: GPU (top-k kernel: 0.003 ms against 0.033 for XLA's passes at S5, 128K, B 8, session 10)"
 
 
 # ----------------------------------------------------------------------------- linear attention
