@@ -126,11 +126,9 @@ def bench_layer(scale, arch, context, batch, steps, reps, dtype):
 def profile_layer(scale, arch, context, batch, steps, dtype, out_dir, top):
     """A ``jax.profiler`` trace of ``steps`` decode steps of one layer (one scan), summarised per
     kernel (``profile_train.summarize``: ms per decode step), plus the scan's optimised HLO."""
-    import glob
-    import shutil
     from pathlib import Path
 
-    from profile_train import print_summary, summarize
+    from profile_train import keep_trace, print_summary, summarize
 
     step, carry, _ = layer_step(scale, arch, context, batch, dtype)
     run = jax.jit(lambda c: jax.lax.scan(lambda c, _: (step(c), None), c, None, length=steps)[0])
@@ -142,12 +140,7 @@ def profile_layer(scale, arch, context, batch, steps, dtype, out_dir, top):
     trace_dir = out / f"trace_{arch}"
     with jax.profiler.trace(str(trace_dir)):
         jax.block_until_ready(compiled(carry))
-    found = sorted(glob.glob(str(trace_dir / "**" / "*.trace.json.gz"), recursive=True))
-    if not found:
-        raise SystemExit(f"no *.trace.json.gz under {trace_dir}")
-    saved = out / f"trace_decode_{arch}_{context}.json.gz"
-    shutil.copy(found[-1], saved)
-    shutil.rmtree(trace_dir, ignore_errors=True)
+    saved = keep_trace(trace_dir, out / f"trace_decode_{arch}_{context}.json.gz")
     summary = summarize(saved, steps, None, top)
     print(f"profile: {arch} layer, one decode step at {context} tokens, batch {batch}")
     print_summary(summary)

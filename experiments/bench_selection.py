@@ -341,8 +341,8 @@ def split_sweep(ops, kern, interpret, T, B, reps, inner, tiles, topk_launches):
         bq, bc, w, st, h = m.groups()
         blocks = kern.SelectionBlockSizes(block_q=int(bq), block_c=int(bc), num_warps=int(w), num_stages=int(st),
                                           hoist_q=bool(h))
-        used = kern.selection_pallas.query_tile(int(bq), T, H // K, min(int(bc), 1 << (T // bs - 1).bit_length()),
-                                                D, 2)
+        sel = kern.selection_pallas  # the rows per program _gate_call takes for these tiles
+        used = sel.query_tile(int(bq), T, H // K, min(int(bc), sel._next_pow2(-(-T // bs))), D, 2)
         ms = _try_ms(jax.jit(lambda q, kbar, blocks=blocks: kern.block_importance(
             q, kbar, block_size=bs, gate=gate, interpret=interpret, dot_dtype="bfloat16", block_sizes=blocks)),
             (q, kbar), reps, inner, f"importance {name}")

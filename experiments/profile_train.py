@@ -107,16 +107,22 @@ def profile(args) -> dict:
             state, stats = compiled(state, tokens, v.bounds)
         jax.block_until_ready(stats["loss"])
         wall_ms = 1e3 * (time.perf_counter() - t0) / args.steps
-    found = sorted(glob.glob(str(trace_dir / "**" / "*.trace.json.gz"), recursive=True))
-    if not found:
-        raise SystemExit(f"no *.trace.json.gz under {trace_dir}")
-    saved = out_dir / f"trace_{args.scale}_{args.arch}_b{args.batch}.json.gz"
-    shutil.copy(found[-1], saved)
+    saved = keep_trace(trace_dir, out_dir / f"trace_{args.scale}_{args.arch}_b{args.batch}.json.gz")
     s = summarize(saved, args.steps, wall_ms, args.top)
     s.update(scale=args.scale, arch=args.arch, batch=args.batch, seq_len=args.seq_len, compile_s=compile_s,
              peak_bytes=peak, attention_backends=backends, device=jax.devices()[0].device_kind)
-    shutil.rmtree(trace_dir, ignore_errors=True)  # the copy above is the one that travels
     return s
+
+
+def keep_trace(trace_dir: Path, saved: Path) -> Path:
+    """Copies the newest ``*.trace.json.gz`` under ``trace_dir`` (a ``jax.profiler.trace`` directory)
+    to ``saved`` and removes ``trace_dir``: the copy is the one that travels."""
+    found = sorted(glob.glob(str(trace_dir / "**" / "*.trace.json.gz"), recursive=True))
+    if not found:
+        raise SystemExit(f"no *.trace.json.gz under {trace_dir}")
+    shutil.copy(found[-1], saved)
+    shutil.rmtree(trace_dir, ignore_errors=True)
+    return saved
 
 
 def main() -> None:
