@@ -122,8 +122,11 @@ class Variant:
 
     def compile(self, lowered, lower_s):
         """(compiled step, lower + compile seconds, XLA's memory account in bytes). The parameter
-        init is compiled here too (in the pool), so timing a variant does not wait on its compile."""
+        init is compiled here too (in the pool), so timing a variant does not wait on its compile;
+        its seconds are ``init_compile_s`` (not part of ``compile_s``)."""
+        t0 = time.perf_counter()
         self.init_compiled = self.init.lower(self.seed).compile()
+        self.init_compile_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         compiled = lowered.compile()
         m = compiled.memory_analysis()
@@ -135,8 +138,10 @@ class Variant:
         state = getattr(self, "init_compiled", self.init)(self.seed)
         tokens = jax.random.randint(jax.random.key(0), (self.key["batch"], self.key["seq_len"] + 1), 0,
                                     self.cfg.model.vocab_size)
+        t0 = time.perf_counter()
         state, stats = compiled(state, tokens, self.bounds)  # warm-up
         jax.block_until_ready(stats["loss"])
+        warmup_s = time.perf_counter() - t0
         times = []
         for _ in range(steps):
             t0 = time.perf_counter()
@@ -147,7 +152,7 @@ class Variant:
         del state, stats
         ms = 1e3 * np.asarray(times)
         return {"ms_per_step": float(np.median(ms)), "ms_min": float(ms.min()), "ms_max": float(ms.max()),
-                "loss": loss}
+                "loss": loss, "warmup_s": warmup_s}
 
 
 def device_memory() -> int | None:
@@ -157,7 +162,9 @@ def device_memory() -> int | None:
 
 def measure(variants, args, deadline: float | None = None) -> tuple[list[dict], bool]:
     """(rows in the order of ``variants``, whether compiles were left running at the deadline).
-    Ready variants are timed in the order their compiles finish, one at a time on the device."""
+    Ready variants are timed in the order their compiles finish, one at a time on the device.
+    ``--compile-alone`` runs strictly one variant at a time: lower, compile, time, then the next, so
+    no lowering in the main thread competes with a compile either."""
     limit = device_memory()
     rows: dict[int, dict] = {}
     workers = 1 if args.compile_alone else args.compile_workers
@@ -186,6 +193,8 @@ def measure(variants, args, deadline: float | None = None) -> tuple[list[dict], 
                 i, v, dict(backends, lower_s=lower_s, t_lowered_s=time.time() - t0))
         except Exception as e:  # noqa: BLE001 - a variant that cannot trace is reported, not fatal
             rows[i] = finish(v, {}, e, limit, args)
+        if args.compile_alone:
+            cf.wait(list(pending), timeout=None if deadline is None else max(0.0, deadline - time.time()))
         for fut in [f for f in pending if f.done()]:  # time what is ready while later ones lower
             take(fut)
     try:
@@ -196,7 +205,8 @@ def measure(variants, args, deadline: float | None = None) -> tuple[list[dict], 
         left_running = True
         for fut, (i, v, backends) in pending.items():
             fut.cancel()
-            rows[i] = dict(v.key, status="not_compiled", error="compile not finished by the --deadline")
+            rows[i] = dict(v.key, status="not_compiled", error="compile not finished by the --deadline",
+                           lower_s=backends.get("lower_s"), t_lowered_s=backends.get("t_lowered_s"))
             report(rows[i])
     pool.shutdown(wait=not left_running, cancel_futures=True)
     return [rows[k] for k in sorted(rows)], left_running
@@ -217,6 +227,7 @@ def finish(v: Variant, backends: dict, fut, limit: int | None, args) -> dict:
         if isinstance(fut, Exception):
             raise fut
         compiled, row["compile_s"], row["peak_bytes"] = fut.result()
+        row["init_compile_s"] = getattr(v, "init_compile_s", None)
     except Exception as e:  # noqa: BLE001 - a variant that cannot compile is reported, not fatal
         row.update(status="compile_error", error=str(e).splitlines()[0][:300])
         report(row)

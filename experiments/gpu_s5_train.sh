@@ -19,6 +19,7 @@
 #   bash experiments/gpu_s5_train.sh check18  # session 10: decode check (moba, ssa_sparse), gather kernel check
 #   bash experiments/gpu_s5_train.sh rest17a  # issue 17's missing table cells, 4 calls (a-d), each scale with its full row
 #   bash experiments/gpu_s5_train.sh s5alone17 # session 11: S5 x 6 archs compiled alone, then gdn/lightning scanned
+#   bash experiments/gpu_s5_train.sh s5lin17  # session 11: S5 lightning / mamba2 / gdn, strictly serial
 #   bash experiments/gpu_s5_train.sh all7b    # part 2: S1's slow-compiling archs, S3-S5 full/SWA/SA
 #
 # Run from the repo root (or a `git archive` of it) on the device machine with `.whl` beside or
@@ -212,10 +213,14 @@ case "${1:-table}" in
     B 560 --scale s5 --arch full,swa,sa_swa,lightning,mamba2,gdn,gdn+scan,lightning+scan --remat dots_attn --batch 8 \
       --steps 4 --compile-alone --deadline 540 --out "$OUT/bench_train_s5_alone17.json"
     ;;
+  s5lin17)  # session 11, second call: S5's linear-mixer rows, strictly one variant at a time (lower, compile, time)
+    B 540 --scale s5 --arch lightning,mamba2,gdn --remat dots_attn --batch 8 --steps 3 --compile-alone \
+      --deadline 520 --out "$OUT/bench_train_s5_lin17.json"
+    ;;
   profile)
     timeout 200 python3 experiments/profile_train.py --scale s3 --arch full --batch 8 \
       --steps 3 --out-dir "$OUT/profile" 2>&1 | grep -v -e "^W0000" -e "^I0000" | tail -40
     ;;
-  *) echo "usage: $0 table|s5|remat|sparse|all7a|all7b|gather|gather2|sparse18|split18|split18b|final18|tune18|tune18b|final18b|check18|rest17a-d|s5alone17|profile"; exit 2 ;;
+  *) echo "usage: $0 table|s5|remat|sparse|all7a|all7b|gather|gather2|sparse18|split18|split18b|final18|tune18|tune18b|final18b|check18|rest17a-d|s5alone17|s5lin17|profile"; exit 2 ;;
 esac
 date -u +"end %Y-%m-%dT%H:%M:%SZ"

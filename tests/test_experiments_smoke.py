@@ -90,6 +90,7 @@ def test_bench_train_sweep_microbatch(tmp_path):
     assert [(r["arch"], r["batch"], r["status"], r["remat"]) for r in rows] == [
         (a, b, "ok", remat) for a, remat in (("full", "dots"), ("sa@dots_attn", "dots_attn")) for b in (1, 2)]
     assert all(r["peak_bytes"] > 0 and r["compile_s"] > 0 for r in rows)
+    assert all(r["init_compile_s"] > 0 and r["warmup_s"] > 0 for r in rows)  # the phases apart from compile_s
     assert rows[2]["attention_backends"].get("sa w=128") == "xla"
     assert set(json.loads(table.read_text())["best"]) == {"s1/full/64", "s1/sa@dots_attn/64"}
 
