@@ -20,6 +20,7 @@
 #   bash experiments/gpu_s5_train.sh rest17a  # issue 17's missing table cells, 4 calls (a-d), each scale with its full row
 #   bash experiments/gpu_s5_train.sh s5alone17 # session 11: S5 x 6 archs compiled alone, then gdn/lightning scanned
 #   bash experiments/gpu_s5_train.sh s5lin17  # session 11: S5 lightning / mamba2 / gdn, strictly serial
+#   bash experiments/gpu_s5_train.sh ops17    # session 11: S5's linear-attention ops compiled alone (compile_ops.py)
 #   bash experiments/gpu_s5_train.sh all7b    # part 2: S1's slow-compiling archs, S3-S5 full/SWA/SA
 #
 # Run from the repo root (or a `git archive` of it) on the device machine with `.whl` beside or
@@ -217,10 +218,18 @@ case "${1:-table}" in
     B 540 --scale s5 --arch lightning,mamba2,gdn --remat dots_attn --batch 8 --steps 3 --compile-alone \
       --deadline 520 --out "$OUT/bench_train_s5_lin17.json"
     ;;
+  ops17)  # session 11, third call: S5's linear-attention ops compiled alone (is the kernel the slow compile?)
+    for item in lightning:auto:150 mamba2:auto:110 gdn:auto:110 lightning:xla:60; do
+      IFS=: read -r arch impl secs <<< "$item"
+      timeout $secs python3 experiments/compile_ops.py --scale s5 --arch $arch --impl $impl --batch 8 \
+        --out "$OUT/compile_ops_${arch}_${impl}.json" 2>&1 | grep -v -e "^W1202" -e "^I1202" -e vocab_size
+      echo "== $arch $impl rc ${PIPESTATUS[0]} at ${SECONDS} s"
+    done
+    ;;
   profile)
     timeout 200 python3 experiments/profile_train.py --scale s3 --arch full --batch 8 \
       --steps 3 --out-dir "$OUT/profile" 2>&1 | grep -v -e "^W0000" -e "^I0000" | tail -40
     ;;
-  *) echo "usage: $0 table|s5|remat|sparse|all7a|all7b|gather|gather2|sparse18|split18|split18b|final18|tune18|tune18b|final18b|check18|rest17a-d|s5alone17|s5lin17|profile"; exit 2 ;;
+  *) echo "usage: $0 table|s5|remat|sparse|all7a|all7b|gather|gather2|sparse18|split18|split18b|final18|tune18|tune18b|final18b|check18|rest17a-d|s5alone17|s5lin17|ops17|profile"; exit 2 ;;
 esac
 date -u +"end %Y-%m-%dT%H:%M:%SZ"

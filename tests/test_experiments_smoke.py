@@ -95,6 +95,16 @@ def test_bench_train_sweep_microbatch(tmp_path):
     assert set(json.loads(table.read_text())["best"]) == {"s1/full/64", "s1/sa@dots_attn/64"}
 
 
+def test_compile_ops_times_each_recorded_call(tmp_path):
+    """compile_ops: the model's linear-attention calls are recorded from a trace and compiled alone."""
+    out = tmp_path / "ops.json"
+    _run(["experiments/compile_ops.py", "--scale", "s1", "--arch", "mamba2", "--seq-len", "128", "--batch", "1",
+          "--out", str(out)], tmp_path)
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["op"], r["pass_"]) for r in rows] == [("simple_gla", "fwd"), ("simple_gla", "fwd+bwd")]
+    assert all(r["compile_s"] > 0 and r["shapes"][0][:2] == [1, 128] for r in rows)
+
+
 @pytest.mark.slow
 def test_bench_selection_fused_check(tmp_path):
     """bench_selection --check: fused == reference selections (interpret mode) and the fused table."""
