@@ -21,6 +21,7 @@
 #   bash experiments/gpu_s5_train.sh s5alone17 # session 11: S5 x 6 archs compiled alone, then gdn/lightning scanned
 #   bash experiments/gpu_s5_train.sh s5lin17  # session 11: S5 lightning / mamba2 / gdn, strictly serial
 #   bash experiments/gpu_s5_train.sh ops17    # session 11: S5's linear-attention ops compiled alone (compile_ops.py)
+#   bash experiments/gpu_s5_train.sh why17    # session 11: S5 Lightning compiled four ways at once (remat, scan, xla)
 #   bash experiments/gpu_s5_train.sh all7b    # part 2: S1's slow-compiling archs, S3-S5 full/SWA/SA
 #
 # Run from the repo root (or a `git archive` of it) on the device machine with `.whl` beside or
@@ -226,10 +227,20 @@ case "${1:-table}" in
       echo "== $arch $impl rc ${PIPESTATUS[0]} at ${SECONDS} s"
     done
     ;;
+  why17)  # session 11, last call: which change makes the S5 Lightning step compile? 4 processes at once, compile only
+    export XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=0.2  # over the limit: compiled, not run
+    for v in "lightning dots_attn" "lightning@dots dots" "lightning+scan dots_attn" "lightning@dots_attn xla"; do
+      set -- $v
+      extra=(); [ "$2" = xla ] && extra=(--gin_param "ModelConfig.linear_impl = 'xla'")
+      B 250 --scale s5 --arch $1 --remat dots_attn --batch 8 --steps 2 --compile-alone --deadline 240 "${extra[@]}" \
+        --out "$OUT/bench_train_s5_why17_${1//[@+]/_}_$2.json" > "$OUT/why17_${1//[@+]/_}_$2.log" 2>&1 &
+    done
+    wait; tail -n 3 "$OUT"/why17_*.log
+    ;;
   profile)
     timeout 200 python3 experiments/profile_train.py --scale s3 --arch full --batch 8 \
       --steps 3 --out-dir "$OUT/profile" 2>&1 | grep -v -e "^W0000" -e "^I0000" | tail -40
     ;;
-  *) echo "usage: $0 table|s5|remat|sparse|all7a|all7b|gather|gather2|sparse18|split18|split18b|final18|tune18|tune18b|final18b|check18|rest17a-d|s5alone17|s5lin17|ops17|profile"; exit 2 ;;
+  *) echo "usage: $0 table|s5|remat|sparse|all7a|all7b|gather|gather2|sparse18|split18|split18b|final18|tune18|tune18b|final18b|check18|rest17a-d|s5alone17|s5lin17|ops17|why17|profile"; exit 2 ;;
 esac
 date -u +"end %Y-%m-%dT%H:%M:%SZ"
