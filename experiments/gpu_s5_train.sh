@@ -232,7 +232,7 @@ case "${1:-table}" in
     for v in "lightning dots_attn" "lightning@dots dots" "lightning+scan dots_attn" "lightning@dots_attn xla"; do
       set -- $v
       extra=(); [ "$2" = xla ] && extra=(--gin_param "ModelConfig.linear_impl = 'xla'")
-      B 250 --scale s5 --arch $1 --remat dots_attn --batch 8 --steps 2 --compile-alone --deadline 240 "${extra[@]}" \
+      B 140 --scale s5 --arch $1 --remat dots_attn --batch 8 --steps 2 --compile-alone --deadline 130 "${extra[@]}" \
         --out "$OUT/bench_train_s5_why17_${1//[@+]/_}_$2.json" > "$OUT/why17_${1//[@+]/_}_$2.log" 2>&1 &
     done
     wait; tail -n 3 "$OUT"/why17_*.log
