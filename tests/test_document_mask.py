@@ -19,7 +19,7 @@ from hybrid_lm.model.registry import MixerContext
 from hybrid_lm.model.transformer import HybridLM
 from hybrid_lm.ops import attention as ops
 from hybrid_lm.train.optim import optimizer_for_bounds, wsd_bounds
-from hybrid_lm.train.step import ModelFns, make_eval_step, make_init, make_train_step, split_batch
+from hybrid_lm.train.step import ModelFns, StateInit, make_eval_step, make_train_step, split_batch
 
 TOL = dict(rtol=2e-5, atol=2e-5)
 
@@ -187,7 +187,7 @@ def _step(cfg):
     fns = ModelFns(cfg)
     build = optimizer_for_bounds(cfg.optim, fns.axes)
     bounds = np.asarray(wsd_bounds(cfg.optim, 10), np.int32)
-    return fns, make_init(fns, build(bounds)[0])(0), jax.jit(make_train_step(fns, build)), bounds
+    return fns, StateInit(fns, build(bounds)[0])(0), jax.jit(make_train_step(fns, build)), bounds
 
 
 @pytest.mark.slow

@@ -105,6 +105,17 @@ def test_compile_ops_times_each_recorded_call(tmp_path):
     assert all(r["compile_s"] > 0 and r["shapes"][0][:2] == [1, 128] for r in rows)
 
 
+def test_compile_init_compares_parts_with_the_whole_model(tmp_path):
+    """compile_init: ParamInit's programs and the whole-model program are timed, their values equal."""
+    out = tmp_path / "init.json"
+    stdout = _run(["experiments/compile_init.py", "--scale", "s1", "--arch", "swa", "--whole", "swa",
+                   "--out", str(out)], tmp_path)
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["equal"] is True and row["programs"] == 5  # embed, full block, SWA block, final norm, head
+    assert row["parts_compile_s"] > 0 and row["whole_compile_s"] > 0
+    assert "True" in stdout
+
+
 @pytest.mark.slow
 def test_bench_selection_fused_check(tmp_path):
     """bench_selection --check: fused == reference selections (interpret mode) and the fused table."""

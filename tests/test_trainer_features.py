@@ -7,7 +7,7 @@ from hybrid_lm.train.checkpoint import Checkpointer
 from hybrid_lm.train.loop import train
 from hybrid_lm.train.metrics import read_metrics
 from hybrid_lm.train.optim import make_optimizer, muon_routing, optimizer_for_bounds, wsd_bounds
-from hybrid_lm.train.step import ModelFns, make_init, make_train_step
+from hybrid_lm.train.step import ModelFns, StateInit, make_train_step
 from resume_check import final_state  # test tooling in tests/
 
 
@@ -20,7 +20,7 @@ def test_gradient_accumulation_equals_the_large_batch(tiny_params):
         fns = ModelFns(cfg)
         build = optimizer_for_bounds(cfg.optim, fns.axes)
         bounds = np.asarray(wsd_bounds(cfg.optim, 10), np.int32)
-        state = make_init(fns, build(bounds)[0])(0)
+        state = StateInit(fns, build(bounds)[0])(0)
         tokens = jax.random.randint(jax.random.key(3), (8, 33), 0, 256)
         step = jax.jit(make_train_step(fns, build))
         for _ in range(3):

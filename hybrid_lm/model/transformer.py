@@ -100,14 +100,28 @@ class Block(nnx.Module):
         return x_t + self.mlp(self.mlp_norm(x_t)), state
 
 
+def model_parts(cfg: ModelConfig):
+    """The model's parts in the order they draw from the ``params`` stream: ``(path, kind, build)``.
+    ``build(rngs)`` makes the part; parts of one ``kind`` are built alike (the same parameters from
+    the same stream position), so :class:`ParamInit` compiles one program per kind."""
+    yield ("embed",), "embed", lambda rngs: Embedding(cfg, rngs=rngs)
+    for i, t in enumerate(cfg.layer_types()):
+        yield ("blocks", i), f"block/{t}", lambda rngs, t=t, i=i: Block(cfg, t, i, rngs=rngs)
+    yield ("final_norm",), "final_norm", lambda rngs: RMSNorm(cfg.d_model, cfg.norm_eps)
+    if not cfg.tie_embeddings:
+        yield ("lm_head",), "lm_head", lambda rngs: param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"),
+                                                          cfg.init_std)
+
+
 class HybridLM(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
-        self.embed = Embedding(cfg, rngs=rngs)
-        self.blocks = nnx.List([Block(cfg, t, i, rngs=rngs) for i, t in enumerate(cfg.layer_types())])
-        self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        parts = {path: build(rngs) for path, _, build in model_parts(cfg)}
+        self.embed = parts[("embed",)]
+        self.blocks = nnx.List([parts[("blocks", i)] for i in range(cfg.n_layers)])
+        self.final_norm = parts[("final_norm",)]
         if not cfg.tie_embeddings:
-            self.lm_head = param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg.init_std)
+            self.lm_head = parts[("lm_head",)]
 
     def __call__(self, tokens, ctx: MixerContext | None = None, *, features: bool = False):
         """Logits (fp32) ``[B, T, vocab]`` for ``tokens [B, T]``; with ``features=True`` the final
@@ -227,3 +241,73 @@ class HybridLM(nnx.Module):
             new.append(state)
         return self.logits(x), new
 
+
+
+def _part_values(part):
+    """A built part's parameters as a pure dict (a bare ``nnx.Param`` as its array)."""
+    return part[...] if isinstance(part, nnx.Param) else nnx.to_pure_dict(nnx.state(part, nnx.Param))
+
+
+class ParamInit:
+    """``init(seed)``: the parameters of ``HybridLM(cfg, rngs=nnx.Rngs(params=jax.random.key(seed)))``,
+    bit for bit, built part by part with one compiled program per kind of part.
+
+    One program for the whole model holds every parameter's random draw: at S5 it took ~100 s to
+    compile on the GPU host, twice the train step. Here each part (embedding, a block of each layer
+    type, final norm, head) is a program of ``(seed, count) -> (parameters, count)``, where ``count``
+    is the ``params`` stream's position (``nnx.Rngs`` draws ``fold_in(key, count)``), so identical
+    blocks share one compile and the values equal the whole-model build's.
+
+    ``shardings``: a tree like the parameters of ``NamedSharding`` (each part is created in its
+    layout), or None. Call it eagerly, or inside a trace (``jax.eval_shape``); ``compile(seed)``
+    compiles every program ahead of the first call.
+    """
+
+    def __init__(self, cfg: ModelConfig, shardings=None):
+        self.cfg, self.shardings = cfg, shardings
+        self._programs: dict = {}
+
+    def _parts(self):
+        for path, kind, build in model_parts(self.cfg):
+            shard = self.shardings
+            for k in path if shard is not None else ():
+                shard = shard[k]
+            key = (kind, tuple(jax.tree.leaves(shard)))
+            if key not in self._programs:
+                self._programs[key] = self._program(build, shard)
+            yield path, self._programs[key]
+
+    @staticmethod
+    def _program(build, shard):
+        def run(seed, count):
+            rngs = nnx.Rngs(params=jax.random.key(seed))
+            rngs.params.count[...] = count
+            values = _part_values(build(rngs))
+            return values, rngs.params.count[...]
+        if shard is None:
+            return jax.jit(run)
+        repl = jax.sharding.NamedSharding(jax.tree.leaves(shard)[0].mesh, jax.sharding.PartitionSpec())
+        return jax.jit(run, in_shardings=(repl, repl), out_shardings=(shard, repl))
+
+    def _start(self, seed):
+        return jnp.asarray(seed, jnp.uint32), jnp.zeros((), jnp.uint32)
+
+    def __call__(self, seed) -> dict:
+        seed, count = self._start(seed)
+        params: dict = {}
+        for path, program in self._parts():
+            values, count = program(seed, count)
+            node = params
+            for k in path[:-1]:
+                node = node.setdefault(k, {})
+            node[path[-1]] = values
+        return params
+
+    def compile(self, seed) -> None:
+        """Compile every part's program (a later call then starts at once)."""
+        seed, count = self._start(seed)
+        done = set()
+        for _, program in self._parts():
+            if id(program) not in done:
+                done.add(id(program))
+                program.lower(seed, count).compile()

@@ -46,7 +46,7 @@ from hybrid_lm.train.logger import StepLogger, check_extras, startup_summary
 from hybrid_lm.train.optim import optimizer_for_bounds, wsd_bounds
 from hybrid_lm.train.rundir import (InitSource, accepted_run_ids, archive_run, prepare_run_dir,
                                     record_init_fingerprint, recorded_init_source, resolve_init_source)
-from hybrid_lm.train.step import ModelFns, make_eval_step, make_init, make_train_step
+from hybrid_lm.train.step import ModelFns, StateInit, make_eval_step, make_train_step
 
 log = logging.getLogger(__name__)
 
@@ -104,11 +104,11 @@ def build_program(cfg: Config, mesh) -> Program:
     state_shard = {"params": p_shard, "opt_state": opt_shard, "step": repl}
     batch_shard = shd.batch_sharding(mesh, cfg.mesh.rules)
 
-    def fresh_state(params):  # make_init's state, around given parameters
+    def fresh_state(params):  # StateInit's state, around given parameters
         return {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32)}
 
     return Program(
-        fns=fns, init=jax.jit(make_init(fns, tx), out_shardings=state_shard),
+        fns=fns, init=StateInit(fns, tx, state_shard),
         start=jax.jit(fresh_state, in_shardings=(p_shard,), out_shardings=state_shard, donate_argnums=0),
         step=jax.jit(_with_nan_guard(fns, optimizer_for, cfg.train),
                      in_shardings=(state_shard, batch_shard, repl, repl), out_shardings=(state_shard, repl, repl),

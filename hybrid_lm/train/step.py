@@ -17,7 +17,7 @@ from flax import nnx
 from hybrid_lm.config import Config
 from hybrid_lm.model.registry import MixerContext, get_mixer
 from hybrid_lm.backends import loss_backend
-from hybrid_lm.model.transformer import HybridLM
+from hybrid_lm.model.transformer import HybridLM, ParamInit
 from hybrid_lm.errors import DataError
 from hybrid_lm.ops.attention import default_positions, segment_positions
 from hybrid_lm.ops.cross_entropy import chunked_cross_entropy, cross_entropy
@@ -54,6 +54,7 @@ class ModelFns:
         self.cfg = cfg
         abstract = nnx.eval_shape(lambda: HybridLM(cfg.model, rngs=nnx.Rngs(0)))
         self.graphdef, self._abstract_state = nnx.split(abstract, nnx.Param)
+        self.param_init = ParamInit(cfg.model)
         self.abstract_params = nnx.to_pure_dict(self._abstract_state)
         axes = jax.tree.map(lambda v: v.get_metadata()["logical_axes"], self._abstract_state,
                             is_leaf=lambda x: isinstance(x, nnx.Variable))
@@ -62,9 +63,10 @@ class ModelFns:
                                     for name in getattr(get_mixer(cfg.model.mixer(t).kind).cls, "step_stats", ()))
 
     def init(self, seed):
-        """Parameters from an int seed (a Python int or a traced integer scalar)."""
-        model = HybridLM(self.cfg.model, rngs=nnx.Rngs(params=jax.random.key(seed)))
-        return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+        """Parameters from an int seed (a Python int or an integer scalar, traced or not): those of
+        ``HybridLM(cfg, rngs=nnx.Rngs(params=jax.random.key(seed)))`` under ``jax.jit``, built by
+        :class:`ParamInit` with one compiled program per kind of part."""
+        return self.param_init(seed)
 
     def model(self, params) -> HybridLM:
         state = jax.tree.map(lambda x: x, self._abstract_state)  # fresh copy, then fill in
@@ -110,13 +112,31 @@ class ModelFns:
         return obj, aux
 
 
-def make_init(fns: ModelFns, tx):
-    """``init(seed) -> state`` (``params``, ``opt_state``, ``step``). Pass the seed traced (an array):
-    with a constant key XLA constant-folds the whole random init at compile time."""
-    def init_state(seed):
-        params = fns.init(seed)
-        return {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32)}
-    return init_state
+class StateInit:
+    """``init(seed) -> state`` (``params``, ``opt_state``, ``step``): the parameters part by part
+    (:class:`ParamInit`), then the optimizer state and step in one more program. ``state_shard``
+    (the state's tree of ``NamedSharding``) creates every array in its layout, or None. Pass the seed
+    as an array or a Python int: it is a program argument, never a constant (a constant key makes XLA
+    fold the whole random init at compile time). ``compile(seed)`` compiles every program ahead of
+    the first call."""
+
+    def __init__(self, fns: ModelFns, tx, state_shard=None):
+        if state_shard is None:
+            self.params = fns.param_init
+            kw = {}
+        else:
+            self.params = ParamInit(fns.cfg.model, state_shard["params"])
+            kw = dict(in_shardings=(state_shard["params"],), out_shardings=(state_shard["opt_state"], state_shard["step"]))
+        self._rest = jax.jit(lambda params: (tx.init(params), jnp.zeros((), jnp.int32)), **kw)
+
+    def __call__(self, seed) -> dict:
+        params = self.params(seed)
+        opt_state, step = self._rest(params)
+        return {"params": params, "opt_state": opt_state, "step": step}
+
+    def compile(self, seed) -> None:
+        self.params.compile(seed)
+        self._rest.lower(jax.eval_shape(self.params, seed)).compile()
 
 
 def global_norm(tree):
