@@ -37,6 +37,7 @@ import numpy as np
 
 from hybrid_lm.backends import loss_backend, recorded_backends
 from hybrid_lm.config import load_config
+from hybrid_lm.model import transformer
 from hybrid_lm.model.accounting import PEAK_FLOPS_H200_BF16, count_params, flops_per_token
 from hybrid_lm.train.optim import optimizer_for_bounds, wsd_bounds
 from hybrid_lm.train.step import ModelFns, StateInit, make_train_step
@@ -101,7 +102,8 @@ class Variant:
     def __init__(self, scale, arch, batch, args):
         self.key = dict(scale=scale, arch=arch, batch=batch, seq_len=args.seq_len,
                         remat=arch.partition("@")[2] or args.remat,
-                        attention_impl=args.impl, loss_impl=args.loss, gin_param=list(args.gin_param))
+                        attention_impl=args.impl, loss_impl=args.loss, gin_param=list(args.gin_param),
+                        save_primitive=list(getattr(args, "save_primitive", [])))
         extra = ([f"ModelConfig.loss_impl = '{args.loss}'"] if args.loss != "default" else []) + args.gin_param
         self.cfg = make_config(scale, arch, args.seq_len, batch, args.remat, args.impl, extra)
         self.fns = ModelFns(self.cfg)
@@ -313,6 +315,9 @@ def main() -> None:
     ap.add_argument("--impl", default="auto")
     ap.add_argument("--loss", default="default", help="ModelConfig.loss_impl (default: the config's)")
     ap.add_argument("--gin_param", action="append", default=[], help="extra gin binding (repeatable)")
+    ap.add_argument("--save-primitive", action="append", default=[], metavar="NAME",
+                    help="remat 'dots_attn' also saves this primitive's outputs (repeatable; e.g. "
+                         "custom_partitioning, which wraps jla's kernels)")
     ap.add_argument("--compile-workers", type=int, default=8)
     ap.add_argument("--compile-alone", action="store_true", help="compile one variant at a time")
     ap.add_argument("--order", choices=("scale", "arch"), default="scale",
@@ -322,6 +327,8 @@ def main() -> None:
     ap.add_argument("--out", default="bench_train.json")
     ap.add_argument("--table-out", default=None, help="with --sweep-microbatch: the measured best table")
     args = ap.parse_args()
+    if args.save_primitive:
+        transformer._ATTENTION_KERNELS = (*transformer._ATTENTION_KERNELS, *args.save_primitive)
     batches = [int(b) for b in args.sweep_microbatch.split(",")] if args.sweep_microbatch else [args.batch]
     print(f"device: {jax.devices()[0].device_kind} x{jax.device_count()}   memory limit "
           f"{(device_memory() or 0) / 2 ** 30:.1f} GiB")

@@ -22,6 +22,7 @@
 #   bash experiments/gpu_s5_train.sh s5lin17  # session 11: S5 lightning / mamba2 / gdn, strictly serial
 #   bash experiments/gpu_s5_train.sh ops17    # session 11: S5's linear-attention ops compiled alone (compile_ops.py)
 #   bash experiments/gpu_s5_train.sh why17    # session 11: S5 Lightning compiled four ways at once (remat, scan, xla)
+#   bash experiments/gpu_s5_train.sh init17   # session 12: init compile (parts vs whole), then S5 linear mixers alone
 #   bash experiments/gpu_s5_train.sh all7b    # part 2: S1's slow-compiling archs, S3-S5 full/SWA/SA
 #
 # Run from the repo root (or a `git archive` of it) on the device machine with `.whl` beside or
@@ -34,8 +35,10 @@ ARCHS=full,swa,sa,sa_swa,lightning,mamba2,gdn
 # PROF seconds arch: a jax.profiler trace of 2 S5 steps at B 2 under dots_attn, with its top-40 kernel table
 PROF() { timeout "$1" python3 experiments/profile_train.py --scale s5 --arch "$2" --batch 2 --remat dots_attn \
   --steps 2 --top 40 --out-dir "$OUT/profile_s5_$2" 2>&1 | grep -v -e "^W0000" -e "^I0000" -e "^W1201" | tail -60; }
-B() { timeout "$1" python3 experiments/bench_train.py "${@:2}" 2>&1 | grep -v -e gin_param -e "^W1201" -e "slow_operation" \
-  -e "Constant folding" -e "isn.t necessarily" -e "If you.d like" -e "reduce-window" -e "%map" -e "^$"; }
+# XLA's slow-constant-folding alarms are kept (one line each, cut short): until session 12 this filter
+# dropped them, and they named the cause of the S5 Lightning compile (a folded per-layer decay)
+B() { timeout "$1" python3 experiments/bench_train.py "${@:2}" 2>&1 | grep -v -e gin_param -e "^W1201" \
+  -e "isn.t necessarily" -e "If you.d like" -e "^$" | cut -c1-240; }
 
 case "${1:-table}" in
   table)  # the one-call plan after the first call of session 5 (see docs/BENCHMARKS.md)
@@ -214,6 +217,15 @@ case "${1:-table}" in
   s5alone17)  # session 11: the S5 row compiled alone (issue 17's compile target), then two scanned stacks
     B 560 --scale s5 --arch full,swa,sa_swa,lightning,mamba2,gdn,gdn+scan,lightning+scan --remat dots_attn --batch 8 \
       --steps 4 --compile-alone --deadline 540 --out "$OUT/bench_train_s5_alone17.json"
+    ;;
+  init17)  # session 12, first call: ParamInit against the whole-model init at S5, then S5's linear-mixer
+    # steps compiled alone (Lightning's per-layer decay now behind an optimization barrier)
+    timeout 200 python3 experiments/compile_init.py --scale s5 --arch full,lightning,gdn --whole lightning \
+      --out "$OUT/compile_init_s5.json" 2>&1 | grep -v -e "^W1202" -e "^I1202" -e vocab_size
+    left=$(( 565 - SECONDS ))
+    echo "== $left s left for S5 lightning, mamba2, gdn compiled alone"
+    B $left --scale s5 --arch lightning,mamba2,gdn --remat dots_attn --batch 8 --steps 3 --compile-alone \
+      --deadline $(( left - 15 )) --out "$OUT/bench_train_s5_lin.json"
     ;;
   s5lin17)  # session 11, second call: S5's linear-mixer rows, strictly one variant at a time (lower, compile, time)
     B 540 --scale s5 --arch lightning,mamba2,gdn --remat dots_attn --batch 8 --steps 3 --compile-alone \

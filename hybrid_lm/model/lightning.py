@@ -160,8 +160,8 @@ class LightningAttention(nnx.Module):
 
     def log_decay(self, layer=None):
         """``g_gamma [H]`` fp32 of ``layer`` (a traced index under ``scan_layers``; None: this layer)."""
-        if layer is None:
-            return jnp.asarray(self.g_gamma, jnp.float32)
+        if layer is None:  # a barrier: else XLA folds the constant's broadcast and cumsum over [B, T, H]
+            return jax.lax.optimization_barrier(jnp.asarray(self.g_gamma, jnp.float32))
         table = [lightning_log_decay(self.opts.decay, self.n_heads, i, self.n_layers) for i in range(self.n_layers)]
         return jnp.asarray(table, jnp.float32)[layer]
 
