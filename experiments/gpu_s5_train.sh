@@ -23,6 +23,8 @@
 #   bash experiments/gpu_s5_train.sh ops17    # session 11: S5's linear-attention ops compiled alone (compile_ops.py)
 #   bash experiments/gpu_s5_train.sh why17    # session 11: S5 Lightning compiled four ways at once (remat, scan, xla)
 #   bash experiments/gpu_s5_train.sh init17   # session 12: init compile (parts vs whole), then S5 linear mixers alone
+#   bash experiments/gpu_s5_train.sh table17  # session 12: the anchor + S1-S4 x 7 archs, 4 compiles at a time
+#   bash experiments/gpu_s5_train.sh s5cp17   # session 12: the S5 row, then dots_attn saving custom_partitioning outputs
 #   bash experiments/gpu_s5_train.sh all7b    # part 2: S1's slow-compiling archs, S3-S5 full/SWA/SA
 #
 # Run from the repo root (or a `git archive` of it) on the device machine with `.whl` beside or
@@ -226,6 +228,22 @@ case "${1:-table}" in
     echo "== $left s left for S5 lightning, mamba2, gdn compiled alone"
     B $left --scale s5 --arch lightning,mamba2,gdn --remat dots_attn --batch 8 --steps 3 --compile-alone \
       --deadline $(( left - 15 )) --out "$OUT/bench_train_s5_lin.json"
+    ;;
+  table17)  # session 12, call 2: issue 17's table at S1-S4 x 7 archs (8 x 16K, dots_attn) with the anchor GPT
+    timeout 110 python3 experiments/anchor_gpt.py --seq-len 16384 --batch 8 --steps 5 --out "$OUT/anchor_gpt.json" \
+      2>&1 | grep -v -e "^W1202" -e "^I0000" -e "^W0000"
+    left=$(( 570 - SECONDS ))
+    echo "== $left s left for S1-S4"
+    B $left --scale s1,s2,s3,s4 --arch $ARCHS --remat dots_attn --batch 8 --steps 5 --compile-workers 4 \
+      --deadline $(( left - 10 )) --out "$OUT/bench_train_s1_s4_table.json"
+    ;;
+  s5cp17)  # session 12, call 3: the S5 row (2 compiles at a time), then dots_attn also saving jla's kernel outputs
+    B 330 --scale s5 --arch $ARCHS --remat dots_attn --batch 8 --steps 4 --compile-workers 2 --deadline 320 \
+      --out "$OUT/bench_train_s5_table.json"
+    left=$(( 570 - SECONDS ))
+    echo "== $left s left for swa, lightning, gdn with custom_partitioning saved"
+    B $left --scale s5 --arch swa,lightning,gdn --remat dots_attn --batch 8 --steps 4 --compile-workers 2 \
+      --save-primitive custom_partitioning --deadline $(( left - 10 )) --out "$OUT/bench_train_s5_cp.json"
     ;;
   s5lin17)  # session 11, second call: S5's linear-mixer rows, strictly one variant at a time (lower, compile, time)
     B 540 --scale s5 --arch lightning,mamba2,gdn --remat dots_attn --batch 8 --steps 3 --compile-alone \

@@ -85,8 +85,9 @@ def test_bench_train_sweep_microbatch(tmp_path):
     out, table = tmp_path / "train.json", tmp_path / "mb.json"
     _run(["experiments/bench_train.py", "--scale", "s1", "--arch", "full,sa@dots_attn", "--seq-len", "64",
           "--sweep-microbatch", "1,2", "--steps", "1", "--compile-workers", "2", "--out", str(out),
-          "--table-out", str(table), *TINY_ARGS], tmp_path)
+          "--table-out", str(table), "--save-primitive", "custom_partitioning", *TINY_ARGS], tmp_path)
     rows = json.loads(out.read_text())["rows"]
+    assert all(r["save_primitive"] == ["custom_partitioning"] for r in rows)
     assert [(r["arch"], r["batch"], r["status"], r["remat"]) for r in rows] == [
         (a, b, "ok", remat) for a, remat in (("full", "dots"), ("sa@dots_attn", "dots_attn")) for b in (1, 2)]
     assert all(r["peak_bytes"] > 0 and r["compile_s"] > 0 for r in rows)
