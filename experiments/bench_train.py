@@ -236,6 +236,8 @@ def finish(v: Variant, backends: dict, fut, limit: int | None, args) -> dict:
         return row
     if limit and row["peak_bytes"] and row["peak_bytes"] > limit:
         row["status"] = "oom"
+    elif getattr(args, "compile_only", False):
+        row["status"] = "compiled"
     else:
         try:
             row.update(v.run(compiled, args.steps))
@@ -256,6 +258,9 @@ def report(r):
     if r.get("status") == "ok":
         print(f"{r['scale']:<5}{r['arch']:<11}{r['batch']:>4}{r['ms_per_step']:>10.1f}{r['tokens_per_sec'] / 1e3:>10.1f}"
               f"{100 * r['mfu']:>7.1f}%{gib:>8.1f}{r['compile_s']:>9.1f}  {r['attention_backends']}", flush=True)
+    elif r.get("status") == "compiled":
+        print(f"{r['scale']:<5}{r['arch']:<11}{r['batch']:>4}  compiled in {r['compile_s']:.1f} s (lowering "
+              f"{r['lower_s']:.1f} s, init {r['init_compile_s']:.1f} s)  peak {gib:.1f} GiB", flush=True)
     else:
         print(f"{r['scale']:<5}{r['arch']:<11}{r['batch']:>4}  {r.get('status')}  peak {gib:.1f} GiB  "
               f"{r.get('error', '')}", flush=True)
@@ -320,6 +325,8 @@ def main() -> None:
                          "custom_partitioning, which wraps jla's kernels)")
     ap.add_argument("--compile-workers", type=int, default=8)
     ap.add_argument("--compile-alone", action="store_true", help="compile one variant at a time")
+    ap.add_argument("--compile-only", action="store_true",
+                    help="lower and compile, never run (compile times of any scale on the CPU)")
     ap.add_argument("--order", choices=("scale", "arch"), default="scale",
                     help="variant order (compiles start in this order): scale-major or arch-major")
     ap.add_argument("--deadline", type=float, default=None,

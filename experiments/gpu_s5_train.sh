@@ -25,6 +25,7 @@
 #   bash experiments/gpu_s5_train.sh init17   # session 12: init compile (parts vs whole), then S5 linear mixers alone
 #   bash experiments/gpu_s5_train.sh table17  # session 12: the anchor + S1-S4 x 7 archs, 4 compiles at a time
 #   bash experiments/gpu_s5_train.sh s5cp17   # session 12: the S5 row, then dots_attn saving custom_partitioning outputs
+#   bash experiments/gpu_s5_train.sh cpl17    # session 12: S5 Lightning with / without custom_partitioning saved
 #   bash experiments/gpu_s5_train.sh all7b    # part 2: S1's slow-compiling archs, S3-S5 full/SWA/SA
 #
 # Run from the repo root (or a `git archive` of it) on the device machine with `.whl` beside or
@@ -244,6 +245,12 @@ case "${1:-table}" in
     echo "== $left s left for swa, lightning, gdn with custom_partitioning saved"
     B $left --scale s5 --arch swa,lightning,gdn --remat dots_attn --batch 8 --steps 4 --compile-workers 2 \
       --save-primitive custom_partitioning --deadline $(( left - 10 )) --out "$OUT/bench_train_s5_cp.json"
+    ;;
+  cpl17)  # session 12, call 4: S5 Lightning with and without jla's kernel outputs saved, one process each
+    B 125 --scale s5 --arch lightning --remat dots_attn --batch 8 --steps 5 --compile-alone --deadline 115 \
+      --out "$OUT/bench_train_s5_lightning.json"
+    B 125 --scale s5 --arch lightning --remat dots_attn --batch 8 --steps 5 --compile-alone --deadline 115 \
+      --save-primitive custom_partitioning --out "$OUT/bench_train_s5_lightning_cp.json"
     ;;
   s5lin17)  # session 11, second call: S5's linear-mixer rows, strictly one variant at a time (lower, compile, time)
     B 540 --scale s5 --arch lightning,mamba2,gdn --remat dots_attn --batch 8 --steps 3 --compile-alone \
