@@ -29,6 +29,7 @@ import argparse
 import concurrent.futures as cf
 import json
 import os
+import re
 import time
 
 import jax
@@ -236,8 +237,8 @@ def finish(v: Variant, backends: dict, fut, limit: int | None, args) -> dict:
         return row
     if limit and row["peak_bytes"] and row["peak_bytes"] > limit:
         row["status"] = "oom"
-    elif getattr(args, "compile_only", False):
-        row["status"] = "compiled"
+    elif getattr(args, "compile_only", False):  # the program's size: XLA's fusions after optimisation
+        row.update(status="compiled", fusions=len(re.findall(r"^\s*\S+ = \S+ fusion\(", compiled.as_text(), re.M)))
     else:
         try:
             row.update(v.run(compiled, args.steps))
@@ -260,7 +261,8 @@ def report(r):
               f"{100 * r['mfu']:>7.1f}%{gib:>8.1f}{r['compile_s']:>9.1f}  {r['attention_backends']}", flush=True)
     elif r.get("status") == "compiled":
         print(f"{r['scale']:<5}{r['arch']:<11}{r['batch']:>4}  compiled in {r['compile_s']:.1f} s (lowering "
-              f"{r['lower_s']:.1f} s, init {r['init_compile_s']:.1f} s)  peak {gib:.1f} GiB", flush=True)
+              f"{r['lower_s']:.1f} s, init {r['init_compile_s']:.1f} s), {r['fusions']} fusions  peak {gib:.1f} GiB",
+              flush=True)
     else:
         print(f"{r['scale']:<5}{r['arch']:<11}{r['batch']:>4}  {r.get('status')}  peak {gib:.1f} GiB  "
               f"{r.get('error', '')}", flush=True)

@@ -79,6 +79,18 @@ def test_bench_decode_check_and_tables(tmp_path):
     assert (prof / "trace_decode_moba_256.json.gz").stat().st_size > 0
 
 
+def test_bench_train_compile_only(tmp_path):
+    """bench_train --compile-only: compiled, never run; the program's size is counted; scan is smaller."""
+    out = tmp_path / "compile.json"
+    _run(["experiments/bench_train.py", "--scale", "s1", "--arch", "gdn,gdn+scan", "--seq-len", "64", "--batch", "1",
+          "--compile-alone", "--compile-only", "--out", str(out),
+          *TINY_ARGS, "--gin_param", "ModelConfig.n_layers = 4"], tmp_path)
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["arch"], r["status"]) for r in rows] == [("gdn", "compiled"), ("gdn+scan", "compiled")]
+    assert all("ms_per_step" not in r and r["compile_s"] > 0 for r in rows)
+    assert rows[1]["fusions"] < rows[0]["fusions"]  # one scanned (full, GDN) pair instead of two
+
+
 @pytest.mark.slow
 def test_bench_train_sweep_microbatch(tmp_path):
     """bench_train --sweep-microbatch: every variant compiles and runs, the best table is written."""
