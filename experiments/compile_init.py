@@ -17,18 +17,9 @@ import time
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from bench_train import ARCH, make_config
-from hybrid_lm.model.transformer import HybridLM, ParamInit
-
-
-def whole_model_init(cfg):
-    """The reference: every parameter of ``HybridLM(cfg)`` drawn in one jitted program."""
-    def build(seed):
-        model = HybridLM(cfg, rngs=nnx.Rngs(params=jax.random.key(seed)))
-        return nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    return jax.jit(build)
+from hybrid_lm.model.transformer import ParamInit, init_params_reference
 
 
 def measure(scale: str, arch: str, whole: bool, seed) -> dict:
@@ -42,12 +33,13 @@ def measure(scale: str, arch: str, whole: bool, seed) -> dict:
     parts = jax.block_until_ready(init(seed))
     row["parts_run_s"] = time.perf_counter() - t0
     if whole:
-        ref = whole_model_init(cfg)
+        ref = jax.jit(lambda s: init_params_reference(cfg, s))  # every draw in one program
         t0 = time.perf_counter()
         compiled = ref.lower(seed).compile()
         row["whole_compile_s"] = time.perf_counter() - t0
         expected = compiled(seed)
-        row["equal"] = jax.tree.structure(parts) == jax.tree.structure(expected) and all(bool(jnp.array_equal(a, b)) for a, b in zip(jax.tree.leaves(parts), jax.tree.leaves(expected)))
+        row["equal"] = jax.tree.structure(parts) == jax.tree.structure(expected) and all(
+            bool(jnp.array_equal(a, b)) for a, b in zip(jax.tree.leaves(parts), jax.tree.leaves(expected)))
         del expected
     del parts
     return row

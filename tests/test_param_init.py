@@ -6,10 +6,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from hybrid_lm.config import load_config
-from hybrid_lm.model.transformer import HybridLM, ParamInit
+from hybrid_lm.model.transformer import ParamInit, init_params_reference
 from hybrid_lm.train.optim import optimizer_for_bounds
 from hybrid_lm.train.step import ModelFns, StateInit
 
@@ -34,8 +33,7 @@ def _cfg(tiny_params, kind, *extra):
 
 def _whole(cfg):
     """The reference: the whole model built in one jitted program (the trainer's init before ParamInit)."""
-    return jax.jit(lambda s: nnx.to_pure_dict(nnx.state(HybridLM(cfg.model, rngs=nnx.Rngs(params=jax.random.key(s))),
-                                                        nnx.Param)))
+    return jax.jit(lambda s: init_params_reference(cfg.model, s))
 
 
 def _assert_bitwise(a, b):

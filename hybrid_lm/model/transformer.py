@@ -242,6 +242,11 @@ class HybridLM(nnx.Module):
         return self.logits(x), new
 
 
+def init_params_reference(cfg: ModelConfig, seed) -> dict:
+    """The plain init that :class:`ParamInit` equals: the whole model built at once (jit it for the
+    same bits; op by op XLA rounds the scaled draws differently)."""
+    return nnx.to_pure_dict(nnx.state(HybridLM(cfg, rngs=nnx.Rngs(params=jax.random.key(seed))), nnx.Param))
+
 
 def _part_values(part):
     """A built part's parameters as a pure dict (a bare ``nnx.Param`` as its array)."""
@@ -306,8 +311,5 @@ class ParamInit:
     def compile(self, seed) -> None:
         """Compile every part's program (a later call then starts at once)."""
         seed, count = self._start(seed)
-        done = set()
-        for _, program in self._parts():
-            if id(program) not in done:
-                done.add(id(program))
-                program.lower(seed, count).compile()
+        for program in {id(p): p for _, p in self._parts()}.values():
+            program.lower(seed, count).compile()
