@@ -26,6 +26,7 @@
 #   bash experiments/gpu_s5_train.sh table17  # session 12: the anchor + S1-S4 x 7 archs, 4 compiles at a time
 #   bash experiments/gpu_s5_train.sh s5cp17   # session 12: the S5 row, then dots_attn saving custom_partitioning outputs
 #   bash experiments/gpu_s5_train.sh cpl17    # session 12: S5 Lightning with / without custom_partitioning saved
+#   bash experiments/gpu_s5_train.sh prof17   # session 13: profiles (trace + optimised HLO) of S1 full/SWA/SA, S3 full/SWA at 8 x 16K
 #   bash experiments/gpu_s5_train.sh all7b    # part 2: S1's slow-compiling archs, S3-S5 full/SWA/SA
 #
 # Run from the repo root (or a `git archive` of it) on the device machine with `.whl` beside or
@@ -229,6 +230,19 @@ case "${1:-table}" in
     echo "== $left s left for S5 lightning, mamba2, gdn compiled alone"
     B $left --scale s5 --arch lightning,mamba2,gdn --remat dots_attn --batch 8 --steps 3 --compile-alone \
       --deadline $(( left - 15 )) --out "$OUT/bench_train_s5_lin.json"
+    ;;
+  prof17)  # session 13: where the S1 and S3 steps go, at 8 x 16K under dots_attn; one tarball back
+    for v in "s1 full" "s1 swa" "s1 sa" "s3 full" "s3 swa"; do
+      set -- $v
+      d="$OUT/prof17/$1_$2"; mkdir -p "$d"
+      echo "== profile $1 $2"
+      timeout 105 python3 experiments/profile_train.py --scale "$1" --arch "$2" --batch 8 --remat dots_attn \
+        --steps 3 --top 40 --hlo --out-dir "$d" > "$d/log.txt" 2>&1
+      # the whole log travels in the tarball; XLA's warnings are counted here, never dropped
+      echo "   exit $?, XLA warnings: $(grep -c '^W[0-9]' "$d/log.txt"), folding alarms: $(grep -c 'Constant folding' "$d/log.txt")"
+      grep -v -e '^[WI][0-9][0-9][0-9][0-9] ' "$d/log.txt" | head -14 | cut -c1-180
+    done
+    tar czf "$OUT/prof17.tgz" -C "$OUT" prof17 && rm -rf "$OUT/prof17"; ls -la "$OUT"
     ;;
   table17)  # session 12, call 2: issue 17's table at S1-S4 x 7 archs (8 x 16K, dots_attn) with the anchor GPT
     timeout 110 python3 experiments/anchor_gpt.py --seq-len 16384 --batch 8 --steps 5 --out "$OUT/anchor_gpt.json" \

@@ -1,7 +1,7 @@
 """Where the time of one train step goes: a ``jax.profiler`` trace of a few steps, summarised by op.
 
     python experiments/profile_train.py --scale s3 --arch full --batch 8 --out-dir $OUT/profile
-    python experiments/profile_train.py --summarize path/to/host.trace.json.gz
+    python experiments/profile_train.py --summarize path/to/host.trace.json.gz [--hlo-file hlo.txt.gz]
 
 The step is ``bench_train``'s (the trainer's ``make_train_step``, random tokens). After two warm-up
 steps, ``--steps`` steps run under ``jax.profiler.trace``; the trace's ``*.trace.json.gz`` is copied to
@@ -107,7 +107,11 @@ def profile(args) -> dict:
             state, stats = compiled(state, tokens, v.bounds)
         jax.block_until_ready(stats["loss"])
         wall_ms = 1e3 * (time.perf_counter() - t0) / args.steps
-    saved = keep_trace(trace_dir, out_dir / f"trace_{args.scale}_{args.arch}_b{args.batch}.json.gz")
+    tag = f"{args.scale}_{args.arch}_b{args.batch}"
+    saved = keep_trace(trace_dir, out_dir / f"trace_{tag}.json.gz")
+    if args.hlo:  # the optimised program: maps a trace's fusion names to the ops (and source lines) inside
+        with gzip.open(out_dir / f"hlo_{tag}.txt.gz", "wt") as fh:
+            fh.write(compiled.as_text())
     s = summarize(saved, args.steps, wall_ms, args.top)
     s.update(scale=args.scale, arch=args.arch, batch=args.batch, seq_len=args.seq_len, compile_s=compile_s,
              peak_bytes=peak, attention_backends=backends, device=jax.devices()[0].device_kind)
@@ -136,6 +140,7 @@ def main() -> None:
     ap.add_argument("--impl", default="auto")
     ap.add_argument("--gin_param", action="append", default=[])
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--hlo", action="store_true", help="also save the compiled step's optimised HLO (gzip)")
     ap.add_argument("--out-dir", default="profile_out")
     ap.add_argument("--summarize", default=None, metavar="TRACE_JSON_GZ", help="summarise a saved trace instead")
     args = ap.parse_args()
