@@ -27,6 +27,7 @@
 #   bash experiments/gpu_s5_train.sh s5cp17   # session 12: the S5 row, then dots_attn saving custom_partitioning outputs
 #   bash experiments/gpu_s5_train.sh cpl17    # session 12: S5 Lightning with / without custom_partitioning saved
 #   bash experiments/gpu_s5_train.sh prof17   # session 13: profiles (trace + optimised HLO) of S1 full/SWA/SA, S3 full/SWA at 8 x 16K
+#   bash experiments/gpu_s5_train.sh xent17   # session 13: the loss kernel (check, launches, loss), S1/S3 steps xla vs pallas, jla full attention
 #   bash experiments/gpu_s5_train.sh all7b    # part 2: S1's slow-compiling archs, S3-S5 full/SWA/SA
 #
 # Run from the repo root (or a `git archive` of it) on the device machine with `.whl` beside or
@@ -243,6 +244,21 @@ case "${1:-table}" in
       grep -v -e '^[WI][0-9][0-9][0-9][0-9] ' "$d/log.txt" | head -14 | cut -c1-180
     done
     tar czf "$OUT/prof17.tgz" -C "$OUT" prof17 && rm -rf "$OUT/prof17"; ls -la "$OUT"
+    ;;
+  xent17)  # session 13: the chunked loss's softmax pass as one Pallas kernel (bench_loss), then the S1/S3 steps
+    timeout 150 python3 experiments/bench_loss.py --out "$OUT/bench_loss.json" 2>&1 | grep -v -e "deprecated" | cut -c1-300
+    for k in pallas xla; do
+      end=515; [ "$k" = pallas ] && end=395
+      left=$(( end - SECONDS ))
+      echo "== loss_kernel=$k: $left s for S1, S3 x full, swa, sa"
+      B $left --scale s1,s3 --arch full,swa,sa --remat dots_attn --batch 8 --steps 5 --compile-workers 4 \
+        --gin_param "ModelConfig.loss_kernel = '$k'" --deadline $(( left - 8 )) --out "$OUT/bench_train_xent_$k.json"
+    done
+    left=$(( 585 - SECONDS ))
+    echo "== $left s for S1, S3 full attention on jla's kernel (its outputs saved by dots_attn)"
+    [ $left -gt 40 ] && B $left --scale s1,s3 --arch full --impl jla --save-primitive custom_partitioning --remat dots_attn \
+      --batch 8 --steps 5 --compile-workers 2 --gin_param "ModelConfig.loss_kernel = 'pallas'" \
+      --deadline $(( left - 8 )) --out "$OUT/bench_train_jla_full.json"
     ;;
   table17)  # session 12, call 2: issue 17's table at S1-S4 x 7 archs (8 x 16K, dots_attn) with the anchor GPT
     timeout 110 python3 experiments/anchor_gpt.py --seq-len 16384 --batch 8 --steps 5 --out "$OUT/anchor_gpt.json" \

@@ -6,7 +6,9 @@ One function per op family, each returning ``(backend, reason)``:
 - :func:`moba_backend`: MoBA's block-sparse attention (the ``moba`` mixer and SSA's sparse stream);
 - :func:`topk_method`: the top-k of the block selection (sort or argmax passes);
 - :func:`sparse_decode_backend`: MoBA / SSA-sparse decoding (our kernels or the reference);
-- :func:`linear_attention_backend`: the linear-attention ops of lightning / mamba2 / gdn.
+- :func:`linear_attention_backend`: the linear-attention ops of lightning / mamba2 / gdn;
+- :func:`loss_backend`, :func:`loss_kernel_backend`: the next-token loss (whole or chunked logits)
+  and the chunked loss's softmax pass.
 
 :func:`check_document_mask` says whether a model can run with ``DataConfig.document_mask`` (the
 mixers' declared support, then the attention backend), before anything is allocated.
@@ -179,6 +181,20 @@ def loss_backend(impl: str, n_tokens: int, vocab: int) -> tuple[str, str]:
     if whole >= CHUNKED_LOSS_MIN_BYTES:
         return "chunked", f"auto: whole logits {whole / 2 ** 30:.1f} GiB >= CHUNKED_LOSS_MIN_BYTES"
     return "full", f"auto: whole logits {whole / 2 ** 20:.1f} MiB < CHUNKED_LOSS_MIN_BYTES"
+
+
+def loss_kernel_backend(impl: str, platform: str | None = None) -> tuple[str, str]:
+    """``(backend, reason)`` of the chunked loss's softmax pass between the head's matmuls: ``pallas``
+    (``hybrid_lm_kernels.softmax_xent_rows``, the logits read twice) or ``xla`` (the reference, three
+    passes). ``auto``: pallas on a GPU (docs/BENCHMARKS.md, session 13), xla elsewhere. ``pallas``
+    on the CPU runs the kernel interpreted (tests)."""
+    if impl not in ("auto", "xla", "pallas"):
+        raise ConfigError(f"ModelConfig.loss_kernel={impl!r}: choose 'auto', 'xla' or 'pallas'")
+    if impl != "auto":
+        return impl, f"loss_kernel={impl!r} set explicitly"
+    if on_gpu(platform):
+        return "pallas", "auto: GPU"
+    return "xla", "auto: " + _no_gpu(platform)
 
 
 def attention_op_name(window: int | None, permuted: bool) -> str:

@@ -30,7 +30,7 @@ def head_logits(h, w):
     return (h @ w.astype(h.dtype)).astype(jnp.float32)
 
 
-def chunked_cross_entropy(h, w, targets, z_loss: float = 0.0, chunk: int = 8192):
+def chunked_cross_entropy(h, w, targets, z_loss: float = 0.0, chunk: int = 8192, kernel: str = "xla"):
     """:func:`cross_entropy` of ``head_logits(h, w)`` for ``h [N, d]``, ``targets [N]``, computed
     ``chunk`` tokens at a time.
 
@@ -38,8 +38,11 @@ def chunked_cross_entropy(h, w, targets, z_loss: float = 0.0, chunk: int = 8192)
     ``dlogits = softmax + 2 z lse softmax - onehot`` at once, then ``dh = dlogits w^T`` and ``dw +=
     h^T dlogits``. So the head's matmuls run three times per chunk, as for whole logits (one forward,
     two backward), with no recomputation, and the backward only scales the stored gradients.
-    With a z-loss the returned ``ce`` carries no gradient (differentiate the objective)."""
-    loss, ce = _fused(h, w, targets, float(z_loss), int(chunk))
+    With a z-loss the returned ``ce`` carries no gradient (differentiate the objective).
+    ``kernel`` runs the softmax pass between the matmuls: ``'xla'`` (:func:`softmax_xent_rows_reference`)
+    or ``'pallas'`` (``hybrid_lm_kernels.softmax_xent_rows``: the logits read twice, not three times);
+    ``hybrid_lm.backends.loss_kernel_backend`` picks it."""
+    loss, ce = _fused(h, w, targets, float(z_loss), int(chunk), kernel)
     return loss, (jax.lax.stop_gradient(ce) if z_loss else ce)
 
 
@@ -55,21 +58,43 @@ def _chunk(h, targets, chunk: int):
     return h.reshape(n, chunk, d), targets.reshape(n, chunk), weight.reshape(n, chunk)
 
 
-def _chunked_loss_and_grads(h, w, targets, z_loss: float, chunk: int):
+def softmax_xent_rows_reference(logits, targets, weights, z_loss: float = 0.0):
+    """``(dlogits, lse, target_logit)`` of logits ``[N, V]``: each row's log-sum-exp and target logit
+    (fp32), and ``weights * (softmax * (1 + 2 z_loss lse) - onehot(targets))`` in the logits' dtype,
+    the gradient of ``weights * (lse - target_logit + z_loss lse**2)``. The reference of the Pallas
+    kernel ``hybrid_lm_kernels.softmax_xent_rows``."""
+    x = logits.astype(jnp.float32)
+    lse = jax.nn.logsumexp(x, axis=-1)
+    tgt = jnp.take_along_axis(x, targets[:, None], axis=-1)[:, 0]
+    p = jnp.exp(x - lse[:, None])
+    d = p * (1.0 + 2.0 * z_loss * lse)[:, None] - jax.nn.one_hot(targets, x.shape[-1], dtype=jnp.float32)
+    return (d * weights[:, None]).astype(logits.dtype), lse, tgt
+
+
+def _xent_rows(kernel: str):
+    """The per-chunk softmax pass: ``'xla'`` (the reference, three XLA passes) or ``'pallas'`` (one
+    kernel reading the logits twice; interpreted on the CPU)."""
+    if kernel == "xla":
+        return softmax_xent_rows_reference
+    if kernel == "pallas":
+        from hybrid_lm_kernels import softmax_xent_rows
+        return lambda logits, t, w, z: softmax_xent_rows(logits, t, w, z_loss=z)
+    raise ValueError(f"loss kernel {kernel!r}: choose 'xla' or 'pallas'")
+
+
+def _chunked_loss_and_grads(h, w, targets, z_loss: float, chunk: int, kernel: str = "xla"):
     """``(loss, ce, dloss/dh, dloss/dw)``, one scan over token chunks."""
     N = h.shape[0]
     hs, ts, ws = _chunk(h, targets, chunk)
     wc = w.astype(h.dtype)
+    rows = _xent_rows(kernel)
 
     def body(carry, x):
         ce_sum, z_sum, dw = carry
         hc, tc, mc = x
-        logits = (hc @ wc).astype(jnp.float32)
-        lse = jax.nn.logsumexp(logits, axis=-1)
-        tgt = jnp.take_along_axis(logits, tc[:, None], axis=-1)[:, 0]
-        p = jnp.exp(logits - lse[:, None])
-        dlogits = p * (1.0 + 2.0 * z_loss * lse)[:, None] - jax.nn.one_hot(tc, logits.shape[-1], dtype=jnp.float32)
-        dlogits = (dlogits * (mc / N)[:, None]).astype(h.dtype)
+        logits = hc @ wc  # in h's dtype, as head_logits; the softmax pass upcasts to fp32
+        dlogits, lse, tgt = rows(logits, tc, mc / N, z_loss)
+        dlogits = dlogits.astype(h.dtype)
         dh = (dlogits @ wc.T).astype(h.dtype)
         dw = dw + jnp.einsum("cd,cv->dv", hc, dlogits, preferred_element_type=jnp.float32)
         return (ce_sum + jnp.sum((lse - tgt) * mc), z_sum + jnp.sum(lse ** 2 * mc), dw), dh
@@ -81,18 +106,18 @@ def _chunked_loss_and_grads(h, w, targets, z_loss: float, chunk: int):
     return loss, ce, dh.reshape(-1, h.shape[1])[:N], dw.astype(w.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _fused(h, w, targets, z_loss, chunk):
-    loss, ce, _, _ = _chunked_loss_and_grads(h, w, targets, z_loss, chunk)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _fused(h, w, targets, z_loss, chunk, kernel):
+    loss, ce, _, _ = _chunked_loss_and_grads(h, w, targets, z_loss, chunk, kernel)
     return loss, ce
 
 
-def _fused_fwd(h, w, targets, z_loss, chunk):
-    loss, ce, dh, dw = _chunked_loss_and_grads(h, w, targets, z_loss, chunk)
+def _fused_fwd(h, w, targets, z_loss, chunk, kernel):
+    loss, ce, dh, dw = _chunked_loss_and_grads(h, w, targets, z_loss, chunk, kernel)
     return (loss, ce), (dh, dw, targets)
 
 
-def _fused_bwd(z_loss, chunk, res, g):
+def _fused_bwd(z_loss, chunk, kernel, res, g):
     dh, dw, targets = res
     # without a z-loss ce is the loss; with one, ce is stop_gradient'ed by the caller (g_ce = 0)
     scale = g[0] + g[1]

@@ -227,6 +227,9 @@ def startup_summary(cfg: Config, data: DataStreams, mesh) -> list[str]:
         lines.append(f"backend  layer {','.join(map(str, layers))} {kind}: {use}")
     micro = cfg.train.global_batch // cfg.train.microbatches * cfg.data.seq_len
     loss, why = backends.loss_backend(m.loss_impl, micro, m.vocab_size)
+    if loss == "chunked":
+        kernel, kwhy = backends.loss_kernel_backend(m.loss_kernel)
+        why += f"; softmax pass {kernel}: {kwhy}"
     lines.append(f"backend  loss: {loss} ({why}; {micro:,} tokens per micro-batch)")
     train_tokens = data.meta.get("train_tokens")
     lines += [f"data     {cfg.data.source}: " + (f"{train_tokens:,} train tokens, " if train_tokens else "")

@@ -16,7 +16,7 @@ from flax import nnx
 
 from hybrid_lm.config import Config
 from hybrid_lm.model.registry import MixerContext, get_mixer
-from hybrid_lm.backends import loss_backend
+from hybrid_lm.backends import loss_backend, loss_kernel_backend
 from hybrid_lm.model.transformer import HybridLM, ParamInit
 from hybrid_lm.errors import DataError
 from hybrid_lm.ops.attention import default_positions, segment_positions
@@ -97,7 +97,8 @@ class ModelFns:
         if loss_backend(cfg.model.loss_impl, B * T, cfg.model.vocab_size)[0] == "chunked":  # never more than loss_chunk tokens of logits at a time
             h, sown = nnx.capture(model, nnx.Intermediate)(inputs, ctx, features=True)
             obj, ce = chunked_cross_entropy(h.reshape(B * T, -1), model.head_matrix(), targets.reshape(-1),
-                                            z_loss, chunk=cfg.model.loss_chunk)
+                                            z_loss, chunk=cfg.model.loss_chunk,
+                                            kernel=loss_kernel_backend(cfg.model.loss_kernel)[0])
         else:
             logits, sown = nnx.capture(model, nnx.Intermediate)(inputs, ctx)
             obj, ce = cross_entropy(logits, targets, z_loss)
