@@ -7,7 +7,7 @@ Every variant is one jitted train step of the trainer (``make_train_step`` with 
 ``batch`` sequences). The steps are compiled ahead of time in a pool of threads (XLA compiles outside
 the GIL), so compiles overlap while the main thread times the ready ones one at a time on the device.
 ``compile_s`` is therefore measured under that contention; ``--compile-alone`` compiles one at a
-time. Peak memory is XLA's own account of the compiled step (arguments + outputs + temporaries,
+time; ``--time-after-compiles`` compiles them all in parallel, then times them one at a time. Peak memory is XLA's own account of the compiled step (arguments + outputs + temporaries,
 ``memory_analysis``); a step whose account exceeds the device's memory is reported as ``oom``
 without running it, and one that fails to allocate at run time likewise.
 
@@ -198,9 +198,15 @@ def measure(variants, args, deadline: float | None = None) -> tuple[list[dict], 
             rows[i] = finish(v, {}, e, limit, args)
         if args.compile_alone:
             cf.wait(list(pending), timeout=None if deadline is None else max(0.0, deadline - time.time()))
+        if getattr(args, "time_after_compiles", False):
+            continue
         for fut in [f for f in pending if f.done()]:  # time what is ready while later ones lower
             take(fut)
     try:
+        if getattr(args, "time_after_compiles", False):  # no compile (nor XLA's autotuner) beside a timing
+            done, _ = cf.wait(list(pending), timeout=None if deadline is None else max(0.0, deadline - time.time()))
+            if len(done) < len(pending):
+                raise cf.TimeoutError
         for fut in cf.as_completed(list(pending),
                                    timeout=None if deadline is None else max(0.0, deadline - time.time())):
             take(fut)
@@ -327,6 +333,9 @@ def main() -> None:
                          "custom_partitioning, which wraps jla's kernels)")
     ap.add_argument("--compile-workers", type=int, default=8)
     ap.add_argument("--compile-alone", action="store_true", help="compile one variant at a time")
+    ap.add_argument("--time-after-compiles", action="store_true",
+                    help="compile every variant (in parallel) before timing any: XLA's autotuner runs candidate "
+                         "kernels on the device during a compile, which disturbs a step timed beside it")
     ap.add_argument("--compile-only", action="store_true",
                     help="lower and compile, never run (compile times of any scale on the CPU)")
     ap.add_argument("--order", choices=("scale", "arch"), default="scale",

@@ -28,6 +28,8 @@
 #   bash experiments/gpu_s5_train.sh cpl17    # session 12: S5 Lightning with / without custom_partitioning saved
 #   bash experiments/gpu_s5_train.sh prof17   # session 13: profiles (trace + optimised HLO) of S1 full/SWA/SA, S3 full/SWA at 8 x 16K
 #   bash experiments/gpu_s5_train.sh xent17   # session 13: the loss kernel (check, launches, loss), S1/S3 steps xla vs pallas, jla full attention
+#   bash experiments/gpu_s5_train.sh prof17b  # session 13: profiles without command buffers (parts of the step), S5 gdn/sa_swa +scan alone
+#   bash experiments/gpu_s5_train.sh xent17b  # session 13: S1-S4 x full/SWA/SA, loss kernel xla vs pallas, timed after all compiles
 #   bash experiments/gpu_s5_train.sh all7b    # part 2: S1's slow-compiling archs, S3-S5 full/SWA/SA
 #
 # Run from the repo root (or a `git archive` of it) on the device machine with `.whl` beside or
@@ -259,6 +261,32 @@ case "${1:-table}" in
     [ $left -gt 40 ] && B $left --scale s1,s3 --arch full --impl jla --save-primitive custom_partitioning --remat dots_attn \
       --batch 8 --steps 5 --compile-workers 2 --gin_param "ModelConfig.loss_kernel = 'pallas'" \
       --deadline $(( left - 8 )) --out "$OUT/bench_train_jla_full.json"
+    ;;
+  prof17b)  # session 13, call 3: where S1 / S3 steps go, by part (each kernel names its HLO instruction), then S5 scan
+    for v in "s1 full" "s1 swa" "s3 full"; do
+      set -- $v
+      d="$OUT/prof17b/$1_$2"; mkdir -p "$d"
+      echo "== profile $1 $2 (no command buffers)"
+      XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout 90 python3 experiments/profile_train.py --scale "$1" \
+        --arch "$2" --batch 8 --remat dots_attn --steps 3 --top 40 --hlo --out-dir "$d" > "$d/log.txt" 2>&1
+      echo "   exit $?, XLA warnings: $(grep -c '^W[0-9]' "$d/log.txt"), folding alarms: $(grep -c 'Constant folding' "$d/log.txt")"
+      grep -v -e '^[WI][0-9][0-9][0-9][0-9] ' "$d/log.txt" | grep -A14 "^by part" | cut -c1-160
+    done
+    tar czf "$OUT/prof17b.tgz" -C "$OUT" prof17b && rm -rf "$OUT/prof17b"
+    left=$(( 585 - SECONDS ))
+    echo "== $left s for S5 gdn / sa_swa, scanned and unrolled, each compiled alone"
+    B $left --scale s5 --arch gdn+scan,sa_swa+scan,gdn,sa_swa --remat dots_attn --batch 8 --steps 3 --compile-alone \
+      --deadline $(( left - 8 )) --out "$OUT/bench_train_s5_scan17.json"
+    ;;
+  xent17b)  # session 13, call 4: S1-S4 x full/SWA/SA with the loss kernel xla vs pallas, no compile beside a timing
+    for k in xla pallas; do
+      end=585; [ "$k" = xla ] && end=295
+      left=$(( end - SECONDS ))
+      echo "== loss_kernel=$k: $left s for S1-S4 x full, swa, sa"
+      B $left --scale s1,s2,s3,s4 --arch full,swa,sa --remat dots_attn --batch 8 --steps 5 --compile-workers 6 \
+        --time-after-compiles --gin_param "ModelConfig.loss_kernel = '$k'" --deadline $(( left - 8 )) \
+        --out "$OUT/bench_train_xent17b_$k.json"
+    done
     ;;
   table17)  # session 12, call 2: issue 17's table at S1-S4 x 7 archs (8 x 16K, dots_attn) with the anchor GPT
     timeout 110 python3 experiments/anchor_gpt.py --seq-len 16384 --batch 8 --steps 5 --out "$OUT/anchor_gpt.json" \

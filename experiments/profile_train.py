@@ -8,6 +8,12 @@ steps, ``--steps`` steps run under ``jax.profiler.trace``; the trace's ``*.trace
 ``--out-dir`` and summarised: device time per kernel name over the GPU's stream lines, the share of
 each kind of op (matmul, attention, loss, copies, other fusions; a name-based guess), and the busy
 fraction of the step (device time over wall time). ``--summarize`` reads a saved trace instead.
+
+With ``--hlo`` the compiled step's optimised HLO is saved beside the trace, and the device time is
+also split by part of the step (loss, attention mixer, MLP, norms, optimizer, ...: the innermost source
+frame of each kernel's HLO instruction, ``PARTS``) and by kind of kernel. Run under
+``XLA_FLAGS=--xla_gpu_enable_command_buffer=`` so that every kernel in the trace names its instruction
+(inside CUDA graphs they name only the graph).
 """
 
 from __future__ import annotations
@@ -38,14 +44,130 @@ def kind_of(name: str) -> str:
     return next((k for k, pat in KINDS if re.search(pat, low)), "other")
 
 
-def summarize(trace_path: str | Path, steps: int, wall_ms: float | None = None, top: int = 25) -> dict:
-    """Device time by kernel and by kind from a trace.json.gz: returns {"lines", "kernels", "kinds", ...}
-    (milliseconds per step)."""
+# the part of the step a kernel belongs to, from the innermost source frame of its HLO instruction
+# inside this repository (or optax): the first rule whose pattern matches "path:function" wins
+PARTS = [
+    ("loss", r"ops/cross_entropy\.py|cross_entropy_pallas"),
+    ("optimizer", r"optax/|train/optim\.py"),
+    ("step (grad norms, guard)", r"train/step\.py"),
+    ("attention mixer", r"model/(attention|stochastic|moba|ssa|constrained_attention)\.py|ops/(attention|permutation|"
+                        r"block_sparse)\.py|windowed_pallas|sparse_pallas|selection_pallas|/jla/"),
+    ("linear mixer", r"model/(lightning|mamba2|gated_deltanet|recurrent_common)\.py|ops/(linear_attention|delta_rule)"),
+    ("norms", r"layers\.py:RMSNorm"),
+    ("mlp", r"layers\.py:SwiGLU"),
+    ("embedding / stack", r"model/transformer\.py"),
+]
+
+
+def hlo_sources(hlo_text: str) -> dict[str, dict]:
+    """Per instruction of an optimised HLO module's text (``compiled.as_text()``): its output shape,
+    ``op_name`` and the source frames of its ``stack_frame_id``, innermost first (``path:function:line``),
+    from the module's FileNames / FunctionNames / FileLocations / StackFrames tables. Keys are the
+    instruction names with dots as underscores, as kernel names appear in a trace."""
+    tables: dict[str, dict[int, str]] = {}
+    section = None
+    for line in hlo_text.splitlines():
+        if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
+            section, tables[line] = line, {}
+        elif section and (m := re.match(r"(\d+) (.*)", line)):
+            tables[section][int(m.group(1))] = m.group(2)
+        elif section and line.strip():
+            section = None
+    files = {k: v.strip('"') for k, v in tables.get("FileNames", {}).items()}
+    funcs = {k: v.strip('"') for k, v in tables.get("FunctionNames", {}).items()}
+    locs = {}
+    for k, v in tables.get("FileLocations", {}).items():
+        f = dict(re.findall(r"(\w+)=(\d+)", v))
+        locs[k] = f"{files.get(int(f['file_name_id']), '?')}:{funcs.get(int(f['function_name_id']), '?')}:{f.get('line')}"
+    frames = {}
+    for k, v in tables.get("StackFrames", {}).items():
+        f = dict(re.findall(r"(\w+)=(\d+)", v))
+        frames[k] = (int(f["file_location_id"]), int(f["parent_frame_id"]))
+
+    def chain(fid: int) -> list[str]:
+        out, seen = [], set()
+        while fid in frames and fid not in seen:
+            seen.add(fid)
+            loc, parent = frames[fid]
+            out.append(locs.get(loc, "?"))
+            fid = parent
+        return out
+
+    out = {}
+    for m in re.finditer(r"^\s*(?:ROOT )?%(\S+) = (\(.*?\)|\S+) .*$", hlo_text, re.M):
+        line = m.group(0)
+        op = re.search(r'op_name="([^"]*)"', line)
+        sf = re.search(r"stack_frame_id=(\d+)", line)
+        out[m.group(1).replace(".", "_")] = {"shape": m.group(2)[:80], "op_name": op.group(1) if op else "",
+                                              "frames": chain(int(sf.group(1))) if sf else []}
+    return out
+
+
+def part_of(frames: list[str]) -> str:
+    """The step part (``PARTS``) of an instruction's frames, innermost first; "other" if none matches."""
+    for f in frames:
+        for part, pat in PARTS:
+            if re.search(pat, f):
+                return part
+    return "other"
+
+
+def breakdown(trace_path: str | Path, hlo_path: str | Path, steps: int) -> dict:
+    """Device ms per step by (part, kind of kernel) from a trace recorded without command buffers
+    (``XLA_FLAGS=--xla_gpu_enable_command_buffer=``, so each kernel names its HLO instruction) and the
+    module's optimised HLO. Kernels whose instruction is not found (inside a command buffer) are
+    attributed by their own name, when it is an instruction's."""
+    with gzip.open(hlo_path, "rt") as fh:
+        src = hlo_sources(fh.read())
+    events, procs, threads = _events(trace_path)
+    cells: collections.Counter = collections.Counter()
+    ops: collections.Counter = collections.Counter()
+    unmatched = 0.0
+    for e in events:
+        if e.get("ph") != "X" or "GPU" not in procs.get(e["pid"], ""):
+            continue
+        if not threads.get((e["pid"], e["tid"]), "").lower().startswith("stream"):
+            continue
+        op = e.get("args", {}).get("hlo_op", "").replace(".", "_")
+        ins = src.get(op) or src.get(e["name"])
+        if ins is None:
+            unmatched += e.get("dur", 0.0)
+        part = part_of(ins["frames"]) if ins else "unattributed"
+        kind = kind_of(e["name"])
+        cells[(part, kind)] += e.get("dur", 0.0)
+        ops[(part, kind, op or e["name"], ins["shape"] if ins else "")] += e.get("dur", 0.0)
+    per = 1e-3 / max(steps, 1)
+    total = sum(cells.values()) * per
+    parts: collections.Counter = collections.Counter()
+    for (part, _), us in cells.items():
+        parts[part] += us * per
+    return {"device_ms_per_step": total, "unattributed_ms": unmatched * per,
+            "parts": {p: ms for p, ms in parts.most_common()},
+            "cells": [{"part": p, "kind": k, "ms": us * per} for (p, k), us in cells.most_common()],
+            "ops": [{"part": p, "kind": k, "op": o, "shape": sh, "ms": us * per}
+                    for (p, k, o, sh), us in ops.most_common(40)]}
+
+
+def print_breakdown(b: dict) -> None:
+    print(f"by part (device {b['device_ms_per_step']:.2f} ms/step, unattributed {b['unattributed_ms']:.2f}):")
+    for p, ms in b["parts"].items():
+        kinds = ", ".join(f"{c['kind']} {c['ms']:.2f}" for c in b["cells"] if c["part"] == p)
+        print(f"  {p:<26}{ms:>9.2f} ms  {100 * ms / b['device_ms_per_step']:>5.1f}%   ({kinds})")
+
+
+def _events(trace_path):
     with gzip.open(trace_path, "rb") as fh:
         events = json.load(fh)["traceEvents"]
     procs = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
     threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
                if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    return events, procs, threads
+
+
+def summarize(trace_path: str | Path, steps: int, wall_ms: float | None = None, top: int = 25) -> dict:
+    """Device time by kernel and by kind from a trace.json.gz: returns {"lines", "kernels", "kinds", ...}
+    (milliseconds per step)."""
+    events, procs, threads = _events(trace_path)
     lines: collections.Counter = collections.Counter()
     kernels: collections.Counter = collections.Counter()
     counts: collections.Counter = collections.Counter()
@@ -109,10 +231,12 @@ def profile(args) -> dict:
         wall_ms = 1e3 * (time.perf_counter() - t0) / args.steps
     tag = f"{args.scale}_{args.arch}_b{args.batch}"
     saved = keep_trace(trace_dir, out_dir / f"trace_{tag}.json.gz")
-    if args.hlo:  # the optimised program: maps a trace's fusion names to the ops (and source lines) inside
-        with gzip.open(out_dir / f"hlo_{tag}.txt.gz", "wt") as fh:
-            fh.write(compiled.as_text())
     s = summarize(saved, args.steps, wall_ms, args.top)
+    if args.hlo:  # the optimised program: maps a trace's kernels to their instructions and source lines
+        hlo_path = out_dir / f"hlo_{tag}.txt.gz"
+        with gzip.open(hlo_path, "wt") as fh:
+            fh.write(compiled.as_text())
+        s["breakdown"] = breakdown(saved, hlo_path, args.steps)
     s.update(scale=args.scale, arch=args.arch, batch=args.batch, seq_len=args.seq_len, compile_s=compile_s,
              peak_bytes=peak, attention_backends=backends, device=jax.devices()[0].device_kind)
     return s
@@ -143,14 +267,19 @@ def main() -> None:
     ap.add_argument("--hlo", action="store_true", help="also save the compiled step's optimised HLO (gzip)")
     ap.add_argument("--out-dir", default="profile_out")
     ap.add_argument("--summarize", default=None, metavar="TRACE_JSON_GZ", help="summarise a saved trace instead")
+    ap.add_argument("--hlo-file", default=None, help="with --summarize: the step's saved HLO (--hlo), for the parts")
     args = ap.parse_args()
     if args.summarize:
         s = summarize(args.summarize, args.steps, None, args.top)
+        if args.hlo_file:
+            s["breakdown"] = breakdown(args.summarize, args.hlo_file, args.steps)
     else:
         Path(args.out_dir).mkdir(parents=True, exist_ok=True)
         s = profile(args)
         (Path(args.out_dir) / "profile_summary.json").write_text(json.dumps(s, indent=2))
     print_summary(s)
+    if "breakdown" in s:
+        print_breakdown(s["breakdown"])
 
 
 if __name__ == "__main__":

@@ -30,10 +30,12 @@ from jax.experimental.pallas import triton as pltriton
 
 from .tiles import MASK_VALUE, cdiv as _cdiv, next_pow2 as _next_pow2
 
-# Default launch: rows per program, columns per tile, warps (H200 sweep, session 13; docs/KERNELS.md).
+# Default launch: rows per program, columns per tile, warps. H200, one 8,192 x 73,448 bf16 chunk
+# (session 13, `bench_loss.py`): 1:2048:4 1.139 ms, 1:4096:4 1.166, 1:4096:8 1.175, 1:1024:4 1.234,
+# 1:8192:8 1.241, 2:2048:8 1.358, 4:1024:8 1.389, 2:4096:8 1.420; XLA's passes 1.735 ms.
 XENT_BLOCK_ROWS = 1
-XENT_BLOCK_COLS = 4096
-XENT_NUM_WARPS = 8
+XENT_BLOCK_COLS = 2048
+XENT_NUM_WARPS = 4
 
 
 def _xent_kernel(x_ref, t_ref, w_ref, dx_ref, lse_ref, tgt_ref, *, n_rows, n_cols, br, bv, z_loss):
