@@ -96,7 +96,7 @@ def test_bench_train_sweep_microbatch(tmp_path):
     """bench_train --sweep-microbatch: every variant compiles and runs, the best table is written."""
     out, table = tmp_path / "train.json", tmp_path / "mb.json"
     _run(["experiments/bench_train.py", "--scale", "s1", "--arch", "full,sa@dots_attn", "--seq-len", "64",
-          "--sweep-microbatch", "1,2", "--steps", "1", "--compile-workers", "2", "--out", str(out),
+          "--sweep-microbatch", "1,2", "--steps", "1", "--compile-workers", "2", "--time-after-compiles", "--out", str(out),
           "--table-out", str(table), "--save-primitive", "custom_partitioning", *TINY_ARGS], tmp_path)
     rows = json.loads(out.read_text())["rows"]
     assert all(r["save_primitive"] == ["custom_partitioning"] for r in rows)
@@ -156,3 +156,43 @@ def test_bench_selection_split_check_and_table(tmp_path):
     (row,) = r["split"]
     assert row["T"] == 128 and all(row[k] > 0 for k in ("xla_select_ms", "split_tf32_ms", "split_bf16_ms",
                                                          "kernel_topk_rows8_ms"))
+
+
+@pytest.mark.slow
+def test_bench_loss_check_and_tables(tmp_path):
+    """bench_loss: the kernel's check against the reference (interpret mode) passes; the tables are written."""
+    out = tmp_path / "loss.json"
+    _run(["experiments/bench_loss.py", "--tokens", "300", "--chunk", "128", "--vocab", "333", "--d", "16,24",
+          "--launches", "1:128:4,2:64:4", "--reps", "1", "--inner", "1", "--out", str(out)], tmp_path)
+    res = json.loads(out.read_text())
+    assert res["ok"]
+    parts = [r["part"] for r in res["rows"]]
+    assert parts.count("check_rows") == 2 and parts.count("check_loss") == 1
+    assert parts.count("pass") == 3 and parts.count("loss") == 4  # reference + 2 launches; 2 widths x 2 kernels
+
+
+def test_profile_parts_come_from_source_frames():
+    """profile_train's breakdown reads each HLO instruction's source frames: the chunked loss's ops
+    are the loss part, RMSNorm's the norms part."""
+    import importlib.util
+
+    import jax
+    import jax.numpy as jnp
+
+    from hybrid_lm.model.layers import RMSNorm
+    from hybrid_lm.ops.cross_entropy import chunked_cross_entropy
+
+    spec = importlib.util.spec_from_file_location("profile_train", ROOT / "experiments" / "profile_train.py")
+    prof = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(prof)
+    norm = RMSNorm(16)
+
+    def f(h, w, t):
+        return chunked_cross_entropy(norm(h), w, t, chunk=32)[0]
+
+    args = (jnp.ones((64, 16)), jnp.ones((16, 40)), jnp.zeros((64,), jnp.int32))
+    src = prof.hlo_sources(jax.jit(jax.grad(f)).lower(*args).compile().as_text())
+    parts = {prof.part_of(s["frames"]) for s in src.values() if s["frames"]}
+    assert {"loss", "norms"} <= parts, parts
+    dots = [s for s in src.values() if s["shape"].startswith("f32[32,40]") and s["frames"]]  # a chunk's logits
+    assert dots and all(prof.part_of(s["frames"]) == "loss" for s in dots)
