@@ -30,6 +30,8 @@
 #   bash experiments/gpu_s5_train.sh xent17   # session 13: the loss kernel (check, launches, loss), S1/S3 steps xla vs pallas, jla full attention
 #   bash experiments/gpu_s5_train.sh prof17b  # session 13: profiles without command buffers (parts of the step), S5 gdn/sa_swa +scan alone
 #   bash experiments/gpu_s5_train.sh xent17b  # session 13: S1-S4 x full/SWA/SA, loss kernel xla vs pallas, timed after all compiles
+#   bash experiments/gpu_s5_train.sh norm17   # session 14: the RMSNorm kernels (check, launches), S1/S3/S5 full+SWA steps, norms xla vs pallas
+#   bash experiments/gpu_s5_train.sh mb17     # session 14: the micro-batch sweep under dots_attn, S1-S4 x full/SWA/SA x {4, 8, 16}
 #   bash experiments/gpu_s5_train.sh all7b    # part 2: S1's slow-compiling archs, S3-S5 full/SWA/SA
 #
 # Run from the repo root (or a `git archive` of it) on the device machine with `.whl` beside or
@@ -287,6 +289,22 @@ case "${1:-table}" in
         --time-after-compiles --gin_param "ModelConfig.loss_kernel = '$k'" --deadline $(( left - 8 )) \
         --out "$OUT/bench_train_xent17b_$k.json"
     done
+    ;;
+  norm17)  # session 14: RMSNorm's one-pass kernels (bench_norm), then S1/S3/S5 x full/SWA steps, norms xla vs pallas
+    timeout 150 python3 experiments/bench_norm.py --out "$OUT/bench_norm.json" 2>&1 | grep -v -e "deprecated" | cut -c1-300
+    for k in pallas xla; do
+      end=590; [ "$k" = pallas ] && end=$(( SECONDS + (590 - SECONDS) / 2 ))
+      left=$(( end - SECONDS ))
+      echo "== norm_kernel=$k: $left s for S1, S3, S5 x full, swa"
+      B $left --scale s1,s3,s5 --arch full,swa --remat dots_attn --batch 8 --steps 4 --compile-workers 6 \
+        --time-after-compiles --gin_param "ModelConfig.norm_kernel = '$k'" --deadline $(( left - 8 )) \
+        --out "$OUT/bench_train_norm17_$k.json"
+    done
+    ;;
+  mb17)  # session 14: the best micro-batch per (scale, arch) under dots_attn, timed after all compiles
+    B 585 --scale s1,s2,s3,s4 --arch full,swa,sa --remat dots_attn --sweep-microbatch 4,8,16 --steps 4 \
+      --compile-workers 6 --time-after-compiles --deadline 575 --out "$OUT/bench_train_mb17.json" \
+      --table-out "$OUT/microbatch_h200.json"
     ;;
   table17)  # session 12, call 2: issue 17's table at S1-S4 x 7 archs (8 x 16K, dots_attn) with the anchor GPT
     timeout 110 python3 experiments/anchor_gpt.py --seq-len 16384 --batch 8 --steps 5 --out "$OUT/anchor_gpt.json" \

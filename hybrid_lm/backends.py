@@ -8,7 +8,8 @@ One function per op family, each returning ``(backend, reason)``:
 - :func:`sparse_decode_backend`: MoBA / SSA-sparse decoding (our kernels or the reference);
 - :func:`linear_attention_backend`: the linear-attention ops of lightning / mamba2 / gdn;
 - :func:`loss_backend`, :func:`loss_kernel_backend`: the next-token loss (whole or chunked logits)
-  and the chunked loss's softmax pass.
+  and the chunked loss's softmax pass;
+- :func:`norm_kernel_backend`: the RMSNorms (plain jnp or the one-pass kernels).
 
 :func:`check_document_mask` says whether a model can run with ``DataConfig.document_mask`` (the
 mixers' declared support, then the attention backend), before anything is allocated.
@@ -183,18 +184,35 @@ def loss_backend(impl: str, n_tokens: int, vocab: int) -> tuple[str, str]:
     return "full", f"auto: whole logits {whole / 2 ** 20:.1f} MiB < CHUNKED_LOSS_MIN_BYTES"
 
 
-def loss_kernel_backend(impl: str, platform: str | None = None) -> tuple[str, str]:
+def _row_kernel_backend(field: str, impl: str, platform: str | None, devices: int | None) -> tuple[str, str]:
+    """``(backend, reason)`` of a row-wise Pallas kernel with an XLA reference (``ModelConfig.<field>``):
+    ``auto`` -> pallas on one GPU; xla elsewhere, and on several devices (the kernels have no sharding
+    rule: the partitioner would gather their sharded operands)."""
+    if impl not in ("auto", "xla", "pallas"):
+        raise ConfigError(f"ModelConfig.{field}={impl!r}: choose 'auto', 'xla' or 'pallas'")
+    if impl != "auto":
+        return impl, f"{field}={impl!r} set explicitly"
+    if not on_gpu(platform):
+        return "xla", "auto: " + _no_gpu(platform)
+    devices = jax.device_count() if devices is None else devices
+    if devices > 1:
+        return "xla", f"auto: {devices} devices (the kernel has no sharding rule)"
+    return "pallas", "auto: one GPU"
+
+
+def loss_kernel_backend(impl: str, platform: str | None = None, devices: int | None = None) -> tuple[str, str]:
     """``(backend, reason)`` of the chunked loss's softmax pass between the head's matmuls: ``pallas``
     (``hybrid_lm_kernels.softmax_xent_rows``, the logits read twice) or ``xla`` (the reference, three
-    passes). ``auto``: pallas on a GPU (docs/BENCHMARKS.md, session 13), xla elsewhere. ``pallas``
+    passes). ``auto``: pallas on one GPU (docs/BENCHMARKS.md, session 13), xla elsewhere. ``pallas``
     on the CPU runs the kernel interpreted (tests)."""
-    if impl not in ("auto", "xla", "pallas"):
-        raise ConfigError(f"ModelConfig.loss_kernel={impl!r}: choose 'auto', 'xla' or 'pallas'")
-    if impl != "auto":
-        return impl, f"loss_kernel={impl!r} set explicitly"
-    if on_gpu(platform):
-        return "pallas", "auto: GPU"
-    return "xla", "auto: " + _no_gpu(platform)
+    return _row_kernel_backend("loss_kernel", impl, platform, devices)
+
+
+def norm_kernel_backend(impl: str, platform: str | None = None, devices: int | None = None) -> tuple[str, str]:
+    """``(backend, reason)`` of the RMSNorms: ``pallas`` (``hybrid_lm_kernels.rms_norm_fwd`` /
+    ``rms_norm_bwd``, one pass each way) or ``xla`` (``hybrid_lm.ops.norm.rms_norm``'s plain jnp).
+    ``auto``: pallas on one GPU, xla elsewhere; ``pallas`` on the CPU runs interpreted (tests)."""
+    return _row_kernel_backend("norm_kernel", impl, platform, devices)
 
 
 def attention_op_name(window: int | None, permuted: bool) -> str:

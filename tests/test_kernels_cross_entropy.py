@@ -12,8 +12,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hybrid_lm.backends import loss_kernel_backend
-from hybrid_lm.errors import ConfigError
 from hybrid_lm.ops.cross_entropy import chunked_cross_entropy, softmax_xent_rows_reference
 from hybrid_lm_kernels import softmax_xent_rows
 
@@ -81,19 +79,6 @@ def test_unknown_kernel_is_refused():
     h, wh, t = jnp.ones((4, 2)), jnp.ones((2, 3)), jnp.zeros((4,), jnp.int32)
     with pytest.raises(ValueError, match="choose 'xla' or 'pallas'"):
         chunked_cross_entropy(h, wh, t, kernel="triton")
-
-
-def test_backend_rule_and_config():
-    from hybrid_lm.config import load_config
-
-    assert loss_kernel_backend("auto", "gpu")[0] == "pallas"
-    assert loss_kernel_backend("auto", "cpu")[0] == "xla"
-    assert loss_kernel_backend("pallas", "cpu")[0] == "pallas"  # interpreted (tests)
-    with pytest.raises(ConfigError, match="loss_kernel"):
-        loss_kernel_backend("cuda")
-    assert load_config([], ["ModelConfig.loss_kernel = 'xla'"]).model.loss_kernel == "xla"
-    with pytest.raises(ConfigError):
-        load_config([], ["ModelConfig.loss_kernel = 'fast'"])
 
 
 def test_lowers_for_cuda():

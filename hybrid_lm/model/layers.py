@@ -10,7 +10,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from hybrid_lm.backends import norm_kernel_backend
 from hybrid_lm.config import ModelConfig
+from hybrid_lm.ops.norm import rms_norm
 
 
 def param(rngs: nnx.Rngs, shape, axes, std: float, dtype=jnp.float32) -> nnx.Param:
@@ -29,14 +31,15 @@ def out_proj_std(cfg: ModelConfig) -> float:
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float = 1e-6):
+    """``hybrid_lm.ops.norm.rms_norm``; ``kernel`` is ``ModelConfig.norm_kernel``, resolved when traced."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, kernel: str = "xla"):
         self.scale = ones_param((dim,), ("norm",))
         self.eps = eps
+        self.kernel = kernel
 
     def __call__(self, x):
-        xf = x.astype(jnp.float32)
-        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        return (y * self.scale[...]).astype(x.dtype)
+        return rms_norm(x, self.scale[...], self.eps, norm_kernel_backend(self.kernel)[0])
 
 
 class SwiGLU(nnx.Module):

@@ -72,9 +72,9 @@ class Block(nnx.Module):
         mc = cfg.mixer(layer_type)
         self.layer_type = layer_type
         self.mixer_kind = mc.kind
-        self.mixer_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mixer_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.norm_kernel)
         self.mixer = get_mixer(mc.kind).cls(cfg, mc, layer_idx, rngs=rngs)
-        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.norm_kernel)
         self.mlp = SwiGLU(cfg, rngs=rngs)
 
     def __call__(self, x, ctx: MixerContext):
@@ -107,7 +107,7 @@ def model_parts(cfg: ModelConfig):
     yield ("embed",), "embed", lambda rngs: Embedding(cfg, rngs=rngs)
     for i, t in enumerate(cfg.layer_types()):
         yield ("blocks", i), f"block/{t}", lambda rngs, t=t, i=i: Block(cfg, t, i, rngs=rngs)
-    yield ("final_norm",), "final_norm", lambda rngs: RMSNorm(cfg.d_model, cfg.norm_eps)
+    yield ("final_norm",), "final_norm", lambda rngs: RMSNorm(cfg.d_model, cfg.norm_eps, cfg.norm_kernel)
     if not cfg.tie_embeddings:
         yield ("lm_head",), "lm_head", lambda rngs: param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"),
                                                           cfg.init_std)

@@ -231,6 +231,7 @@ def startup_summary(cfg: Config, data: DataStreams, mesh) -> list[str]:
         kernel, kwhy = backends.loss_kernel_backend(m.loss_kernel)
         why += f"; softmax pass {kernel}: {kwhy}"
     lines.append(f"backend  loss: {loss} ({why}; {micro:,} tokens per micro-batch)")
+    lines.append("backend  norms: {} ({})".format(*backends.norm_kernel_backend(m.norm_kernel)))
     train_tokens = data.meta.get("train_tokens")
     lines += [f"data     {cfg.data.source}: " + (f"{train_tokens:,} train tokens, " if train_tokens else "")
               + f"{data.n_train_windows:,} train windows of {cfg.data.seq_len} tokens, "
