@@ -53,7 +53,7 @@ PARTS = [
     ("attention mixer", r"model/(attention|stochastic|moba|ssa|constrained_attention)\.py|ops/(attention|permutation|"
                         r"block_sparse)\.py|windowed_pallas|sparse_pallas|selection_pallas|/jla/"),
     ("linear mixer", r"model/(lightning|mamba2|gated_deltanet|recurrent_common)\.py|ops/(linear_attention|delta_rule)"),
-    ("norms", r"layers\.py:RMSNorm"),
+    ("norms", r"layers\.py:RMSNorm|ops/norm\.py|rms_norm_pallas"),
     ("mlp", r"layers\.py:SwiGLU"),
     ("embedding / stack", r"model/transformer\.py"),
 ]

@@ -171,6 +171,18 @@ def test_bench_loss_check_and_tables(tmp_path):
     assert parts.count("pass") == 3 and parts.count("loss") == 4  # reference + 2 launches; 2 widths x 2 kernels
 
 
+def test_bench_norm_check_and_table(tmp_path):
+    """bench_norm: the kernels' check against the references (interpret mode) passes; the table is written."""
+    out = tmp_path / "norm.json"
+    _run(["experiments/bench_norm.py", "--tokens", "70", "--d", "24,40", "--launches", "2:4:3",
+          "--reps", "1", "--inner", "1", "--out", str(out)], tmp_path)
+    res = json.loads(out.read_text())
+    assert res["ok"]
+    parts = [r["part"] for r in res["rows"]]
+    assert parts.count("check_kernels") == 1 and parts.count("check_vjp") == 1
+    assert parts.count("time") == 6  # xla, xla closed form, 1 launch; 2 widths
+
+
 def test_profile_parts_come_from_source_frames():
     """profile_train's breakdown reads each HLO instruction's source frames: the chunked loss's ops
     are the loss part, RMSNorm's the norms part."""
@@ -186,9 +198,10 @@ def test_profile_parts_come_from_source_frames():
     prof = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(prof)
     norm = RMSNorm(16)
+    pnorm = RMSNorm(16, kernel="pallas")  # its kernels' instructions are norms too
 
     def f(h, w, t):
-        return chunked_cross_entropy(norm(h), w, t, chunk=32)[0]
+        return chunked_cross_entropy(norm(pnorm(h)), w, t, chunk=32)[0]
 
     args = (jnp.ones((64, 16)), jnp.ones((16, 40)), jnp.zeros((64,), jnp.int32))
     src = prof.hlo_sources(jax.jit(jax.grad(f)).lower(*args).compile().as_text())
