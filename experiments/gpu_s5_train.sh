@@ -31,7 +31,7 @@
 #   bash experiments/gpu_s5_train.sh prof17b  # session 13: profiles without command buffers (parts of the step), S5 gdn/sa_swa +scan alone
 #   bash experiments/gpu_s5_train.sh xent17b  # session 13: S1-S4 x full/SWA/SA, loss kernel xla vs pallas, timed after all compiles
 #   bash experiments/gpu_s5_train.sh norm17   # session 14: the RMSNorm kernels (check, launches), S1/S3/S5 full+SWA steps, norms xla vs pallas
-#   bash experiments/gpu_s5_train.sh mb17     # session 14: the micro-batch sweep under dots_attn, S1-S4 x full/SWA/SA x {4, 8, 16}
+#   bash experiments/gpu_s5_train.sh mb17     # session 14: the micro-batch sweep under dots_attn, S1-S4 x full/SWA/SA x {8, 16}
 #   bash experiments/gpu_s5_train.sh all7b    # part 2: S1's slow-compiling archs, S3-S5 full/SWA/SA
 #
 # Run from the repo root (or a `git archive` of it) on the device machine with `.whl` beside or
@@ -302,7 +302,7 @@ case "${1:-table}" in
     done
     ;;
   mb17)  # session 14: the best micro-batch per (scale, arch) under dots_attn, timed after all compiles
-    B 585 --scale s1,s2,s3,s4 --arch full,swa,sa --remat dots_attn --sweep-microbatch 4,8,16 --steps 4 \
+    B 585 --scale s1,s2,s3,s4 --arch full,swa,sa --remat dots_attn --sweep-microbatch 8,16 --steps 4 \
       --compile-workers 6 --time-after-compiles --deadline 575 --out "$OUT/bench_train_mb17.json" \
       --table-out "$OUT/microbatch_h200.json"
     ;;

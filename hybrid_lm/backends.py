@@ -184,10 +184,12 @@ def loss_backend(impl: str, n_tokens: int, vocab: int) -> tuple[str, str]:
     return "full", f"auto: whole logits {whole / 2 ** 20:.1f} MiB < CHUNKED_LOSS_MIN_BYTES"
 
 
-def _row_kernel_backend(field: str, impl: str, platform: str | None, devices: int | None) -> tuple[str, str]:
-    """``(backend, reason)`` of a row-wise Pallas kernel with an XLA reference (``ModelConfig.<field>``):
-    ``auto`` -> pallas on one GPU; xla elsewhere, and on several devices (the kernels have no sharding
-    rule: the partitioner would gather their sharded operands)."""
+def _row_kernel_backend(field: str, impl: str, platform: str | None, devices: int | None,
+                        auto_pallas: str | None) -> tuple[str, str]:
+    """``(backend, reason)`` of a row-wise Pallas kernel with an XLA reference (``ModelConfig.<field>``).
+    ``auto`` -> pallas on one GPU if ``auto_pallas`` (the measured reason) is given; xla elsewhere,
+    and on several devices (the kernels have no sharding rule: the partitioner would gather their
+    sharded operands)."""
     if impl not in ("auto", "xla", "pallas"):
         raise ConfigError(f"ModelConfig.{field}={impl!r}: choose 'auto', 'xla' or 'pallas'")
     if impl != "auto":
@@ -197,7 +199,9 @@ def _row_kernel_backend(field: str, impl: str, platform: str | None, devices: in
     devices = jax.device_count() if devices is None else devices
     if devices > 1:
         return "xla", f"auto: {devices} devices (the kernel has no sharding rule)"
-    return "pallas", "auto: one GPU"
+    if auto_pallas is None:
+        return "xla", "auto: the kernel is opt-in (no train-step gain measured; docs/KERNELS.md)"
+    return "pallas", f"auto: one GPU ({auto_pallas})"
 
 
 def loss_kernel_backend(impl: str, platform: str | None = None, devices: int | None = None) -> tuple[str, str]:
@@ -205,14 +209,16 @@ def loss_kernel_backend(impl: str, platform: str | None = None, devices: int | N
     (``hybrid_lm_kernels.softmax_xent_rows``, the logits read twice) or ``xla`` (the reference, three
     passes). ``auto``: pallas on one GPU (docs/BENCHMARKS.md, session 13), xla elsewhere. ``pallas``
     on the CPU runs the kernel interpreted (tests)."""
-    return _row_kernel_backend("loss_kernel", impl, platform, devices)
+    return _row_kernel_backend("loss_kernel", impl, platform, devices, "0.95-0.99x the XLA loss's step")
 
 
 def norm_kernel_backend(impl: str, platform: str | None = None, devices: int | None = None) -> tuple[str, str]:
     """``(backend, reason)`` of the RMSNorms: ``pallas`` (``hybrid_lm_kernels.rms_norm_fwd`` /
     ``rms_norm_bwd``, one pass each way) or ``xla`` (``hybrid_lm.ops.norm.rms_norm``'s plain jnp).
-    ``auto``: pallas on one GPU, xla elsewhere; ``pallas`` on the CPU runs interpreted (tests)."""
-    return _row_kernel_backend("norm_kernel", impl, platform, devices)
+    ``auto``: xla everywhere. The kernels are 0.72-0.80x XLA's norm alone on an H200, but no train step
+    gained (XLA fuses the residual adds and casts around its norm; docs/BENCHMARKS.md, session 14), so
+    they are opt-in. ``pallas`` on the CPU runs interpreted (tests)."""
+    return _row_kernel_backend("norm_kernel", impl, platform, devices, None)
 
 
 def attention_op_name(window: int | None, permuted: bool) -> str:
