@@ -32,6 +32,7 @@
 #   bash experiments/gpu_s5_train.sh xent17b  # session 13: S1-S4 x full/SWA/SA, loss kernel xla vs pallas, timed after all compiles
 #   bash experiments/gpu_s5_train.sh norm17   # session 14: the RMSNorm kernels (check, launches), S1/S3/S5 full+SWA steps, norms xla vs pallas
 #   bash experiments/gpu_s5_train.sh mb17     # session 14: the micro-batch sweep under dots_attn, S1-S4 x full/SWA/SA x {8, 16}
+#   bash experiments/gpu_s5_train.sh lin17    # session 14: the anchor, then S1-S4 x SA+SWA / linear mixers at B 16, timed after all compiles
 #   bash experiments/gpu_s5_train.sh all7b    # part 2: S1's slow-compiling archs, S3-S5 full/SWA/SA
 #
 # Run from the repo root (or a `git archive` of it) on the device machine with `.whl` beside or
@@ -305,6 +306,13 @@ case "${1:-table}" in
     B 585 --scale s1,s2,s3,s4 --arch full,swa,sa --remat dots_attn --sweep-microbatch 8,16 --steps 4 \
       --compile-workers 6 --time-after-compiles --deadline 575 --out "$OUT/bench_train_mb17.json" \
       --table-out "$OUT/microbatch_h200.json"
+    ;;
+  lin17)  # session 14: the anchor GPT, then S1-S4 x {SA+SWA, Lightning, Mamba-2, GDN} at 16 x 16K, no compile beside a timing
+    timeout 100 python3 experiments/anchor_gpt.py --seq-len 16384 --batch 8 --steps 5 --out "$OUT/anchor_gpt.json" \
+      2>&1 | grep -v -e "^W1203" -e "^I0000" -e "^W0000"
+    left=$(( 560 - SECONDS ))
+    B $left --scale s1,s2,s3,s4 --arch sa_swa,lightning,mamba2,gdn --remat dots_attn --batch 16 --steps 4 \
+      --compile-workers 6 --time-after-compiles --deadline $(( left - 8 )) --out "$OUT/bench_train_lin17.json"
     ;;
   table17)  # session 12, call 2: issue 17's table at S1-S4 x 7 archs (8 x 16K, dots_attn) with the anchor GPT
     timeout 110 python3 experiments/anchor_gpt.py --seq-len 16384 --batch 8 --steps 5 --out "$OUT/anchor_gpt.json" \
