@@ -37,6 +37,24 @@ if os.environ.get("HYBRID_LM_TESTS_JAX_CACHE") == os.environ.get("JAX_COMPILATIO
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
+def triton_calls_for_cuda(fn, *args) -> int:
+    """How many Triton custom calls the jitted ``fn`` lowers to for ``args`` (arrays or shape structs)
+    when exported for CUDA, with an sm_90 GPU faked for Pallas's Triton lowering: the CPU-side check
+    that a kernel lowers. Skips the test if JAX's private GPU-info API has moved (not our bug)."""
+    from unittest import mock
+
+    from jax import export
+    try:
+        from jax._src.pallas.triton import gpu_info as gi
+        info = gi.GpuInfo(gpu_version=None, arch_name="9.0", compute_capability=90)
+    except (ImportError, AttributeError, TypeError) as e:
+        pytest.skip(f"cannot fake a GPU for the Triton lowering: {e}")
+    with mock.patch.object(gi, "get_gpu_info", lambda: info):
+        exp = export.export(fn, platforms=["cuda"], disabled_checks=[
+            export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
+    return exp.mlir_module().count("__gpu$xla.gpu.triton")
+
+
 def pytest_unconfigure(config):
     if _OWN_JAX_CACHE is not None:
         shutil.rmtree(_OWN_JAX_CACHE, ignore_errors=True)

@@ -6,30 +6,18 @@ folded by XLA into an array of the activations' size (Lightning's decay)."""
 import jax
 import jax.numpy as jnp
 import pytest
-from conftest import TINY
+from conftest import TINY, triton_calls_for_cuda
 
 from hybrid_lm.config import load_config
 from hybrid_lm.train.step import ModelFns
 
 
 def _triton_calls(n_layers: int, mixer: list[str]) -> int:
-    from unittest import mock
-
-    from jax import export
-    try:
-        from jax._src.pallas.triton import gpu_info as gi
-        info = gi.GpuInfo(gpu_version=None, arch_name="9.0", compute_capability=90)
-    except (ImportError, AttributeError, TypeError) as e:  # private API moved: not our bug
-        pytest.skip(f"cannot fake a GPU for the Triton lowering: {e}")
     cfg = load_config([], TINY + mixer + [f"ModelConfig.n_layers = {n_layers}", "ModelConfig.attention_impl = 'pallas'",
                                           "DataConfig.seq_len = 256"])
     fns = ModelFns(cfg)
     grad = jax.jit(jax.grad(lambda p, t: fns.loss(p, t, 0, jnp.arange(2))[0]))
-    with mock.patch.object(gi, "get_gpu_info", lambda: info):
-        exp = export.export(grad, platforms=["cuda"],
-                            disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
-            jax.eval_shape(fns.init, 0), jax.ShapeDtypeStruct((2, 257), jnp.int32))
-    return exp.mlir_module().count("__gpu$xla.gpu.triton")
+    return triton_calls_for_cuda(grad, jax.eval_shape(fns.init, 0), jax.ShapeDtypeStruct((2, 257), jnp.int32))
 
 
 @pytest.mark.parametrize("mixer", [
