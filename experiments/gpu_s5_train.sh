@@ -33,6 +33,7 @@
 #   bash experiments/gpu_s5_train.sh norm17   # session 14: the RMSNorm kernels (check, launches), S1/S3/S5 full+SWA steps, norms xla vs pallas
 #   bash experiments/gpu_s5_train.sh mb17     # session 14: the micro-batch sweep under dots_attn, S1-S4 x full/SWA/SA x {8, 16}
 #   bash experiments/gpu_s5_train.sh lin17    # session 14: the anchor, then S1-S4 x SA+SWA / linear mixers at B 16, timed after all compiles
+#   bash experiments/gpu_s5_train.sh grp17    # next: jla's kernel on Mamba-2's B/C groups (GPU test), S5 mamba2 steps repeated vs grouped
 #   bash experiments/gpu_s5_train.sh all7b    # part 2: S1's slow-compiling archs, S3-S5 full/SWA/SA
 #
 # Run from the repo root (or a `git archive` of it) on the device machine with `.whl` beside or
@@ -313,6 +314,15 @@ case "${1:-table}" in
     left=$(( 560 - SECONDS ))
     B $left --scale s1,s2,s3,s4 --arch sa_swa,lightning,mamba2,gdn --remat dots_attn --batch 16 --steps 4 \
       --compile-workers 6 --time-after-compiles --deadline $(( left - 8 )) --out "$OUT/bench_train_lin17.json"
+    ;;
+  grp17)  # jla's simple-GLA kernel reading Mamba-2's B/C groups (JLA_GROUPED_KEYS): the GPU test, then S5 / S3 mamba2 steps
+    JAX_PLATFORMS=cuda timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_linear_gpu_path.py 2>&1 | tail -5
+    for f in "" --jla-grouped-keys; do
+      left=$(( 590 - SECONDS )); [ -z "$f" ] && left=$(( left / 2 ))
+      echo "== mamba2 ${f:-repeated keys}: $left s"
+      B $left --scale s3,s5 --arch mamba2 --remat dots_attn --batch 8 --steps 4 --compile-workers 2 \
+        --time-after-compiles $f --deadline $(( left - 8 )) --out "$OUT/bench_train_grp17${f:+_grouped}.json"
+    done
     ;;
   table17)  # session 12, call 2: issue 17's table at S1-S4 x 7 archs (8 x 16K, dots_attn) with the anchor GPT
     timeout 110 python3 experiments/anchor_gpt.py --seq-len 16384 --batch 8 --steps 5 --out "$OUT/anchor_gpt.json" \

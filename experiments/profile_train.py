@@ -51,8 +51,9 @@ PARTS = [
     ("optimizer", r"optax/|train/optim\.py"),
     ("step (grad norms, guard)", r"train/step\.py"),
     ("attention mixer", r"model/(attention|stochastic|moba|ssa|constrained_attention)\.py|ops/(attention|permutation|"
-                        r"block_sparse)\.py|windowed_pallas|sparse_pallas|selection_pallas|/jla/"),
-    ("linear mixer", r"model/(lightning|mamba2|gated_deltanet|recurrent_common)\.py|ops/(linear_attention|delta_rule)"),
+                        r"block_sparse)\.py|windowed_pallas|sparse_pallas|selection_pallas|/jla/ops/mosaic_gpu/attention"),
+    # jla's other kernels (scalar_gate: Lightning / Mamba-2, the delta rule: GDN) are the linear mixers'
+    ("linear mixer", r"model/(lightning|mamba2|gated_deltanet|recurrent_common)\.py|ops/(linear_attention|delta_rule)|/jla/"),
     ("norms", r"layers\.py:RMSNorm|ops/norm\.py|rms_norm_pallas"),
     ("mlp", r"layers\.py:SwiGLU"),
     ("embedding / stack", r"model/transformer\.py"),

@@ -315,3 +315,79 @@ def test_layers_through_the_jla_conversion(kind, monkeypatch):
         assert calls and {jnp.dtype(c) for c in calls} == {jnp.dtype(jnp.float32)}  # its compute dtype
         y_xla, S_xla = run("xla")
     assert _rel(y_jla, y_xla) < 1e-5 and _rel(S_jla, S_xla) < 1e-5
+
+
+# ----------------------------------------------------------------------------- grouped keys (Mamba-2's B/C groups)
+
+def _grouped_inputs(seed, groups=2, rep=3):
+    q, k, v, g, _, _, S0 = _inputs(seed, T=37, H=groups * rep)
+    return q[:, :, :groups], k[:, :, :groups], v, g, S0, rep
+
+
+@pytest.mark.parametrize("backend", ["xla", "jla_chunked"])
+def test_grouped_keys_equal_repeated_keys(backend, monkeypatch):
+    """simple_gla with q, k of G heads for H = 3G value heads equals the call with q, k repeated to H heads
+    (value head h reads group h // 3): outputs, state, and gradients (the grouped ones are the repeated
+    ones summed over each group). On the jla conversion the keys are repeated for jla's plain-JAX ops."""
+    if backend == "jla_chunked":
+        if not lag.jla_available():
+            pytest.skip("jax-linear-attention not installed")
+        fn = functools.partial(lag._jla_simple_gla, backend="chunked")
+    else:
+        fn = functools.partial(lag.simple_gla, impl="xla")
+    q, k, v, g, S0, rep = _grouped_inputs(5)
+    call = jax.jit(lambda q, k, v, g, s0: fn(q, k, v, g, None, scale=0.5, initial_state=s0, output_final_state=True))
+    with jax.default_matmul_precision("highest"):
+        (o, S), (dq, dk, dv, dg, dS) = _grads(call, [q, k, v, g, S0], 6)
+        qr, kr = jnp.repeat(q, rep, axis=2), jnp.repeat(k, rep, axis=2)
+        (o_r, S_r), (dq_r, dk_r, dv_r, dg_r, dS_r) = _grads(call, [qr, kr, v, g, S0], 6)
+    assert _rel(o, o_r) < 1e-6 and _rel(S, S_r) < 1e-6
+    for a, b in ((dv, dv_r), (dg, dg_r), (dS, dS_r)):
+        assert _rel(a, b) < 1e-6
+    B, T, G, D = q.shape
+    for a, b in ((dq, dq_r), (dk, dk_r)):
+        assert _rel(a, b.reshape(B, T, G, rep, D).sum(axis=3)) < 1e-5
+
+
+def test_grouped_keys_bad_shapes():
+    q, k, v, g, S0, _ = _grouped_inputs(0, groups=4, rep=1)
+    with pytest.raises(ValueError, match="Hk dividing H"):
+        lag.simple_gla(q[:, :, :3], k[:, :, :3], v, g, impl="xla")  # 3 key heads for 4 value heads
+    with pytest.raises(ValueError, match="Hk dividing H"):
+        lag.simple_gla(q, k[:, :, :2], v, g, impl="xla")  # q and k differ
+
+
+@pytest.mark.parametrize("grouped_flag", [False, True])
+def test_grouped_keys_reach_the_kernel_as_the_flag_says(grouped_flag, monkeypatch):
+    """With JLA_GROUPED_KEYS off (the measured default) jla's kernel predicate sees q, k repeated to the
+    value heads; on, it sees the groups."""
+    seen = []
+    monkeypatch.setattr(backends, "on_gpu", lambda platform=None: True)
+    monkeypatch.setattr(backends, "jla_available", lambda: True)
+    monkeypatch.setattr(lag, "JLA_GROUPED_KEYS", grouped_flag)
+    monkeypatch.setattr(lag, "_jla_kernel_reason", lambda op, q, *a: seen.append(q.shape) or None)
+    q, k, v, g, S0, rep = _grouped_inputs(0)
+    assert lag.resolve_simple_gla(q, k, v, g, impl="auto") == "jla"
+    H = v.shape[2]
+    assert seen and seen[0][2] == (q.shape[2] if grouped_flag else H)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu" or not lag.jla_available(), reason="needs a GPU and jla")
+def test_grouped_keys_on_the_kernel(monkeypatch):
+    """The check that turns JLA_GROUPED_KEYS on: jla's Mosaic GPU kernel given Mamba-2's groups (q, k of
+    G = 1 head, v of 16; S5's d_state 128, head_dim 64) equals the kernel given the keys repeated, forward
+    and gradients, bf16 (`pytest -m gpu tests/test_linear_gpu_path.py` on the device)."""
+    monkeypatch.setattr(lag, "JLA_GROUPED_KEYS", True)
+    r = np.random.default_rng(0)
+    B, T, G, rep, Dk, Dv = 2, 1000, 1, 16, 128, 64
+    q, k = (jnp.asarray(r.normal(size=(B, T, G, Dk)) / Dk ** 0.5, jnp.bfloat16) for _ in range(2))
+    v = jnp.asarray(r.normal(size=(B, T, G * rep, Dv)), jnp.bfloat16)
+    g = jnp.asarray(-np.log1p(np.exp(r.normal(size=(B, T, G * rep)) - 1.0)), jnp.float32)
+    call = jax.jit(lambda q, k, v, g: lag._jla_simple_gla(q, k, v, g, None, scale=1.0, initial_state=None,
+                                                          output_final_state=True))
+    (o, S), (dq, dk, dv, dg) = _grads(call, [q, k, v, g], 7)
+    (o_r, S_r), (dq_r, dk_r, dv_r, dg_r) = _grads(call, [jnp.repeat(q, rep, 2), jnp.repeat(k, rep, 2), v, g], 7)
+    assert _rel(o, o_r) < 1e-2 and _rel(S, S_r) < 1e-2 and _rel(dv, dv_r) < 1e-2 and _rel(dg, dg_r) < 1e-2
+    for a, b in ((dq, dq_r), (dk, dk_r)):
+        assert _rel(a, b.astype(jnp.float32).reshape(B, T, G, rep, Dk).sum(axis=3)) < 1e-2

@@ -139,12 +139,13 @@ class Mamba2(nnx.Module):
         dt_raw = x @ self.w_dt[...].astype(dt)
         return z, xbc, dt_raw
 
-    def _ssm_inputs(self, xbc, dt_raw):
-        """Split the conv output into per-head x [.., H, P], B/C broadcast to heads [.., H, N]; dt, log decay."""
+    def _ssm_inputs(self, xbc, dt_raw, grouped: bool = False):
+        """Split the conv output into per-head x [.., H, P], B/C [.., G, N] per group (``grouped``; the
+        chunked op reads head h's from group h // (H / G)) or broadcast to heads [.., H, N]; dt, log decay."""
         o, H = self.opts, self.n_heads
         GN = o.n_groups * o.d_state
         xs = xbc[..., : self.d_inner].reshape(*xbc.shape[:-1], H, o.head_dim)
-        rep = H // o.n_groups
+        rep = 1 if grouped else H // o.n_groups
         Bm = jnp.repeat(xbc[..., self.d_inner: self.d_inner + GN].reshape(*xbc.shape[:-1], o.n_groups, o.d_state),
                         rep, axis=-2)
         Cm = jnp.repeat(xbc[..., self.d_inner + GN:].reshape(*xbc.shape[:-1], o.n_groups, o.d_state), rep, axis=-2)
@@ -166,7 +167,7 @@ class Mamba2(nnx.Module):
         """``x [B, T, d]`` -> ``(y [B, T, d], state)``; ``state`` as :meth:`init_state` (None = zeros)."""
         z, xbc, dt_raw = self._project(x)
         xbc, conv_state = self.conv(xbc, None if state is None else state["conv_state"])
-        xs, Bm, Cm, v, g = self._ssm_inputs(xbc, dt_raw)
+        xs, Bm, Cm, v, g = self._ssm_inputs(xbc, dt_raw, grouped=True)  # simple_gla repeats them if it must
         # the fast path rounds v = x * dt (fp32 here) to the compute dtype for the kernel (kernel_dtype)
         y, S = simple_gla(Cm, Bm, v, g=g, scale=1.0,
                           initial_state=None if state is None else state["recurrent_state"],

@@ -13,6 +13,11 @@ dtype), plus two keywords:
   K, V in {64, 128}, and for the delta rule also (K, V) in {(128, 256), (256, 128..512)}, static
   scale), else ``"xla"`` (decided in ``hybrid_lm.backends.linear_attention_backend``). An explicit
   ``"jla"`` that cannot run raises :class:`FastPathUnavailable` with the reason.
+- grouped keys (:func:`simple_gla` only): ``q, k`` may have ``Hk`` heads dividing v's ``H`` (Mamba-2's
+  B/C groups); value head ``h`` reads key head ``h // (H // Hk)``, as ``jnp.repeat(q, H // Hk, axis=2)``.
+  The XLA path repeats them; the jla path repeats them too unless :data:`JLA_GROUPED_KEYS` is on, when
+  jla's kernel reads the groups itself (no ``[B, T, H, Dk]`` copies of q and k, and no sum over the
+  repeated heads in the backward pass).
 - ``kernel_dtype``: the dtype q, k and v are cast to *on the jla path only* (the layers pass their
   compute dtype, bf16). Mamba-2's ``v = x * dt`` and GDN's L2-normalised q, k are fp32 in the layers;
   the kernel takes bf16/fp16 only. The XLA path ignores it, so CPU numerics do not change. The output
@@ -61,6 +66,26 @@ from hybrid_lm.ops.linear_attention import _check_qkv, _check_state, chunk_simpl
 # jla's logical rules for splitting a kernel call over the context mesh, in our mesh axis names
 # (MeshConfig.rules: batch -> data, fsdp; heads -> tensor).
 JLA_SHARD_RULES = {"batch": ("data", "fsdp"), "heads": ("tensor",)}
+
+# Hand grouped q, k (fewer heads than v) to jla's simple-GLA kernel as they are. Off: they are repeated to
+# v's heads first, the path measured on the H200 through session 14. jla documents grouped keys for its
+# Mosaic GPU kernel; turn this on once `experiments/bench_mixers.py --check` passes on a GPU with it.
+JLA_GROUPED_KEYS = False
+
+
+def _check_grouped_qkv(q, k, v) -> int:
+    """Checks ``q, k [B, T, Hk, Dk]`` and ``v [B, T, H, Dv]`` with ``Hk`` dividing ``H``; returns ``H // Hk``."""
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError(f"expected [B, T, H, D] inputs, got q{q.shape} k{k.shape} v{v.shape}")
+    if q.shape != k.shape or v.shape[:2] != q.shape[:2] or v.shape[2] % q.shape[2]:
+        raise ValueError(f"q, k must be [B, T, Hk, Dk] and v [B, T, H, Dv] with Hk dividing H: "
+                         f"q{q.shape} k{k.shape} v{v.shape}")
+    return v.shape[2] // q.shape[2]
+
+
+def _repeat_keys(q, k, rep: int):
+    """Grouped q, k repeated to one head per value head (value head h reads key head h // rep)."""
+    return (q, k) if rep == 1 else (jnp.repeat(q, rep, axis=2), jnp.repeat(k, rep, axis=2))
 
 
 def _jla_kernel_reason(op: str, q, k, v, gates: tuple, options: dict) -> str | None:
@@ -220,8 +245,10 @@ def _jla_simple_gla(q, k, v, g, g_gamma, *, scale, initial_state, output_final_s
     ``pad_to=(Dk', Dv')`` forces zero-padded head widths (by default the kernel's choice, see
     :func:`kernel_widths`)."""
     jla_ops = import_jla()
-    B, T, H, Dk = q.shape
-    Dv = v.shape[-1]
+    B, T, _, Dk = q.shape
+    H, Dv = v.shape[2:]
+    if not (JLA_GROUPED_KEYS and backend == "mosaic_gpu"):  # jla's plain-JAX forms take one head count
+        q, k = _repeat_keys(q, k, H // q.shape[2])
     out_dtype = q.dtype  # our contract: o comes back in q's dtype
     jscale = _resolved_scale(scale, Dk)  # from the unpadded width
     jq, jk, jv = _to_jla_qkv(q, k, v, kernel_dtype)
@@ -278,8 +305,10 @@ def resolve_simple_gla(q, k, v, g=None, g_gamma=None, *, scale=None, initial_sta
     (recorded under ``label`` when given).
 
     Raises :class:`FastPathUnavailable` for ``impl='jla'`` when the kernel cannot run the call here."""
-    _check_qkv(q, k, v)
-    B, T, H, _ = q.shape
+    rep = _check_grouped_qkv(q, k, v)
+    if rep > 1 and not JLA_GROUPED_KEYS:  # what the kernel is handed (_jla_simple_gla)
+        q, k = (jax.ShapeDtypeStruct(x.shape[:2] + (v.shape[2],) + x.shape[3:], x.dtype) for x in (q, k))
+    B, T, H = v.shape[:3]
     jg = jax.ShapeDtypeStruct((B, T, H), jnp.float32)  # the converted gate (_to_jla_log_decay)
     return _resolve("simple_gla", impl, *_qkv_specs(q, k, v, kernel_dtype), (jg,), scale,
                     _spec(initial_state, jnp.float32), label)
@@ -304,10 +333,13 @@ def simple_gla(q, k, v, g=None, g_gamma=None, *, scale: float | None = None, ini
     (``auto`` | ``xla`` | ``jla``) and ``kernel_dtype`` (see the module docstring); the backend is
     recorded under ``label`` (``hybrid_lm.backends.record_backend``) when given.
 
+    ``q, k`` may have fewer heads than ``v`` (grouped keys, see the module docstring).
+
     Returns ``(o [B, T, H, Dv] in q.dtype, final_state [B, H, Dk, Dv] float32 or None)``.
     """
-    _check_qkv(q, k, v)
-    B, T, H, Dk = q.shape
+    rep = _check_grouped_qkv(q, k, v)
+    B, T, H = v.shape[:3]
+    Dk = q.shape[-1]
     _check_state(initial_state, B, H, Dk, v.shape[-1])
     if g is not None and g.shape != (B, T, H):
         raise ValueError(f"g must be [B, T, H] = {(B, T, H)}, got {g.shape}")
@@ -316,6 +348,7 @@ def simple_gla(q, k, v, g=None, g_gamma=None, *, scale: float | None = None, ini
     which = resolve_simple_gla(q, k, v, g, g_gamma, scale=scale, initial_state=initial_state, impl=impl,
                                kernel_dtype=kernel_dtype, label=label)
     if which == "xla":
+        q, k = _repeat_keys(q, k, rep)
         return chunk_simple_gla(q, k, v, g, g_gamma, scale=scale, initial_state=initial_state,
                                 output_final_state=output_final_state, chunk_size=chunk_size, precision=precision)
     return _jla_simple_gla(q, k, v, g, g_gamma, scale=scale, initial_state=initial_state,
