@@ -34,6 +34,7 @@
 #   bash experiments/gpu_s5_train.sh mb17     # session 14: the micro-batch sweep under dots_attn, S1-S4 x full/SWA/SA x {8, 16}
 #   bash experiments/gpu_s5_train.sh lin17    # session 14: the anchor, then S1-S4 x SA+SWA / linear mixers at B 16, timed after all compiles
 #   bash experiments/gpu_s5_train.sh grp17    # next: jla's kernel on Mamba-2's B/C groups (GPU test), S5 mamba2 steps repeated vs grouped
+#   bash experiments/gpu_s5_train.sh ce17     # next: jla's fused LM-head loss (bench_loss check + times), S1/S3 full steps, loss_kernel pallas vs jla
 #   bash experiments/gpu_s5_train.sh all7b    # part 2: S1's slow-compiling archs, S3-S5 full/SWA/SA
 #
 # Run from the repo root (or a `git archive` of it) on the device machine with `.whl` beside or
@@ -322,6 +323,18 @@ case "${1:-table}" in
       echo "== mamba2 ${f:-repeated keys}: $left s"
       B $left --scale s3,s5 --arch mamba2 --remat dots_attn --batch 8 --steps 4 --compile-workers 2 \
         --time-after-compiles $f --deadline $(( left - 8 )) --out "$OUT/bench_train_grp17${f:+_grouped}.json"
+    done
+    ;;
+  ce17)  # jla's fused LM-head loss (ModelConfig.loss_kernel = 'jla') against the chunked loss on our kernel
+    timeout 180 python3 experiments/bench_loss.py --kernels pallas,jla --launches 1:2048:4 --out "$OUT/bench_loss_jla.json" \
+      2>&1 | grep -v -e "deprecated" | cut -c1-300
+    for k in pallas jla; do
+      end=590; [ "$k" = pallas ] && end=$(( SECONDS + (590 - SECONDS) / 2 ))
+      left=$(( end - SECONDS ))
+      echo "== loss_kernel=$k: $left s for S1, S3, S5 full"
+      B $left --scale s1,s3,s5 --arch full --remat dots_attn --batch 8 --steps 4 --compile-workers 3 \
+        --time-after-compiles --gin_param "ModelConfig.loss_kernel = '$k'" --deadline $(( left - 8 )) \
+        --out "$OUT/bench_train_ce17_$k.json"
     done
     ;;
   table17)  # session 12, call 2: issue 17's table at S1-S4 x 7 archs (8 x 16K, dots_attn) with the anchor GPT

@@ -208,7 +208,16 @@ def loss_kernel_backend(impl: str, platform: str | None = None, devices: int | N
     """``(backend, reason)`` of the chunked loss's softmax pass between the head's matmuls: ``pallas``
     (``hybrid_lm_kernels.softmax_xent_rows``, the logits read twice) or ``xla`` (the reference, three
     passes). ``auto``: pallas on one GPU (docs/BENCHMARKS.md, session 13), xla elsewhere. ``pallas``
-    on the CPU runs the kernel interpreted (tests)."""
+    on the CPU runs the kernel interpreted (tests). ``jla`` (explicit only) replaces the whole chunked
+    loss by jax-linear-attention's fused LM-head loss (``ops.cross_entropy.jla_linear_cross_entropy``:
+    its Mosaic GPU kernels on a Hopper GPU, its plain-JAX form elsewhere)."""
+    if impl not in ("auto", "xla", "pallas", "jla"):
+        raise ConfigError(f"ModelConfig.loss_kernel={impl!r}: choose 'auto', 'xla', 'pallas' or 'jla'")
+    if impl == "jla":
+        if not jla_available():
+            raise ConfigError(f"ModelConfig.loss_kernel='jla' needs jax-linear-attention; {INSTALL_HINT}")
+        where = "its Mosaic GPU kernels" if on_gpu(platform) else "its plain-JAX form (" + _no_gpu(platform) + ")"
+        return "jla", f"loss_kernel='jla' set explicitly: jla's fused LM-head loss, {where}"
     return _row_kernel_backend("loss_kernel", impl, platform, devices, "0.95-0.99x the XLA loss's step")
 
 

@@ -211,26 +211,33 @@ def test_run_length_is_a_runtime_input_of_the_step(tiny_params, optimizer):
     assert runtime_step._cache_size() == 1  # and one compiled step served both
 
 
-@pytest.mark.parametrize("field,extra", [
+@pytest.mark.parametrize("field,kernel,extra", [
     # the chunked loss's softmax pass, with a z-loss and a tail chunk
-    ("loss_kernel", ["ModelConfig.loss_impl = 'chunked'", "ModelConfig.loss_chunk = 40", "OptimConfig.z_loss = 1e-3"]),
-    ("norm_kernel", []),  # every RMSNorm of the model, the final norm included
+    ("loss_kernel", "pallas", ["ModelConfig.loss_impl = 'chunked'", "ModelConfig.loss_chunk = 40",
+                               "OptimConfig.z_loss = 1e-3"]),
+    # jla's fused LM-head loss (its plain-JAX form on the CPU), z-loss on
+    ("loss_kernel", "jla", ["ModelConfig.loss_impl = 'chunked'", "ModelConfig.loss_chunk = 40",
+                            "OptimConfig.z_loss = 1e-3"]),
+    ("norm_kernel", "pallas", []),  # every RMSNorm of the model, the final norm included
 ])
-def test_model_on_a_pallas_kernel_equals_xla(field, extra):
-    """ModelFns.loss and its gradients with ModelConfig.<field> = 'pallas' (interpreted) equal 'xla'
-    (fp32, 2 layers, vocabulary 300): the same parameters, loss to 1e-6, gradients to 1e-4."""
+def test_model_on_a_kernel_equals_xla(field, kernel, extra):
+    """ModelFns.loss and its gradients with ModelConfig.<field> = kernel (interpreted / plain JAX on the
+    CPU) equal 'xla' (fp32, 2 layers, vocabulary 300): the same parameters, loss to 1e-6, gradients to 1e-4."""
     import jax.numpy as jnp
     from conftest import TINY
 
+    from hybrid_lm.backends import jla_available
+
+    if kernel == "jla" and not jla_available():
+        pytest.skip("jax-linear-attention not installed")
     base = TINY + ["ModelConfig.vocab_size = 300", "DataConfig.seq_len = 48", *extra]
     tokens = jax.random.randint(jax.random.key(1), (3, 49), 0, 300)
     out = {}
-    for kern in ("xla", "pallas"):
+    for kern in ("xla", kernel):
         fns = ModelFns(load_config([], base + [f"ModelConfig.{field} = '{kern}'"]))
         out[kern] = jax.value_and_grad(lambda p: fns.loss(p, tokens, jnp.int32(0), jnp.arange(3))[0])(fns.init(0))
-    (lx, gx), (lp, gp) = out["xla"], out["pallas"]
+    (lx, gx), (lp, gp) = out["xla"], out[kernel]
     np.testing.assert_allclose(float(lp), float(lx), rtol=1e-6)
     assert jax.tree.structure(gx) == jax.tree.structure(gp)
     for a, b in zip(jax.tree.leaves(gx), jax.tree.leaves(gp)):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-6 * float(jnp.max(jnp.abs(a))))
-
