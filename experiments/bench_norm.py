@@ -99,8 +99,8 @@ def check(args, launches) -> list[dict]:
     (yx, dxx, dsx), (yp, dxp, dsp) = out["xla"], out["pallas"]
     row = {"part": "check_vjp", "shape": list(x3.shape), "y_rel_l2": rel_l2(yp, yx), "dx_rel_l2": rel_l2(dxp, dxx),
            "dscale_rel_l2": rel_l2(dsp, dsx)}
-    # autodiff of the plain norm rounds y to bf16 before the scale's gradient: the same math, bf16 apart
-    row["ok"] = row["y_rel_l2"] < 5e-3 and row["dx_rel_l2"] < 5e-3 and row["dscale_rel_l2"] < 1e-2
+    # the same math; y and dx rounded to bf16, the scale's gradient an fp32 sum on both sides
+    row["ok"] = row["y_rel_l2"] < 5e-3 and row["dx_rel_l2"] < 5e-3 and row["dscale_rel_l2"] < 1e-4
     rows.append(row)
     return rows
 

@@ -229,7 +229,7 @@ def finish(v: Variant, backends: dict, fut, limit: int | None, args) -> dict:
     backends.pop("t_lowered_s", None)
     row = dict(v.key, attention_backends=backends, lower_s=lower_s,
                loss_backend=loss_backend(v.cfg.model.loss_impl, v.key["batch"] * v.key["seq_len"],
-                                         v.cfg.model.vocab_size)[0])
+                                         v.cfg.model.vocab_size, v.cfg.model.loss_kernel)[0])
     f = flops_per_token(v.cfg.model, v.key["seq_len"])
     row.update(non_embedding=count_params(v.cfg.model)["non_embedding"], train_flops_per_token=f["train"],
                tokens_per_step=v.key["batch"] * v.key["seq_len"])

@@ -47,7 +47,7 @@ def kind_of(name: str) -> str:
 # the part of the step a kernel belongs to, from the innermost source frame of its HLO instruction
 # inside this repository (or optax): the first rule whose pattern matches "path:function" wins
 PARTS = [
-    ("loss", r"ops/cross_entropy\.py|cross_entropy_pallas"),
+    ("loss", r"ops/cross_entropy\.py|cross_entropy_pallas|/jla/ops/(mosaic_gpu/linear_)?cross_entropy"),
     ("optimizer", r"optax/|train/optim\.py"),
     ("step (grad norms, guard)", r"train/step\.py"),
     ("attention mixer", r"model/(attention|stochastic|moba|ssa|constrained_attention)\.py|ops/(attention|permutation|"

@@ -173,10 +173,17 @@ def document_mask_error(mc, slot: str, seq_len: int) -> str | None:
             "turn document_mask off or use attention / swa (docs/MIXERS.md, 'Document masking')")
 
 
-def loss_backend(impl: str, n_tokens: int, vocab: int) -> tuple[str, str]:
+def loss_backend(impl: str, n_tokens: int, vocab: int, kernel: str = "auto") -> tuple[str, str]:
     """``(backend, reason)`` of the next-token loss: ``full`` (whole fp32 logits) or ``chunked``
-    (``hybrid_lm.ops.cross_entropy.chunked_cross_entropy``, never more than a chunk of logits)."""
+    (``hybrid_lm.ops.cross_entropy.chunked_cross_entropy``, never more than a chunk of logits).
+    ``kernel`` is ``ModelConfig.loss_kernel``: ``'jla'`` (jla's fused loss) runs through the chunked
+    loss's entry point, so it needs ``chunked``."""
     whole = 4 * n_tokens * vocab
+    if kernel == "jla":
+        if impl == "full":
+            raise ConfigError("ModelConfig.loss_kernel='jla' replaces the chunked loss; it cannot run with "
+                              "loss_impl='full' (use 'auto' or 'chunked')")
+        return "chunked", "loss_kernel='jla' (jla's fused LM-head loss)"
     if impl != "auto":
         return impl, f"loss_impl={impl!r} set explicitly"
     if whole >= CHUNKED_LOSS_MIN_BYTES:

@@ -78,7 +78,7 @@ DecayShape = Literal["linear", "cosine", "1-sqrt"]
 SparseImpl = Literal["auto", "union", "gather"]  # MoBA/SSA sparse kernel on the pallas path (model/moba.py)
 SelectionImpl = Literal["auto", "xla", "fused", "split", "split_bf16"]  # who selects MoBA/SSA's blocks on the pallas path (model/moba.py)
 LossImpl = Literal["auto", "full", "chunked"]  # resolved in hybrid_lm/backends.py (loss_backend)
-LossKernel = Literal["auto", "xla", "pallas", "jla"]  # the chunked loss's softmax pass, or jla's fused loss (backends.loss_kernel_backend)
+LossKernel = Literal["auto", "xla", "pallas", "jla"]  # softmax pass of the chunked loss, or jla's fused loss (backends.loss_kernel_backend)
 NormKernel = Literal["auto", "xla", "pallas"]  # the RMSNorms (backends.norm_kernel_backend)
 NanPolicy = Literal["stop", "skip"]  # a non-finite loss/gradient never reaches the state
 
@@ -113,8 +113,10 @@ class ModelConfig:
     # the same math up to float rounding, so not part of the run id
     loss_impl: LossImpl = _nid("auto")
     loss_chunk: int = _nid(8192)
-    loss_kernel: LossKernel = _nid("auto")  # the chunked loss's softmax pass: XLA's three passes or one Pallas kernel; jla: its fused loss
-    norm_kernel: NormKernel = _nid("auto")  # the RMSNorms: plain jnp or one-pass Pallas kernels (hybrid_lm/ops/norm.py)
+    # the chunked loss's softmax pass: XLA's three passes or one Pallas kernel; 'jla': jla's fused LM-head
+    # loss instead of the chunked one (loss_chunk is then its row block: ~4 * loss_chunk * vocab bytes of fp16 buffers)
+    loss_kernel: LossKernel = _nid("auto")
+    norm_kernel: NormKernel = _nid("auto")  # the blocks' and final RMSNorms (not mixers' inner norms): jnp or Pallas (ops/norm.py)
     scan_layers: bool = _nid(False)  # lax.scan over repeated layer groups (same params; hybrid_lm/model/transformer.py)
     full: MixerConfig = field(default_factory=lambda: SLOT_DEFAULTS["full"])
     efficient: MixerConfig = field(default_factory=lambda: SLOT_DEFAULTS["efficient"])

@@ -201,7 +201,7 @@ def test_profile_parts_come_from_source_frames():
     prof = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(prof)
     norm = RMSNorm(16)
-    pnorm = RMSNorm(16, kernel="pallas")  # its kernels' instructions are norms too
+    pnorm = RMSNorm(16, impl="pallas")  # its kernels' instructions are norms too
 
     def f(h, w, t):
         return chunked_cross_entropy(norm(pnorm(h)), w, t, chunk=32)[0]

@@ -116,7 +116,7 @@ def test_jla_fused_loss_equals_the_chunked_loss(z):
     for a, b in zip(gx, gj):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-5 * float(jnp.max(jnp.abs(a))))
     if z:
-        assert float(jax.grad(lambda h: chunked_cross_entropy(h, wh, t, z, chunk=128, kernel="jla")[1])(h).sum()) == 0.0
+        assert not jnp.any(jax.grad(lambda h: chunked_cross_entropy(h, wh, t, z, chunk=128, kernel="jla")[1])(h))
 
 
 def test_jla_loss_backend_rule(monkeypatch):
@@ -132,4 +132,9 @@ def test_jla_loss_backend_rule(monkeypatch):
         backends.loss_kernel_backend("jla", "gpu")
     with pytest.raises(ConfigError, match="'pallas' or 'jla'"):
         backends.loss_kernel_backend("cuda")
+    # jla's loss replaces the chunked one: small logits go chunked too, whole logits are refused
+    assert backends.loss_backend("auto", 4096, 256, "jla")[0] == "chunked"
+    assert backends.loss_backend("auto", 4096, 256)[0] == "full"
+    with pytest.raises(ConfigError, match="loss_impl='full'"):
+        backends.loss_backend("full", 4096, 256, "jla")
 

@@ -325,10 +325,11 @@ def _grouped_inputs(seed, groups=2, rep=3):
 
 
 @pytest.mark.parametrize("backend", ["xla", "jla_chunked"])
-def test_grouped_keys_equal_repeated_keys(backend, monkeypatch):
+def test_grouped_keys_equal_repeated_keys(backend):
     """simple_gla with q, k of G heads for H = 3G value heads equals the call with q, k repeated to H heads
     (value head h reads group h // 3): outputs, state, and gradients (the grouped ones are the repeated
-    ones summed over each group). On the jla conversion the keys are repeated for jla's plain-JAX ops."""
+    ones summed over each group). On the jla conversion the keys are repeated for jla's plain-JAX ops, so
+    this checks our repeat; jla's kernel reading the groups itself is checked by the GPU-marked test below."""
     if backend == "jla_chunked":
         if not lag.jla_available():
             pytest.skip("jax-linear-attention not installed")
@@ -374,18 +375,17 @@ def test_grouped_keys_reach_the_kernel_as_the_flag_says(grouped_flag, monkeypatc
 
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu" or not lag.jla_available(), reason="needs a GPU and jla")
-def test_grouped_keys_on_the_kernel(monkeypatch):
+def test_grouped_keys_on_the_kernel():
     """The check that turns JLA_GROUPED_KEYS on: jla's Mosaic GPU kernel given Mamba-2's groups (q, k of
     G = 1 head, v of 16; S5's d_state 128, head_dim 64) equals the kernel given the keys repeated, forward
     and gradients, bf16 (`pytest -m gpu tests/test_linear_gpu_path.py` on the device)."""
-    monkeypatch.setattr(lag, "JLA_GROUPED_KEYS", True)
     r = np.random.default_rng(0)
     B, T, G, rep, Dk, Dv = 2, 1000, 1, 16, 128, 64
     q, k = (jnp.asarray(r.normal(size=(B, T, G, Dk)) / Dk ** 0.5, jnp.bfloat16) for _ in range(2))
     v = jnp.asarray(r.normal(size=(B, T, G * rep, Dv)), jnp.bfloat16)
     g = jnp.asarray(-np.log1p(np.exp(r.normal(size=(B, T, G * rep)) - 1.0)), jnp.float32)
     call = jax.jit(lambda q, k, v, g: lag._jla_simple_gla(q, k, v, g, None, scale=1.0, initial_state=None,
-                                                          output_final_state=True))
+                                                          output_final_state=True, grouped_keys=True))
     (o, S), (dq, dk, dv, dg) = _grads(call, [q, k, v, g], 7)
     (o_r, S_r), (dq_r, dk_r, dv_r, dg_r) = _grads(call, [jnp.repeat(q, rep, 2), jnp.repeat(k, rep, 2), v, g], 7)
     assert _rel(o, o_r) < 1e-2 and _rel(S, S_r) < 1e-2 and _rel(dv, dv_r) < 1e-2 and _rel(dg, dg_r) < 1e-2

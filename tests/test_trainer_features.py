@@ -220,6 +220,7 @@ def test_run_length_is_a_runtime_input_of_the_step(tiny_params, optimizer):
                             "OptimConfig.z_loss = 1e-3"]),
     ("norm_kernel", "pallas", []),  # every RMSNorm of the model, the final norm included
 ])
+@pytest.mark.slow
 def test_model_on_a_kernel_equals_xla(field, kernel, extra):
     """ModelFns.loss and its gradients with ModelConfig.<field> = kernel (interpreted / plain JAX on the
     CPU) equal 'xla' (fp32, 2 layers, vocabulary 300): the same parameters, loss to 1e-6, gradients to 1e-4."""

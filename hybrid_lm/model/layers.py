@@ -31,15 +31,15 @@ def out_proj_std(cfg: ModelConfig) -> float:
 
 
 class RMSNorm(nnx.Module):
-    """``hybrid_lm.ops.norm.rms_norm``; ``kernel`` is ``ModelConfig.norm_kernel``, resolved when traced."""
+    """``hybrid_lm.ops.norm.rms_norm``; ``impl`` is ``ModelConfig.norm_kernel``, resolved when traced."""
 
-    def __init__(self, dim: int, eps: float = 1e-6, kernel: str = "xla"):
+    def __init__(self, dim: int, eps: float = 1e-6, impl: str = "xla"):
         self.scale = ones_param((dim,), ("norm",))
         self.eps = eps
-        self.kernel = kernel
+        self.impl = impl
 
     def __call__(self, x):
-        return rms_norm(x, self.scale[...], self.eps, norm_kernel_backend(self.kernel)[0])
+        return rms_norm(x, self.scale[...], self.eps, norm_kernel_backend(self.impl)[0])
 
 
 class SwiGLU(nnx.Module):

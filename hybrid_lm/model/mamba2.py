@@ -140,15 +140,16 @@ class Mamba2(nnx.Module):
         return z, xbc, dt_raw
 
     def _ssm_inputs(self, xbc, dt_raw, grouped: bool = False):
-        """Split the conv output into per-head x [.., H, P], B/C [.., G, N] per group (``grouped``; the
-        chunked op reads head h's from group h // (H / G)) or broadcast to heads [.., H, N]; dt, log decay."""
+        """Split the conv output into per-head x [.., H, P] and B/C: per group [.., G, N] when ``grouped``
+        (``simple_gla`` reads head h's from group h // (H / G)), else repeated to the heads [.., H, N];
+        and dt, the log decay."""
         o, H = self.opts, self.n_heads
         GN = o.n_groups * o.d_state
         xs = xbc[..., : self.d_inner].reshape(*xbc.shape[:-1], H, o.head_dim)
-        rep = 1 if grouped else H // o.n_groups
-        Bm = jnp.repeat(xbc[..., self.d_inner: self.d_inner + GN].reshape(*xbc.shape[:-1], o.n_groups, o.d_state),
-                        rep, axis=-2)
-        Cm = jnp.repeat(xbc[..., self.d_inner + GN:].reshape(*xbc.shape[:-1], o.n_groups, o.d_state), rep, axis=-2)
+        Bm = xbc[..., self.d_inner: self.d_inner + GN].reshape(*xbc.shape[:-1], o.n_groups, o.d_state)
+        Cm = xbc[..., self.d_inner + GN:].reshape(*xbc.shape[:-1], o.n_groups, o.d_state)
+        if not grouped:
+            Bm, Cm = (jnp.repeat(x, H // o.n_groups, axis=-2) for x in (Bm, Cm))
         delta = jax.nn.softplus(dt_raw.astype(jnp.float32) + self.dt_bias[...])  # [.., H] fp32
         g = -jnp.exp(self.A_log[...]) * delta  # log decay A * dt <= 0
         v = xs.astype(jnp.float32) * delta[..., None]

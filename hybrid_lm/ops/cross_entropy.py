@@ -61,6 +61,12 @@ def jla_linear_cross_entropy(h, w, targets, z_loss: float = 0.0, chunk: int = 81
 
     if impl is None:
         impl = "mosaic_gpu" if jax.default_backend() == "gpu" else "xla"
+    if impl == "mosaic_gpu":  # jla's own verdict (Hopper, bf16/fp16, d a multiple of 64, one device)
+        from jla.ops.mosaic_gpu.linear_cross_entropy import unsupported_reason
+        why = unsupported_reason(h, w.T, h.dtype, devices=False)
+        if why is not None:
+            raise ValueError(f"ModelConfig.loss_kernel='jla' cannot run its kernels here: {why}; "
+                             "use loss_kernel='auto'")
     N = h.shape[0]
     out = linear_cross_entropy_objective(h, w.T, targets.astype(jnp.int32), z_loss_weight=float(z_loss),
                                          row_chunk=int(chunk), compute_dtype=h.dtype, impl=impl)

@@ -69,7 +69,8 @@ JLA_SHARD_RULES = {"batch": ("data", "fsdp"), "heads": ("tensor",)}
 
 # Hand grouped q, k (fewer heads than v) to jla's simple-GLA kernel as they are. Off: they are repeated to
 # v's heads first, the path measured on the H200 through session 14. jla documents grouped keys for its
-# Mosaic GPU kernel; turn this on once `experiments/bench_mixers.py --check` passes on a GPU with it.
+# Mosaic GPU kernel; turn this on once `pytest -m gpu tests/test_linear_gpu_path.py` passes on a GPU
+# (`bash experiments/gpu_s5_train.sh grp17`).
 JLA_GROUPED_KEYS = False
 
 
@@ -237,17 +238,18 @@ def _jla_rules():
         yield
 
 
-@functools.partial(jax.jit, static_argnames=_JLA_STATIC)
+@functools.partial(jax.jit, static_argnames=(*_JLA_STATIC, "grouped_keys"))
 def _jla_simple_gla(q, k, v, g, g_gamma, *, scale, initial_state, output_final_state, kernel_dtype=None,
-                    backend: str = "mosaic_gpu", pad_to=None):
+                    backend: str = "mosaic_gpu", pad_to=None, grouped_keys: bool = False):
     """Our ``simple_gla`` call expressed in jla's API. ``backend`` is jla's ``impl``: ``mosaic_gpu`` (the
     kernel) or, for tests of the conversions on CPU, ``chunked`` / ``reference`` (jla's plain-JAX forms).
     ``pad_to=(Dk', Dv')`` forces zero-padded head widths (by default the kernel's choice, see
-    :func:`kernel_widths`)."""
+    :func:`kernel_widths`). ``grouped_keys`` hands grouped q, k to the kernel unrepeated (see
+    :data:`JLA_GROUPED_KEYS`; static, so a compiled call never mixes the two)."""
     jla_ops = import_jla()
     B, T, _, Dk = q.shape
     H, Dv = v.shape[2:]
-    if not (JLA_GROUPED_KEYS and backend == "mosaic_gpu"):  # jla's plain-JAX forms take one head count
+    if not (grouped_keys and backend == "mosaic_gpu"):  # jla's plain-JAX forms take one head count
         q, k = _repeat_keys(q, k, H // q.shape[2])
     out_dtype = q.dtype  # our contract: o comes back in q's dtype
     jscale = _resolved_scale(scale, Dk)  # from the unpadded width
@@ -352,7 +354,8 @@ def simple_gla(q, k, v, g=None, g_gamma=None, *, scale: float | None = None, ini
         return chunk_simple_gla(q, k, v, g, g_gamma, scale=scale, initial_state=initial_state,
                                 output_final_state=output_final_state, chunk_size=chunk_size, precision=precision)
     return _jla_simple_gla(q, k, v, g, g_gamma, scale=scale, initial_state=initial_state,
-                           output_final_state=output_final_state, kernel_dtype=kernel_dtype)
+                           output_final_state=output_final_state, kernel_dtype=kernel_dtype,
+                           grouped_keys=JLA_GROUPED_KEYS)
 
 
 def gated_delta_rule(q, k, v, g, beta, *, scale: float | None = None, initial_state=None,

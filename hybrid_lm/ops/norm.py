@@ -63,7 +63,7 @@ def _pallas_norm_fwd(x, scale, eps):
 def _pallas_norm_bwd(eps, res, dy):
     from hybrid_lm_kernels import rms_norm_bwd
     x, scale, rstd = res
-    dx, dscale = rms_norm_bwd(_flat(x), scale, rstd, _flat(dy))
+    dx, dscale = rms_norm_bwd(_flat(x), scale, rstd, _flat(dy).astype(x.dtype))  # y's cotangent: x's dtype
     return dx.reshape(x.shape), dscale.astype(scale.dtype)
 
 

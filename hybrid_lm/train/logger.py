@@ -226,7 +226,7 @@ def startup_summary(cfg: Config, data: DataStreams, mesh) -> list[str]:
         use = f"{op} -> {backend}" + (f" ({why})" if why else "") if op is not None else why
         lines.append(f"backend  layer {','.join(map(str, layers))} {kind}: {use}")
     micro = cfg.train.global_batch // cfg.train.microbatches * cfg.data.seq_len
-    loss, why = backends.loss_backend(m.loss_impl, micro, m.vocab_size)
+    loss, why = backends.loss_backend(m.loss_impl, micro, m.vocab_size, m.loss_kernel)
     if loss == "chunked":
         kernel, kwhy = backends.loss_kernel_backend(m.loss_kernel)
         why += f"; softmax pass {kernel}: {kwhy}"
