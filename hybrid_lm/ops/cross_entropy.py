@@ -59,8 +59,10 @@ def jla_linear_cross_entropy(h, w, targets, z_loss: float = 0.0, chunk: int = 81
     :func:`chunked_cross_entropy`; ``impl`` defaults by platform."""
     from jla.ops.cross_entropy import linear_cross_entropy_objective
 
+    from hybrid_lm.backends import on_gpu
+
     if impl is None:
-        impl = "mosaic_gpu" if jax.default_backend() == "gpu" else "xla"
+        impl = "mosaic_gpu" if on_gpu() else "xla"
     if impl == "mosaic_gpu":  # jla's own verdict (Hopper, bf16/fp16, d a multiple of 64, one device)
         from jla.ops.mosaic_gpu.linear_cross_entropy import unsupported_reason
         why = unsupported_reason(h, w.T, h.dtype, devices=False)
