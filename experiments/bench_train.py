@@ -105,7 +105,8 @@ class Variant:
                         remat=arch.partition("@")[2] or args.remat,
                         attention_impl=args.impl, loss_impl=args.loss, gin_param=list(args.gin_param),
                         save_primitive=list(getattr(args, "save_primitive", [])),
-                        jla_grouped_keys=bool(getattr(args, "jla_grouped_keys", False)))
+                        jla_grouped_keys=not getattr(args, "jla_repeated_keys", False),
+                        short_conv_vjp=not getattr(args, "short_conv_autodiff", False))
         extra = ([f"ModelConfig.loss_impl = '{args.loss}'"] if args.loss != "default" else []) + args.gin_param
         self.cfg = make_config(scale, arch, args.seq_len, batch, args.remat, args.impl, extra)
         self.fns = ModelFns(self.cfg)
@@ -345,12 +346,17 @@ def main() -> None:
                     help="seconds from start: report unfinished compiles as not_compiled and exit")
     ap.add_argument("--out", default="bench_train.json")
     ap.add_argument("--table-out", default=None, help="with --sweep-microbatch: the measured best table")
-    ap.add_argument("--jla-grouped-keys", action="store_true",
-                    help="hand Mamba-2's B/C groups to jla's kernel unrepeated (ops.linear_attention_gpu.JLA_GROUPED_KEYS)")
+    ap.add_argument("--jla-repeated-keys", action="store_true",
+                    help="repeat Mamba-2's B/C groups before jla's kernel (ops.linear_attention_gpu.JLA_GROUPED_KEYS off)")
+    ap.add_argument("--short-conv-autodiff", action="store_true",
+                    help="ShortConv's backward by autodiff of the reference (model.recurrent_common.SHORT_CONV_VJP off)")
     args = ap.parse_args()
-    if args.jla_grouped_keys:
+    if args.short_conv_autodiff:
+        from hybrid_lm.model import recurrent_common
+        recurrent_common.SHORT_CONV_VJP = False
+    if args.jla_repeated_keys:
         from hybrid_lm.ops import linear_attention_gpu
-        linear_attention_gpu.JLA_GROUPED_KEYS = True
+        linear_attention_gpu.JLA_GROUPED_KEYS = False
     if args.save_primitive:
         transformer._ATTENTION_KERNELS = (*transformer._ATTENTION_KERNELS, *args.save_primitive)
     batches = [int(b) for b in args.sweep_microbatch.split(",")] if args.sweep_microbatch else [args.batch]

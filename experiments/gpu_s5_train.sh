@@ -33,8 +33,9 @@
 #   bash experiments/gpu_s5_train.sh norm17   # session 14: the RMSNorm kernels (check, launches), S1/S3/S5 full+SWA steps, norms xla vs pallas
 #   bash experiments/gpu_s5_train.sh mb17     # session 14: the micro-batch sweep under dots_attn, S1-S4 x full/SWA/SA x {8, 16}
 #   bash experiments/gpu_s5_train.sh lin17    # session 14: the anchor, then S1-S4 x SA+SWA / linear mixers at B 16, timed after all compiles
-#   bash experiments/gpu_s5_train.sh grp17    # next: jla's kernel on Mamba-2's B/C groups (GPU test), S5 mamba2 steps repeated vs grouped
-#   bash experiments/gpu_s5_train.sh ce17     # next: jla's fused LM-head loss (bench_loss check + times), S1/S3 full steps, loss_kernel pallas vs jla
+#   bash experiments/gpu_s5_train.sh grp17    # session 15: jla's kernel on Mamba-2's B/C groups (GPU test), S5 mamba2 steps repeated vs grouped
+#   bash experiments/gpu_s5_train.sh ce17     # session 15: jla's fused LM-head loss (bench_loss check + times), S1/S3 full steps, loss_kernel pallas vs jla
+#   bash experiments/gpu_s5_train.sh sc17     # session 15: ShortConv's custom VJP vs autodiff (S3/S5 mamba2, gdn), S5 GDN profile by part
 #   bash experiments/gpu_s5_train.sh all7b    # part 2: S1's slow-compiling archs, S3-S5 full/SWA/SA
 #
 # Run from the repo root (or a `git archive` of it) on the device machine with `.whl` beside or
@@ -317,13 +318,29 @@ case "${1:-table}" in
       --compile-workers 6 --time-after-compiles --deadline $(( left - 8 )) --out "$OUT/bench_train_lin17.json"
     ;;
   grp17)  # jla's simple-GLA kernel reading Mamba-2's B/C groups (JLA_GROUPED_KEYS): the GPU test, then S5 / S3 mamba2 steps
+    # (session 15 ran it with the flag off by default and --jla-grouped-keys; now on by default)
     JAX_PLATFORMS=cuda timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_linear_gpu_path.py 2>&1 | tail -5
-    for f in "" --jla-grouped-keys; do
-      left=$(( 590 - SECONDS )); [ -z "$f" ] && left=$(( left / 2 ))
+    for f in --jla-repeated-keys ""; do
+      left=$(( 590 - SECONDS )); [ -n "$f" ] && left=$(( left / 2 ))
       echo "== mamba2 ${f:-repeated keys}: $left s"
       B $left --scale s3,s5 --arch mamba2 --remat dots_attn --batch 8 --steps 4 --compile-workers 2 \
-        --time-after-compiles $f --deadline $(( left - 8 )) --out "$OUT/bench_train_grp17${f:+_grouped}.json"
+        --time-after-compiles $f --deadline $(( left - 8 )) --out "$OUT/bench_train_grp17_$([ -n "$f" ] && echo repeated || echo grouped).json"
     done
+    ;;
+  sc17)  # session 15: ShortConv's hand-written backward against autodiff (S3/S5 mamba2, gdn), then S5 GDN by part
+    for f in --short-conv-autodiff ""; do
+      left=$(( 400 - SECONDS )); [ -n "$f" ] && left=$(( left / 2 ))
+      echo "== ${f:-short_conv custom VJP}: $left s for S3, S5 x mamba2, gdn"
+      B $left --scale s3,s5 --arch mamba2,gdn --remat dots_attn --batch 8 --steps 4 --compile-workers 4 \
+        --time-after-compiles $f --deadline $(( left - 8 )) \
+        --out "$OUT/bench_train_sc17_$([ -n "$f" ] && echo autodiff || echo vjp).json"
+    done
+    d="$OUT/prof_s5_gdn"; mkdir -p "$d"; left=$(( 590 - SECONDS ))
+    echo "== $left s: profile S5 gdn at 8 x 16K by part (no command buffers)"
+    XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout $left python3 experiments/profile_train.py --scale s5 \
+      --arch gdn --batch 8 --remat dots_attn --steps 2 --top 40 --hlo --out-dir "$d" > "$d/log.txt" 2>&1
+    echo "   exit $?"; grep -v -e '^[WI][0-9][0-9][0-9][0-9] ' "$d/log.txt" | grep -A16 "^by part" | cut -c1-160
+    tar czf "$OUT/prof_s5_gdn.tgz" -C "$OUT" prof_s5_gdn && rm -rf "$d"
     ;;
   ce17)  # jla's fused LM-head loss (ModelConfig.loss_kernel = 'jla') against the chunked loss on our kernel
     timeout 180 python3 experiments/bench_loss.py --kernels pallas,jla --launches 1:2048:4 --out "$OUT/bench_loss_jla.json" \

@@ -360,8 +360,8 @@ def test_grouped_keys_bad_shapes():
 
 @pytest.mark.parametrize("grouped_flag", [False, True])
 def test_grouped_keys_reach_the_kernel_as_the_flag_says(grouped_flag, monkeypatch):
-    """With JLA_GROUPED_KEYS off (the measured default) jla's kernel predicate sees q, k repeated to the
-    value heads; on, it sees the groups."""
+    """With JLA_GROUPED_KEYS on (the default) jla's kernel predicate sees the groups; off, q, k repeated
+    to the value heads."""
     seen = []
     monkeypatch.setattr(backends, "on_gpu", lambda platform=None: True)
     monkeypatch.setattr(backends, "jla_available", lambda: True)

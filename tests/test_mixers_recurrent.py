@@ -25,6 +25,7 @@ from hybrid_lm.errors import ConfigError
 from hybrid_lm.model.accounting import count_params, flops_per_token
 from hybrid_lm.model.gated_deltanet import GatedDeltaNet
 from hybrid_lm.model.lightning import LightningAttention, alibi_slopes, lightning_log_decay
+from hybrid_lm.model import recurrent_common as rc
 from hybrid_lm.model.mamba2 import Mamba2
 from hybrid_lm.model.registry import MixerContext, get_mixer
 from hybrid_lm.model.transformer import HybridLM
@@ -298,6 +299,49 @@ def test_bf16_forward_is_finite_and_close_to_fp32(name):
     assert all(s.dtype == jnp.float32 for s in jax.tree.leaves(s16))  # fp32 states
     for _, var in nnx.to_flat_state(nnx.state(m16, nnx.Param)):
         assert var.get_value().dtype == jnp.float32  # fp32 parameters
+
+
+# ----------------------------------------------------------------------------- ShortConv's backward
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("activation,bias", [("silu", True), ("silu", False), (None, True)])
+@pytest.mark.parametrize("B,T,C,K", [(2, 7, 5, 4), (1, 3, 6, 4), (2, 9, 3, 1), (1, 16, 8, 2)])
+def test_short_conv_backward_equals_autodiff_of_the_reference(dtype, activation, bias, B, T, C, K):
+    """The hand-written backward (dx written in x's dtype) equals autodiff of the plain conv from zero
+    history: output and the gradients of x, w and b, at T < K - 1 too."""
+    r = np.random.default_rng(B * 100 + T * 10 + K)
+    x = jnp.asarray(r.normal(size=(B, T, C)), dtype)
+    w = jnp.asarray(r.normal(size=(K, C)), jnp.float32)
+    b = jnp.asarray(r.normal(size=(C,)), jnp.float32) if bias else None
+    dy = jnp.asarray(r.normal(size=(B, T, C)), dtype)
+    y, vjp = jax.vjp(lambda x, w, b: rc.short_conv(x, w, b, activation), x, w, b)
+    y_ref, vjp_ref = jax.vjp(lambda x, w, b: rc._short_conv_plain(x, w, b, activation,
+                                                                jnp.zeros((B, K - 1, C)))[0], x, w, b)
+    got, want = (y, *vjp(dy)), (y_ref, *vjp_ref(dy))
+    assert got[1].dtype == x.dtype and (b is None) == (got[3] is None)
+    for a, e in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        # fp32 sums in another order, rounded once: bf16 outputs may differ by one ulp
+        tol = 1e-5 if dtype == "float32" else 1e-2
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(e, np.float32), rtol=tol, atol=tol)
+
+
+def test_short_conv_module_paths_agree(monkeypatch):
+    """ShortConv's training form (state None) gives the same output, tail state and gradients through
+    the hand-written backward as through the reference."""
+    conv = rc.ShortConv(6, 4, rngs=nnx.Rngs(0), bias=True)
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(2, 9, 6)), jnp.float32)
+
+    graphdef, params = nnx.split(conv)
+
+    def run():
+        loss = lambda params, x: jnp.sum(nnx.merge(graphdef, params)(x)[0] ** 2)
+        return conv(x), jax.grad(loss, argnums=(0, 1))(params, x)
+
+    fast = run()
+    monkeypatch.setattr(rc, "SHORT_CONV_VJP", False)
+    ref = run()
+    for a, e in zip(jax.tree.leaves(fast), jax.tree.leaves(ref)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=1e-5, atol=1e-6)
 
 
 # ----------------------------------------------------------------------------- conventions

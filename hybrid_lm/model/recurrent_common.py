@@ -13,6 +13,7 @@ is a dict (a pytree) so that a model-level cache is a list of them.
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -67,6 +68,69 @@ def l2norm(x, eps: float = L2NORM_EPS):
 
 # ----------------------------------------------------------------------------- short causal conv
 
+# ShortConv's training form (zero history) through :func:`short_conv`'s hand-written backward, which writes
+# the input gradient in the input's dtype. Off: plain autodiff of :func:`_short_conv_plain` (the reference),
+# whose backward fusion wrote an fp32 input gradient (Mamba-2 at S5: [8, 16384, 2816] per layer).
+SHORT_CONV_VJP = True
+
+
+def _conv_finish(pre, b, activation, dtype):
+    if b is not None:
+        pre = pre + b
+    if activation == "silu":
+        pre = jax.nn.silu(pre)
+    return pre.astype(dtype)
+
+
+def _short_conv_plain(x, w, b, activation, prev):
+    """The reference: ``(y in x.dtype, xp)`` with ``xp = [prev | x]`` in fp32; K shifted multiply-adds
+    (K = 4: exact, fused by XLA, no conv lowering quirks)."""
+    T = x.shape[1]
+    xp = jnp.concatenate([prev, x.astype(jnp.float32)], axis=1)  # [B, K-1+T, C]
+    pre = sum(xp[:, i:i + T] * w[i] for i in range(w.shape[0]))
+    return _conv_finish(pre, b, activation, x.dtype), xp
+
+
+def _short_conv_pre(x, w):
+    K, T = w.shape[0], x.shape[1]
+    xp = jnp.pad(x.astype(jnp.float32), ((0, 0), (K - 1, 0), (0, 0)))
+    return xp, sum(xp[:, i:i + T] * w[i] for i in range(K))
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3,))
+def short_conv(x, w, b, activation):
+    """Causal depthwise conv from zero history: ``x [B, T, C]``, ``w [K, C]`` fp32, ``b [C]`` or None ->
+    ``y [B, T, C]`` in x's dtype. Equal to :func:`_short_conv_plain` with ``prev = 0``, forward and
+    gradients (the same fp32 sums); its backward recomputes the pre-activation from ``x`` and rounds
+    ``dx`` once, to x's dtype."""
+    return _conv_finish(_short_conv_pre(x, w)[1], b, activation, x.dtype)
+
+
+def _short_conv_fwd(x, w, b, activation):
+    return short_conv(x, w, b, activation), (x, w, b)
+
+
+def _short_conv_bwd(activation, res, dy):
+    x, w, b = res
+    K, T = w.shape[0], x.shape[1]
+    xp, pre = _short_conv_pre(x, w)
+    if b is not None:
+        pre = pre + b
+    g = dy.astype(jnp.float32)
+    if activation == "silu":
+        s = jax.nn.sigmoid(pre)
+        g = g * s * (1.0 + pre * (1.0 - s))
+    # dx_t = sum_i w[i] g_{t+K-1-i}: the transposed taps over g padded with K-1 zeros at the end
+    gp = jnp.pad(g, ((0, 0), (0, K - 1), (0, 0)))
+    dx = sum(gp[:, K - 1 - i:K - 1 - i + T] * w[i] for i in range(K)).astype(x.dtype)
+    dw = jnp.stack([jnp.sum(xp[:, i:i + T] * g, axis=(0, 1)) for i in range(K)])
+    db = None if b is None else jnp.sum(g, axis=(0, 1))
+    return dx, dw, db
+
+
+short_conv.defvjp(_short_conv_fwd, _short_conv_bwd)
+
+
 class ShortConv(nnx.Module):
     """Causal depthwise conv over time of width ``kernel_size`` with an optional SiLU.
 
@@ -92,29 +156,25 @@ class ShortConv(nnx.Module):
     def init_state(self, batch: int):
         return jnp.zeros((batch, self.kernel_size - 1, self.channels), jnp.float32)
 
-    def _finish(self, y, dtype):
-        if self.bias is not None:
-            y = y + self.bias[...]
-        if self.activation == "silu":
-            y = jax.nn.silu(y)
-        return y.astype(dtype)
 
     def __call__(self, x, state=None):
         """``x [B, T, C]`` -> ``(y [B, T, C] in x.dtype, new state [B, K-1, C])``."""
         B, T, C = x.shape
         K = self.kernel_size
-        prev = self.init_state(B) if state is None else state.astype(jnp.float32)
-        xp = jnp.concatenate([prev, x.astype(jnp.float32)], axis=1)  # [B, K-1+T, C]
         w = self.weight[...]
-        # K shifted multiply-adds (K = 4): exact, fused by XLA, no conv lowering quirks.
-        y = sum(xp[:, i:i + T] * w[i] for i in range(K))
-        return self._finish(y, x.dtype), xp[:, T:]
+        b = None if self.bias is None else self.bias[...]
+        if state is None and SHORT_CONV_VJP:  # the training form: zero history, the hand-written backward
+            tail = jnp.pad(x.astype(jnp.float32), ((0, 0), (K - 1, 0), (0, 0)))[:, T:]
+            return short_conv(x, w, b, self.activation), tail
+        prev = self.init_state(B) if state is None else state.astype(jnp.float32)
+        y, xp = _short_conv_plain(x, w, b, self.activation, prev)
+        return y, xp[:, T:]
 
     def step(self, x_t, state):
         """``x_t [B, C]`` -> ``(y_t [B, C], new state)``."""
         window = jnp.concatenate([state.astype(jnp.float32), x_t.astype(jnp.float32)[:, None]], axis=1)
         y = jnp.sum(window * self.weight[...], axis=1)
-        return self._finish(y, x_t.dtype), window[:, 1:]
+        return _conv_finish(y, None if self.bias is None else self.bias[...], self.activation, x_t.dtype), window[:, 1:]
 
 
 # ----------------------------------------------------------------------------- gated RMSNorm

@@ -15,8 +15,8 @@ dtype), plus two keywords:
   ``"jla"`` that cannot run raises :class:`FastPathUnavailable` with the reason.
 - grouped keys (:func:`simple_gla` only): ``q, k`` may have ``Hk`` heads dividing v's ``H`` (Mamba-2's
   B/C groups); value head ``h`` reads key head ``h // (H // Hk)``, as ``jnp.repeat(q, H // Hk, axis=2)``.
-  The XLA path repeats them; the jla path repeats them too unless :data:`JLA_GROUPED_KEYS` is on, when
-  jla's kernel reads the groups itself (no ``[B, T, H, Dk]`` copies of q and k, and no sum over the
+  The XLA path repeats them; on the jla path, with :data:`JLA_GROUPED_KEYS` on (the default), jla's
+  kernel reads the groups itself (no ``[B, T, H, Dk]`` copies of q and k, and no sum over the
   repeated heads in the backward pass).
 - ``kernel_dtype``: the dtype q, k and v are cast to *on the jla path only* (the layers pass their
   compute dtype, bf16). Mamba-2's ``v = x * dt`` and GDN's L2-normalised q, k are fp32 in the layers;
@@ -68,10 +68,10 @@ from hybrid_lm.ops.linear_attention import _check_qkv, _check_state, chunk_simpl
 JLA_SHARD_RULES = {"batch": ("data", "fsdp"), "heads": ("tensor",)}
 
 # Hand grouped q, k (fewer heads than v) to jla's simple-GLA kernel as they are. Off: they are repeated to
-# v's heads first, the path measured on the H200 through session 14. jla documents grouped keys for its
-# Mosaic GPU kernel; turn this on once `pytest -m gpu tests/test_linear_gpu_path.py` passes on a GPU
-# (`bash experiments/gpu_s5_train.sh grp17`).
-JLA_GROUPED_KEYS = False
+# v's heads first (the path measured through session 14). On since session 15: the GPU test
+# (`pytest -m gpu tests/test_linear_gpu_path.py`) passed on the H200 and Mamba-2 steps got faster
+# (S5 1878 -> 1813 ms, S3 468 -> 455 ms; `bash experiments/gpu_s5_train.sh grp17`, docs/BENCHMARKS.md).
+JLA_GROUPED_KEYS = True
 
 
 def _check_grouped_qkv(q, k, v) -> int:
