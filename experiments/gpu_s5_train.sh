@@ -36,6 +36,7 @@
 #   bash experiments/gpu_s5_train.sh grp17    # session 15: jla's kernel on Mamba-2's B/C groups (GPU test), S5 mamba2 steps repeated vs grouped
 #   bash experiments/gpu_s5_train.sh ce17     # session 15: jla's fused LM-head loss (bench_loss check + times), S1/S3 full steps, loss_kernel pallas vs jla
 #   bash experiments/gpu_s5_train.sh sc17     # session 15: ShortConv's custom VJP vs autodiff (S3/S5 mamba2, gdn), S5 GDN profile by part
+#   bash experiments/gpu_s5_train.sh row17    # session 15: the anchor, S1-S5 x Mamba-2 / GDN under the new defaults
 #   bash experiments/gpu_s5_train.sh all7b    # part 2: S1's slow-compiling archs, S3-S5 full/SWA/SA
 #
 # Run from the repo root (or a `git archive` of it) on the device machine with `.whl` beside or
@@ -341,6 +342,17 @@ case "${1:-table}" in
       --arch gdn --batch 8 --remat dots_attn --steps 2 --top 40 --hlo --out-dir "$d" > "$d/log.txt" 2>&1
     echo "   exit $?"; grep -v -e '^[WI][0-9][0-9][0-9][0-9] ' "$d/log.txt" | grep -A16 "^by part" | cut -c1-160
     tar czf "$OUT/prof_s5_gdn.tgz" -C "$OUT" prof_s5_gdn && rm -rf "$d"
+    ;;
+  row17)  # session 15: the anchor, then S5 and S1-S4 x {Mamba-2, GDN} under this session's defaults
+    # (jla reads Mamba-2's B/C groups; ShortConv's hand-written backward), each at its table micro-batch
+    timeout 80 python3 experiments/anchor_gpt.py --seq-len 16384 --batch 8 --steps 4 --out "$OUT/anchor_gpt.json" \
+      2>&1 | grep -v -e "^W1203" -e "^I0000" -e "^W0000"
+    B 130 --scale s5 --arch mamba2,gdn --remat dots_attn --batch 8 --steps 4 --compile-workers 2 \
+      --time-after-compiles --deadline 122 --out "$OUT/bench_train_row17_s5.json"
+    left=$(( 385 - SECONDS ))
+    echo "== $left s for S1-S4"
+    B $left --scale s1,s2,s3,s4 --arch mamba2,gdn --remat dots_attn --batch 16 --steps 4 --compile-workers 8 \
+      --time-after-compiles --deadline $(( left - 6 )) --out "$OUT/bench_train_row17_s1_s4.json"
     ;;
   ce17)  # jla's fused LM-head loss (ModelConfig.loss_kernel = 'jla') against the chunked loss on our kernel
     timeout 180 python3 experiments/bench_loss.py --kernels pallas,jla --launches 1:2048:4 --out "$OUT/bench_loss_jla.json" \
