@@ -37,6 +37,7 @@
 #   bash experiments/gpu_s5_train.sh ce17     # session 15: jla's fused LM-head loss (bench_loss check + times), S1/S3 full steps, loss_kernel pallas vs jla
 #   bash experiments/gpu_s5_train.sh sc17     # session 15: ShortConv's custom VJP vs autodiff (S3/S5 mamba2, gdn), S5 GDN profile by part
 #   bash experiments/gpu_s5_train.sh row17    # session 15: the anchor, S1-S5 x Mamba-2 / GDN under the new defaults
+#   bash experiments/gpu_s5_train.sh conv17   # next: ShortConv's backward kernel (bench_conv check + table), S3/S5 mamba2/gdn conv_kernel xla vs pallas
 #   bash experiments/gpu_s5_train.sh all7b    # part 2: S1's slow-compiling archs, S3-S5 full/SWA/SA
 #
 # Run from the repo root (or a `git archive` of it) on the device machine with `.whl` beside or
@@ -342,6 +343,17 @@ case "${1:-table}" in
       --arch gdn --batch 8 --remat dots_attn --steps 2 --top 40 --hlo --out-dir "$d" > "$d/log.txt" 2>&1
     echo "   exit $?"; grep -v -e '^[WI][0-9][0-9][0-9][0-9] ' "$d/log.txt" | grep -A16 "^by part" | cut -c1-160
     tar czf "$OUT/prof_s5_gdn.tgz" -C "$OUT" prof_s5_gdn && rm -rf "$d"
+    ;;
+  conv17)  # next: ShortConv's backward kernel (check, launches, conv alone), then S3/S5 mamba2 / gdn steps xla vs pallas
+    timeout 150 python3 experiments/bench_conv.py --out "$OUT/bench_conv.json" 2>&1 | grep -v -e "deprecated" | cut -c1-300
+    for k in xla pallas; do
+      end=590; [ "$k" = xla ] && end=$(( SECONDS + (590 - SECONDS) / 2 ))
+      left=$(( end - SECONDS ))
+      echo "== conv_kernel=$k: $left s for S3, S5 x mamba2, gdn"
+      B $left --scale s3,s5 --arch mamba2,gdn --remat dots_attn --batch 8 --steps 4 --compile-workers 4 \
+        --time-after-compiles --gin_param "ModelConfig.conv_kernel = '$k'" --deadline $(( left - 8 )) \
+        --out "$OUT/bench_train_conv17_$k.json"
+    done
     ;;
   row17)  # session 15: the anchor, then S5 and S1-S4 x {Mamba-2, GDN} under this session's defaults
     # (jla reads Mamba-2's B/C groups; ShortConv's hand-written backward), each at its table micro-batch

@@ -9,7 +9,8 @@ One function per op family, each returning ``(backend, reason)``:
 - :func:`linear_attention_backend`: the linear-attention ops of lightning / mamba2 / gdn;
 - :func:`loss_backend`, :func:`loss_kernel_backend`: the next-token loss (whole or chunked logits)
   and the chunked loss's softmax pass;
-- :func:`norm_kernel_backend`: the RMSNorms (plain jnp or the one-pass kernels).
+- :func:`norm_kernel_backend`: the RMSNorms (plain jnp or the one-pass kernels);
+- :func:`conv_kernel_backend`: the short convs' backward in mamba2 / gdn (plain jnp or one Pallas pass).
 
 :func:`check_document_mask` says whether a model can run with ``DataConfig.document_mask`` (the
 mixers' declared support, then the attention backend), before anything is allocated.
@@ -235,6 +236,14 @@ def norm_kernel_backend(impl: str, platform: str | None = None, devices: int | N
     gained (XLA fuses the residual adds and casts around its norm; docs/BENCHMARKS.md, session 14), so
     they are opt-in. ``pallas`` on the CPU runs interpreted (tests)."""
     return _row_kernel_backend("norm_kernel", impl, platform, devices, None)
+
+
+def conv_kernel_backend(impl: str, platform: str | None = None, devices: int | None = None) -> tuple[str, str]:
+    """``(backend, reason)`` of the short convs' backward (``model.recurrent_common.short_conv``): ``pallas``
+    (``hybrid_lm_kernels.short_conv_bwd``, x and dy read once) or ``xla`` (the jnp backward). ``auto``: xla
+    everywhere until the kernel is timed in a train step on a GPU (built in session 15, not yet measured).
+    ``pallas`` on the CPU runs interpreted (tests)."""
+    return _row_kernel_backend("conv_kernel", impl, platform, devices, None)
 
 
 def attention_op_name(window: int | None, permuted: bool) -> str:

@@ -186,6 +186,19 @@ def test_bench_norm_check_and_table(tmp_path):
     assert parts.count("time") == 6  # xla, xla closed form, 1 launch; 2 widths
 
 
+def test_bench_conv_check_and_table(tmp_path):
+    """bench_conv: the conv backward kernel's check against the jnp backward (interpret mode) passes; the
+    table is written."""
+    out = tmp_path / "conv.json"
+    _run(["experiments/bench_conv.py", "--batch", "2", "--seq", "40", "--channels", "24", "--launches", "8:16:4:2",
+          "--reps", "1", "--inner", "1", "--out", str(out)], tmp_path)
+    res = json.loads(out.read_text())
+    assert res["ok"]
+    parts = [r["part"] for r in res["rows"]]
+    assert parts.count("check_kernel") == 1 and parts.count("check_vjp") == 1
+    assert parts.count("time") == 3  # autodiff, jnp vjp, 1 launch
+
+
 def test_profile_parts_come_from_source_frames():
     """profile_train's breakdown reads each HLO instruction's source frames: the chunked loss's ops
     are the loss part, RMSNorm's the norms part."""

@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from hybrid_lm.backends import conv_kernel_backend
+
 # eps of the norms *inside* the recurrent layers (mamba_ssm, fla and MiniMax all use 1e-5); the
 # block's pre-norms keep ModelConfig.norm_eps.
 INNER_NORM_EPS = 1e-5
@@ -97,21 +99,28 @@ def _short_conv_pre(x, w):
     return xp, sum(xp[:, i:i + T] * w[i] for i in range(K))
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(3,))
-def short_conv(x, w, b, activation):
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def short_conv(x, w, b, activation, kernel="xla"):
     """Causal depthwise conv from zero history: ``x [B, T, C]``, ``w [K, C]`` fp32, ``b [C]`` or None ->
     ``y [B, T, C]`` in x's dtype. Equal to :func:`_short_conv_plain` with ``prev = 0``, forward and
     gradients (the same fp32 sums); its backward recomputes the pre-activation from ``x`` and rounds
-    ``dx`` once, to x's dtype."""
+    ``dx`` once, to x's dtype: in jnp (``kernel='xla'``) or in one Pallas pass (``'pallas'``,
+    ``hybrid_lm_kernels.short_conv_bwd``; interpreted on the CPU)."""
     return _conv_finish(_short_conv_pre(x, w)[1], b, activation, x.dtype)
 
 
-def _short_conv_fwd(x, w, b, activation):
-    return short_conv(x, w, b, activation), (x, w, b)
+def _short_conv_fwd(x, w, b, activation, kernel):
+    return short_conv(x, w, b, activation, kernel), (x, w, b)
 
 
-def _short_conv_bwd(activation, res, dy):
+def _short_conv_bwd(activation, kernel, res, dy):
     x, w, b = res
+    if kernel == "pallas":
+        from hybrid_lm_kernels import short_conv_bwd
+        dx, dw, db = short_conv_bwd(x, dy, w, b, silu=activation == "silu")
+        return dx, dw, None if b is None else db
+    if kernel != "xla":
+        raise ValueError(f"short conv kernel {kernel!r}: choose 'xla' or 'pallas'")
     K, T = w.shape[0], x.shape[1]
     xp, pre = _short_conv_pre(x, w)
     if b is not None:
@@ -143,7 +152,7 @@ class ShortConv(nnx.Module):
     """
 
     def __init__(self, channels: int, kernel_size: int, *, rngs: nnx.Rngs, bias: bool = False,
-                 activation: str | None = "silu"):
+                 activation: str | None = "silu", kernel: str = "auto"):
         if kernel_size < 1:
             raise ValueError(f"kernel_size must be >= 1, got {kernel_size}")
         bound = 1.0 / math.sqrt(kernel_size)
@@ -152,6 +161,7 @@ class ShortConv(nnx.Module):
         self.kernel_size = kernel_size
         self.channels = channels
         self.activation = activation
+        self.kernel = kernel  # ModelConfig.conv_kernel: who runs the training form's backward (resolved when traced)
 
     def init_state(self, batch: int):
         return jnp.zeros((batch, self.kernel_size - 1, self.channels), jnp.float32)
@@ -165,7 +175,7 @@ class ShortConv(nnx.Module):
         b = None if self.bias is None else self.bias[...]
         if state is None and SHORT_CONV_VJP:  # the training form: zero history, the hand-written backward
             tail = jnp.pad(x.astype(jnp.float32), ((0, 0), (K - 1, 0), (0, 0)))[:, T:]
-            return short_conv(x, w, b, self.activation), tail
+            return short_conv(x, w, b, self.activation, conv_kernel_backend(self.kernel)[0]), tail
         prev = self.init_state(B) if state is None else state.astype(jnp.float32)
         y, xp = _short_conv_plain(x, w, b, self.activation, prev)
         return y, xp[:, T:]
