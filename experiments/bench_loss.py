@@ -25,7 +25,6 @@ On a CPU the kernel runs interpreted: a smoke test at tiny sizes, numbers meanin
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -33,7 +32,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from timing import median_ms
+from timing import finish_checked, median_ms, print_checks
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -171,8 +170,7 @@ def main() -> None:
     print(f"device: {jax.devices()[0].device_kind}   default launch {default}")
     t0 = time.time()
     rows = check(args, launches)
-    for r in rows:
-        print(("PASS " if r["ok"] else "FAIL ") + json.dumps({k: v for k, v in r.items() if k != "ok"}))
+    print_checks(rows)
     rows += pass_table(args, launches)
     print(f"\n{'softmax pass, ' + str(args.chunk) + ' x ' + str(args.vocab) + ' bf16':<34}{'ms':>9}{'GB/s':>9}")
     for r in rows:
@@ -183,13 +181,7 @@ def main() -> None:
     for r in rows:
         if r["part"] == "loss":
             print(f"{r['kernel']:<26}{r['d']:>6}{r['ms']:>9.2f}{r['matmul_tflops']:>8.0f}")
-    ok = all(r["ok"] for r in rows if "ok" in r)
-    with open(args.out, "w") as fh:
-        json.dump({"device": jax.devices()[0].device_kind, "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                   "default_launch": default, "loss_launch": launch, "wall_s": time.time() - t0, "ok": ok,
-                   "rows": rows}, fh, indent=2)
-    print("checks:", "PASS" if ok else "FAIL")
-    sys.exit(0 if ok else 1)
+    finish_checked(args.out, rows, t0, default_launch=default, loss_launch=launch)
 
 
 if __name__ == "__main__":

@@ -23,14 +23,13 @@ On a CPU the kernels run interpreted: a smoke test at tiny sizes, numbers meanin
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-from timing import median_ms
+from timing import finish_checked, median_ms, print_checks
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -156,8 +155,7 @@ def main() -> None:
     print(f"device: {jax.devices()[0].device_kind}   default launch {':'.join(map(str, default))}")
     t0 = time.time()
     rows = check(args, launches)
-    for r in rows:
-        print(("PASS " if r["ok"] else "FAIL ") + json.dumps({k: v for k, v in r.items() if k != "ok"}))
+    print_checks(rows)
     rows += time_table(args, launches)
     print(f"\n{'RMSNorm, ' + str(args.tokens) + ' rows bf16':<24}{'d':>6}{'fwd ms':>9}{'GB/s':>7}"
           f"{'fwd+bwd ms':>12}{'GB/s':>7}{'vs xla':>8}")
@@ -166,12 +164,7 @@ def main() -> None:
         if r["part"] == "time":
             print(f"{r['impl']:<24}{r['d']:>6}{r['fwd_ms']:>9.3f}{r['fwd_gb_per_s']:>7.0f}{r['fwd_bwd_ms']:>12.3f}"
                   f"{r['fwd_bwd_gb_per_s']:>7.0f}{r['fwd_bwd_ms'] / base[r['d']]:>8.3f}")
-    ok = all(r["ok"] for r in rows if "ok" in r)
-    with open(args.out, "w") as fh:
-        json.dump({"device": jax.devices()[0].device_kind, "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                   "default_launch": default, "wall_s": time.time() - t0, "ok": ok, "rows": rows}, fh, indent=2)
-    print("checks:", "PASS" if ok else "FAIL")
-    sys.exit(0 if ok else 1)
+    finish_checked(args.out, rows, t0, default_launch=default)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import statistics
+import sys
 import time
 
 import jax
@@ -22,3 +24,21 @@ def median_ms(fn, args, reps: int, inner: int, warmup: int = 3):
         jax.block_until_ready(out)
         times.append((time.perf_counter() - t0) / inner * 1e3)
     return statistics.median(times), times
+
+
+def print_checks(rows) -> None:
+    """One ``PASS`` / ``FAIL`` line per check row (a row with an ``ok`` key), its fields as JSON."""
+    for r in rows:
+        if "ok" in r:
+            print(("PASS " if r["ok"] else "FAIL ") + json.dumps({k: v for k, v in r.items() if k != "ok"}))
+
+
+def finish_checked(out: str, rows: list[dict], t0: float, **meta) -> None:
+    """Write ``{"device", "utc", **meta, "wall_s", "ok", "rows"}`` to ``out``, print the verdict of the
+    check rows and exit with status 1 if any failed (the kernel benchmarks' common end)."""
+    ok = all(r["ok"] for r in rows if "ok" in r)
+    with open(out, "w") as fh:
+        json.dump({"device": jax.devices()[0].device_kind, "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                   **meta, "wall_s": time.time() - t0, "ok": ok, "rows": rows}, fh, indent=2)
+    print("checks:", "PASS" if ok else "FAIL")
+    sys.exit(0 if ok else 1)
