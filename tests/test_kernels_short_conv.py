@@ -111,3 +111,18 @@ def test_lowers_for_cuda():
     w = jax.ShapeDtypeStruct((4, 960), jnp.float32)
     fn = jax.jit(lambda x, dy, w: short_conv_bwd(x, dy, w, None, silu=True, interpret=False))
     assert triton_calls_for_cuda(fn, x, x, w) == 1
+
+
+def test_startup_summary_names_the_conv_backward_for_recurrent_mixers_only():
+    from types import SimpleNamespace
+
+    from hybrid_lm.config import load_config
+    from hybrid_lm.train.logger import startup_summary
+
+    data = SimpleNamespace(meta={}, n_train_windows=4, eval_tokens=[0])
+    mesh = SimpleNamespace(shape={"data": 1}, devices=np.zeros(1))
+    lines = {k: startup_summary(load_config([], b), data, mesh) for k, b in (
+        ("gdn", ["efficient/MixerConfig.kind = 'gdn'", "ModelConfig.conv_kernel = 'pallas'"]), ("swa", []))}
+    conv = [line for line in lines["gdn"] if "short convs' backward" in line]
+    assert conv == ["backend  short convs' backward: pallas (conv_kernel='pallas' set explicitly)"]
+    assert not any("short convs" in line for line in lines["swa"])
