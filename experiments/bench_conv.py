@@ -7,7 +7,7 @@ the one-pass Pallas kernel (``hybrid_lm_kernels.short_conv_bwd``).
 
 Two parts, each printed and written to ``--out``:
 
-1. **check** (always): the kernel at each launch against the jnp backward
+1. **check** (always): the kernel at each launch, without and with a bias, against the jnp backward
    (``model.recurrent_common._short_conv_bwd``) on random bf16 inputs with a time tail no launch divides,
    and the conv under ``jax.vjp`` with ``kernel='pallas'`` against autodiff of the plain conv. Exit
    status 1 if any check fails.
@@ -61,8 +61,8 @@ def rel_l2(a, b) -> float:
 def kernel_bwd(launch):
     from hybrid_lm_kernels import short_conv_bwd
     bt, bc, nw, p = launch
-    return jax.jit(lambda x, dy, w: short_conv_bwd(x, dy, w, None, silu=True, block_t=bt, block_c=bc,
-                                                   num_warps=nw, time_programs=p))
+    return jax.jit(lambda x, dy, w, b=None: short_conv_bwd(x, dy, w, b, silu=True, block_t=bt, block_c=bc,
+                                                           num_warps=nw, time_programs=p))
 
 
 def conv_vjp(kind: str, launch=None):
@@ -86,15 +86,20 @@ def check(args, launches) -> list[dict]:
     C = args.channels[0]
     T = min(args.seq, 4096) + 3  # a time tail that is no multiple of any launch
     x, w, dy = inputs(2, T, C, seed=1)
-    dx_ref, dw_ref, db_ref = jax.jit(lambda x, w, dy: rc._short_conv_bwd("silu", "xla", (x, w, None), dy))(x, w, dy)
-    for launch in launches:
-        dx, dw, _ = kernel_bwd(launch)(x, dy, w)
-        row = {"part": "check_kernel", "launch": ":".join(map(str, launch)), "shape": [2, T, C],
-               "dx_rel_l2": rel_l2(dx, dx_ref), "dw_rel_l2": rel_l2(dw, dw_ref),
-               "finite": bool(jnp.all(jnp.isfinite(dx.astype(jnp.float32))))}
-        # fp32 sums in another order; dx rounded to bf16 on both sides
-        row["ok"] = row["finite"] and row["dx_rel_l2"] < 5e-3 and row["dw_rel_l2"] < 1e-4
-        rows.append(row)
+    b = jax.random.normal(jax.random.key(2), (C,), jnp.float32)
+    ref = jax.jit(lambda x, w, b, dy: rc._short_conv_bwd("silu", "xla", (x, w, b), dy))
+    for bias in (None, b):  # GDN's convs have no bias, Mamba-2's has one
+        dx_ref, dw_ref, db_ref = ref(x, w, bias, dy)
+        for launch in launches:
+            dx, dw, db = kernel_bwd(launch)(x, dy, w, bias)
+            row = {"part": "check_kernel", "launch": ":".join(map(str, launch)), "shape": [2, T, C],
+                   "bias": bias is not None, "dx_rel_l2": rel_l2(dx, dx_ref), "dw_rel_l2": rel_l2(dw, dw_ref),
+                   "db_rel_l2": 0.0 if bias is None else rel_l2(db, db_ref),
+                   "finite": bool(jnp.all(jnp.isfinite(dx.astype(jnp.float32))))}
+            # fp32 sums in another order; dx rounded to bf16 on both sides
+            row["ok"] = (row["finite"] and row["dx_rel_l2"] < 5e-3 and row["dw_rel_l2"] < 1e-4
+                         and row["db_rel_l2"] < 1e-4)
+            rows.append(row)
     (y_a, (dx_a, dw_a)), (y_p, (dx_p, dw_p)) = conv_vjp("autodiff")(x, w, dy), conv_vjp("pallas")(x, w, dy)
     row = {"part": "check_vjp", "shape": [2, T, C], "y_rel_l2": rel_l2(y_p, y_a), "dx_rel_l2": rel_l2(dx_p, dx_a),
            "dw_rel_l2": rel_l2(dw_p, dw_a)}

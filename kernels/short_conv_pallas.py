@@ -17,7 +17,7 @@ A program owns one batch row, one channel tile of ``block_c`` and a contiguous r
 ``block_t`` rows; it keeps its partial ``dw`` and ``db`` in registers and writes them once (summed
 after). Shifted rows are loaded with clipped row indices and masks (``t < 0``: the zero history;
 ``t >= T``: nothing), so every load address is in bounds (the interpreter reads a negative slice start
-wrongly); ``dx`` is stored as contiguous masked rows (clipped indices would repeat a row, and the
+wrongly; channel indices are clipped too when interpreting, while on the GPU masked lanes never load); ``dx`` is stored as contiguous masked rows (clipped indices would repeat a row, and the
 interpreter's masked scatter writes every index). This module does
 not import ``hybrid_lm``; ``interpret=True`` runs the kernel on the CPU. The reference is the custom VJP
 in ``hybrid_lm.model.recurrent_common`` (``_short_conv_bwd``).
@@ -42,7 +42,7 @@ MAX_KERNEL = 8  # taps held in registers
 
 
 def _kernel(x_ref, dy_ref, w_ref, b_ref, dx_ref, dw_ref, db_ref, *, T, C, K, bt, bc, blocks_per_program,
-            time_programs, silu, has_bias):
+            time_programs, silu, has_bias, clip_cols):
     pid, pc = pl.program_id(0), pl.program_id(1)
     batch, part = pid // time_programs, pid % time_programs
     c0 = pc * bc
@@ -57,7 +57,8 @@ def _kernel(x_ref, dy_ref, w_ref, b_ref, dx_ref, dw_ref, db_ref, *, T, C, K, bt,
         t = r + shift + lax.broadcasted_iota(jnp.int32, (bt, bc), 0)
         ok = (t >= 0) & (t < T) & col_ok
         idx = batch * T + jnp.clip(t, 0, T - 1)
-        return pltriton.load(ref.at[idx, jnp.clip(cols, 0, C - 1)], mask=ok, other=0.0).astype(jnp.float32)
+        col_idx = jnp.clip(cols, 0, C - 1) if clip_cols else cols  # masked lanes never load on the GPU
+        return pltriton.load(ref.at[idx, col_idx], mask=ok, other=0.0).astype(jnp.float32)
 
     def block(j, acc):
         dw, db = acc
@@ -93,7 +94,7 @@ def _interpret(interpret):
     return jax.default_backend() == "cpu" if interpret is None else interpret
 
 
-def _check(x, dy, w, b, block_t, block_c):
+def _check(x, dy, w, b, block_t, block_c, num_warps, time_programs):
     if x.ndim != 3:
         raise ValueError(f"expected x [B, T, C], got shape {x.shape}")
     B, T, C = x.shape
@@ -105,9 +106,11 @@ def _check(x, dy, w, b, block_t, block_c):
         raise ValueError(f"w {w.shape} must be [K, {C}] with 1 <= K <= {MAX_KERNEL}")
     if b is not None and b.shape != (C,):
         raise ValueError(f"b {b.shape} must be ({C},)")
-    for name, v in (("block_t", block_t), ("block_c", block_c)):
+    for name, v in (("block_t", block_t), ("block_c", block_c), ("num_warps", num_warps)):
         if v < 1 or v & (v - 1):
             raise ValueError(f"{name}={v} must be a power of two")
+    if time_programs < 1:
+        raise ValueError(f"time_programs={time_programs} must be >= 1")
 
 
 @functools.partial(jax.jit, static_argnames=("silu", "block_t", "block_c", "num_warps", "time_programs",
@@ -118,15 +121,18 @@ def short_conv_bwd(x, dy, w, b=None, *, silu: bool, block_t: int | None = None, 
     (module docstring), given ``x``, the output's cotangent ``dy`` (any float dtype), fp32 ``w [K, C]``
     and ``b [C]`` or None (``db`` is then the sum it would have had). Not differentiable."""
     bt, bc = block_t or CONV_BLOCK_T, block_c or CONV_BLOCK_C
-    _check(x, dy, w, b, bt, bc)
+    nw = CONV_NUM_WARPS if num_warps is None else num_warps
+    tp = CONV_TIME_PROGRAMS if time_programs is None else time_programs
+    _check(x, dy, w, b, bt, bc, nw, tp)
     B, T, C = x.shape
     K = w.shape[0]
     n_blocks = pl.cdiv(T, bt)
-    parts = min(time_programs or CONV_TIME_PROGRAMS, n_blocks)
+    parts = min(tp, n_blocks)
     per = pl.cdiv(n_blocks, parts)
     parts = pl.cdiv(n_blocks, per)
     kernel = functools.partial(_kernel, T=T, C=C, K=K, bt=bt, bc=bc, blocks_per_program=per,
-                               time_programs=parts, silu=bool(silu), has_bias=b is not None)
+                               time_programs=parts, silu=bool(silu), has_bias=b is not None,
+                               clip_cols=_interpret(interpret))
     bias = jnp.zeros((C,), jnp.float32) if b is None else b.astype(jnp.float32)
     dx, dw, db = pl.pallas_call(
         kernel,
@@ -134,7 +140,7 @@ def short_conv_bwd(x, dy, w, b=None, *, silu: bool, block_t: int | None = None, 
         out_shape=(jax.ShapeDtypeStruct((B * T, C), x.dtype),
                    jax.ShapeDtypeStruct((B * parts, K, C), jnp.float32),
                    jax.ShapeDtypeStruct((B * parts, C), jnp.float32)),
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps or CONV_NUM_WARPS, num_stages=1),
+        compiler_params=pltriton.CompilerParams(num_warps=nw, num_stages=1),
         interpret=_interpret(interpret),
         name="short_conv_bwd",
     )(x.reshape(B * T, C), dy.reshape(B * T, C), w.astype(jnp.float32), bias)

@@ -195,7 +195,7 @@ def test_bench_conv_check_and_table(tmp_path):
     res = json.loads(out.read_text())
     assert res["ok"]
     parts = [r["part"] for r in res["rows"]]
-    assert parts.count("check_kernel") == 1 and parts.count("check_vjp") == 1
+    assert parts.count("check_kernel") == 2 and parts.count("check_vjp") == 1  # 1 launch, without and with a bias
     assert parts.count("time") == 3  # autodiff, jnp vjp, 1 launch
 
 

@@ -118,7 +118,7 @@ def _short_conv_bwd(activation, kernel, res, dy):
     if kernel == "pallas":
         from hybrid_lm_kernels import short_conv_bwd
         dx, dw, db = short_conv_bwd(x, dy, w, b, silu=activation == "silu")
-        return dx, dw, None if b is None else db
+        return dx, dw.astype(w.dtype), None if b is None else db.astype(b.dtype)
     if kernel != "xla":
         raise ValueError(f"short conv kernel {kernel!r}: choose 'xla' or 'pallas'")
     K, T = w.shape[0], x.shape[1]
@@ -133,8 +133,8 @@ def _short_conv_bwd(activation, kernel, res, dy):
     gp = jnp.pad(g, ((0, 0), (0, K - 1), (0, 0)))
     dx = sum(gp[:, K - 1 - i:K - 1 - i + T] * w[i] for i in range(K)).astype(x.dtype)
     dw = jnp.stack([jnp.sum(xp[:, i:i + T] * g, axis=(0, 1)) for i in range(K)])
-    db = None if b is None else jnp.sum(g, axis=(0, 1))
-    return dx, dw, db
+    db = None if b is None else jnp.sum(g, axis=(0, 1)).astype(b.dtype)
+    return dx, dw.astype(w.dtype), db
 
 
 short_conv.defvjp(_short_conv_fwd, _short_conv_bwd)
