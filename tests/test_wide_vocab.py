@@ -21,8 +21,8 @@ VOCAB = 73448
 def pseudo_word_corpus(path, n_words=120_000, n_docs=700, seed=0):
     rng = np.random.default_rng(seed)
     syllables = np.array([a + b for a in "bcdfghjklmnprstvwz" for b in "aeiou"])
-    words = ["".join(rng.choice(syllables, rng.integers(2, 5))) for _ in range(n_words)]
-    with open(path, "w") as f:
+    words = np.array(["".join(rng.choice(syllables, rng.integers(2, 5))) for _ in range(n_words)])
+    with open(path, "w") as f:  # words as an array: rng.choice on a list converts all 120K each call
         for _ in range(n_docs):
             f.write(json.dumps({"text": " ".join(rng.choice(words, 400))}) + "\n")
 
