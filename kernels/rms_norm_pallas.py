@@ -33,6 +33,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from .tiles import interpret_default as _interpret
 from .tiles import next_pow2 as _next_pow2
 
 # Default launch: rows per block, warps, backward programs (each walks its share of the row blocks).
@@ -91,10 +92,6 @@ def _bwd_kernel(x_ref, s_ref, rstd_ref, dy_ref, dx_ref, ds_ref, *, n_rows, d, br
 
     ds = lax.fori_loop(0, blocks_per_program, block, jnp.zeros((bd,), jnp.float32))
     pltriton.store(ds_ref.at[pl.program_id(0), pl.ds(0, bd)], ds, mask=jnp.arange(bd) < d)
-
-
-def _interpret(interpret):
-    return jax.default_backend() == "cpu" if interpret is None else interpret
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "block_rows", "num_warps", "interpret"))

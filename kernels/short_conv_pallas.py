@@ -16,11 +16,12 @@ cache) and writes ``dx`` once; ``pre`` is recomputed from ``x``.
 A program owns one batch row, one channel tile of ``block_c`` and a contiguous range of time blocks of
 ``block_t`` rows; it keeps its partial ``dw`` and ``db`` in registers and writes them once (summed
 after). Shifted rows are loaded with clipped row indices and masks (``t < 0``: the zero history;
-``t >= T``: nothing), so every load address is in bounds (the interpreter reads a negative slice start
-wrongly; channel indices are clipped too when interpreting, while on the GPU masked lanes never load); ``dx`` is stored as contiguous masked rows (clipped indices would repeat a row, and the
-interpreter's masked scatter writes every index). This module does
-not import ``hybrid_lm``; ``interpret=True`` runs the kernel on the CPU. The reference is the custom VJP
-in ``hybrid_lm.model.recurrent_common`` (``_short_conv_bwd``).
+``t >= T``: nothing), so every load address is in bounds: the interpreter reads a negative slice start
+wrongly. Channel indices are clipped only when interpreting (on the GPU masked lanes never load).
+``dx`` is stored as contiguous masked rows (clipped indices would repeat a row, and the interpreter's
+masked scatter writes every index). This module does not import ``hybrid_lm``; ``interpret=True`` runs
+the kernel on the CPU. The reference is the custom VJP in ``hybrid_lm.model.recurrent_common``
+(``_short_conv_bwd``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
+
+from .tiles import interpret_default as _interpret
 
 # Default launch: time rows and channels per block, warps, programs over time per batch row.
 CONV_BLOCK_T = 8
@@ -48,9 +51,9 @@ def _kernel(x_ref, dy_ref, w_ref, b_ref, dx_ref, dw_ref, db_ref, *, T, C, K, bt,
     c0 = pc * bc
     cols = c0 + lax.broadcasted_iota(jnp.int32, (bt, bc), 1)
     col_ok = cols < C
-    w = [pltriton.load(w_ref.at[jnp.int32(i), pl.ds(c0, bc)], mask=c0 + jnp.arange(bc) < C, other=0.0) for i in range(K)]
-    bias = (pltriton.load(b_ref.at[pl.ds(c0, bc)], mask=c0 + jnp.arange(bc) < C, other=0.0)
-            if has_bias else None)
+    cmask = c0 + jnp.arange(bc) < C
+    w = [pltriton.load(w_ref.at[jnp.int32(i), pl.ds(c0, bc)], mask=cmask, other=0.0) for i in range(K)]
+    bias = pltriton.load(b_ref.at[pl.ds(c0, bc)], mask=cmask, other=0.0) if has_bias else None
 
     def rows(ref, r, shift):
         """``[bt, bc]`` fp32 rows ``r + shift ...`` of this batch row; zeros outside ``[0, T) x [0, C)``."""
@@ -84,14 +87,9 @@ def _kernel(x_ref, dy_ref, w_ref, b_ref, dx_ref, dw_ref, db_ref, *, T, C, K, bt,
 
     zero = jnp.zeros((bc,), jnp.float32)
     dw, db = lax.fori_loop(0, blocks_per_program, block, (tuple(zero for _ in range(K)), zero))
-    cmask = c0 + jnp.arange(bc) < C
     for i in range(K):
         pltriton.store(dw_ref.at[pid, jnp.int32(i), pl.ds(c0, bc)], dw[i], mask=cmask)
     pltriton.store(db_ref.at[pid, pl.ds(c0, bc)], db, mask=cmask)
-
-
-def _interpret(interpret):
-    return jax.default_backend() == "cpu" if interpret is None else interpret
 
 
 def _check(x, dy, w, b, block_t, block_c, num_warps, time_programs):

@@ -19,6 +19,11 @@ LOG2E = math.log2(math.e)
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 
 
+def interpret_default(interpret: bool | None) -> bool:
+    """A kernel's ``interpret`` argument: None means interpret on a CPU backend, compile elsewhere."""
+    return jax.default_backend() == "cpu" if interpret is None else interpret
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 

@@ -84,19 +84,22 @@ def _conv_finish(pre, b, activation, dtype):
     return pre.astype(dtype)
 
 
+def _taps(xp, w, T):
+    """``sum_i w[i] * xp[:, i:i+T]`` over the K taps of ``w``: K shifted multiply-adds (K = 4: exact,
+    fused by XLA, no conv lowering quirks)."""
+    return sum(xp[:, i:i + T] * w[i] for i in range(w.shape[0]))
+
+
 def _short_conv_plain(x, w, b, activation, prev):
-    """The reference: ``(y in x.dtype, xp)`` with ``xp = [prev | x]`` in fp32; K shifted multiply-adds
-    (K = 4: exact, fused by XLA, no conv lowering quirks)."""
-    T = x.shape[1]
+    """The reference: ``(y in x.dtype, xp)`` with ``xp = [prev | x]`` in fp32."""
     xp = jnp.concatenate([prev, x.astype(jnp.float32)], axis=1)  # [B, K-1+T, C]
-    pre = sum(xp[:, i:i + T] * w[i] for i in range(w.shape[0]))
-    return _conv_finish(pre, b, activation, x.dtype), xp
+    return _conv_finish(_taps(xp, w, x.shape[1]), b, activation, x.dtype), xp
 
 
 def _short_conv_pre(x, w):
-    K, T = w.shape[0], x.shape[1]
-    xp = jnp.pad(x.astype(jnp.float32), ((0, 0), (K - 1, 0), (0, 0)))
-    return xp, sum(xp[:, i:i + T] * w[i] for i in range(K))
+    """``(xp, pre)`` from zero history: x padded with K-1 zero rows in fp32, and its taps before bias."""
+    xp = jnp.pad(x.astype(jnp.float32), ((0, 0), (w.shape[0] - 1, 0), (0, 0)))
+    return xp, _taps(xp, w, x.shape[1])
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(3, 4))
@@ -165,7 +168,6 @@ class ShortConv(nnx.Module):
 
     def init_state(self, batch: int):
         return jnp.zeros((batch, self.kernel_size - 1, self.channels), jnp.float32)
-
 
     def __call__(self, x, state=None):
         """``x [B, T, C]`` -> ``(y [B, T, C] in x.dtype, new state [B, K-1, C])``."""
