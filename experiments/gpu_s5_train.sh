@@ -37,7 +37,8 @@
 #   bash experiments/gpu_s5_train.sh ce17     # session 15: jla's fused LM-head loss (bench_loss check + times), S1/S3 full steps, loss_kernel pallas vs jla
 #   bash experiments/gpu_s5_train.sh sc17     # session 15: ShortConv's custom VJP vs autodiff (S3/S5 mamba2, gdn), S5 GDN profile by part
 #   bash experiments/gpu_s5_train.sh row17    # session 15: the anchor, S1-S5 x Mamba-2 / GDN under the new defaults
-#   bash experiments/gpu_s5_train.sh conv17   # next: ShortConv's backward kernel (bench_conv check + table), S3/S5 mamba2/gdn conv_kernel xla vs pallas
+#   bash experiments/gpu_s5_train.sh conv17   # session 16: ShortConv's backward kernel (bench_conv check + table), S3/S5 mamba2/gdn conv_kernel xla vs pallas
+#   bash experiments/gpu_s5_train.sh none17   # session 16: S1-S4 x full/SWA/SA at 16 x 16K, remat none vs dots_attn, timed after all compiles
 #   bash experiments/gpu_s5_train.sh all7b    # part 2: S1's slow-compiling archs, S3-S5 full/SWA/SA
 #
 # Run from the repo root (or a `git archive` of it) on the device machine with `.whl` beside or
@@ -344,7 +345,11 @@ case "${1:-table}" in
     echo "   exit $?"; grep -v -e '^[WI][0-9][0-9][0-9][0-9] ' "$d/log.txt" | grep -A16 "^by part" | cut -c1-160
     tar czf "$OUT/prof_s5_gdn.tgz" -C "$OUT" prof_s5_gdn && rm -rf "$d"
     ;;
-  conv17)  # next: ShortConv's backward kernel (check, launches, conv alone), then S3/S5 mamba2 / gdn steps xla vs pallas
+  none17)  # session 16: no remat at all (the presets' default) against dots_attn, where memory allows it
+    B 585 --scale s1,s2,s3,s4 --arch full@none,swa@none,sa@none,full,swa,sa --remat dots_attn --batch 16 --steps 4 \
+      --compile-workers 6 --time-after-compiles --deadline 575 --out "$OUT/bench_train_none17.json"
+    ;;
+  conv17)  # session 16: ShortConv's backward kernel (check, launches, conv alone), then S3/S5 mamba2 / gdn steps xla vs pallas
     timeout 150 python3 experiments/bench_conv.py --out "$OUT/bench_conv.json" 2>&1 | grep -v -e "deprecated" | cut -c1-300
     for k in xla pallas; do
       end=590; [ "$k" = xla ] && end=$(( SECONDS + (590 - SECONDS) / 2 ))
