@@ -39,6 +39,7 @@
 #   bash experiments/gpu_s5_train.sh row17    # session 15: the anchor, S1-S5 x Mamba-2 / GDN under the new defaults
 #   bash experiments/gpu_s5_train.sh conv17   # session 16: ShortConv's backward kernel (bench_conv check + table), S3/S5 mamba2/gdn conv_kernel xla vs pallas
 #   bash experiments/gpu_s5_train.sh none17   # session 16: S1-S4 x full/SWA/SA at 16 x 16K, remat none vs dots_attn, timed after all compiles
+#   bash experiments/gpu_s5_train.sh s5none17 # session 16: S5 x full/SWA/Mamba-2/GDN at 4 x 16K, remat none vs dots_attn; then 8 x 16K dots_attn
 #   bash experiments/gpu_s5_train.sh all7b    # part 2: S1's slow-compiling archs, S3-S5 full/SWA/SA
 #
 # Run from the repo root (or a `git archive` of it) on the device machine with `.whl` beside or
@@ -348,6 +349,14 @@ case "${1:-table}" in
   none17)  # session 16: no remat at all (the presets' default) against dots_attn, where memory allows it
     B 585 --scale s1,s2,s3,s4 --arch full@none,swa@none,sa@none,full,swa,sa --remat dots_attn --batch 16 --steps 4 \
       --compile-workers 6 --time-after-compiles --deadline 575 --out "$OUT/bench_train_none17.json"
+    ;;
+  s5none17)  # session 16: S5 without remat fits 4 x 16K; against dots_attn at 4 and at 8 (the table's micro-batch)
+    B 330 --scale s5 --arch full@none,swa@none,mamba2@none,gdn@none,full,mamba2,gdn --remat dots_attn --batch 4 \
+      --steps 4 --compile-workers 7 --time-after-compiles --deadline 320 --out "$OUT/bench_train_s5none17_b4.json"
+    left=$(( 540 - SECONDS ))
+    echo "== $left s for S5 full / mamba2 / gdn at 8 x 16K under dots_attn"
+    B $left --scale s5 --arch full,mamba2,gdn --remat dots_attn --batch 8 --steps 4 --compile-workers 3 \
+      --time-after-compiles --deadline $(( left - 8 )) --out "$OUT/bench_train_s5none17_b8.json"
     ;;
   conv17)  # session 16: ShortConv's backward kernel (check, launches, conv alone), then S3/S5 mamba2 / gdn steps xla vs pallas
     timeout 150 python3 experiments/bench_conv.py --out "$OUT/bench_conv.json" 2>&1 | grep -v -e "deprecated" | cut -c1-300
