@@ -39,6 +39,7 @@
 #   bash experiments/gpu_s5_train.sh row17    # session 15: the anchor, S1-S5 x Mamba-2 / GDN under the new defaults
 #   bash experiments/gpu_s5_train.sh conv17   # session 16: ShortConv's backward kernel (bench_conv check + table), S3/S5 mamba2/gdn conv_kernel xla vs pallas
 #   bash experiments/gpu_s5_train.sh none17   # session 16: S1-S4 x full/SWA/SA at 16 x 16K, remat none vs dots_attn, timed after all compiles
+#   bash experiments/gpu_s5_train.sh mbnone17 # session 16: the micro-batch sweep {8, 16} under remat none, S1/S3 x full/SWA/SA
 #   bash experiments/gpu_s5_train.sh s5none17 # session 16: S5 x full/SWA/Mamba-2/GDN at 4 x 16K, remat none vs dots_attn; then 8 x 16K dots_attn
 #   bash experiments/gpu_s5_train.sh all7b    # part 2: S1's slow-compiling archs, S3-S5 full/SWA/SA
 #
@@ -349,6 +350,11 @@ case "${1:-table}" in
   none17)  # session 16: no remat at all (the presets' default) against dots_attn, where memory allows it
     B 585 --scale s1,s2,s3,s4 --arch full@none,swa@none,sa@none,full,swa,sa --remat dots_attn --batch 16 --steps 4 \
       --compile-workers 6 --time-after-compiles --deadline 575 --out "$OUT/bench_train_none17.json"
+    ;;
+  mbnone17)  # session 16: the presets' remat (none): the best micro-batch at S1 and S3, timed after all compiles
+    B 330 --scale s1,s3 --arch full@none,swa@none,sa@none --remat dots_attn --sweep-microbatch 8,16 --steps 4 \
+      --compile-workers 8 --time-after-compiles --deadline 200 --out "$OUT/bench_train_mbnone17.json" \
+      --table-out "$OUT/microbatch_none.json"
     ;;
   s5none17)  # session 16: S5 without remat fits 4 x 16K; against dots_attn at 4 and at 8 (the table's micro-batch)
     B 330 --scale s5 --arch full@none,swa@none,mamba2@none,gdn@none,full,mamba2,gdn --remat dots_attn --batch 4 \
