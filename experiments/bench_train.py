@@ -300,15 +300,20 @@ def save(path, rows, extra=None):
                    "rows": rows, **(extra or {})}, fh, indent=2)
 
 
-def write_table(path: str, best: dict, command: str, device: str) -> dict:
+def write_table(path: str, best: dict, command: str, device: str, remat: str) -> dict:
     """Merge ``best`` into the micro-batch table at ``path`` (entries of other keys are kept) and
     return the table written. Only sweeps enter it: a key with fewer than two micro-batches tried
-    is left out, and so are ``+scan`` variants (the rule keys on the architecture)."""
+    is left out, and so are ``+scan`` and ``@REMAT`` variants (the rule keys on the architecture).
+    ``remat`` is the sweep's policy; a table measured under another one is refused (one line)."""
     table = json.loads(open(path).read()) if os.path.exists(path) else {}
+    if table.get("remat", remat) != remat:
+        raise SystemExit(f"{path} was measured under remat {table['remat']!r}; this sweep runs {remat!r}: "
+                         f"write it to another --table-out")
     merged = dict(table.get("best", {}))
-    merged.update({k: b["batch"] for k, b in best.items() if SCAN not in k and len(b.get("tried", ())) >= 2})
+    merged.update({k: b["batch"] for k, b in best.items()
+                   if SCAN not in k and "@" not in k and len(b.get("tried", ())) >= 2})
     commands = table.get("commands", [table["command"]] if "command" in table else [])
-    out = {"device": device, "measured": time.strftime("%Y-%m-%d"),
+    out = {"device": device, "measured": time.strftime("%Y-%m-%d"), "remat": remat,
            "commands": [*commands, command] if command not in commands else commands,
            "best": dict(sorted(merged.items()))}
     with open(path, "w") as fh:
@@ -379,8 +384,8 @@ def main() -> None:
             print(f"  {k:<28} {b['batch']:>3}   {b['tokens_per_sec'] / 1e3:.1f} ktok/s   {100 * b['mfu']:.1f}% MFU")
         if args.table_out:
             write_table(args.table_out, best, f"experiments/bench_train.py --scale {args.scale} --arch {args.arch} "
-                                              f"--sweep-microbatch {args.sweep_microbatch}",
-                        jax.devices()[0].device_kind)
+                                              f"--remat {args.remat} --sweep-microbatch {args.sweep_microbatch}",
+                        jax.devices()[0].device_kind, args.remat)
     if left_running:  # compile threads cannot be stopped: leave without joining them
         os._exit(0)
 

@@ -352,7 +352,7 @@ case "${1:-table}" in
       --compile-workers 6 --time-after-compiles --deadline 575 --out "$OUT/bench_train_none17.json"
     ;;
   mbnone17)  # session 16: the presets' remat (none): the best micro-batch at S1 and S3, timed after all compiles
-    B 330 --scale s1,s3 --arch full@none,swa@none,sa@none --remat dots_attn --sweep-microbatch 8,16 --steps 4 \
+    B 330 --scale s1,s3 --arch full,swa,sa --remat none --sweep-microbatch 8,16 --steps 4 \
       --compile-workers 8 --time-after-compiles --deadline 200 --out "$OUT/bench_train_mbnone17.json" \
       --table-out "$OUT/microbatch_none.json"
     ;;

@@ -93,7 +93,26 @@ def test_bench_train_table_keeps_only_sweeps(tmp_path):
     assert best["s4/full/16384"]["batch"] == 8 and best["s4/swa/16384"]["tried"] == [4, 8]
     path = tmp_path / "mb.json"
     path.write_text(json.dumps({"command": "old", "best": {"s1/full/16384": 8}}))
-    t = bt.write_table(str(path), best, "new", "NVIDIA H200")
-    # swa: 8 did not fit, so 4; sa: only 4 was measured (not a sweep); +scan: not an architecture
+    rows += [row("full@none", 4, "ok", 1.0), row("full@none", 8, "ok", 2.0)]
+    best = bt.best_microbatches(rows)
+    t = bt.write_table(str(path), best, "new", "NVIDIA H200", "dots_attn")
+    # swa: 8 did not fit, so 4; sa: only 4 was measured (not a sweep); +scan: not an architecture;
+    # full@none: another remat than the sweep's
     assert t["best"] == {"s1/full/16384": 8, "s4/full/16384": 8, "s4/swa/16384": 4}
-    assert t["commands"] == ["old", "new"] and json.loads(path.read_text()) == t
+    assert t["commands"] == ["old", "new"] and t["remat"] == "dots_attn" and json.loads(path.read_text()) == t
+    with pytest.raises(SystemExit, match="measured under remat 'dots_attn'; this sweep runs 'none'"):
+        bt.write_table(str(path), best, "newer", "NVIDIA H200", "none")
+    assert json.loads(path.read_text()) == t  # the refused sweep changed nothing
+
+
+def test_reason_names_the_tables_remat(tmp_path):
+    table = tmp_path / "mb.json"
+    table.write_text(json.dumps({"remat": "dots_attn", "best": {"s1/full/16384": 8}}))
+    base = ["DataConfig.seq_len = 16384", "TrainConfig.global_batch = 32", "ModelConfig.layer_pattern = 'F'"]
+    same = load_config(["scale/s1.gin"], base + ["ModelConfig.remat = 'dots_attn'"])
+    M, why = mb.rule_for(same, batch_shards=1, table=table)
+    assert M == 4 and why.endswith("mb.json under remat dots_attn)")
+    other = load_config(["scale/s1.gin"], base)  # the presets' remat: none
+    M, why = mb.rule_for(other, batch_shards=1, table=table)
+    assert M == 4 and "under remat dots_attn; this run's remat is none" in why
+    assert json.loads(mb.TABLE.read_text())["remat"] == "dots_attn"

@@ -5,6 +5,9 @@ The fastest micro-batch that fits one device was measured per (scale, arch, seq_
 (sequences per device). For a run, :func:`microbatches_for` picks the fewest micro-batches ``M`` that
 divide the global batch, keep each micro-batch divisible by the batch mesh axes, and put at most the
 measured number of sequences on each device. Unmeasured configs keep ``TrainConfig.microbatches``.
+The table names the remat policy it was measured under (``"remat"``); a run under another policy is
+told so in the rule's reason. Session 16 checked that every entry also fits without remat (the
+presets' ``ModelConfig.remat = 'none'``: at most 101 GiB of an H200 at 16 x 16K, docs/BENCHMARKS.md).
 :func:`apply_rule` returns the config with that ``M`` set; the sweep launcher
 (``hybrid_lm/scaling/launch.py``) applies it to every run, and ``hybrid-lm info`` states it.
 """
@@ -39,9 +42,13 @@ def arch_name(m: ModelConfig) -> str:
 
 
 @lru_cache(maxsize=4)
-def _load(path: str) -> dict:
+def _load_table(path: str) -> dict:
     p = Path(path)
-    return json.loads(p.read_text())["best"] if p.exists() else {}
+    return json.loads(p.read_text()) if p.exists() else {}
+
+
+def _load(path: str) -> dict:
+    return _load_table(path).get("best", {})
 
 
 def measured_per_device(cfg: Config, table: str | Path | None = None) -> int | None:
@@ -74,8 +81,12 @@ def rule_for(cfg: Config, batch_shards: int, table: str | Path | None = None) ->
     if per is None:
         return cfg.train.microbatches, "not measured: TrainConfig.microbatches as configured"
     M = microbatches_for(cfg.train.global_batch, per, batch_shards)
+    path = TABLE if table is None else table
+    remat = _load_table(str(path)).get("remat")
+    under = "" if remat is None else f" under remat {remat}" + (
+        "" if remat == cfg.model.remat else f"; this run's remat is {cfg.model.remat}")
     return M, (f"measured best {per} x {cfg.data.seq_len} tokens per device "
-               f"({scale_name(cfg.model)}/{arch_name(cfg.model)}, {Path(TABLE if table is None else table).name})")
+               f"({scale_name(cfg.model)}/{arch_name(cfg.model)}, {Path(path).name}{under})")
 
 
 def apply_rule(cfg: Config, batch_shards: int, table: str | Path | None = None) -> tuple[Config, str]:
