@@ -109,7 +109,9 @@ def test_the_message_names_the_step_and_what_was_not_finite(tmp_path):
 
 
 @pytest.mark.slow
-def test_stop_saves_the_state_before_the_bad_step_and_resumes_exactly(tmp_path, monkeypatch, capsys):
+def test_stop_saves_the_state_before_the_bad_step_and_resumes_exactly(tmp_path, monkeypatch, capsys, xla_optimized):
+    # xla_optimized: the stopped run's step program wraps the straight run's (the fault injection); under
+    # the suite's unoptimised CPU compiles the two programs' losses differ in the last bits
     params = TINY + ["TrainConfig.steps = 8", "TrainConfig.log_every = 1"]  # checkpoints every 5 steps
     assert _cli(tmp_path / "straight", params, capsys)[0] == 0
     with monkeypatch.context() as m:
