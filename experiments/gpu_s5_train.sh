@@ -39,6 +39,7 @@
 #   bash experiments/gpu_s5_train.sh row17    # session 15: the anchor, S1-S5 x Mamba-2 / GDN under the new defaults
 #   bash experiments/gpu_s5_train.sh conv17   # session 16: ShortConv's backward kernel (bench_conv check + table), S3/S5 mamba2/gdn conv_kernel xla vs pallas
 #   bash experiments/gpu_s5_train.sh none17   # session 16: S1-S4 x full/SWA/SA at 16 x 16K, remat none vs dots_attn, timed after all compiles
+#   bash experiments/gpu_s5_train.sh conv17b  # next: the rolling-window conv backward (check, launches), S5 mamba2/gdn no remat at 4, xla vs pallas
 #   bash experiments/gpu_s5_train.sh mbnone17 # session 16: the micro-batch sweep {8, 16} under remat none, S1/S3 x full/SWA/SA
 #   bash experiments/gpu_s5_train.sh s5none17 # session 16: S5 x full/SWA/Mamba-2/GDN at 4 x 16K, remat none vs dots_attn; then 8 x 16K dots_attn
 #   bash experiments/gpu_s5_train.sh all7b    # part 2: S1's slow-compiling archs, S3-S5 full/SWA/SA
@@ -350,6 +351,22 @@ case "${1:-table}" in
   none17)  # session 16: no remat at all (the presets' default) against dots_attn, where memory allows it
     B 585 --scale s1,s2,s3,s4 --arch full@none,swa@none,sa@none,full,swa,sa --remat dots_attn --batch 16 --steps 4 \
       --compile-workers 6 --time-after-compiles --deadline 575 --out "$OUT/bench_train_none17.json"
+    ;;
+  conv17b)  # next session: ShortConv's backward kernel, second design (rows carried in registers), checked and timed
+    # alone, then in the S5 steps at their best setting (no remat, 4 sequences) and S3 (dots_attn, 8)
+    timeout 150 python3 experiments/bench_conv.py --out "$OUT/bench_conv_b.json" 2>&1 | grep -v -e "deprecated" | cut -c1-300
+    for k in xla pallas; do
+      end=590; [ "$k" = xla ] && end=$(( SECONDS + (590 - SECONDS) / 2 ))
+      left=$(( end - SECONDS ))
+      echo "== conv_kernel=$k: $left s for S5 mamba2/gdn (none, B 4), S3 mamba2/gdn (dots_attn, B 8)"
+      B $(( left / 2 )) --scale s5 --arch mamba2,gdn --remat none --batch 4 --steps 4 --compile-workers 2 \
+        --time-after-compiles --gin_param "ModelConfig.conv_kernel = '$k'" --deadline $(( left / 2 - 8 )) \
+        --out "$OUT/bench_train_conv17b_s5_$k.json"
+      left=$(( end - SECONDS ))
+      B $left --scale s3 --arch mamba2,gdn --remat dots_attn --batch 8 --steps 4 --compile-workers 2 \
+        --time-after-compiles --gin_param "ModelConfig.conv_kernel = '$k'" --deadline $(( left - 8 )) \
+        --out "$OUT/bench_train_conv17b_s3_$k.json"
+    done
     ;;
   mbnone17)  # session 16: the presets' remat (none): the best micro-batch at S1 and S3, timed after all compiles
     B 330 --scale s1,s3 --arch full,swa,sa --remat none --sweep-microbatch 8,16 --steps 4 \

@@ -10,18 +10,23 @@ The conv (``hybrid_lm.model.recurrent_common.short_conv``, Mamba-2's ``conv1d`` 
 
 Why: XLA ran it as a fusion writing ``g`` in fp32 and a multi-output column reduction reading ``g`` and
 ``x`` for ``dx`` and the weight sums, ~1 GB per GDN conv at ~1 TB/s (H200, S5 GDN: 81.9 ms per step for 45
-convs; ``docs/BENCHMARKS.md``, session 15). Here a program reads ``x`` and ``dy`` (each shift from the
-cache) and writes ``dx`` once; ``pre`` is recomputed from ``x``.
+convs; ``docs/BENCHMARKS.md``, session 15). Here a program reads each row of ``x`` and ``dy`` once and
+writes ``dx`` once; ``pre`` is recomputed from ``x``.
 
-A program owns one batch row, one channel tile of ``block_c`` and a contiguous range of time blocks of
-``block_t`` rows; it keeps its partial ``dw`` and ``db`` in registers and writes them once (summed
-after). Shifted rows are loaded with clipped row indices and masks (``t < 0``: the zero history;
-``t >= T``: nothing), so every load address is in bounds: the interpreter reads a negative slice start
-wrongly. Channel indices are clipped only when interpreting (on the GPU masked lanes never load).
-``dx`` is stored as contiguous masked rows (clipped indices would repeat a row, and the interpreter's
-masked scatter writes every index). This module does not import ``hybrid_lm``; ``interpret=True`` runs
-the kernel on the CPU. The reference is the custom VJP in ``hybrid_lm.model.recurrent_common``
-(``_short_conv_bwd``).
+A program owns one batch row, one channel tile of ``block_c`` and a contiguous segment of time. It walks
+its segment backwards, ``block_t`` rows per step, each row a ``[block_c]`` vector: a step loads
+``block_t`` new rows of ``x`` (the oldest rows its window needs) and of ``dy``, and carries the ``K - 1``
+newest ``x`` rows and ``K - 1`` oldest ``g`` rows over to the next (older) step, so every shift of the
+taps is a choice among row vectors already in registers (no re-read, no recompute). A prologue builds
+the ``g`` of the ``K - 1`` rows past the segment's end (owned by the next segment) from their own rows.
+Partial ``dw`` and ``db`` stay in registers and are written once per program (summed after). Rows outside
+``[0, T)`` load as zeros (``t < 0``: the zero history; ``t >= T``: no gradient) from clipped, in-bounds
+addresses (the interpreter reads a negative slice start wrongly); rows before the segment are masked out
+of the stores and sums. Channel indices are clipped only when interpreting (on the GPU masked lanes never
+load). This module does not import ``hybrid_lm``; ``interpret=True`` runs the kernel on the CPU. The
+reference is the custom VJP in ``hybrid_lm.model.recurrent_common`` (``_short_conv_bwd``). Session 16's
+first version re-read ``2K - 1`` shifted row blocks per block through masked gathers and ran at 0.5–0.76
+TB/s on the H200, slower than XLA (docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -36,57 +41,70 @@ from jax.experimental.pallas import triton as pltriton
 
 from .tiles import interpret_default as _interpret
 
-# Default launch: time rows and channels per block, warps, programs over time per batch row.
+# Default launch: rows per step, channels per program, warps, programs over time per batch row.
 CONV_BLOCK_T = 8
-CONV_BLOCK_C = 128
+CONV_BLOCK_C = 512
 CONV_NUM_WARPS = 4
-CONV_TIME_PROGRAMS = 8
+CONV_TIME_PROGRAMS = 32
 MAX_KERNEL = 8  # taps held in registers
 
 
-def _kernel(x_ref, dy_ref, w_ref, b_ref, dx_ref, dw_ref, db_ref, *, T, C, K, bt, bc, blocks_per_program,
+def _kernel(x_ref, dy_ref, w_ref, b_ref, dx_ref, dw_ref, db_ref, *, T, C, K, U, bc, seg_len, steps,
             time_programs, silu, has_bias, clip_cols):
     pid, pc = pl.program_id(0), pl.program_id(1)
     batch, part = pid // time_programs, pid % time_programs
+    s0 = part * seg_len  # this program's rows: [s0, min(s0 + seg_len, T))
+    s1 = jnp.minimum(s0 + seg_len, T)
     c0 = pc * bc
-    cols = c0 + lax.broadcasted_iota(jnp.int32, (bt, bc), 1)
-    col_ok = cols < C
     cmask = c0 + jnp.arange(bc) < C
+    cols = jnp.clip(c0 + jnp.arange(bc), 0, C - 1) if clip_cols else c0 + jnp.arange(bc)
     w = [pltriton.load(w_ref.at[jnp.int32(i), pl.ds(c0, bc)], mask=cmask, other=0.0) for i in range(K)]
     bias = pltriton.load(b_ref.at[pl.ds(c0, bc)], mask=cmask, other=0.0) if has_bias else None
 
-    def rows(ref, r, shift):
-        """``[bt, bc]`` fp32 rows ``r + shift ...`` of this batch row; zeros outside ``[0, T) x [0, C)``."""
-        t = r + shift + lax.broadcasted_iota(jnp.int32, (bt, bc), 0)
-        ok = (t >= 0) & (t < T) & col_ok
+    def row(ref, t):
+        """Row ``t`` of this batch row as a ``[bc]`` fp32 vector; zeros outside ``[0, T)``."""
         idx = batch * T + jnp.clip(t, 0, T - 1)
-        col_idx = jnp.clip(cols, 0, C - 1) if clip_cols else cols  # masked lanes never load on the GPU
-        return pltriton.load(ref.at[idx, col_idx], mask=ok, other=0.0).astype(jnp.float32)
+        return pltriton.load(ref.at[idx, cols], mask=cmask & (t >= 0) & (t < T), other=0.0).astype(jnp.float32)
 
-    def block(j, acc):
-        dw, db = acc
-        r = (part * blocks_per_program + j) * bt
-        xs = {d: rows(x_ref, r, d) for d in range(-(K - 1), K)}
-        dx, g0 = None, None
-        for s in range(K):  # g at rows r + s, and its share of dx_t = sum_s w[K-1-s] g_{t+s}
-            g = rows(dy_ref, r, s)
-            if silu:
-                pre = sum(w[i][None, :] * xs[s - K + 1 + i] for i in range(K))
-                if bias is not None:
-                    pre = pre + bias[None, :]
-                sig = jax.nn.sigmoid(pre)
-                g = g * sig * (1.0 + pre * (1.0 - sig))
-            term = w[K - 1 - s][None, :] * g
-            dx = term if dx is None else dx + term
-            g0 = g if s == 0 else g0
-        t = r + lax.broadcasted_iota(jnp.int32, (bt, bc), 0)
-        out_ok = (t < T) & col_ok
-        pltriton.store(dx_ref.at[pl.ds(batch * T + r, bt), pl.ds(c0, bc)], dx.astype(dx_ref.dtype), mask=out_ok)
-        dw = tuple(dw[i] + jnp.sum(xs[i - K + 1] * g0, axis=0) for i in range(K))
-        return dw, db + jnp.sum(g0, axis=0)
+    def grad_pre(dy, xs):
+        """``g = dy * act'(pre)`` with ``pre`` from the K rows ``xs`` (oldest first)."""
+        if not silu:
+            return dy
+        pre = sum(w[i] * xs[i] for i in range(K))
+        if bias is not None:
+            pre = pre + bias
+        sig = jax.nn.sigmoid(pre)
+        return dy * sig * (1.0 + pre * (1.0 - sig))
+
+    # prologue: x rows s1-K+1 .. s1-1 (the carry) and g of rows s1 .. s1+K-2 (past the segment)
+    xw = [row(x_ref, s1 - K + 1 + j) for j in range(2 * K - 2)]  # rows s1-K+1 .. s1+K-2
+    x_carry = tuple(xw[:K - 1])
+    g_carry = tuple(grad_pre(row(dy_ref, s1 + j), xw[j:j + K]) for j in range(K - 1))
+
+    def step(j, acc):
+        x_carry, g_carry, dw, db = acc
+        top = s1 - 1 - j * U  # this step's rows: top-U+1 .. top, ascending below
+        xs = [row(x_ref, top - U - K + 2 + u) for u in range(U)] + list(x_carry)  # rows top-U-K+2 .. top
+        gs = []
+        for u in range(U):
+            t = top - U + 1 + u
+            ok = (t >= s0).astype(jnp.float32)  # rows before the segment belong to another program
+            gs.append(grad_pre(row(dy_ref, t), xs[u:u + K]) * ok)
+        gs += list(g_carry)  # rows top-U+1 .. top+K-1
+        dw = list(dw)
+        for u in range(U):
+            t = top - U + 1 + u
+            dx = sum(w[i] * gs[u + K - 1 - i] for i in range(K))
+            pltriton.store(dx_ref.at[batch * T + jnp.clip(t, 0, T - 1), pl.ds(c0, bc)], dx.astype(dx_ref.dtype),
+                           mask=cmask & (t >= s0))  # a slice: the interpreter's masked scatter writes every index
+            for i in range(K):
+                dw[i] = dw[i] + xs[u + i] * gs[u]
+            db = db + gs[u]
+        return tuple(xs[:K - 1]), tuple(gs[:K - 1]), tuple(dw), db
 
     zero = jnp.zeros((bc,), jnp.float32)
-    dw, db = lax.fori_loop(0, blocks_per_program, block, (tuple(zero for _ in range(K)), zero))
+    acc = (x_carry, g_carry, tuple(zero for _ in range(K)), zero)
+    _, _, dw, db = lax.fori_loop(0, steps, step, acc)
     for i in range(K):
         pltriton.store(dw_ref.at[pid, jnp.int32(i), pl.ds(c0, bc)], dw[i], mask=cmask)
     pltriton.store(db_ref.at[pid, pl.ds(c0, bc)], db, mask=cmask)
@@ -124,13 +142,11 @@ def short_conv_bwd(x, dy, w, b=None, *, silu: bool, block_t: int | None = None, 
     _check(x, dy, w, b, bt, bc, nw, tp)
     B, T, C = x.shape
     K = w.shape[0]
-    n_blocks = pl.cdiv(T, bt)
-    parts = min(tp, n_blocks)
-    per = pl.cdiv(n_blocks, parts)
-    parts = pl.cdiv(n_blocks, per)
-    kernel = functools.partial(_kernel, T=T, C=C, K=K, bt=bt, bc=bc, blocks_per_program=per,
-                               time_programs=parts, silu=bool(silu), has_bias=b is not None,
-                               clip_cols=_interpret(interpret))
+    seg_len = pl.cdiv(T, min(tp, T))  # rows per program
+    parts = pl.cdiv(T, seg_len)
+    kernel = functools.partial(_kernel, T=T, C=C, K=K, U=bt, bc=bc, seg_len=seg_len,
+                               steps=pl.cdiv(seg_len, bt), time_programs=parts, silu=bool(silu),
+                               has_bias=b is not None, clip_cols=_interpret(interpret))
     bias = jnp.zeros((C,), jnp.float32) if b is None else b.astype(jnp.float32)
     dx, dw, db = pl.pallas_call(
         kernel,

@@ -39,6 +39,8 @@ def _inputs(B, T, C, K, dtype, bias, seed):
     (1, 70, 96, 4, jnp.bfloat16, False, True, 16, 64, 4),  # GDN-like channels
     (2, 2, 5, 4, jnp.float32, True, True, 8, 8, 1),        # T < K - 1
     (2, 1, 3, 4, jnp.float32, False, True, 4, 4, 2),       # one token
+    (1, 23, 12, 4, jnp.float32, True, True, 2, 8, 2),      # fewer rows per step than K - 1 (carries span steps)
+    (2, 11, 9, 3, jnp.bfloat16, False, True, 1, 16, 4),    # one row per step
 ])
 def test_equals_the_jnp_backward(B, T, C, K, dtype, bias, silu, bt, bc, programs):
     x, w, b, dy = _inputs(B, T, C, K, dtype, bias, seed=B + T + C)
