@@ -17,6 +17,10 @@ call: variants whose compile has not finished by then are reported as ``not_comp
 process exits without waiting for the compile threads. ``@REMAT`` after an arch (``full@dots_attn``)
 sets that variant's remat policy, so one call compares policies.
 
+``--accumulate M`` runs M micro-batches of ``batch`` sequences per step (``TrainConfig.microbatches``,
+gradients accumulated in fp32), as a run does when its global batch exceeds one micro-batch: the
+optimizer update is then paid once per M micro-batches, which a one-micro-batch step overstates.
+
 ``--sweep-microbatch`` picks, per (scale, arch), the micro-batch (sequences per device) with the
 highest tokens/s among those that fit, and writes them as the measured table that
 ``hybrid_lm.train.microbatch`` reads (``--table-out``). MFU counts FLOPs per layer type
@@ -88,11 +92,13 @@ def arch_bindings(arch: str) -> list[str]:
             + ([f"ModelConfig.remat = '{remat}'"] if remat else []))
 
 
-def make_config(scale: str, arch: str, seq_len: int, batch: int, remat: str, impl: str, extra=()):
+def make_config(scale: str, arch: str, seq_len: int, batch: int, remat: str, impl: str, extra=(), accumulate: int = 1):
+    """The variant's config: ``batch`` sequences per micro-batch, ``accumulate`` micro-batches per step."""
     bindings = arch_bindings(arch)
     gin_files = [f"scale/{scale}.gin"] + [b.split("'")[1] for b in bindings if b.startswith("include")]
     params = [f"ModelConfig.remat = '{remat}'"] + [b for b in bindings if not b.startswith("include")] + [
-        f"DataConfig.seq_len = {seq_len}", f"TrainConfig.global_batch = {batch}",
+        f"DataConfig.seq_len = {seq_len}", f"TrainConfig.global_batch = {batch * accumulate}",
+        f"TrainConfig.microbatches = {accumulate}",
         f"ModelConfig.attention_impl = '{impl}'", *extra]
     return load_config(gin_files, params)
 
@@ -101,26 +107,32 @@ class Variant:
     """One (scale, arch, batch) train step: its config, compiled executable and measurements."""
 
     def __init__(self, scale, arch, batch, args):
-        self.key = dict(scale=scale, arch=arch, batch=batch, seq_len=args.seq_len,
+        accumulate = getattr(args, "accumulate", 1)
+        self.key = dict(scale=scale, arch=arch, batch=batch, seq_len=args.seq_len, accumulate=accumulate,
                         remat=arch.partition("@")[2] or args.remat,
                         attention_impl=args.impl, loss_impl=args.loss, gin_param=list(args.gin_param),
                         save_primitive=list(getattr(args, "save_primitive", [])),
                         jla_grouped_keys=not getattr(args, "jla_repeated_keys", False),
                         short_conv_vjp=not getattr(args, "short_conv_autodiff", False))
         extra = ([f"ModelConfig.loss_impl = '{args.loss}'"] if args.loss != "default" else []) + args.gin_param
-        self.cfg = make_config(scale, arch, args.seq_len, batch, args.remat, args.impl, extra)
+        self.cfg = make_config(scale, arch, args.seq_len, batch, args.remat, args.impl, extra, accumulate)
         self.fns = ModelFns(self.cfg)
         self.build = optimizer_for_bounds(self.cfg.optim, self.fns.axes)
         self.bounds = np.asarray(wsd_bounds(self.cfg.optim, 1000), np.int32)
         self.init = StateInit(self.fns, self.build(self.bounds)[0])
         self.seed = jnp.asarray(0, jnp.uint32)
 
+    @property
+    def sequences(self) -> int:
+        """Sequences per step: the micro-batch times the micro-batches accumulated."""
+        return self.key["batch"] * self.key["accumulate"]
+
     def lower(self):
         """(lowered step, seconds, backends): tracing runs in the main thread, one variant at a time,
         so the record of backends is this variant's alone."""
         t0 = time.perf_counter()
         state = jax.eval_shape(self.init, self.seed)
-        tokens = jax.ShapeDtypeStruct((self.key["batch"], self.key["seq_len"] + 1), jnp.int32)
+        tokens = jax.ShapeDtypeStruct((self.sequences, self.key["seq_len"] + 1), jnp.int32)
         recorded_backends(clear=True)
         lowered = jax.jit(make_train_step(self.fns, self.build), donate_argnums=0).lower(state, tokens, self.bounds)
         return lowered, time.perf_counter() - t0, recorded_backends()
@@ -141,7 +153,7 @@ class Variant:
 
     def run(self, compiled, steps: int) -> dict:
         state = self.init(self.seed)
-        tokens = jax.random.randint(jax.random.key(0), (self.key["batch"], self.key["seq_len"] + 1), 0,
+        tokens = jax.random.randint(jax.random.key(0), (self.sequences, self.key["seq_len"] + 1), 0,
                                     self.cfg.model.vocab_size)
         t0 = time.perf_counter()
         state, stats = compiled(state, tokens, self.bounds)  # warm-up
@@ -233,7 +245,7 @@ def finish(v: Variant, backends: dict, fut, limit: int | None, args) -> dict:
                                          v.cfg.model.vocab_size, v.cfg.model.loss_kernel)[0])
     f = flops_per_token(v.cfg.model, v.key["seq_len"])
     row.update(non_embedding=count_params(v.cfg.model)["non_embedding"], train_flops_per_token=f["train"],
-               tokens_per_step=v.key["batch"] * v.key["seq_len"])
+               tokens_per_step=v.sequences * v.key["seq_len"])
     try:
         if isinstance(fut, Exception):
             raise fut
@@ -262,27 +274,39 @@ def finish(v: Variant, backends: dict, fut, limit: int | None, args) -> dict:
     return row
 
 
+def _batch(r) -> str:
+    """``B`` or, with micro-batches accumulated, ``BxM``."""
+    m = r.get("accumulate", 1)
+    return f"{r['batch']}" + (f"x{m}" if m > 1 else "")
+
+
 def report(r):
     gib = (r.get("peak_bytes") or 0) / 2 ** 30
     if r.get("status") == "ok":
-        print(f"{r['scale']:<5}{r['arch']:<11}{r['batch']:>4}{r['ms_per_step']:>10.1f}{r['tokens_per_sec'] / 1e3:>10.1f}"
+        print(f"{r['scale']:<5}{r['arch']:<11}{_batch(r):>4}{r['ms_per_step']:>10.1f}{r['tokens_per_sec'] / 1e3:>10.1f}"
               f"{100 * r['mfu']:>7.1f}%{gib:>8.1f}{r['compile_s']:>9.1f}  {r['attention_backends']}", flush=True)
     elif r.get("status") == "compiled":
-        print(f"{r['scale']:<5}{r['arch']:<11}{r['batch']:>4}  compiled in {r['compile_s']:.1f} s (lowering "
+        print(f"{r['scale']:<5}{r['arch']:<11}{_batch(r):>4}  compiled in {r['compile_s']:.1f} s (lowering "
               f"{r['lower_s']:.1f} s, init {r['init_compile_s']:.1f} s), {r['fusions']} fusions  peak {gib:.1f} GiB",
               flush=True)
     else:
-        print(f"{r['scale']:<5}{r['arch']:<11}{r['batch']:>4}  {r.get('status')}  peak {gib:.1f} GiB  "
+        print(f"{r['scale']:<5}{r['arch']:<11}{_batch(r):>4}  {r.get('status')}  peak {gib:.1f} GiB  "
               f"{r.get('error', '')}", flush=True)
 
 
+def table_key(r) -> str:
+    """``scale/arch/seq_len@remat`` of a row (``arch`` without its ``@REMAT``): the micro-batch table's key."""
+    key = f"{r['scale']}/{r['arch'].partition('@')[0]}/{r['seq_len']}"
+    return key + (f"@{r['remat']}" if r.get("remat") else "")
+
+
 def best_microbatches(rows) -> dict:
-    """Per (scale, arch, seq_len): the micro-batch with the highest tokens/s among those that ran, and
-    ``tried``: every micro-batch that ran or was found not to fit."""
+    """Per (scale, arch, seq_len, remat): the micro-batch with the highest tokens/s among those that
+    ran, and ``tried``: every micro-batch that ran or was found not to fit."""
     best: dict = {}
     tried: dict = {}
     for r in rows:
-        k = f"{r['scale']}/{r['arch']}/{r['seq_len']}"
+        k = table_key(r)
         if r.get("status") in ("ok", "oom"):
             tried.setdefault(k, []).append(r["batch"])
         if r.get("status") != "ok":
@@ -303,17 +327,19 @@ def save(path, rows, extra=None):
 def write_table(path: str, best: dict, command: str, device: str, remat: str) -> dict:
     """Merge ``best`` into the micro-batch table at ``path`` (entries of other keys are kept) and
     return the table written. Only sweeps enter it: a key with fewer than two micro-batches tried
-    is left out, and so are ``+scan`` and ``@REMAT`` variants (the rule keys on the architecture).
-    ``remat`` is the sweep's policy; a table measured under another one is refused (one line)."""
+    is left out, and so are ``+scan`` variants (the rule keys on the architecture). Keys measured
+    under the table's remat policy (``remat`` for a new table) are written plain, others keep their
+    ``@POLICY`` ending (``hybrid_lm.train.microbatch``)."""
     table = json.loads(open(path).read()) if os.path.exists(path) else {}
-    if table.get("remat", remat) != remat:
-        raise SystemExit(f"{path} was measured under remat {table['remat']!r}; this sweep runs {remat!r}: "
-                         f"write it to another --table-out")
+    own = table.get("remat", remat)
     merged = dict(table.get("best", {}))
-    merged.update({k: b["batch"] for k, b in best.items()
-                   if SCAN not in k and "@" not in k and len(b.get("tried", ())) >= 2})
+    for k, b in best.items():
+        if SCAN in k or len(b.get("tried", ())) < 2:
+            continue
+        base, _, policy = k.partition("@")
+        merged[base if policy in ("", own) else k] = b["batch"]
     commands = table.get("commands", [table["command"]] if "command" in table else [])
-    out = {"device": device, "measured": time.strftime("%Y-%m-%d"), "remat": remat,
+    out = {"device": device, "measured": time.strftime("%Y-%m-%d"), "remat": own,
            "commands": [*commands, command] if command not in commands else commands,
            "best": dict(sorted(merged.items()))}
     with open(path, "w") as fh:
@@ -330,6 +356,10 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=2, help="sequences per step (one micro-batch)")
     ap.add_argument("--sweep-microbatch", default=None, metavar="B1,B2,...",
                     help="micro-batch sizes to try per (scale, arch); the best that fits is kept")
+    ap.add_argument("--accumulate", type=int, default=1, metavar="M",
+                    help="micro-batches per step (gradient accumulation, TrainConfig.microbatches): the step "
+                         "then holds M x --batch sequences and its optimizer update is shared by M micro-batches, "
+                         "as in a run whose global batch exceeds one micro-batch")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--remat", default="dots")
     ap.add_argument("--impl", default="auto")
@@ -364,6 +394,8 @@ def main() -> None:
         linear_attention_gpu.JLA_GROUPED_KEYS = False
     if args.save_primitive:
         transformer._ATTENTION_KERNELS = (*transformer._ATTENTION_KERNELS, *args.save_primitive)
+    if args.accumulate < 1:
+        raise SystemExit(f"--accumulate {args.accumulate}: need at least one micro-batch per step")
     batches = [int(b) for b in args.sweep_microbatch.split(",")] if args.sweep_microbatch else [args.batch]
     print(f"device: {jax.devices()[0].device_kind} x{jax.device_count()}   memory limit "
           f"{(device_memory() or 0) / 2 ** 30:.1f} GiB")

@@ -40,6 +40,7 @@
 #   bash experiments/gpu_s5_train.sh conv17   # session 16: ShortConv's backward kernel (bench_conv check + table), S3/S5 mamba2/gdn conv_kernel xla vs pallas
 #   bash experiments/gpu_s5_train.sh none17   # session 16: S1-S4 x full/SWA/SA at 16 x 16K, remat none vs dots_attn, timed after all compiles
 #   bash experiments/gpu_s5_train.sh conv17b  # next: the rolling-window conv backward (check, launches), S5 mamba2/gdn no remat at 4, xla vs pallas
+#   bash experiments/gpu_s5_train.sh acc17    # next: the step with its micro-batches accumulated (the update shared), S5 and S1/S3
 #   bash experiments/gpu_s5_train.sh mbnone17 # session 16: the micro-batch sweep {8, 16} under remat none, S1/S3 x full/SWA/SA
 #   bash experiments/gpu_s5_train.sh s5none17 # session 16: S5 x full/SWA/Mamba-2/GDN at 4 x 16K, remat none vs dots_attn; then 8 x 16K dots_attn
 #   bash experiments/gpu_s5_train.sh all7b    # part 2: S1's slow-compiling archs, S3-S5 full/SWA/SA
@@ -366,6 +367,21 @@ case "${1:-table}" in
       B $left --scale s3 --arch mamba2,gdn --remat dots_attn --batch 8 --steps 4 --compile-workers 2 \
         --time-after-compiles --gin_param "ModelConfig.conv_kernel = '$k'" --deadline $(( left - 8 )) \
         --out "$OUT/bench_train_conv17b_s3_$k.json"
+    done
+    ;;
+  acc17)  # next session: the train step as a run takes it (global batch > micro-batch): M micro-batches
+    # accumulated per step share one optimizer update; M = 1 beside it in the same process
+    timeout 80 python3 experiments/anchor_gpt.py --seq-len 16384 --batch 8 --steps 4 --out "$OUT/anchor_gpt.json" \
+      2>&1 | grep -v -e "^W12" -e "^I0000" -e "^W0000"
+    for m in 1 4; do
+      end=590; [ "$m" = 1 ] && end=$(( SECONDS + (590 - SECONDS) / 2 ))
+      left=$(( end - SECONDS ))
+      echo "== --accumulate $m: $left s for S5 full/SWA (dots_attn, B 8) and Mamba-2/GDN (none, B 4)"
+      B $(( left / 2 )) --scale s5 --arch full,swa --remat dots_attn --batch 8 --accumulate $m --steps 3 \
+        --compile-workers 2 --time-after-compiles --deadline $(( left / 2 - 8 )) --out "$OUT/bench_train_acc17_s5a_$m.json"
+      left=$(( end - SECONDS ))
+      B $left --scale s5 --arch mamba2,gdn --remat none --batch 4 --accumulate $m --steps 3 --compile-workers 2 \
+        --time-after-compiles --deadline $(( left - 8 )) --out "$OUT/bench_train_acc17_s5b_$m.json"
     done
     ;;
   mbnone17)  # session 16: the presets' remat (none): the best micro-batch at S1 and S3, timed after all compiles

@@ -93,20 +93,23 @@ def test_bench_train_compile_only(tmp_path):
 
 @pytest.mark.slow
 def test_bench_train_sweep_microbatch(tmp_path):
-    """bench_train --sweep-microbatch: every variant compiles and runs, the best table is written."""
+    """bench_train --sweep-microbatch --accumulate: every variant compiles and runs, the best table is written."""
     out, table = tmp_path / "train.json", tmp_path / "mb.json"
     _run(["experiments/bench_train.py", "--scale", "s1", "--arch", "full,sa@dots_attn", "--seq-len", "64",
-          "--sweep-microbatch", "1,2", "--steps", "1", "--compile-workers", "2", "--time-after-compiles", "--out", str(out),
-          "--table-out", str(table), "--save-primitive", "custom_partitioning", *TINY_ARGS], tmp_path)
+          "--sweep-microbatch", "1,2", "--accumulate", "2", "--steps", "1", "--compile-workers", "2",
+          "--time-after-compiles", "--out", str(out), "--table-out", str(table), "--save-primitive",
+          "custom_partitioning", *TINY_ARGS], tmp_path)
     rows = json.loads(out.read_text())["rows"]
+    # two micro-batches of `batch` sequences per step, gradients accumulated
+    assert all(r["accumulate"] == 2 and r["tokens_per_step"] == 2 * r["batch"] * 64 for r in rows)
     assert all(r["save_primitive"] == ["custom_partitioning"] for r in rows)
     assert [(r["arch"], r["batch"], r["status"], r["remat"]) for r in rows] == [
         (a, b, "ok", remat) for a, remat in (("full", "dots"), ("sa@dots_attn", "dots_attn")) for b in (1, 2)]
     assert all(r["peak_bytes"] > 0 and r["compile_s"] > 0 for r in rows)
     assert all(r["init_compile_s"] > 0 and r["warmup_s"] > 0 for r in rows)  # the phases apart from compile_s
     assert rows[2]["attention_backends"].get("sa w=128") == "xla"
-    table = json.loads(table.read_text())  # only the sweep's own policy enters it: not sa@dots_attn
-    assert set(table["best"]) == {"s1/full/64"} and table["remat"] == "dots"
+    table = json.loads(table.read_text())  # the sweep's policy (dots) is the new table's; sa's keeps its own
+    assert set(table["best"]) == {"s1/full/64", "s1/sa/64@dots_attn"} and table["remat"] == "dots"
 
 
 def test_compile_ops_times_each_recorded_call(tmp_path):

@@ -89,30 +89,52 @@ def test_bench_train_table_keeps_only_sweeps(tmp_path):
     rows = [row("full", 4, "ok", 10.0), row("full", 8, "ok", 12.0), row("swa", 4, "ok", 9.0),
             row("swa", 8, "oom"), row("sa", 4, "ok", 8.0), row("sa", 8, "not_compiled"),
             row("full+scan", 4, "ok", 1.0), row("full+scan", 8, "ok", 2.0)]
+    rows = [dict(r, remat="dots_attn") for r in rows] + [
+        dict(row("full@none", 4, "ok", 3.0), remat="none"), dict(row("full@none", 8, "oom"), remat="none")]
     best = bt.best_microbatches(rows)
-    assert best["s4/full/16384"]["batch"] == 8 and best["s4/swa/16384"]["tried"] == [4, 8]
+    assert best["s4/full/16384@dots_attn"]["batch"] == 8 and best["s4/swa/16384@dots_attn"]["tried"] == [4, 8]
+    assert best["s4/full/16384@none"] == {"batch": 4, "tokens_per_sec": 3.0, "mfu": 0.1, "tried": [4, 8]}
     path = tmp_path / "mb.json"
-    path.write_text(json.dumps({"command": "old", "best": {"s1/full/16384": 8}}))
-    rows += [row("full@none", 4, "ok", 1.0), row("full@none", 8, "ok", 2.0)]
-    best = bt.best_microbatches(rows)
+    path.write_text(json.dumps({"command": "old", "remat": "dots_attn", "best": {"s1/full/16384": 8}}))
     t = bt.write_table(str(path), best, "new", "NVIDIA H200", "dots_attn")
     # swa: 8 did not fit, so 4; sa: only 4 was measured (not a sweep); +scan: not an architecture;
-    # full@none: another remat than the sweep's
-    assert t["best"] == {"s1/full/16384": 8, "s4/full/16384": 8, "s4/swa/16384": 4}
+    # full@none: another policy than the table's, so its key keeps the ending
+    assert t["best"] == {"s1/full/16384": 8, "s4/full/16384": 8, "s4/swa/16384": 4, "s4/full/16384@none": 4}
     assert t["commands"] == ["old", "new"] and t["remat"] == "dots_attn" and json.loads(path.read_text()) == t
-    with pytest.raises(SystemExit, match="measured under remat 'dots_attn'; this sweep runs 'none'"):
-        bt.write_table(str(path), best, "newer", "NVIDIA H200", "none")
-    assert json.loads(path.read_text()) == t  # the refused sweep changed nothing
+    # a sweep under another policy into a new table: that policy becomes the table's own
+    fresh = bt.write_table(str(tmp_path / "none.json"), best, "n", "NVIDIA H200", "none")
+    assert fresh["remat"] == "none" and fresh["best"]["s4/full/16384"] == 4
+    assert fresh["best"]["s4/full/16384@dots_attn"] == 8
 
 
-def test_reason_names_the_tables_remat(tmp_path):
+def test_the_runs_remat_policy_picks_its_entry(tmp_path):
     table = tmp_path / "mb.json"
-    table.write_text(json.dumps({"remat": "dots_attn", "best": {"s1/full/16384": 8}}))
+    table.write_text(json.dumps({"remat": "dots_attn", "best": {"s1/full/16384": 8, "s2/full/16384": 16,
+                                                                "s1/full/16384@none": 4}}))
     base = ["DataConfig.seq_len = 16384", "TrainConfig.global_batch = 32", "ModelConfig.layer_pattern = 'F'"]
     same = load_config(["scale/s1.gin"], base + ["ModelConfig.remat = 'dots_attn'"])
     M, why = mb.rule_for(same, batch_shards=1, table=table)
     assert M == 4 and why.endswith("mb.json under remat dots_attn)")
-    other = load_config(["scale/s1.gin"], base)  # the presets' remat: none
+    own = load_config(["scale/s1.gin"], base)  # the presets' remat: none, with its own entry
+    M, why = mb.rule_for(own, batch_shards=1, table=table)
+    assert M == 8 and mb.measured_per_device(own, table) == 4 and why.endswith("under remat none)")
+    other = load_config(["scale/s2.gin"], base)  # none, measured only under dots_attn
     M, why = mb.rule_for(other, batch_shards=1, table=table)
-    assert M == 4 and "under remat dots_attn; this run's remat is none" in why
+    assert M == 2 and "under remat dots_attn; this run's remat is none" in why
     assert json.loads(mb.TABLE.read_text())["remat"] == "dots_attn"
+
+
+def test_bench_train_accumulates_micro_batches(monkeypatch):
+    """--accumulate M: the variant's step holds M micro-batches of `batch` sequences; M < 1 is refused."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
+    import bench_train as bt
+
+    cfg = bt.make_config("s1", "full", 64, 2, "none", "auto", accumulate=3)
+    assert (cfg.train.global_batch, cfg.train.microbatches) == (6, 3)
+    assert (bt.make_config("s1", "full", 64, 2, "none", "auto").train.microbatches) == 1
+    with pytest.raises(SystemExit, match="--accumulate 0: need at least one micro-batch per step"):
+        monkeypatch.setattr(sys, "argv", ["bench_train.py", "--accumulate", "0"])
+        bt.main()

@@ -5,9 +5,12 @@ The fastest micro-batch that fits one device was measured per (scale, arch, seq_
 (sequences per device). For a run, :func:`microbatches_for` picks the fewest micro-batches ``M`` that
 divide the global batch, keep each micro-batch divisible by the batch mesh axes, and put at most the
 measured number of sequences on each device. Unmeasured configs keep ``TrainConfig.microbatches``.
-The table names the remat policy it was measured under (``"remat"``); a run under another policy is
-told so in the rule's reason. Session 16 checked that every entry also fits without remat (the
-presets' ``ModelConfig.remat = 'none'``: at most 101 GiB of an H200 at 16 x 16K, docs/BENCHMARKS.md).
+Remat changes what fits, so the table names the policy its plain keys were measured under
+(``"remat"``, e.g. ``dots_attn``); a sweep under another policy adds keys ending in ``@POLICY``
+(``s1/full/16384@none``), which a run under that policy reads first. A run whose policy has no entry
+of its own gets the plain key, and its reason says under which policy it was measured. Session 16
+checked that every plain S1–S4 entry also fits without remat (the presets' ``ModelConfig.remat =
+'none'``: at most 101 GiB of an H200 at 16 x 16K, docs/BENCHMARKS.md).
 :func:`apply_rule` returns the config with that ``M`` set; the sweep launcher
 (``hybrid_lm/scaling/launch.py``) applies it to every run, and ``hybrid-lm info`` states it.
 """
@@ -47,17 +50,22 @@ def _load_table(path: str) -> dict:
     return json.loads(p.read_text()) if p.exists() else {}
 
 
-def _load(path: str) -> dict:
-    return _load_table(path).get("best", {})
+def _measured(cfg: Config, table: str | Path | None) -> tuple[int | None, str | None]:
+    """``(sequences per device, the remat policy it was measured under)`` for this config, if any."""
+    scale = scale_name(cfg.model)
+    if scale is None:
+        return None, None
+    t = _load_table(str(TABLE if table is None else table))
+    key, best = f"{scale}/{arch_name(cfg.model)}/{cfg.data.seq_len}", t.get("best", {})
+    if f"{key}@{cfg.model.remat}" in best:
+        return best[f"{key}@{cfg.model.remat}"], cfg.model.remat
+    return best.get(key), t.get("remat")
 
 
 def measured_per_device(cfg: Config, table: str | Path | None = None) -> int | None:
-    """The measured best sequences per device for this config's scale, arch and seq_len, if any
-    (``table`` defaults to :data:`TABLE`)."""
-    scale = scale_name(cfg.model)
-    if scale is None:
-        return None
-    return _load(str(TABLE if table is None else table)).get(f"{scale}/{arch_name(cfg.model)}/{cfg.data.seq_len}")
+    """The measured best sequences per device for this config's scale, arch, seq_len and remat policy
+    (else the table's own policy), if any (``table`` defaults to :data:`TABLE`)."""
+    return _measured(cfg, table)[0]
 
 
 def microbatches_for(global_batch: int, per_device: int, batch_shards: int) -> int:
@@ -77,12 +85,11 @@ def microbatches_for(global_batch: int, per_device: int, batch_shards: int) -> i
 
 def rule_for(cfg: Config, batch_shards: int, table: str | Path | None = None) -> tuple[int, str]:
     """``(microbatches, reason)`` for ``cfg`` on ``batch_shards`` devices along the batch axes."""
-    per = measured_per_device(cfg, table)
+    per, remat = _measured(cfg, table)
     if per is None:
         return cfg.train.microbatches, "not measured: TrainConfig.microbatches as configured"
     M = microbatches_for(cfg.train.global_batch, per, batch_shards)
     path = TABLE if table is None else table
-    remat = _load_table(str(path)).get("remat")
     under = "" if remat is None else f" under remat {remat}" + (
         "" if remat == cfg.model.remat else f"; this run's remat is {cfg.model.remat}")
     return M, (f"measured best {per} x {cfg.data.seq_len} tokens per device "
