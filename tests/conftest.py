@@ -8,8 +8,9 @@ import pytest
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HYBRID_LM_COMPILATION_CACHE", "off")  # never the user's ~/.cache/hybrid_lm/jax
 # XLA's CPU backend without its expensive optimisation passes (JAX's documented switch): the tests'
-# tiny programs spend far longer compiling than running, and this cuts the suite's compile time
-# by ~40% (session 16). Every tolerance still holds; the library's own runs are not affected.
+# tiny programs spend far longer compiling than running, and this cut the suite from ~1600 to ~1030 s
+# (session 16). Every tolerance still holds; the library's own runs are not affected. The few tests
+# that run large programs, or compare two different programs bitwise, take the `xla_optimized` fixture.
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 
 # One persistent compilation cache for this test run, in a fresh temp dir: many tests compile the same
@@ -89,13 +90,16 @@ TINY = [
 
 
 @pytest.fixture
-def xla_optimized():
-    """This test's programs compiled with XLA's usual optimisations (the library's own setting, not the
-    suite's ``JAX_DISABLE_MOST_OPTIMIZATIONS``): for a test that compares two *different* programs
-    bitwise, whose results agree only when XLA's optimiser lowers their shared part alike."""
+def xla_optimized(monkeypatch):
+    """This test's programs, and its subprocesses', compiled with XLA's usual optimisations (the
+    library's own setting, not the suite's ``JAX_DISABLE_MOST_OPTIMIZATIONS``). For a test that
+    compares two *different* programs bitwise (their results agree only when XLA's optimiser lowers
+    their shared part alike), and for tests whose time goes to running large programs rather than
+    compiling small ones (unoptimised elementwise code runs several times slower)."""
     import jax
 
     before = jax.config.read("jax_disable_most_optimizations")
+    monkeypatch.setenv("JAX_DISABLE_MOST_OPTIMIZATIONS", "0")
     jax.config.update("jax_disable_most_optimizations", False)
     yield
     jax.config.update("jax_disable_most_optimizations", before)
