@@ -386,6 +386,8 @@ def main() -> None:
     ap.add_argument("--short-conv-autodiff", action="store_true",
                     help="ShortConv's backward by autodiff of the reference (model.recurrent_common.SHORT_CONV_VJP off)")
     args = ap.parse_args()
+    if args.accumulate < 1:
+        raise SystemExit(f"--accumulate {args.accumulate}: need at least one micro-batch per step")
     if args.short_conv_autodiff:
         from hybrid_lm.model import recurrent_common
         recurrent_common.SHORT_CONV_VJP = False
@@ -394,8 +396,6 @@ def main() -> None:
         linear_attention_gpu.JLA_GROUPED_KEYS = False
     if args.save_primitive:
         transformer._ATTENTION_KERNELS = (*transformer._ATTENTION_KERNELS, *args.save_primitive)
-    if args.accumulate < 1:
-        raise SystemExit(f"--accumulate {args.accumulate}: need at least one micro-batch per step")
     batches = [int(b) for b in args.sweep_microbatch.split(",")] if args.sweep_microbatch else [args.batch]
     print(f"device: {jax.devices()[0].device_kind} x{jax.device_count()}   memory limit "
           f"{(device_memory() or 0) / 2 ** 30:.1f} GiB")

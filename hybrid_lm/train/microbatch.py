@@ -50,12 +50,12 @@ def _load_table(path: str) -> dict:
     return json.loads(p.read_text()) if p.exists() else {}
 
 
-def _measured(cfg: Config, table: str | Path | None) -> tuple[int | None, str | None]:
+def _measured(cfg: Config, table: str | Path) -> tuple[int | None, str | None]:
     """``(sequences per device, the remat policy it was measured under)`` for this config, if any."""
     scale = scale_name(cfg.model)
     if scale is None:
         return None, None
-    t = _load_table(str(TABLE if table is None else table))
+    t = _load_table(str(table))
     key, best = f"{scale}/{arch_name(cfg.model)}/{cfg.data.seq_len}", t.get("best", {})
     if f"{key}@{cfg.model.remat}" in best:
         return best[f"{key}@{cfg.model.remat}"], cfg.model.remat
@@ -65,7 +65,7 @@ def _measured(cfg: Config, table: str | Path | None) -> tuple[int | None, str | 
 def measured_per_device(cfg: Config, table: str | Path | None = None) -> int | None:
     """The measured best sequences per device for this config's scale, arch, seq_len and remat policy
     (else the table's own policy), if any (``table`` defaults to :data:`TABLE`)."""
-    return _measured(cfg, table)[0]
+    return _measured(cfg, TABLE if table is None else table)[0]
 
 
 def microbatches_for(global_batch: int, per_device: int, batch_shards: int) -> int:
@@ -85,11 +85,11 @@ def microbatches_for(global_batch: int, per_device: int, batch_shards: int) -> i
 
 def rule_for(cfg: Config, batch_shards: int, table: str | Path | None = None) -> tuple[int, str]:
     """``(microbatches, reason)`` for ``cfg`` on ``batch_shards`` devices along the batch axes."""
-    per, remat = _measured(cfg, table)
+    path = TABLE if table is None else table
+    per, remat = _measured(cfg, path)
     if per is None:
         return cfg.train.microbatches, "not measured: TrainConfig.microbatches as configured"
     M = microbatches_for(cfg.train.global_batch, per, batch_shards)
-    path = TABLE if table is None else table
     under = "" if remat is None else f" under remat {remat}" + (
         "" if remat == cfg.model.remat else f"; this run's remat is {cfg.model.remat}")
     return M, (f"measured best {per} x {cfg.data.seq_len} tokens per device "
