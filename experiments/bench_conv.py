@@ -128,7 +128,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=16384)
     ap.add_argument("--channels", type=lambda s: [int(x) for x in s.split(",")], default=[960, 1920, 2816])
-    ap.add_argument("--launches", default="8:512:4:32,4:512:4:64,16:256:4:32,8:1024:8:16,8:256:2:64,16:512:8:32",
+    ap.add_argument("--launches", default="16:256:4:32,8:512:4:32,4:512:4:64,8:1024:8:16,8:256:2:64,16:512:8:32",
                     help="BLOCK_T:BLOCK_C:WARPS:TIME_PROGRAMS launches of the kernel to check and time")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--inner", type=int, default=5)

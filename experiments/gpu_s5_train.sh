@@ -39,7 +39,8 @@
 #   bash experiments/gpu_s5_train.sh row17    # session 15: the anchor, S1-S5 x Mamba-2 / GDN under the new defaults
 #   bash experiments/gpu_s5_train.sh conv17   # session 16: ShortConv's backward kernel (bench_conv check + table), S3/S5 mamba2/gdn conv_kernel xla vs pallas
 #   bash experiments/gpu_s5_train.sh none17   # session 16: S1-S4 x full/SWA/SA at 16 x 16K, remat none vs dots_attn, timed after all compiles
-#   bash experiments/gpu_s5_train.sh conv17b  # next: the rolling-window conv backward (check, launches), S5 mamba2/gdn no remat at 4, xla vs pallas
+#   bash experiments/gpu_s5_train.sh row17c   # next: anchor, S1-S4 Mamba-2/GDN rows (conv kernel auto), S5 Mamba-2/GDN none B4 x accumulate 1 vs 4
+#   bash experiments/gpu_s5_train.sh conv17b  # session 17: the rolling-window conv backward (check, launches), S5 mamba2/gdn no remat at 4, xla vs pallas
 #   bash experiments/gpu_s5_train.sh acc17    # next: the step with its micro-batches accumulated (the update shared), S5 and S1/S3
 #   bash experiments/gpu_s5_train.sh mbnone17 # session 16: the micro-batch sweep {8, 16} under remat none, S1/S3 x full/SWA/SA
 #   bash experiments/gpu_s5_train.sh s5none17 # session 16: S5 x full/SWA/Mamba-2/GDN at 4 x 16K, remat none vs dots_attn; then 8 x 16K dots_attn
@@ -353,7 +354,21 @@ case "${1:-table}" in
     B 585 --scale s1,s2,s3,s4 --arch full@none,swa@none,sa@none,full,swa,sa --remat dots_attn --batch 16 --steps 4 \
       --compile-workers 6 --time-after-compiles --deadline 575 --out "$OUT/bench_train_none17.json"
     ;;
-  conv17b)  # next session: ShortConv's backward kernel, second design (rows carried in registers), checked and timed
+  row17c)  # session 17: the anchor; the S1-S4 Mamba-2 / GDN rows with the conv kernel on (auto), at the table's
+    # 16 sequences; then S5 Mamba-2 / GDN without remat at 4, one micro-batch vs 4 accumulated per step
+    timeout 80 python3 experiments/anchor_gpt.py --seq-len 16384 --batch 8 --steps 4 --out "$OUT/anchor_gpt.json" \
+      2>&1 | grep -v -e "^W12" -e "^I0000" -e "^W0000"
+    B 240 --scale s1,s2,s3,s4 --arch mamba2,gdn --remat dots_attn --batch 16 --steps 4 --compile-workers 8 \
+      --time-after-compiles --deadline 232 --out "$OUT/bench_train_row17c_s1_s4.json"
+    for m in 1 4; do
+      end=585; [ "$m" = 1 ] && end=$(( SECONDS + (585 - SECONDS) / 2 ))
+      left=$(( end - SECONDS ))
+      echo "== --accumulate $m: $left s for S5 Mamba-2/GDN (none, B 4)"
+      B $left --scale s5 --arch mamba2,gdn --remat none --batch 4 --accumulate $m --steps 3 --compile-workers 2 \
+        --time-after-compiles --deadline $(( left - 8 )) --out "$OUT/bench_train_row17c_s5_acc$m.json"
+    done
+    ;;
+  conv17b)  # session 17: ShortConv's backward kernel, second design (rows carried in registers), checked and timed
     # alone, then in the S5 steps at their best setting (no remat, 4 sequences) and S3 (dots_attn, 8)
     timeout 150 python3 experiments/bench_conv.py --out "$OUT/bench_conv_b.json" 2>&1 | grep -v -e "deprecated" | cut -c1-300
     for k in xla pallas; do

@@ -41,9 +41,10 @@ from jax.experimental.pallas import triton as pltriton
 
 from .tiles import interpret_default as _interpret
 
-# Default launch: rows per step, channels per program, warps, programs over time per batch row.
-CONV_BLOCK_T = 8
-CONV_BLOCK_C = 512
+# Default launch: rows per step, channels per program, warps, programs over time per batch row
+# (the fastest of 6 on an H200 at C = 2816, within 0.6% of the best at 1920; docs/BENCHMARKS.md, session 17).
+CONV_BLOCK_T = 16
+CONV_BLOCK_C = 256
 CONV_NUM_WARPS = 4
 CONV_TIME_PROGRAMS = 32
 MAX_KERNEL = 8  # taps held in registers
