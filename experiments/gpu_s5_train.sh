@@ -354,6 +354,15 @@ case "${1:-table}" in
     B 585 --scale s1,s2,s3,s4 --arch full@none,swa@none,sa@none,full,swa,sa --remat dots_attn --batch 16 --steps 4 \
       --compile-workers 6 --time-after-compiles --deadline 575 --out "$OUT/bench_train_none17.json"
     ;;
+  acc17s5)  # session 17 (the lease's last 5 minutes): S5 full / SWA under dots_attn at 8, one micro-batch vs 2 accumulated
+    for m in 1 2; do
+      end=300; [ "$m" = 1 ] && end=$(( SECONDS + (300 - SECONDS) / 2 ))
+      left=$(( end - SECONDS ))
+      echo "== --accumulate $m: $left s for S5 full/SWA (dots_attn, B 8)"
+      B $left --scale s5 --arch full,swa --remat dots_attn --batch 8 --accumulate $m --steps 3 --compile-workers 2 \
+        --time-after-compiles --deadline $(( left - 6 )) --out "$OUT/bench_train_acc17s5_$m.json"
+    done
+    ;;
   row17c)  # session 17: the anchor; the S1-S4 Mamba-2 / GDN rows with the conv kernel on (auto), at the table's
     # 16 sequences; then S5 Mamba-2 / GDN without remat at 4, one micro-batch vs 4 accumulated per step
     timeout 80 python3 experiments/anchor_gpt.py --seq-len 16384 --batch 8 --steps 4 --out "$OUT/anchor_gpt.json" \
