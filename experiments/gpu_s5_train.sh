@@ -354,6 +354,11 @@ case "${1:-table}" in
     B 585 --scale s1,s2,s3,s4 --arch full@none,swa@none,sa@none,full,swa,sa --remat dots_attn --batch 16 --steps 4 \
       --compile-workers 6 --time-after-compiles --deadline 575 --out "$OUT/bench_train_none17.json"
     ;;
+  alone17c)  # session 17 (the last device minutes): S5 GDN and Mamba-2 with the conv kernel, compiled alone
+    # under the presets' remat (none) at their micro-batch (4): the compile target
+    B 140 --scale s5 --arch gdn,mamba2 --remat none --batch 4 --steps 2 --compile-alone --deadline 132 \
+      --out "$OUT/bench_train_alone17c.json"
+    ;;
   acc17s5)  # session 17 (the lease's last 5 minutes): S5 full / SWA under dots_attn at 8, one micro-batch vs 2 accumulated
     for m in 1 2; do
       end=300; [ "$m" = 1 ] && end=$(( SECONDS + (300 - SECONDS) / 2 ))
