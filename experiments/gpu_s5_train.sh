@@ -41,7 +41,6 @@
 #   bash experiments/gpu_s5_train.sh none17   # session 16: S1-S4 x full/SWA/SA at 16 x 16K, remat none vs dots_attn, timed after all compiles
 #   bash experiments/gpu_s5_train.sh row17c   # next: anchor, S1-S4 Mamba-2/GDN rows (conv kernel auto), S5 Mamba-2/GDN none B4 x accumulate 1 vs 4
 #   bash experiments/gpu_s5_train.sh conv17b  # session 17: the rolling-window conv backward (check, launches), S5 mamba2/gdn no remat at 4, xla vs pallas
-#   bash experiments/gpu_s5_train.sh acc17    # next: the step with its micro-batches accumulated (the update shared), S5 and S1/S3
 #   bash experiments/gpu_s5_train.sh mbnone17 # session 16: the micro-batch sweep {8, 16} under remat none, S1/S3 x full/SWA/SA
 #   bash experiments/gpu_s5_train.sh s5none17 # session 16: S5 x full/SWA/Mamba-2/GDN at 4 x 16K, remat none vs dots_attn; then 8 x 16K dots_attn
 #   bash experiments/gpu_s5_train.sh all7b    # part 2: S1's slow-compiling archs, S3-S5 full/SWA/SA
@@ -60,6 +59,17 @@ PROF() { timeout "$1" python3 experiments/profile_train.py --scale s5 --arch "$2
 # dropped them, and they named the cause of the S5 Lightning compile (a folded per-layer decay)
 B() { timeout "$1" python3 experiments/bench_train.py "${@:2}" 2>&1 | grep -v -e gin_param -e "^W1201" \
   -e "isn.t necessarily" -e "If you.d like" -e "^$" | cut -c1-240; }
+# ACC until M prefix bench_train-args...: the same variants with --accumulate 1, then M (gradients of M
+# micro-batches summed per step), each given half of the seconds left before script time `until`; JSON to $OUT/<prefix><count>.json
+ACC() {
+  local until=$1 m=$2 prefix=$3 a end left; shift 3
+  for a in 1 "$m"; do
+    end=$until; [ "$a" = 1 ] && end=$(( SECONDS + (until - SECONDS) / 2 ))
+    left=$(( end - SECONDS ))
+    echo "== --accumulate $a: $left s"
+    B $left "$@" --accumulate "$a" --time-after-compiles --deadline $(( left - 8 )) --out "$OUT/$prefix$a.json"
+  done
+}
 
 case "${1:-table}" in
   table)  # the one-call plan after the first call of session 5 (see docs/BENCHMARKS.md)
@@ -360,13 +370,7 @@ case "${1:-table}" in
       --out "$OUT/bench_train_alone17c.json"
     ;;
   acc17s5)  # session 17 (the lease's last 5 minutes): S5 full / SWA under dots_attn at 8, one micro-batch vs 2 accumulated
-    for m in 1 2; do
-      end=300; [ "$m" = 1 ] && end=$(( SECONDS + (300 - SECONDS) / 2 ))
-      left=$(( end - SECONDS ))
-      echo "== --accumulate $m: $left s for S5 full/SWA (dots_attn, B 8)"
-      B $left --scale s5 --arch full,swa --remat dots_attn --batch 8 --accumulate $m --steps 3 --compile-workers 2 \
-        --time-after-compiles --deadline $(( left - 6 )) --out "$OUT/bench_train_acc17s5_$m.json"
-    done
+    ACC 300 2 bench_train_acc17s5_ --scale s5 --arch full,swa --remat dots_attn --batch 8 --steps 3 --compile-workers 2
     ;;
   row17c)  # session 17: the anchor; the S1-S4 Mamba-2 / GDN rows with the conv kernel on (auto), at the table's
     # 16 sequences; then S5 Mamba-2 / GDN without remat at 4, one micro-batch vs 4 accumulated per step
@@ -374,13 +378,7 @@ case "${1:-table}" in
       2>&1 | grep -v -e "^W12" -e "^I0000" -e "^W0000"
     B 240 --scale s1,s2,s3,s4 --arch mamba2,gdn --remat dots_attn --batch 16 --steps 4 --compile-workers 8 \
       --time-after-compiles --deadline 232 --out "$OUT/bench_train_row17c_s1_s4.json"
-    for m in 1 4; do
-      end=585; [ "$m" = 1 ] && end=$(( SECONDS + (585 - SECONDS) / 2 ))
-      left=$(( end - SECONDS ))
-      echo "== --accumulate $m: $left s for S5 Mamba-2/GDN (none, B 4)"
-      B $left --scale s5 --arch mamba2,gdn --remat none --batch 4 --accumulate $m --steps 3 --compile-workers 2 \
-        --time-after-compiles --deadline $(( left - 8 )) --out "$OUT/bench_train_row17c_s5_acc$m.json"
-    done
+    ACC 585 4 bench_train_row17c_s5_acc --scale s5 --arch mamba2,gdn --remat none --batch 4 --steps 3 --compile-workers 2
     ;;
   conv17b)  # session 17: ShortConv's backward kernel, second design (rows carried in registers), checked and timed
     # alone, then in the S5 steps at their best setting (no remat, 4 sequences) and S3 (dots_attn, 8)
@@ -396,21 +394,6 @@ case "${1:-table}" in
       B $left --scale s3 --arch mamba2,gdn --remat dots_attn --batch 8 --steps 4 --compile-workers 2 \
         --time-after-compiles --gin_param "ModelConfig.conv_kernel = '$k'" --deadline $(( left - 8 )) \
         --out "$OUT/bench_train_conv17b_s3_$k.json"
-    done
-    ;;
-  acc17)  # next session: the train step as a run takes it (global batch > micro-batch): M micro-batches
-    # accumulated per step share one optimizer update; M = 1 beside it in the same process
-    timeout 80 python3 experiments/anchor_gpt.py --seq-len 16384 --batch 8 --steps 4 --out "$OUT/anchor_gpt.json" \
-      2>&1 | grep -v -e "^W12" -e "^I0000" -e "^W0000"
-    for m in 1 4; do
-      end=590; [ "$m" = 1 ] && end=$(( SECONDS + (590 - SECONDS) / 2 ))
-      left=$(( end - SECONDS ))
-      echo "== --accumulate $m: $left s for S5 full/SWA (dots_attn, B 8) and Mamba-2/GDN (none, B 4)"
-      B $(( left / 2 )) --scale s5 --arch full,swa --remat dots_attn --batch 8 --accumulate $m --steps 3 \
-        --compile-workers 2 --time-after-compiles --deadline $(( left / 2 - 8 )) --out "$OUT/bench_train_acc17_s5a_$m.json"
-      left=$(( end - SECONDS ))
-      B $left --scale s5 --arch mamba2,gdn --remat none --batch 4 --accumulate $m --steps 3 --compile-workers 2 \
-        --time-after-compiles --deadline $(( left - 8 )) --out "$OUT/bench_train_acc17_s5b_$m.json"
     done
     ;;
   mbnone17)  # session 16: the presets' remat (none): the best micro-batch at S1 and S3, timed after all compiles
