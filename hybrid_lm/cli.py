@@ -71,7 +71,8 @@ def cmd_info(args) -> int:
     info = {"run_id": cfg.run_id(), "layer_types": "".join(cfg.model.layer_types()),
             "seq_len": cfg.data.seq_len, "params": counts, "flops_per_token": flops,
             "microbatch": {"measured_per_device": measured_per_device(cfg), "microbatches_on_one_device": micro,
-                           "reason": why}}
+                           "reason": why, "applied_by": "hybrid-lm sweep",
+                           "configured": cfg.train.microbatches}}
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
@@ -92,6 +93,9 @@ def cmd_info(args) -> int:
     print(f"{'lm head':<29}{flops['head']:>14.4g}")
     print(f"total forward {flops['forward']:.4g}   train (3x) {flops['train']:.4g} FLOPs/token")
     print(f"\nmicro-batches for global_batch {cfg.train.global_batch} on one device: {micro} ({why})")
+    if micro != cfg.train.microbatches:  # the sweep launcher applies the rule; a plain train takes the config
+        print(f"  applied by `hybrid-lm sweep`; `hybrid-lm train` uses TrainConfig.microbatches = "
+              f"{cfg.train.microbatches} as configured (add --gin_param \"TrainConfig.microbatches = {micro}\")")
     return 0
 
 

@@ -316,6 +316,9 @@ def _bound(scope: str, name: str) -> bool:
 
 def _slot_mixer(slot: str) -> MixerConfig:
     """The slot's mixer: slot bindings, else ``slot/kind`` bindings, else the slot's default for that kind."""
+    if _bound("", "kind"):  # it would make every layer that kind, the full-attention ones too
+        raise ConfigError("MixerConfig.kind is bound without a slot, which sets every layer's mixer; write "
+                          "efficient/MixerConfig.kind (the efficient layers) or full/MixerConfig.kind")
     with gin.config_scope(slot):
         plain = MixerConfig()
     kind = plain.kind or SLOT_DEFAULTS[slot].kind

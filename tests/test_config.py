@@ -25,6 +25,7 @@ def test_expand_pattern(pattern, n, expected):
     (["ModelConfig.layer_pattern = 'FXE'"], "use letters F"),
     (["ModelConfig.vocab_size = 100"], "smaller than the 'byte' tokenizer's 256"),
     (["efficient/MixerConfig.kind = 'nope'"], "unknown mixer kind 'nope'"),
+    (["MixerConfig.kind = 'mamba2'"], "MixerConfig.kind is bound without a slot, which sets every layer's mixer"),
     (["efficient/MixerConfig.options = {'x': 1}"], "takes no options"),
     (["ModelConfig.attention_impl = 'magic'"], "attention_impl"),
     (["ModelConfig.n_heads = 4", "ModelConfig.d_model = 128", "ModelConfig.n_kv_heads = 3"], "must divide n_heads"),
@@ -74,6 +75,24 @@ def test_resume_refuses_a_different_experiment(tmp_path):
         prepare_run_dir(changed, tmp_path)
     prepare_run_dir(changed, tmp_path, force=True)
     assert json.loads((tmp_path / "config.json").read_text())["optim"]["lr"] == 1e-4
+
+
+def test_a_run_is_never_shortened_below_its_checkpoints_and_a_late_extension_warns(tiny_run, caplog):
+    """A trained run's workdir refuses a TrainConfig.steps below its newest checkpoint (its record would
+    say fewer steps than it trained) and keeps config.json; extending after the LR decay began warns."""
+    from conftest import TINY
+    from hybrid_lm.errors import WorkdirError
+
+    run = tiny_run(10)  # checkpoints at 5 and 10; warmup 5, the last 2 steps decay
+    record = (run / "config.json").read_text()
+    with pytest.raises(WorkdirError, match=r"has trained to step 10 .* past TrainConfig.steps=7"):
+        prepare_run_dir(load_config([], list(TINY) + ["TrainConfig.steps = 7"]), run)
+    assert (run / "config.json").read_text() == record
+    prepare_run_dir(load_config([], list(TINY) + ["TrainConfig.steps = 10"]), run)  # the same length: quiet
+    assert "LR decay had begun" not in caplog.text
+    prepare_run_dir(load_config([], list(TINY) + ["TrainConfig.steps = 20"]), run)
+    assert "TrainConfig.steps 10 -> 20 at step 10: the LR decay had begun" in caplog.text
+    assert json.loads((run / "config.json").read_text())["train"]["steps"] == 20
 
 
 def test_optional_import_names_the_extra(monkeypatch):

@@ -138,3 +138,20 @@ def test_bench_train_accumulates_micro_batches(monkeypatch):
     with pytest.raises(SystemExit, match="--accumulate 0: need at least one micro-batch per step"):
         monkeypatch.setattr(sys, "argv", ["bench_train.py", "--accumulate", "0"])
         bt.main()
+
+
+def test_info_says_who_applies_the_rule(capsys):
+    """`hybrid-lm info` states the measured micro-batches, that the sweep launcher applies them, and the
+    gin line a plain `hybrid-lm train` needs to take them."""
+    from hybrid_lm.cli import main
+
+    assert main(["info", "configs/scale/s1.gin"]) == 0
+    out = capsys.readouterr().out
+    assert "micro-batches for global_batch 32 on one device: 4 (measured best 8 x 16384" in out
+    assert ("applied by `hybrid-lm sweep`; `hybrid-lm train` uses TrainConfig.microbatches = 1 as configured "
+            '(add --gin_param "TrainConfig.microbatches = 4")') in out
+    assert main(["info", "configs/scale/s1.gin", "--gin_param", "TrainConfig.microbatches = 4"]) == 0
+    assert "applied by" not in capsys.readouterr().out  # the config already takes the rule
+    assert main(["info", "configs/scale/s1.gin", "--json"]) == 0
+    mb = json.loads(capsys.readouterr().out)["microbatch"]
+    assert (mb["microbatches_on_one_device"], mb["configured"], mb["applied_by"]) == (4, 1, "hybrid-lm sweep")

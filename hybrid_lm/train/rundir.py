@@ -96,6 +96,7 @@ def prepare_run_dir(cfg: Config, workdir: Path, force: bool = False, init_record
         if changed:
             atomic_write_json(workdir / f"config.forced-{len(list(workdir.glob('config.forced-*')))}.json",
                               old, indent=2, default=str)
+        check_run_length(workdir, old.get("train", {}).get("steps"), cfg)
     record = {**new, "run_id": cfg.run_id()}
     if previous:
         record["previous_run_ids"] = previous
@@ -103,6 +104,30 @@ def prepare_run_dir(cfg: Config, workdir: Path, force: bool = False, init_record
     atomic_write_text(workdir / "operative.gin", operative_gin())
     atomic_write_json(workdir / "provenance.json", prov, indent=2)
     return workdir
+
+
+def check_run_length(workdir: Path, old_steps: int | None, cfg: Config) -> None:
+    """A run may be extended, never shortened below its newest checkpoint: its record would then say
+    fewer steps than it trained (``WorkdirError``). Extending a run whose LR decay had begun restarts the
+    decay from the constant LR, which is said in a warning (WSD studies branch instead: ``hybrid-lm sweep``)."""
+    from hybrid_lm.train.checkpoint import saved_steps
+    from hybrid_lm.train.optim import wsd_schedule
+
+    saved = saved_steps(workdir / "checkpoints")
+    if not saved:
+        return
+    at, steps = saved[-1], cfg.train.steps
+    if at > steps:
+        raise WorkdirError(f"{workdir} has trained to step {at} (its newest checkpoint), past TrainConfig.steps={steps}: "
+                           f"its record would say {steps}. Evaluate an earlier step with `hybrid-lm eval {workdir} "
+                           "@STEP`, or train in another --workdir")
+    if old_steps and at >= 1 and steps > old_steps:
+        last = float(wsd_schedule(cfg.optim, old_steps)(at - 1))  # the LR of the last trained step
+        nxt = float(wsd_schedule(cfg.optim, steps)(at))
+        if nxt > last * 1.01:
+            log.warning("TrainConfig.steps %d -> %d at step %d: the LR decay had begun (lr %.3g at step %d); the new "
+                        "schedule goes back to %.3g. A WSD study branches runs instead (hybrid-lm sweep)",
+                        old_steps, steps, at, last, at - 1, nxt)
 
 
 _RUN_RECORDS = ("metrics.jsonl", "checkpoints", "loss_curve.png", "eval.jsonl", "tb", "wandb_id", "profile")
