@@ -93,10 +93,10 @@ def prepare_run_dir(cfg: Config, workdir: Path, force: bool = False, init_record
             raise ConfigError(
                 f"{workdir} holds a different experiment; differing fields: {', '.join(changed)}. "
                 "Use another --workdir, or --force to resume anyway.")
+        check_run_length(workdir, old.get("train", {}).get("steps"), cfg)  # before anything is written
         if changed:
             atomic_write_json(workdir / f"config.forced-{len(list(workdir.glob('config.forced-*')))}.json",
                               old, indent=2, default=str)
-        check_run_length(workdir, old.get("train", {}).get("steps"), cfg)
     record = {**new, "run_id": cfg.run_id()}
     if previous:
         record["previous_run_ids"] = previous
