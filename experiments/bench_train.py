@@ -55,6 +55,8 @@ ARCH = {  # gin bindings per variant (the full-attention slot unchanged unless s
     "lightning": ["efficient/MixerConfig.kind = 'lightning'"],
     "mamba2": ["efficient/MixerConfig.kind = 'mamba2'"],
     "gdn": ["efficient/MixerConfig.kind = 'gdn'"],
+    # GDN's output norm on the one-pass kernels (ModelConfig.gated_norm_kernel), beside the default
+    "gdn_norm_pallas": ["efficient/MixerConfig.kind = 'gdn'", "ModelConfig.gated_norm_kernel = 'pallas'"],
     # MoBA at the official gate's scale of blocks (configs/arch/moba.gin has SSA's block 16)
     "moba": ["efficient/MixerConfig.kind = 'moba'",
              "efficient/MixerConfig.options = {'block_size': 128, 'top_k': 16, 'gate': 'moba'}"],
@@ -113,7 +115,8 @@ class Variant:
                         attention_impl=args.impl, loss_impl=args.loss, gin_param=list(args.gin_param),
                         save_primitive=list(getattr(args, "save_primitive", [])),
                         jla_grouped_keys=not getattr(args, "jla_repeated_keys", False),
-                        short_conv_vjp=not getattr(args, "short_conv_autodiff", False))
+                        short_conv_vjp=not getattr(args, "short_conv_autodiff", False),
+                        gdn_padded_output=not getattr(args, "gdn_sliced_output", False))
         extra = ([f"ModelConfig.loss_impl = '{args.loss}'"] if args.loss != "default" else []) + args.gin_param
         self.cfg = make_config(scale, arch, args.seq_len, batch, args.remat, args.impl, extra, accumulate)
         self.fns = ModelFns(self.cfg)
@@ -385,12 +388,18 @@ def main() -> None:
                     help="repeat Mamba-2's B/C groups before jla's kernel (ops.linear_attention_gpu.JLA_GROUPED_KEYS off)")
     ap.add_argument("--short-conv-autodiff", action="store_true",
                     help="ShortConv's backward by autodiff of the reference (model.recurrent_common.SHORT_CONV_VJP off)")
+    ap.add_argument("--gdn-sliced-output", action="store_true",
+                    help="GDN takes jla's output sliced and cast to fp32 before its norm (model.gated_deltanet."
+                         "GDN_PADDED_OUTPUT off: the path before session 18)")
     args = ap.parse_args()
     if args.accumulate < 1:
         raise SystemExit(f"--accumulate {args.accumulate}: need at least one micro-batch per step")
     if args.short_conv_autodiff:
         from hybrid_lm.model import recurrent_common
         recurrent_common.SHORT_CONV_VJP = False
+    if args.gdn_sliced_output:
+        from hybrid_lm.model import gated_deltanet
+        gated_deltanet.GDN_PADDED_OUTPUT = False
     if args.jla_repeated_keys:
         from hybrid_lm.ops import linear_attention_gpu
         linear_attention_gpu.JLA_GROUPED_KEYS = False

@@ -41,6 +41,7 @@
 #   bash experiments/gpu_s5_train.sh none17   # session 16: S1-S4 x full/SWA/SA at 16 x 16K, remat none vs dots_attn, timed after all compiles
 #   bash experiments/gpu_s5_train.sh row17c   # next: anchor, S1-S4 Mamba-2/GDN rows (conv kernel auto), S5 Mamba-2/GDN none B4 x accumulate 1 vs 4
 #   bash experiments/gpu_s5_train.sh conv17b  # session 17: the rolling-window conv backward (check, launches), S5 mamba2/gdn no remat at 4, xla vs pallas
+#   bash experiments/gpu_s5_train.sh gn18     # session 18: GDN's gated output norm kernel (check, launches), S5 GDN none B4: sliced / padded xla / padded pallas
 #   bash experiments/gpu_s5_train.sh mbnone17 # session 16: the micro-batch sweep {8, 16} under remat none, S1/S3 x full/SWA/SA
 #   bash experiments/gpu_s5_train.sh s5none17 # session 16: S5 x full/SWA/Mamba-2/GDN at 4 x 16K, remat none vs dots_attn; then 8 x 16K dots_attn
 #   bash experiments/gpu_s5_train.sh all7b    # part 2: S1's slow-compiling archs, S3-S5 full/SWA/SA
@@ -395,6 +396,18 @@ case "${1:-table}" in
         --time-after-compiles --gin_param "ModelConfig.conv_kernel = '$k'" --deadline $(( left - 8 )) \
         --out "$OUT/bench_train_conv17b_s3_$k.json"
     done
+    ;;
+  gn18)  # session 18: GDN's output norm read in place from jla's padded output, on XLA and on the one-pass kernels;
+    # checked and timed alone, then the S5 GDN step at its best setting (no remat, 4 sequences) three ways
+    timeout 120 python3 experiments/bench_gated_norm.py --out "$OUT/bench_gated_norm.json" 2>&1 | grep -v -e "deprecated" | cut -c1-300
+    left=$(( 585 - SECONDS ))
+    echo "== $left s: S5 gdn (padded output, XLA norm) and gdn_norm_pallas, none, B 4"
+    B $(( left * 3 / 5 )) --scale s5 --arch gdn,gdn_norm_pallas --remat none --batch 4 --steps 6 --compile-workers 2 \
+      --time-after-compiles --deadline $(( left * 3 / 5 - 8 )) --out "$OUT/bench_train_gn18_s5.json"
+    left=$(( 585 - SECONDS ))
+    echo "== $left s: S5 gdn with the output sliced and cast before the norm (the path before session 18)"
+    B $left --scale s5 --arch gdn --remat none --batch 4 --steps 6 --compile-workers 1 --time-after-compiles \
+      --gdn-sliced-output --deadline $(( left - 8 )) --out "$OUT/bench_train_gn18_s5_sliced.json"
     ;;
   mbnone17)  # session 16: the presets' remat (none): the best micro-batch at S1 and S3, timed after all compiles
     B 330 --scale s1,s3 --arch full,swa,sa --remat none --sweep-microbatch 8,16 --steps 4 \

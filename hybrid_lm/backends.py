@@ -10,7 +10,8 @@ One function per op family, each returning ``(backend, reason)``:
 - :func:`loss_backend`, :func:`loss_kernel_backend`: the next-token loss (whole or chunked logits)
   and the chunked loss's softmax pass;
 - :func:`norm_kernel_backend`: the RMSNorms (plain jnp or the one-pass kernels);
-- :func:`conv_kernel_backend`: the short convs' backward in mamba2 / gdn (plain jnp or one Pallas pass).
+- :func:`conv_kernel_backend`: the short convs' backward in mamba2 / gdn (plain jnp or one Pallas pass);
+- :func:`gated_norm_kernel_backend`: gdn's gated output norm (plain jnp or one Pallas pass each way).
 
 :func:`check_document_mask` says whether a model can run with ``DataConfig.document_mask`` (the
 mixers' declared support, then the attention backend), before anything is allocated.
@@ -246,6 +247,14 @@ def conv_kernel_backend(impl: str, platform: str | None = None, devices: int | N
     (tests)."""
     return _row_kernel_backend("conv_kernel", impl, platform, devices,
                                "the conv backward kernel: train steps 0.978-0.984x on an H200, session 17")
+
+
+def gated_norm_kernel_backend(impl: str, platform: str | None = None, devices: int | None = None) -> tuple[str, str]:
+    """``(backend, reason)`` of gdn's gated output norm (``ops.norm.gated_rms_norm``): ``pallas``
+    (``hybrid_lm_kernels.gated_rms_norm_fwd`` / ``_bwd``, reading the linear-attention kernel's padded
+    output in place) or ``xla`` (plain jnp). ``auto``: xla everywhere until a train step gains on a GPU
+    (docs/KERNELS.md). ``pallas`` on the CPU runs interpreted (tests)."""
+    return _row_kernel_backend("gated_norm_kernel", impl, platform, devices, None)
 
 
 def attention_op_name(window: int | None, permuted: bool) -> str:

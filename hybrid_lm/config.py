@@ -81,6 +81,7 @@ LossImpl = Literal["auto", "full", "chunked"]  # resolved in hybrid_lm/backends.
 LossKernel = Literal["auto", "xla", "pallas", "jla"]  # softmax pass of the chunked loss, or jla's fused loss (backends.loss_kernel_backend)
 NormKernel = Literal["auto", "xla", "pallas"]  # the RMSNorms (backends.norm_kernel_backend)
 ConvKernel = Literal["auto", "xla", "pallas"]  # ShortConv's backward in mamba2 / gdn (backends.conv_kernel_backend)
+GatedNormKernel = Literal["auto", "xla", "pallas"]  # gdn's output norm (backends.gated_norm_kernel_backend)
 NanPolicy = Literal["stop", "skip"]  # a non-finite loss/gradient never reaches the state
 
 
@@ -119,6 +120,7 @@ class ModelConfig:
     loss_kernel: LossKernel = _nid("auto")
     norm_kernel: NormKernel = _nid("auto")  # the blocks' and final RMSNorms (not mixers' inner norms): jnp or Pallas (ops/norm.py)
     conv_kernel: ConvKernel = _nid("auto")  # the recurrent mixers' short convs' backward: jnp or one Pallas pass (model/recurrent_common.py)
+    gated_norm_kernel: GatedNormKernel = _nid("auto")  # gdn's gated output norm: jnp or one Pallas pass each way (ops/norm.py)
     scan_layers: bool = _nid(False)  # lax.scan over repeated layer groups (same params; hybrid_lm/model/transformer.py)
     full: MixerConfig = field(default_factory=lambda: SLOT_DEFAULTS["full"])
     efficient: MixerConfig = field(default_factory=lambda: SLOT_DEFAULTS["efficient"])

@@ -11,6 +11,8 @@
   and the gradient, the logits read twice), same backend.
 - `rms_norm_fwd`, `rms_norm_bwd`: RMSNorm's forward and backward, each one pass over the rows (the
   backward reads x and dy once for dx and the scale's gradient), same backend.
+- `gated_rms_norm_fwd`, `gated_rms_norm_bwd`: Gated DeltaNet's output norm (norm, scale, then the SiLU
+  gate), each one pass over head rows read from the linear-attention kernel's padded width, same backend.
 - `short_conv_bwd`: the backward of a short causal depthwise conv (+ SiLU) in one pass (x and dy read
   once for dx and the weight / bias sums), same backend.
 - `select_blocks`: MoBA / SSA per-token block selection (gate scores + running top-k fused in one
@@ -20,6 +22,7 @@
 
 from .block_sparse_pallas import SparseBlockSizes, block_sparse_attention
 from .cross_entropy_pallas import softmax_xent_rows
+from .gated_norm_pallas import gated_rms_norm_bwd, gated_rms_norm_fwd
 from .gather_sparse_pallas import decode_kernel_reason, gather_decode_attention, gather_sparse_attention
 from .rms_norm_pallas import rms_norm_bwd, rms_norm_fwd
 from .selection_pallas import (SelectionBlockSizes, block_importance, select_blocks, select_blocks_split,
@@ -28,6 +31,6 @@ from .short_conv_pallas import short_conv_bwd
 from .windowed_pallas import BlockSizes, default_block_sizes, windowed_attention
 
 __all__ = ["BlockSizes", "SelectionBlockSizes", "SparseBlockSizes", "block_importance", "block_sparse_attention",
-           "decode_kernel_reason", "default_block_sizes", "gather_decode_attention", "gather_sparse_attention",
+           "decode_kernel_reason", "default_block_sizes", "gated_rms_norm_bwd", "gated_rms_norm_fwd", "gather_decode_attention", "gather_sparse_attention",
            "rms_norm_bwd", "rms_norm_fwd", "select_blocks",
            "select_blocks_split", "short_conv_bwd", "softmax_xent_rows", "top_k_blocks", "windowed_attention"]

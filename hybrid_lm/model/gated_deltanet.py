@@ -42,6 +42,10 @@ from hybrid_lm.model.registry import MixerContext, register_mixer
 from hybrid_lm.ops.delta_rule import gated_delta_rule_step
 from hybrid_lm.ops.linear_attention_gpu import gated_delta_rule
 
+# The jla path hands o back at the kernel's padded width and dtype, read in place by the output norm
+# (gated_delta_rule(padded_output=True)); off: sliced and cast to q's dtype (fp32) first, as before session 18.
+GDN_PADDED_OUTPUT = True
+
 
 @dataclass(frozen=True)
 class GDNOptions:
@@ -110,7 +114,8 @@ class _RMSNorm(nnx.Module):
         self.scale = const_param(jnp.ones((dim,)), ("norm",))
 
     def __call__(self, x, z=None):
-        xf = x.astype(jnp.float32)
+        """``x [..., W >= dim]``: the first ``dim`` columns (the kernel's padded output) are normalised."""
+        xf = x[..., :self.scale.shape[0]].astype(jnp.float32)
         y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + INNER_NORM_EPS)
         return (y * self.scale[...]).astype(x.dtype)
 
@@ -138,7 +143,7 @@ class GatedDeltaNet(nnx.Module):
         self.dt_bias = const_param(dt_bias_init(rngs, H), ("ssm_heads",))
         if o.use_gate:
             self.w_g = param(rngs, (d, H, Dv), ("embed", "heads", "head_dim"), std)
-            self.o_norm = GatedRMSNorm(Dv, norm_before_gate=True)
+            self.o_norm = GatedRMSNorm(Dv, norm_before_gate=True, kernel=cfg.gated_norm_kernel)
         else:
             self.w_g = None
             self.o_norm = _RMSNorm(Dv)
@@ -166,6 +171,7 @@ class GatedDeltaNet(nnx.Module):
         return q, k, v, g, beta
 
     def _output(self, o, x):
+        """``o [..., H, W >= Dv]`` (the values' first Dv columns; wider: the kernel's padded output)."""
         gate = None
         if self.w_g is not None:
             gate = jnp.einsum("...d,dhv->...hv", x, self.w_g[...].astype(x.dtype))
@@ -180,11 +186,13 @@ class GatedDeltaNet(nnx.Module):
         cs = (None, None, None) if state is None else state["conv_state"]
         (q, sq), (k, sk), (v, sv) = self.conv_q(q, cs[0]), self.conv_k(k, cs[1]), self.conv_v(v, cs[2])
         q, k, v, g, beta = self._heads_and_gates(x, q, k, v)
-        # the fast path rounds the fp32 unit-norm q, k to the compute dtype for the kernel (kernel_dtype)
+        # the fast path rounds the fp32 unit-norm q, k to the compute dtype for the kernel (kernel_dtype) and
+        # hands back o at its padded width, which the output norm reads in place (padded_output)
         o, S = gated_delta_rule(q, k, v, g, beta,
                                 initial_state=None if state is None else state["recurrent_state"],
                                 output_final_state=True, chunk_size=self.opts.chunk_size,
-                                impl=self.linear_impl, kernel_dtype=x.dtype, label="gdn")
+                                impl=self.linear_impl, kernel_dtype=x.dtype, label="gdn",
+                                padded_output=GDN_PADDED_OUTPUT)
         return self._output(o, x), {"conv_state": (sq, sk, sv), "recurrent_state": S}
 
     def __call__(self, x, ctx: MixerContext):

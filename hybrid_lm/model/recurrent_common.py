@@ -19,7 +19,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hybrid_lm.backends import conv_kernel_backend
+from hybrid_lm.backends import conv_kernel_backend, gated_norm_kernel_backend
+from hybrid_lm.ops.norm import gated_rms_norm
 
 # eps of the norms *inside* the recurrent layers (mamba_ssm, fla and MiniMax all use 1e-5); the
 # block's pre-norms keep ModelConfig.norm_eps.
@@ -204,7 +205,7 @@ class GatedRMSNorm(nnx.Module):
     """
 
     def __init__(self, dim: int, *, norm_before_gate: bool, group_size: int | None = None,
-                 eps: float = INNER_NORM_EPS):
+                 eps: float = INNER_NORM_EPS, kernel: str = "xla"):
         group_size = group_size or dim
         if dim % group_size:
             raise ValueError(f"group_size={group_size} does not divide dim={dim}")
@@ -212,9 +213,19 @@ class GatedRMSNorm(nnx.Module):
         self.norm_before_gate = norm_before_gate
         self.group_size = group_size
         self.eps = eps
+        # ModelConfig.gated_norm_kernel (resolved when traced); used by the one-group, norm-first form (gdn)
+        self.kernel = kernel
 
     def __call__(self, x, z):
+        """``x [..., W]``, ``z [..., dim]`` -> ``[..., dim]`` in x's dtype. ``W > dim`` (the norm-first,
+        one-group form only): the norm reads x's first ``dim`` columns (a kernel's padded output)."""
         dtype = x.dtype
+        dim = self.scale.shape[0]
+        if self.norm_before_gate and self.group_size == dim:
+            return gated_rms_norm(x, z, self.scale[...], self.eps,
+                                  gated_norm_kernel_backend(self.kernel)[0]).astype(dtype)
+        if x.shape[-1] != dim:
+            raise ValueError(f"x {x.shape}: this gated norm takes {dim} columns")
         x, z = x.astype(jnp.float32), z.astype(jnp.float32)
         if not self.norm_before_gate:
             x = x * jax.nn.silu(z)

@@ -267,11 +267,12 @@ def _jla_simple_gla(q, k, v, g, g_gamma, *, scale, initial_state, output_final_s
     return o[..., :Dv].astype(out_dtype), (S[:, :, :Dk, :Dv].astype(jnp.float32) if output_final_state else None)
 
 
-@functools.partial(jax.jit, static_argnames=_JLA_STATIC)
+@functools.partial(jax.jit, static_argnames=(*_JLA_STATIC, "padded_output"))
 def _jla_gated_delta_rule(q, k, v, g, beta, *, scale, initial_state, output_final_state, kernel_dtype=None,
-                          backend: str = "mosaic_gpu", pad_to=None):
+                          backend: str = "mosaic_gpu", pad_to=None, padded_output: bool = False):
     """Our ``gated_delta_rule`` call expressed in jla's API (kind ``gated_deltanet``); see
-    :func:`_jla_simple_gla` for ``backend`` and ``pad_to``."""
+    :func:`_jla_simple_gla` for ``backend`` and ``pad_to``. ``padded_output``: o as the kernel returns it
+    (its dtype, its padded value width; see :func:`gated_delta_rule`)."""
     jla_ops = import_jla()
     Dk, Dv = q.shape[-1], v.shape[-1]
     out_dtype = q.dtype
@@ -286,7 +287,8 @@ def _jla_gated_delta_rule(q, k, v, g, beta, *, scale, initial_state, output_fina
         o, S = jla_ops.linear_attention(
             "gated_deltanet", jq, jk, jv, impl=backend, g=jg, beta=jb, scale=jscale, initial_state=js,
             output_final_state=output_final_state, use_qk_l2norm=False)  # q, k normalised by the caller
-    return o[..., :Dv].astype(out_dtype), (S[:, :, :Dk, :Dv].astype(jnp.float32) if output_final_state else None)
+    S = S[:, :, :Dk, :Dv].astype(jnp.float32) if output_final_state else None
+    return (o if padded_output else o[..., :Dv].astype(out_dtype)), S
 
 
 # ----------------------------------------------------------------------------- public ops
@@ -360,12 +362,15 @@ def simple_gla(q, k, v, g=None, g_gamma=None, *, scale: float | None = None, ini
 
 def gated_delta_rule(q, k, v, g, beta, *, scale: float | None = None, initial_state=None,
                      output_final_state: bool = False, chunk_size: int = 64, precision=None, impl: str = "auto",
-                     kernel_dtype=None, label: str | None = None):
+                     kernel_dtype=None, label: str | None = None, padded_output: bool = False):
     """Gated delta rule; arguments and returns as :func:`chunk_gated_delta_rule` (q, k L2-normalised by the
     caller), plus ``impl`` (``auto`` | ``xla`` | ``jla``), ``kernel_dtype`` (see the module docstring) and
     ``label`` (as :func:`simple_gla`).
 
-    Returns ``(o [B, T, H, Dv] in q.dtype, final_state [B, H, Dk, Dv] float32 or None)``.
+    Returns ``(o [B, T, H, Dv] in q.dtype, final_state [B, H, Dk, Dv] float32 or None)``. With
+    ``padded_output`` the jla path returns o as its kernel wrote it, ``[B, T, H, Dv']`` with ``Dv' >= Dv``
+    (padded value columns are zero) in the kernel's dtype, for a consumer that reads the first Dv columns
+    in place (GDN's output norm) instead of a sliced, cast copy; the xla path returns o as usual.
     """
     _check_qkv(q, k, v)
     B, T, H, Dk = q.shape
@@ -378,4 +383,5 @@ def gated_delta_rule(q, k, v, g, beta, *, scale: float | None = None, initial_st
                                       output_final_state=output_final_state, chunk_size=chunk_size,
                                       precision=precision)
     return _jla_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                                 output_final_state=output_final_state, kernel_dtype=kernel_dtype)
+                                 output_final_state=output_final_state, kernel_dtype=kernel_dtype,
+                                 padded_output=padded_output)
