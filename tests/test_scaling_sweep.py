@@ -5,6 +5,7 @@ a WSD branch equals the independent run bitwise; the one-job-per-GPU pool)."""
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -219,6 +220,86 @@ def test_launcher_applies_the_microbatch_rule(tmp_path, monkeypatch):
     assert L._load(t2).train.microbatches == 1
     explicit = dataclasses.replace(t1, gin_params=t1.gin_params + ["TrainConfig.microbatches = 4"])
     assert L._load(explicit).train.microbatches == 4  # a configured value wins
+
+
+def _text_store(path: Path, n_docs: int, words: int) -> Path:
+    from hybrid_lm.data.prepare import PrepareSettings, prepare
+    from hybrid_lm.data.sources import SourceSpec
+
+    path.mkdir(parents=True)
+    (path / "docs.jsonl").write_text("".join(json.dumps({"text": "word " * words}) + "\n" for _ in range(n_docs)))
+    prepare(SourceSpec("text", paths=(str(path / "docs.jsonl"),)), path / "store", PrepareSettings(), progress=False)
+    return path / "store"
+
+
+def test_dry_run_states_the_passes_over_the_training_data(tmp_path):
+    """Each job's passes = D / the training split's tokens: the embedded corpus counted from its essays
+    (equal to a prepared store's manifest), a prepared store's manifest, a mixture's most repeated store;
+    '?' when the store is not prepared; one warning line above PASSES_WARN."""
+    from hybrid_lm.data.corpus import embedded_byte_train_tokens
+    from hybrid_lm.data.prepare import PrepareSettings, prepare
+    from hybrid_lm.data.sources import SourceSpec
+    from hybrid_lm.scaling.sweep import PASSES_WARN
+
+    embedded = prepare(SourceSpec(kind="embedded"), tmp_path / "embedded", PrepareSettings(), progress=False)
+    n_embedded = embedded_byte_train_tokens()
+    assert n_embedded == embedded.manifest["splits"]["train"]["tokens"]
+    plan = expand(load_spec(TINY), root=tmp_path / "r")
+    for j in plan.jobs:
+        assert j.train_data["stores"][0][2] == n_embedded and j.passes == pytest.approx(j.D / n_embedded)
+    text = format_plan(plan)
+    assert f"{n_embedded:,} training-split tokens" in text and "passes" in text and "warning" not in text
+
+    raw = _spec_dict(TINY)
+    raw["budgets"] = [2000]  # t2: 2000 x 10,488 tokens, ~36 passes over the embedded corpus
+    plan = expand(spec_from_dict(raw), root=tmp_path / "r")
+    worst = max(plan.jobs, key=lambda j: j.passes)
+    assert worst.passes > PASSES_WARN and worst.scale == "t2"
+    warnings = [x for x in format_plan(plan).splitlines() if x.startswith("warning:")]
+    assert len(warnings) == 1 and f"{sum(j.passes > PASSES_WARN for j in plan.jobs)} of {len(plan.jobs)} jobs" \
+        in warnings[0] and worst.name in warnings[0] and "DataConfig.path" in warnings[0]
+
+    store = _text_store(tmp_path / "a", 30, 40)
+    small = _text_store(tmp_path / "b", 20, 10)
+    tokens = {s: json.loads((s / "manifest.json").read_text())["splits"]["train"]["tokens"] for s in (store, small)}
+    raw = _spec_dict(TINY)
+    raw["params"] += ["DataConfig.source = 'tokens'", f"DataConfig.path = '{store}'"]
+    for j in expand(spec_from_dict(raw), root=tmp_path / "r").jobs:
+        assert j.passes == pytest.approx(j.D / tokens[store])
+    raw = _spec_dict(TINY)
+    raw["params"] += [f"DataConfig.mixture = (('{store}', 3.0), ('{small}', 1.0))"]
+    for j in expand(spec_from_dict(raw), root=tmp_path / "r").jobs:
+        assert j.passes == pytest.approx(max(0.75 * j.D / tokens[store], 0.25 * j.D / tokens[small]))
+    raw = _spec_dict(TINY)
+    raw["params"] += ["DataConfig.source = 'tokens'", f"DataConfig.path = '{tmp_path / 'not_prepared'}'"]
+    plan = expand(spec_from_dict(raw), root=tmp_path / "r")
+    assert all(j.passes is None for j in plan.jobs)
+    text = format_plan(plan)
+    assert "size unknown" in text and "warning" not in text
+
+
+def test_launch_states_the_passes_first(tmp_path, monkeypatch, capsys):
+    """`sweep --launch` prints each selected job's D and passes, and the warning, before it launches."""
+    from hybrid_lm.cli import main
+
+    raw = _spec_dict(TINY)
+    raw["budgets"] = [2000]
+    spec = tmp_path / "big.json"
+    spec.write_text(json.dumps(raw))
+    launched = []
+
+    def fake_launch(plan, gpus=None, only=None):
+        launched.append(capsys.readouterr().out)
+        return {"jobs": 0, "skipped": 0, "launched": 0, "done": [], "failed": {}, "blocked": [], "preempted": None}
+
+    monkeypatch.setattr(L, "launch_local", fake_launch)
+    assert main(["sweep", str(spec), "--launch", "local", "--only", "t1-swa8", "--root", str(tmp_path / "r")]) == 0
+    plan = expand(spec_from_dict(raw), root=tmp_path / "r")
+    sel = L.select_jobs(plan.jobs, "t1-swa8")
+    (out,) = launched
+    for j in sel:
+        assert re.search(rf"^{re.escape(j.name)} .* {j.passes:.3g}$", out, re.M), out
+    assert sum(x.startswith("warning:") for x in out.splitlines()) == 1 and f"of {len(sel)} jobs" in out
 
 
 # ----------------------------------------------------------------------------- end to end on the CPU

@@ -56,3 +56,43 @@ def ensure_store(source: str, path: str | None, tokenizer: str) -> Path:
 
 def bits_per_byte(nats_per_token: float, bytes_per_token: float) -> float:
     return nats_per_token / math.log(2) / bytes_per_token
+
+
+def train_split_tokens(d) -> list[tuple[str, float, int | None]]:
+    """``(store, weight, training-split tokens)`` per store of ``DataConfig`` ``d``, known without
+    preparing or reading the data: a prepared store's manifest; the embedded corpus at the byte level
+    also before it is prepared (:func:`embedded_byte_train_tokens`). Tokens are None where unknown."""
+    out = []
+    for path, w in d.mixture or ((None, 1.0),):
+        if path is not None:
+            directory = Path(path)
+        elif d.source == "embedded":
+            directory = Path(d.path) if d.path else embedded_dir(d.tokenizer)
+        else:
+            directory = Path(d.path) if d.path else default_dir(d.source)
+        tokens = _manifest_train_tokens(directory)
+        if tokens is None and path is None and d.source == "embedded" and d.tokenizer == "byte":
+            tokens = embedded_byte_train_tokens()
+        out.append((str(directory), float(w), tokens))
+    return out
+
+
+def _manifest_train_tokens(directory: Path) -> int | None:
+    import json
+
+    try:
+        return int(json.loads((directory / "manifest.json").read_text())["splits"]["train"]["tokens"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def embedded_byte_train_tokens(val_every: int = 10) -> int:
+    """Training-split tokens of the embedded corpus at the byte level, counted from the essays as
+    ``data prepare`` splits and packs them: document ``i`` goes to val when ``i % val_every ==
+    val_every - 1``; a train document is its UTF-8 bytes plus the separator."""
+    from hybrid_lm.data.sources import embedded_documents
+    from hybrid_lm.data.tokenizer import load_tokenizer
+
+    sep = load_tokenizer("byte").separator.size
+    sizes = [len(text.encode("utf-8")) for _, text in embedded_documents()]
+    return sum(n + sep for i, n in enumerate(sizes) if n and i % val_every != val_every - 1)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 def cmd_sweep(args) -> int:
     from hybrid_lm.scaling import launch as L
-    from hybrid_lm.scaling.sweep import expand, format_plan, load_spec, summarize
+    from hybrid_lm.scaling.sweep import expand, format_passes, format_plan, load_spec, passes_warning, summarize
 
     spec = load_spec(args.spec)
     changes = {}
@@ -38,6 +38,9 @@ def cmd_sweep(args) -> int:
             view.summary = summarize(view)
         if args.json:
             print(json.dumps(view.manifest(), indent=1, default=str))
+            warning = passes_warning(view.jobs)
+            if warning:  # stdout stays JSON
+                print(warning, file=sys.stderr)
         else:
             print(format_plan(view))
             if view is not plan:
@@ -52,6 +55,9 @@ def cmd_sweep(args) -> int:
             if not args.dry_run:
                 print("\n(nothing launched: add --launch local or --launch slurm)")
         return 0
+    selected = L.select_jobs(plan.jobs, args.only)
+    warning = passes_warning(selected)
+    print("\n".join(format_passes(selected) + ([warning] if warning else [])), flush=True)
     if args.launch == "local":
         gpus = None
         if args.gpus == "auto":

@@ -42,6 +42,10 @@ from hybrid_lm.files import atomic_write_json
 SCHEMA = "hybrid_lm.sweep/1"
 MFU_H200_MEASURED = 0.385  # measured on one H200: 375M GPT, T=16K, bf16, 38.3% / 39.0% MFU (docs/SOURCES.md)
 PEAK_FLOPS = 989e12  # H200 dense bf16, the MFU denominator used by the trainer
+# more passes over the training data than this gets a warning: repeated tokens start to be worth less
+# than fresh ones (Muennighoff et al. 2023, "Scaling Data-Constrained Language Models": up to ~4 epochs
+# are about as good as unique data)
+PASSES_WARN = 4
 
 _TOP_KEYS = {"name", "description", "root", "gin", "params", "seeds", "budgets", "n_definition", "mfu",
              "peak_flops", "wsd", "param_match", "scales", "archs", "slurm"}
@@ -217,6 +221,9 @@ class Job:
     branch_points: list | None = None  # stable: the s_b of its branches, ascending
     branches: list | None = None  # stable: names of its branch runs
     param_match: dict | None = None
+    # {"stores": [[path, weight, training-split tokens or None]], "long_min_tokens": n} (data/corpus.py)
+    train_data: dict | None = None
+    passes: float | None = None  # D / training-split tokens (a mixture: its most repeated store); None: unknown
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -281,12 +288,22 @@ def decay_start(steps: int, decay_fraction: float) -> int:
     return steps - decay_steps(decay_fraction, steps)
 
 
+def passes_over(D: int, stores: list) -> float | None:
+    """Passes a run of ``D`` tokens makes over its training data: each store of a mixture gets its
+    weight's share of ``D``, and the most repeated store counts; None when a store's size is unknown."""
+    if not stores or any(t is None or t <= 0 for _, _, t in stores):
+        return None
+    total = sum(w for _, w, _ in stores)
+    return max(D * w / total / t for _, w, t in stores)
+
+
 def expand(spec: Spec, root: str | Path | None = None, extra_params: list[str] | None = None,
            progress: bool = False) -> Plan:
     """Resolve every (scale, arch) config, match parameters if asked, and lay out the jobs."""
     from tqdm.auto import tqdm
 
     from hybrid_lm.config import load_config
+    from hybrid_lm.data.corpus import train_split_tokens
     from hybrid_lm.model.accounting import count_params, flops_per_token
 
     extra = list(extra_params or [])
@@ -327,11 +344,17 @@ def expand(spec: Spec, root: str | Path | None = None, extra_params: list[str] |
                                 "N_after": n_of(r["counts"]), "d_ff_before": d_ff_before, "d_ff": d_ff,
                                 "rel_diff": (n_of(r["counts"]) - target) / target}
 
+    sizes: dict[tuple, list] = {}  # training-split sizes per data config (manifests, no data read)
     jobs: list[Job] = []
     for s, a in pairs:
         r = resolved[(s, a)]
         cfg, counts = r["cfg"], r["counts"]
         N = n_of(counts)
+        d = cfg.data
+        key = (d.source, d.path, d.tokenizer, d.mixture)
+        if key not in sizes:
+            sizes[key] = [list(x) for x in train_split_tokens(d)]
+        train_data = {"stores": sizes[key], "long_min_tokens": d.long_min_tokens}
         tps = cfg.train.global_batch * cfg.data.seq_len
         fpt = float(flops_per_token(cfg.model, cfg.data.seq_len)["train"])
         mfu = spec.archs[a]["mfu"] or spec.mfu
@@ -365,7 +388,7 @@ def expand(spec: Spec, root: str | Path | None = None, extra_params: list[str] |
                     train_flops=D * fpt, trained_flops=trained, gpu_hours=hours(trained), mfu=mfu,
                     decay_fraction=f, d_ff=cfg.model.d_ff,
                     branch_from={"run": None, "step": sb} if spec.branch else None,
-                    param_match=r.get("param_match")))
+                    param_match=r.get("param_match"), train_data=train_data, passes=passes_over(D, sizes[key])))
             if spec.branch:
                 points = sorted({j.branch_from["step"] for j in group})
                 st_steps = points[-1]
@@ -378,7 +401,8 @@ def expand(spec: Spec, root: str | Path | None = None, extra_params: list[str] |
                     N_non_embedding=counts["non_embedding"], N_total=counts["total"], D=st_steps * tps,
                     flops_per_token=fpt, train_flops=st_steps * tps * fpt, trained_flops=st_steps * tps * fpt,
                     gpu_hours=hours(st_steps * tps * fpt), mfu=mfu, decay_fraction=0.0, d_ff=cfg.model.d_ff,
-                    branch_points=points, branches=[j.name for j in group], param_match=r.get("param_match"))
+                    branch_points=points, branches=[j.name for j in group], param_match=r.get("param_match"),
+                    train_data=train_data, passes=passes_over(st_steps * tps, sizes[key]))
                 for j in group:
                     j.branch_from["run"] = st_name
                 jobs.append(stable)
@@ -475,8 +499,10 @@ def format_plan(plan: Plan) -> str:
     if sp.branch:
         lines.append("WSD branching: one constant-LR stable run per (scale, arch, seed); each budget decays from "
                      "its checkpoint ('from' = branch step); FLOPs / GPU-h count only what each job trains")
-    hdr = (f"{'run':<44}{'kind':<12}{'N':>9}{'N_tot':>9}{'D/N':>7}{'D':>10}{'steps':>8}{'from':>8}{'FLOPs':>11}"
-           f"{'GPU-h':>9}")
+    lines.append("passes = D / the training split's tokens (a branch's D includes its stable phase; ? = size "
+                 "unknown)")
+    hdr = (f"{'run':<44}{'kind':<12}{'N':>9}{'N_tot':>9}{'D/N':>7}{'D':>10}{'passes':>9}{'steps':>8}{'from':>8}"
+           f"{'FLOPs':>11}{'GPU-h':>9}")
     lines.append(hdr)
     lines.append("-" * len(hdr))
     for j in plan.jobs:
@@ -485,7 +511,8 @@ def format_plan(plan: Plan) -> str:
         if j.param_match and j.kind != "stable":
             pm = f"  d_ff {j.d_ff} (N {100 * j.param_match['rel_diff']:+.3f}% vs {j.param_match['reference']})"
         lines.append(f"{j.name:<44}{j.kind:<12}{_h(j.N):>9}{_h(j.N_total):>9}"
-                     f"{'' if j.budget is None else _fmt_ratio(j.budget):>7}{_h(j.D):>10}{j.steps:>8}{frm:>8}"
+                     f"{'' if j.budget is None else _fmt_ratio(j.budget):>7}{_h(j.D):>10}{_passes(j.passes):>9}"
+                     f"{j.steps:>8}{frm:>8}"
                      f"{j.trained_flops:>11.3g}{_hours(j.gpu_hours):>9}{pm}")
     s = plan.summary
     lines.append("")
@@ -498,7 +525,58 @@ def format_plan(plan: Plan) -> str:
     lines.append(f"independent runs: {s['independent_flops']:.3g} FLOPs, {_hours(s['independent_gpu_hours'])} GPU-h;  "
                  f"WSD branching: {s['branched_flops']:.3g} FLOPs, {_hours(s['branched_gpu_hours'])} GPU-h;  "
                  f"saving {s['branching_saving']:.1%}")
-    return "\n".join(lines)
+    lines += data_lines(plan.jobs)
+    warning = passes_warning(plan.jobs)
+    return "\n".join(lines + ([warning] if warning else []))
+
+
+def _passes(p: float | None) -> str:
+    if p is None:
+        return "?"
+    return f"{p:,.0f}" if p >= 100 else f"{p:.3g}"
+
+
+def data_lines(jobs: list) -> list[str]:
+    """The training data the jobs' passes are counted against, one line per distinct data."""
+    lines, seen = [], set()
+    for j in jobs:
+        td = j.train_data
+        key = json.dumps(td, sort_keys=True)
+        if not td or key in seen:
+            continue
+        seen.add(key)
+        parts = []
+        for path, w, t in td["stores"]:
+            size = (f"{t:,} training-split tokens" if t is not None else
+                    "size unknown (no prepared store there yet: `hybrid-lm data prepare --out` it first)")
+            parts.append(path + (f" (weight {w:g})" if len(td["stores"]) > 1 else "") + f": {size}")
+        line = "training data: " + "; ".join(parts)
+        if len(td["stores"]) > 1:
+            line += "; passes count the most repeated store"
+        if td.get("long_min_tokens"):
+            line += (f"; long/short mixing at {td['long_min_tokens']:,} tokens: passes are averages over the split, "
+                     "its smaller part repeats more often")
+        lines.append(line)
+    return lines
+
+
+def passes_warning(jobs: list) -> str | None:
+    """One line when a job passes over its training data more than :data:`PASSES_WARN` times."""
+    over = [j for j in jobs if j.passes is not None and j.passes > PASSES_WARN]
+    if not over:
+        return None
+    worst = max(over, key=lambda j: j.passes)
+    return (f"warning: {len(over)} of {len(jobs)} jobs pass over their training data more than {PASSES_WARN} times "
+            f"(up to {_passes(worst.passes)}: {worst.name}); prepare a larger store (`hybrid-lm data prepare ... "
+            "--out DIR`) and plan on it: --gin_param \"DataConfig.source = 'tokens'\" "
+            "--gin_param \"DataConfig.path = 'DIR'\"")
+
+
+def format_passes(jobs: list) -> list[str]:
+    """Per job, D and the passes over its training data (what a launch prints before it starts)."""
+    lines = [f"{'run':<44}{'D':>10}{'passes':>10}   (D / the training split's tokens; ? = size unknown)"]
+    lines += [f"{j.name:<44}{_h(j.D):>10}{_passes(j.passes):>10}" for j in jobs]
+    return lines + data_lines(jobs)
 
 
 def next_steps(plan: Plan, jobs: list | None = None) -> list[str]:
