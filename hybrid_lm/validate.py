@@ -1,7 +1,10 @@
 """Config checks that need the mixer registry or the tokenizers (the layer above ``hybrid_lm.config``).
 
 :func:`validate_experiment` runs before anything is allocated: ``load_config`` calls it (unless
-``validate=False``), and so does every command that builds a model from a config.
+``validate=False``), and so does every command that builds a model from a config. Its warnings
+depend on the purpose: a config loaded to train (``train``, ``sweep``) gets all of them; ``info``
+prints the vocabulary note as a line of its report; an eval of a trained run (``eval/swap.py``)
+gets none about the training setup (warmup, vocabulary), which it cannot change.
 """
 
 from __future__ import annotations
@@ -17,10 +20,12 @@ from hybrid_lm.model.registry import MIXER_FIELDS, get_mixer
 log = logging.getLogger(__name__)
 _WARNED: set[str] = set()
 VOCAB_MULTIPLE = 128  # a model vocab up to the tokenizer's rounded up to this is not warned about
+PURPOSES = ("train", "info", "eval")
 
 
-def validate_experiment(cfg: Config) -> None:
-    """Raise :class:`ConfigError` for a config that cannot run; log each warning once per process."""
+def validate_experiment(cfg: Config, purpose: str = "train") -> None:
+    """Raise :class:`ConfigError` for a config that cannot run; log each warning of ``purpose``
+    (:func:`config_warnings`) once per process."""
     check_config(cfg)
     m = cfg.model
     for slot, mc in (("full", m.full), ("efficient", m.efficient)):
@@ -29,7 +34,7 @@ def validate_experiment(cfg: Config) -> None:
         from hybrid_lm.backends import check_document_mask
         check_document_mask(m, cfg.data.seq_len)
     check_tokenizer(load_tokenizer(cfg.data.tokenizer), m.vocab_size)
-    for msg in config_warnings(cfg):
+    for msg in config_warnings(cfg, purpose):
         if msg not in _WARNED:
             _WARNED.add(msg)
             log.warning(msg)
@@ -54,19 +59,30 @@ def check_tokenizer(tok: Tokenizer, model_vocab: int) -> None:
                               f"ModelConfig.vocab_size={model_vocab}: raise ModelConfig.vocab_size above {i}")
 
 
-def config_warnings(cfg: Config) -> list[str]:
-    """Settings that run but are probably not what was meant."""
-    out = []
-    o, t, T = cfg.optim, cfg.train, cfg.data.seq_len
-    if o.warmup_steps > t.steps:
-        out.append(f"OptimConfig.warmup_steps={o.warmup_steps} exceeds TrainConfig.steps={t.steps}: "
-                   "the learning rate never reaches OptimConfig.lr")
+def vocab_note(cfg: Config) -> str | None:
+    """The model's embedding rows beyond the tokenizer's vocabulary (rounded up), or None."""
     tok = load_tokenizer(cfg.data.tokenizer)
     v, padded = cfg.model.vocab_size, padded_vocab(tok.vocab_size)
-    if v > padded:
-        out.append(f"ModelConfig.vocab_size={v} exceeds the {tok.spec!r} tokenizer's {tok.vocab_size} "
-                   f"(rounded up to a multiple of {VOCAB_MULTIPLE}: {padded}): {v - tok.vocab_size} embedding "
-                   "rows stand for ids the tokenizer never produces")
+    if v <= padded:
+        return None
+    return (f"ModelConfig.vocab_size={v} exceeds the {tok.spec!r} tokenizer's {tok.vocab_size} "
+            f"(rounded up to a multiple of {VOCAB_MULTIPLE}: {padded}): {v - tok.vocab_size} embedding "
+            "rows stand for ids the tokenizer never produces")
+
+
+def config_warnings(cfg: Config, purpose: str = "train") -> list[str]:
+    """Settings that run but are probably not what was meant. ``purpose``: ``train`` (all), ``info``
+    (not the vocabulary note: info prints it), ``eval`` (nothing about the training setup)."""
+    if purpose not in PURPOSES:
+        raise ValueError(f"purpose {purpose!r}: one of {PURPOSES}")
+    out = []
+    o, t, T = cfg.optim, cfg.train, cfg.data.seq_len
+    if purpose != "eval" and o.warmup_steps > t.steps:
+        out.append(f"OptimConfig.warmup_steps={o.warmup_steps} exceeds TrainConfig.steps={t.steps}: "
+                   "the learning rate never reaches OptimConfig.lr")
+    vocab = vocab_note(cfg) if purpose == "train" else None
+    if vocab:
+        out.append(vocab)
     used = set(cfg.model.layer_types())
     for slot, letter in (("full", "F"), ("efficient", "E")):
         mc = cfg.model.mixer(letter)

@@ -241,3 +241,24 @@ def test_warnings_are_logged_once_at_validation(caplog, monkeypatch):
         load_config(["quickstart.gin"], ["TrainConfig.steps = 10"], validate=False)
     assert [r.getMessage() for r in caplog.records] == [
         "OptimConfig.warmup_steps=50 exceeds TrainConfig.steps=10: the learning rate never reaches OptimConfig.lr"]
+
+
+def test_an_eval_does_not_repeat_the_training_setup_warnings(caplog, monkeypatch, tmp_path):
+    """warmup > steps and the vocabulary note are warned about where a run is configured to train
+    (load_config: train, sweep), not each time `hybrid-lm eval` loads a run's config."""
+    from hybrid_lm import validate
+    from hybrid_lm.cli import main
+
+    cfg = load_config(["quickstart.gin"], ["TrainConfig.steps = 10", "ModelConfig.vocab_size = 1024"])
+    assert [w.split("=")[0] for w in validate.config_warnings(cfg)] == ["OptimConfig.warmup_steps",
+                                                                         "ModelConfig.vocab_size"]
+    assert validate.config_warnings(cfg, "eval") == []
+    (tmp_path / "config.json").write_text(json.dumps(cfg.to_dict()))
+    monkeypatch.setattr(validate, "_WARNED", set())
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="hybrid_lm.validate"):
+        assert main(["eval", str(tmp_path), "--tasks", "loss"]) == 2  # no checkpoints: after the config checks
+    assert not caplog.records
+    with caplog.at_level("WARNING", logger="hybrid_lm.validate"):
+        load_config(["quickstart.gin"], ["TrainConfig.steps = 10", "ModelConfig.vocab_size = 1024"])
+    assert len(caplog.records) == 2

@@ -237,7 +237,7 @@ def swapped_config(cfg: Config, swaps=(), horizon: int | None = None, sinks: int
     if eval_windows is not None:
         data = dataclasses.replace(data, eval_windows=int(eval_windows))
     new = dataclasses.replace(cfg, model=model, data=data)
-    validate_experiment(new)
+    validate_experiment(new, purpose="eval")  # no warnings about how the run was trained
     check_params_match(cfg, new)
     return new
 
