@@ -59,8 +59,10 @@ def cmd_train(args) -> int:
 
 def cmd_info(args) -> int:
     from hybrid_lm.model.accounting import count_params, flops_per_token
+    from hybrid_lm.validate import validate_experiment, vocab_note
 
-    cfg = load_config(args.config, args.gin_param)
+    cfg = load_config(args.config, args.gin_param, validate=False)
+    validate_experiment(cfg, purpose="info")  # the vocabulary note is a line of the report, not a warning
     if args.backends:
         return _info_backends(cfg, args.json)
     counts = count_params(cfg.model)
@@ -72,13 +74,16 @@ def cmd_info(args) -> int:
             "seq_len": cfg.data.seq_len, "params": counts, "flops_per_token": flops,
             "microbatch": {"measured_per_device": measured_per_device(cfg), "microbatches_on_one_device": micro,
                            "reason": why, "applied_by": "hybrid-lm sweep",
-                           "configured": cfg.train.microbatches}}
+                           "configured": cfg.train.microbatches},
+            "vocab_note": vocab_note(cfg)}
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
     m = cfg.model
     print(f"run id {info['run_id']}   layers {m.n_layers} ({info['layer_types']})   d_model {m.d_model}   "
           f"heads {m.n_heads} (kv {m.n_kv_heads}) x {m.resolved_head_dim}   d_ff {m.d_ff}   vocab {m.vocab_size}")
+    if info["vocab_note"]:
+        print(f"note: {info['vocab_note']} (`train` warns about it)")
     print(f"\n{'parameters':<28}{'count':>16}{'millions':>12}")
     for k in ("total", "non_embedding", "embedding", "head"):
         print(f"{k:<28}{counts.get(k, 0):>16,}{counts.get(k, 0) / 1e6:>12.1f}")

@@ -262,3 +262,28 @@ def test_an_eval_does_not_repeat_the_training_setup_warnings(caplog, monkeypatch
     with caplog.at_level("WARNING", logger="hybrid_lm.validate"):
         load_config(["quickstart.gin"], ["TrainConfig.steps = 10", "ModelConfig.vocab_size = 1024"])
     assert len(caplog.records) == 2
+
+
+def test_info_states_the_vocabulary_note_as_a_line_not_a_warning(caplog, capsys, monkeypatch):
+    """`hybrid-lm info` of a scale preset (vocab 73,448 on the byte tokenizer) prints the note once in
+    its report instead of logging a warning; warmup > steps stays a warning; training still warns."""
+    from hybrid_lm import validate
+    from hybrid_lm.cli import main
+
+    monkeypatch.setattr(validate, "_WARNED", set())
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="hybrid_lm.validate"):
+        assert main(["info", "configs/scale/s1.gin"]) == 0
+    out = capsys.readouterr().out
+    assert not caplog.records
+    notes = [x for x in out.splitlines() if x.startswith("note: ")]
+    assert len(notes) == 1 and "ModelConfig.vocab_size=73448 exceeds the 'byte' tokenizer's 256" in notes[0]
+    assert main(["info", "configs/scale/s1.gin", "--json"]) == 0
+    assert "73192 embedding rows" in json.loads(capsys.readouterr().out)["vocab_note"]
+    with caplog.at_level("WARNING", logger="hybrid_lm.validate"):
+        assert main(["info", "configs/scale/s1.gin", "--gin_param", "TrainConfig.steps = 10"]) == 0
+    assert [r.getMessage().split("=")[0] for r in caplog.records] == ["OptimConfig.warmup_steps"]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="hybrid_lm.validate"):
+        load_config(["scale/s1.gin"])
+    assert [r.getMessage().split("=")[0] for r in caplog.records] == ["ModelConfig.vocab_size"]
