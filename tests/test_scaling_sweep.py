@@ -222,6 +222,30 @@ def test_launcher_applies_the_microbatch_rule(tmp_path, monkeypatch):
     assert L._load(explicit).train.microbatches == 4  # a configured value wins
 
 
+def test_progress_bars_only_on_a_terminal(tmp_path, monkeypatch, capsys):
+    """`sweep --launch local > log 2>&1` gets no tqdm bars (nor does `data prepare`): a bar is drawn only
+    when stderr is a terminal."""
+    import io
+
+    from hybrid_lm.data.prepare import prepare
+    from hybrid_lm.data.sources import SourceSpec
+
+    monkeypatch.setattr(L, "run_job", lambda root, job, jobs=None: {"status": "done", "job": job.name})
+    plan = expand(load_spec(TINY), root=tmp_path / "r", progress=True)
+    assert L.launch_local(plan, only="t1-swa8", progress=True)["jobs"] == 3
+    (tmp_path / "docs.jsonl").write_text(json.dumps({"text": "a few words"}) + "\n")
+    prepare(SourceSpec("text", paths=(str(tmp_path / "docs.jsonl"),)), tmp_path / "store", progress=True)
+    assert capsys.readouterr().err == ""
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    monkeypatch.setattr(sys, "stderr", Terminal())
+    L.launch_local(plan, only="t1-swa8", progress=True)
+    assert "sweep tiny_cpu: 100%" in sys.stderr.getvalue()
+
+
 def _text_store(path: Path, n_docs: int, words: int) -> Path:
     from hybrid_lm.data.prepare import PrepareSettings, prepare
     from hybrid_lm.data.sources import SourceSpec

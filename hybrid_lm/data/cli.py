@@ -90,6 +90,7 @@ def cmd_train_tokenizer(args) -> int:
 
     from hybrid_lm.data.sources import open_source, spec_from_args
     from hybrid_lm.data.tokenizer import load_tokenizer, train_bpe
+    from hybrid_lm.progress import bar_disabled
 
     spec = spec_from_args(args)
     source = open_source(spec)
@@ -98,7 +99,7 @@ def cmd_train_tokenizer(args) -> int:
         raise DataError(f"{out / 'tokenizer.json'} exists: choose another --out or pass --overwrite")
 
     def texts():
-        bar = tqdm(desc="train-tokenizer", unit=" docs", disable=args.no_progress)
+        bar = tqdm(desc="train-tokenizer", unit=" docs", disable=bar_disabled(not args.no_progress))
         for i, doc in enumerate(source.iter_documents()):
             if args.max_docs and i >= args.max_docs:
                 break

@@ -252,6 +252,7 @@ def _prepare(source_spec, out: Path, settings: PrepareSettings, *, workers: int,
 
     from hybrid_lm.data.sources import open_source
     from hybrid_lm.data.tokenizer import load_tokenizer
+    from hybrid_lm.progress import bar_disabled
 
     settings.check()
     if workers < 1:
@@ -272,7 +273,7 @@ def _prepare(source_spec, out: Path, settings: PrepareSettings, *, workers: int,
     t0 = time.perf_counter()
     start = b.docs_consumed
     pending = None  # the latest train document, held back so a corpus without a val document can give it
-    bar = tqdm(desc=f"prepare {out.name}", unit=" docs", disable=not progress, initial=start)
+    bar = tqdm(desc=f"prepare {out.name}", unit=" docs", disable=bar_disabled(progress), initial=start)
     tokens = 0
     for i, (ids, nbytes) in enumerate(_encoded(_chunks(source.iter_documents(), start), settings.tokenizer, workers),
                                       start=start):

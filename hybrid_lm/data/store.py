@@ -186,9 +186,11 @@ class TokenStore:
         bad shard (and offset). Returns per-split token and document counts."""
         from tqdm import tqdm
 
+        from hybrid_lm.progress import bar_disabled
+
         vocab = int(self.tokenizer["vocab_size"])
         total = sum(s["tokens"] for sp in SPLITS for s in self.manifest["splits"][sp]["shards"])
-        bar = tqdm(total=total, unit="tok", unit_scale=True, disable=not progress, desc="verify")
+        bar = tqdm(total=total, unit="tok", unit_scale=True, disable=bar_disabled(progress), desc="verify")
         for split in SPLITS:
             for s in self.manifest["splits"][split]["shards"]:
                 h, lo = hashlib.sha256(), 0

@@ -132,6 +132,7 @@ def evaluate_heads(run, cfg=None, *, samples: int = 32, seq_len: int | None = No
 
     from hybrid_lm.eval import ruler as R
     from hybrid_lm.eval.swap import describe
+    from hybrid_lm.progress import bar_disabled
     from hybrid_lm.train.sharding import put_batch
 
     t0 = time.time()
@@ -155,7 +156,7 @@ def evaluate_heads(run, cfg=None, *, samples: int = 32, seq_len: int | None = No
     per = R.batch_rows(run, seq_len, samples, batch_size)
     mass, entropy, uniform = [], [], []
     with jax.set_mesh(run.mesh), tqdm(total=-(-samples // per), desc="heads attention", unit="batch",
-                                      disable=not progress, leave=False) as bar:
+                                      disable=bar_disabled(progress), leave=False) as bar:
         parts = [R._batches(a, per) for a in (seqs, qpos, qvalid, spans)]
         for batch in zip(*parts):
             n = batch[0][1]

@@ -128,6 +128,7 @@ def evaluate_influence(run, cfg=None, *, windows=None, samples: int = 8, seq_len
     from hybrid_lm.backends import recorded_backends
     from hybrid_lm.eval.ruler import batch_rows
     from hybrid_lm.eval.swap import describe, swapped_config
+    from hybrid_lm.progress import bar_disabled
     from hybrid_lm.train.sharding import put_batch
 
     t0 = time.time()
@@ -174,7 +175,7 @@ def evaluate_influence(run, cfg=None, *, windows=None, samples: int = 8, seq_len
     fn = _norms_fn(model, cfg, last)
     total = np.zeros(T, np.float64)
     recorded_backends(clear=True)
-    bar = tqdm(total=-(-n // per), desc=f"influence T={T}", unit="batch", disable=not progress, leave=False)
+    bar = tqdm(total=-(-n // per), desc=f"influence T={T}", unit="batch", disable=bar_disabled(progress), leave=False)
     with jax.set_mesh(run.mesh):
         for i in range(0, n, per):
             real = min(per, n - i)

@@ -300,6 +300,8 @@ class _HybridLMEvalImpl:
         from lm_eval.models.utils import Collator
         from tqdm import tqdm
 
+        from hybrid_lm.progress import bar_disabled
+
         def longest_first(req):
             toks = req[1] + req[2]
             return -len(toks), tuple(toks)
@@ -316,7 +318,8 @@ class _HybridLMEvalImpl:
             full = (ctx + cont)[-(self.max_length + 1):]
             rows.append((np.asarray(full, np.int32), len(cont)))
         res = []
-        bar = tqdm(total=len(ordered), desc="hybrid_lm loglikelihood", disable=disable_tqdm or not self.progress)
+        bar = tqdm(total=len(ordered), desc="hybrid_lm loglikelihood",
+                   disable=bar_disabled(self.progress and not disable_tqdm))
         i = 0
         with jax.set_mesh(self.run.mesh):
             while i < len(rows):
@@ -448,6 +451,8 @@ class _HybridLMEvalImpl:
         from lm_eval.models.utils import Collator, handle_stop_sequences, normalize_gen_kwargs
         from tqdm import tqdm
 
+        from hybrid_lm.progress import bar_disabled
+
         if self.no_decode and requests:
             raise ConfigError(f"generate_until needs token-by-token decoding, which this model lacks ({self.no_decode}); "
                               "run its log-likelihood tasks only")
@@ -458,7 +463,8 @@ class _HybridLMEvalImpl:
         groups = Collator([req.args for req in requests], sort_fn=longest_first, group_by="gen_kwargs",
                           group_fn=lambda x: x[1])
         res = []
-        bar = tqdm(total=len(requests), desc="hybrid_lm generate_until", disable=disable_tqdm or not self.progress)
+        bar = tqdm(total=len(requests), desc="hybrid_lm generate_until",
+                   disable=bar_disabled(self.progress and not disable_tqdm))
         with jax.set_mesh(self.run.mesh):
             for chunk in groups.get_batched(n=0):  # one chunk per distinct gen_kwargs
                 contexts, all_kwargs = zip(*chunk)

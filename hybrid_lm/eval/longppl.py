@@ -163,6 +163,7 @@ def longppl_of_run(run, cfg=None, *, evaluator=None, evaluator_step: int | None 
 
     from hybrid_lm.eval.restore import RestoredRun
     from hybrid_lm.eval.swap import swapped_config
+    from hybrid_lm.progress import bar_disabled
 
     t0 = time.time()
     is_self = evaluator is None or Path(evaluator).resolve() == Path(run.workdir).resolve()
@@ -183,7 +184,7 @@ def longppl_of_run(run, cfg=None, *, evaluator=None, evaluator_step: int | None 
     # the evaluator marks keys with its own (unswapped) model
     nll_judge = None if is_self and not evaluated else _nll_fn(judge)
     keys, fulls = [], []
-    for i, doc in enumerate(tqdm(documents, desc="longppl", unit="doc", disable=not progress)):
+    for i, doc in enumerate(tqdm(documents, desc="longppl", unit="doc", disable=bar_disabled(progress))):
         if cached is not None:  # the evaluator's keys of these documents, computed before
             key = cached[i:i + 1]
         else:

@@ -78,6 +78,7 @@ def probe_features(run, cfg, items, *, batch_size: int | None = None, progress: 
     from tqdm import tqdm
 
     from hybrid_lm.eval import ruler as R
+    from hybrid_lm.progress import bar_disabled
     from hybrid_lm.train.sharding import put_batch
 
     tokens = np.stack([it.ids for it in items]).astype(np.int32)
@@ -85,7 +86,7 @@ def probe_features(run, cfg, items, *, batch_size: int | None = None, progress: 
     per = R.batch_rows(run, tokens.shape[1], len(tokens), batch_size)
     out = []
     with jax.set_mesh(run.mesh), tqdm(total=-(-len(tokens) // per), desc="probe features", unit="batch",
-                                      disable=not progress, leave=False) as bar:
+                                      disable=bar_disabled(progress), leave=False) as bar:
         for part, n in R._batches(tokens, per):
             out.append(np.asarray(fn(run.params, put_batch(part, run.batch_shard)))[:n])
             bar.update()

@@ -789,6 +789,7 @@ def evaluate_ruler(run, *, tasks=None, lengths=None, samples: int = 8, haystack:
     from hybrid_lm.backends import recorded_backends
     from hybrid_lm.eval.generate import generate
     from hybrid_lm.eval.swap import describe
+    from hybrid_lm.progress import bar_disabled
     from hybrid_lm.train.sharding import put_batch
     from hybrid_lm.train.step import ModelFns
 
@@ -835,7 +836,7 @@ def evaluate_ruler(run, *, tasks=None, lengths=None, samples: int = 8, haystack:
             per_gen = batch_rows(run, length, samples, batch_size)
             n_gen = 0 if no_decode else -(-len(items) // per_gen)
             bar = tqdm(total=n_gen + -(-len(flat) // per_ll), desc=f"ruler {task} {length}", unit="batch",
-                       disable=not progress, leave=False)
+                       disable=bar_disabled(progress), leave=False)
             exact = None
             with jax.set_mesh(run.mesh):
                 if no_decode is None:

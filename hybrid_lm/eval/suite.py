@@ -405,6 +405,7 @@ def evaluate_run(workdir: Path | str, req: EvalRequest, steps: str | None = None
 
     from hybrid_lm.eval.cli import record_rows
     from hybrid_lm.eval.restore import RestoredRun, load_run_config
+    from hybrid_lm.progress import bar_disabled
 
     req.check()
     workdir = Path(workdir)
@@ -416,7 +417,7 @@ def evaluate_run(workdir: Path | str, req: EvalRequest, steps: str | None = None
     swapped_config(base, req.swaps, req.horizon, req.sinks, seq_len=req.seq_len)  # bad swaps fail before a restore
     todo = parse_steps(steps, checkpoint_steps(workdir))
     new = []
-    for step in tqdm(todo, desc="checkpoints", unit="ckpt", disable=not req.progress or len(todo) == 1):
+    for step in tqdm(todo, desc="checkpoints", unit="ckpt", disable=bar_disabled(req.progress and len(todo) > 1)):
         try:
             run = RestoredRun(workdir, step=step)
         except FileNotFoundError as e:

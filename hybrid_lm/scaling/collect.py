@@ -441,6 +441,8 @@ def collect(paths: list[str | Path], out: str | Path | None = None, intermediate
     """
     from tqdm.auto import tqdm
 
+    from hybrid_lm.progress import bar_disabled
+
     overrides = parse_label_overrides(labels)
     dirs = find_run_dirs(paths, include_stable=include_stable)
     evals = {}
@@ -454,7 +456,7 @@ def collect(paths: list[str | Path], out: str | Path | None = None, intermediate
             settings_by_task.setdefault(task, set()).add(settings)
     names = eval_column_names(settings_by_task)
     rows, empty = [], []
-    for d in tqdm(dirs, desc="collect", disable=not progress, leave=False):
+    for d in tqdm(dirs, desc="collect", disable=bar_disabled(progress), leave=False):
         label = next((lab for rx, lab in overrides if rx.fullmatch(d.name)), None)
         r, placed = collect_run(d, intermediate=intermediate, eval_rows=evals[d], eval_names=names, label=label)
         ev_stats["unplaced"] += len(evals[d]) - len(placed)

@@ -50,6 +50,8 @@ import numpy as np
 from scipy.optimize import minimize
 from tqdm.auto import tqdm
 
+from hybrid_lm.progress import bar_disabled
+
 log = logging.getLogger(__name__)
 
 SCHEMA = "hybrid_lm.fit/2"  # 2: valid, guardrails, extrapolation per compute point
@@ -462,7 +464,7 @@ def fit_point(obj: HuberLogObjective, lo, hi, grid: dict | None = None, multista
         lm = _LMBatch(obj, starts, lo, hi)
         pool = np.arange(len(starts))
         rounds = 0
-        with tqdm(total=len(starts), desc=f"{desc}: grid", disable=not progress, leave=False) as bar:
+        with tqdm(total=len(starts), desc=f"{desc}: grid", disable=bar_disabled(progress), leave=False) as bar:
             while True:
                 lm.run(pool, round_iters)
                 rounds += 1
@@ -480,7 +482,8 @@ def fit_point(obj: HuberLogObjective, lo, hi, grid: dict | None = None, multista
     elif multistart == "lbfgsb":
         fun = obj.scipy_fun()
         res_th, res_f = [], []
-        for x0 in tqdm(starts, desc=f"{desc}: L-BFGS-B from every grid point", disable=not progress, leave=False):
+        for x0 in tqdm(starts, desc=f"{desc}: L-BFGS-B from every grid point", disable=bar_disabled(progress),
+                       leave=False):
             r = minimize(fun, x0, jac=True, method="L-BFGS-B", bounds=bounds)
             res_th.append(r.x)
             res_f.append(r.fun)
@@ -530,7 +533,7 @@ def bootstrap(obj: HuberLogObjective, point: PointFit, clusters, lo, hi, n_boot:
     fout = np.full(n_boot, np.inf)
     conv_all = np.zeros(n_boot, bool)
     bounds = [(None if not np.isfinite(a) else a, None if not np.isfinite(b) else b) for a, b in zip(lo, hi)]
-    with tqdm(total=n_boot, desc=desc, disable=not progress, leave=False) as bar:
+    with tqdm(total=n_boot, desc=desc, disable=bar_disabled(progress), leave=False) as bar:
         for c0 in range(0, n_boot, chunk):
             sl = slice(c0, min(n_boot, c0 + chunk))
             Wc = W[sl]
@@ -866,7 +869,7 @@ def _loso(N, D, y, form, bounds, grid, multistart, delta, label, progress, expon
     out = []
     lo, hi, _ = parse_bounds(bounds, form)
     n_free = len(free_parameters(form, lo, hi))
-    for n in tqdm(np.unique(N), desc=f"{label}: leave one size out", disable=not progress, leave=False):
+    for n in tqdm(np.unique(N), desc=f"{label}: leave one size out", disable=bar_disabled(progress), leave=False):
         mask = N == n
         if len(np.unique(N[~mask])) < 2 or len(np.unique(np.stack([N[~mask], D[~mask]], 1), axis=0)) < n_free:
             continue

@@ -51,6 +51,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from hybrid_lm.files import atomic_write_json
+from hybrid_lm.progress import bar_disabled
 from hybrid_lm.scaling.sweep import Job, Plan, SweepError, manifest_jobs, read_manifest, write_manifest
 
 DONE = "sweep_done.json"
@@ -315,7 +316,7 @@ def launch_local(plan: Plan, gpus: list[str] | None = None, only: str | None = N
         return summary
     if gpus and len(gpus) > 1:
         return _gpu_pool(plan, todo, gpus, summary, progress)
-    bar = tqdm(total=len(todo), desc=f"sweep {plan.spec.name}", disable=not progress, dynamic_ncols=True)
+    bar = tqdm(total=len(todo), desc=f"sweep {plan.spec.name}", disable=bar_disabled(progress), dynamic_ncols=True)
     try:
         for j in todo:
             if j.kind == "branch" and not is_ready(root, j):
@@ -375,8 +376,8 @@ def _gpu_pool(plan: Plan, todo: list[Job], gpus: list[str], summary: dict, progr
     pending = list(todo)
     running: dict[str, tuple] = {}  # gpu -> (Popen, job, log handle)
     failed_stables: set[str] = set()
-    bar = tqdm(total=len(todo), desc=f"sweep {plan.spec.name} on GPUs {','.join(gpus)}", disable=not progress,
-               dynamic_ncols=True)
+    bar = tqdm(total=len(todo), desc=f"sweep {plan.spec.name} on GPUs {','.join(gpus)}",
+               disable=bar_disabled(progress), dynamic_ncols=True)
     try:
         while pending or running:
             for g in gpus:

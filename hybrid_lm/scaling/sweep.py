@@ -305,12 +305,13 @@ def expand(spec: Spec, root: str | Path | None = None, extra_params: list[str] |
     from hybrid_lm.config import load_config
     from hybrid_lm.data.corpus import train_split_tokens
     from hybrid_lm.model.accounting import count_params, flops_per_token
+    from hybrid_lm.progress import bar_disabled
 
     extra = list(extra_params or [])
     root = Path(root or spec.root or Path("runs") / "sweeps" / spec.name)
     resolved: dict[tuple, dict] = {}
     pairs = [(s, a) for s in spec.scales for a in spec.archs]
-    for s, a in tqdm(pairs, desc="resolve configs", disable=not progress, leave=False):
+    for s, a in tqdm(pairs, desc="resolve configs", disable=bar_disabled(progress), leave=False):
         sd, ad = spec.scales[s], spec.archs[a]
         files = ([_resolve_gin(g, f"sweep {spec.name}: the spec") for g in spec.gin]
                  + [_resolve_gin(g, f"sweep {spec.name}: scale {s!r}") for g in sd["gin"]]
@@ -328,7 +329,7 @@ def expand(spec: Spec, root: str | Path | None = None, extra_params: list[str] |
 
     # parameter matching: adjust d_ff so that N equals the reference arch's N at the same scale
     if spec.param_match:
-        for s, a in tqdm(pairs, desc="match parameters", disable=not progress, leave=False):
+        for s, a in tqdm(pairs, desc="match parameters", disable=bar_disabled(progress), leave=False):
             if a == spec.reference_arch or not spec.archs[a]["param_match"]:
                 continue
             r = resolved[(s, a)]
