@@ -119,6 +119,27 @@ def test_eval_report_overlays_runs(capsys, run_dir, tmp_path):
     assert rc == 0 and "loss" in out and "2 checkpoints" in out
     pngs = list((tmp_path / "rep").glob("loss_*.png"))
     assert pngs and all(p.stat().st_size > 0 for p in pngs)
+    assert main(["eval-report", str(run_dir), "--out", str(tmp_path / "rep"), "--tasks", "lm_eval"]) == 0
+    out = capsys.readouterr().out
+    assert "nothing to plot in 1 run dir: eval.jsonl holds" in out and "none of --tasks lm_eval" in out
+    assert "`hybrid-lm eval RUN_DIR --tasks lm_eval --steps all`" in out
+
+
+def test_eval_report_on_trainer_evals_only_says_what_it_found(capsys, tmp_path):
+    """A sweep root whose runs hold only the trainer's periodic evals (metrics.jsonl, no eval.jsonl):
+    the report counts them and names the command that writes eval-suite results."""
+    jobs = [{"name": f"t1-full-dn{b}-seed0-x", "kind": "branch"} for b in (1, 2)]
+    (tmp_path / "sweep.json").write_text(json.dumps({"jobs": jobs}))
+    for j in jobs:
+        d = tmp_path / j["name"]
+        d.mkdir()
+        rows = [{"kind": k, "step": s, "loss": 2.0} for s in (5, 10) for k in ("train", "eval")]
+        (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["eval-report", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert ("nothing to plot in 2 run dirs: no eval-suite results (no eval.jsonl rows); metrics.jsonl holds 4 "
+            "trainer eval rows") in out, out
+    assert "`hybrid-lm eval RUN_DIR --tasks loss --steps all` for each run" in out
 
 
 @pytest.mark.parametrize("args, msg", [

@@ -89,6 +89,39 @@ def format_report(groups: dict) -> str:
     return "\n".join(lines) if lines else "no eval rows with a headline number"
 
 
+def nothing_to_report(paths: list[str | Path], tasks: tuple[str, ...] | None = None) -> str:
+    """Why :func:`collect_eval` found no curve: what the run dirs under ``paths`` hold (eval-suite
+    rows per task, the trainer's periodic eval rows) and the command that writes suite results."""
+    from hybrid_lm.eval.suite import current_rows, headline, task_of
+    from hybrid_lm.scaling.collect import find_run_dirs
+    from hybrid_lm.train.metrics import read_metrics
+
+    dirs = find_run_dirs(list(paths))
+    per_task: dict[str, int] = {}
+    asked = scored = trainer = 0
+    for d in dirs:
+        for r in current_rows(d):
+            fam = task_of(r)
+            per_task[fam] = per_task.get(fam, 0) + 1
+            if not tasks or fam in tasks:
+                asked += 1
+                scored += headline(r) is not None and r.get("tokens_seen") is not None
+        trainer += len(read_metrics(d / "metrics.jsonl", "eval"))
+    found = f"{len(dirs)} run dir{'s' if len(dirs) != 1 else ''}: "
+    if per_task:
+        found += "eval.jsonl holds " + ", ".join(f"{n} {t}" for t, n in sorted(per_task.items())) + " eval-suite rows"
+        if tasks and not asked:
+            found += f", none of --tasks {','.join(tasks)}"
+        elif not scored:
+            found += ", none with a headline number and tokens seen"
+    else:
+        found += "no eval-suite results (no eval.jsonl rows)"
+    found += (f"; metrics.jsonl holds {trainer} trainer eval row{'s' if trainer != 1 else ''} (the periodic val "
+              "loss of training: `hybrid-lm collect` tabulates them, eval-report does not plot them)")
+    return (f"nothing to plot in {found}. Write eval-suite results with `hybrid-lm eval RUN_DIR --tasks "
+            f"{','.join(tasks) if tasks else 'loss'} --steps all` for each run, then run eval-report again")
+
+
 def plot_report(groups: dict, out_dir: Path) -> list[Path]:
     import matplotlib
     matplotlib.use("Agg")
@@ -122,7 +155,7 @@ def plot_report(groups: dict, out_dir: Path) -> list[Path]:
 def eval_report(paths: list[str | Path], out_dir: str | Path | None = None, tasks: tuple[str, ...] | None = None,
                 printer=print) -> list[Path]:
     groups = collect_eval(paths, tasks)
-    printer(format_report(groups))
+    printer(format_report(groups) if groups else nothing_to_report(paths, tasks))
     out = Path(out_dir) if out_dir else Path(paths[0]) / "eval_report"
     plots = plot_report(groups, out) if groups else []
     for p in plots:
