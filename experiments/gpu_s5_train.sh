@@ -42,6 +42,8 @@
 #   bash experiments/gpu_s5_train.sh row17c   # next: anchor, S1-S4 Mamba-2/GDN rows (conv kernel auto), S5 Mamba-2/GDN none B4 x accumulate 1 vs 4
 #   bash experiments/gpu_s5_train.sh conv17b  # session 17: the rolling-window conv backward (check, launches), S5 mamba2/gdn no remat at 4, xla vs pallas
 #   bash experiments/gpu_s5_train.sh gn18     # session 18: GDN's gated output norm kernel (check, launches), S5 GDN none B4: sliced / padded xla / padded pallas
+#   bash experiments/gpu_s5_train.sh mbnone18 # session 18: the micro-batch sweep {8, 16} under remat none, S1-S4 x Mamba-2/GDN/Lightning/SA+SWA
+#   bash experiments/gpu_s5_train.sh mbnone18b # session 18: the rest of the @none keys: S5 SA/SA+SWA/Lightning {4, 8}, S2/S4 full/SWA/SA {8, 16}
 #   bash experiments/gpu_s5_train.sh mbnone17 # session 16: the micro-batch sweep {8, 16} under remat none, S1/S3 x full/SWA/SA
 #   bash experiments/gpu_s5_train.sh s5none17 # session 16: S5 x full/SWA/Mamba-2/GDN at 4 x 16K, remat none vs dots_attn; then 8 x 16K dots_attn
 #   bash experiments/gpu_s5_train.sh all7b    # part 2: S1's slow-compiling archs, S3-S5 full/SWA/SA
@@ -408,6 +410,23 @@ case "${1:-table}" in
     echo "== $left s: S5 gdn with the output sliced and cast before the norm (the path before session 18)"
     B $left --scale s5 --arch gdn --remat none --batch 4 --steps 6 --compile-workers 1 --time-after-compiles \
       --gdn-sliced-output --deadline $(( left - 8 )) --out "$OUT/bench_train_gn18_s5_sliced.json"
+    ;;
+  mbnone18)  # session 18: the presets' remat (none) for the linear mixers and SA+SWA at S1-S4 (the table's @none
+    # keys they lack), 8 compiles at a time, timed after all compiles; archs in order, so a deadline cuts the last
+    B 580 --scale s1,s2,s3,s4 --arch "${ARCHS18:-mamba2,gdn,lightning,sa_swa}" --order arch --remat none \
+      --sweep-microbatch 8,16 --steps 4 --compile-workers 8 --time-after-compiles --deadline 560 \
+      --out "$OUT/bench_train_mbnone18.json" --table-out "$OUT/microbatch_none18.json"
+    ;;
+  mbnone18b)  # session 18, second call: the @none keys still missing after mbnone18 (S5 SA, SA+SWA, Lightning;
+    # S2 and S4 full / SWA / SA, whose plain entries were measured under dots_attn)
+    B 270 --scale s5 --arch sa,sa_swa,lightning --order arch --remat none --sweep-microbatch 4,8 --steps 4 \
+      --compile-workers 6 --time-after-compiles --deadline 260 \
+      --out "$OUT/bench_train_mbnone18_s5.json" --table-out "$OUT/microbatch_none18_s5.json"
+    left=$(( 575 - SECONDS ))
+    echo "== $left s: S2 / S4 x full, swa, sa under remat none at {8, 16}"
+    B $left --scale s2,s4 --arch full,swa,sa --order arch --remat none --sweep-microbatch 8,16 --steps 4 \
+      --compile-workers 8 --time-after-compiles --deadline $(( left - 10 )) \
+      --out "$OUT/bench_train_mbnone18_s24.json" --table-out "$OUT/microbatch_none18_s24.json"
     ;;
   mbnone17)  # session 16: the presets' remat (none): the best micro-batch at S1 and S3, timed after all compiles
     B 330 --scale s1,s3 --arch full,swa,sa --remat none --sweep-microbatch 8,16 --steps 4 \

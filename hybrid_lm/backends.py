@@ -252,8 +252,9 @@ def conv_kernel_backend(impl: str, platform: str | None = None, devices: int | N
 def gated_norm_kernel_backend(impl: str, platform: str | None = None, devices: int | None = None) -> tuple[str, str]:
     """``(backend, reason)`` of gdn's gated output norm (``ops.norm.gated_rms_norm``): ``pallas``
     (``hybrid_lm_kernels.gated_rms_norm_fwd`` / ``_bwd``, reading the linear-attention kernel's padded
-    output in place) or ``xla`` (plain jnp). ``auto``: xla everywhere until a train step gains on a GPU
-    (docs/KERNELS.md). ``pallas`` on the CPU runs interpreted (tests)."""
+    output in place) or ``xla`` (plain jnp). ``auto``: xla everywhere: the kernels are 0.65-0.86x XLA's
+    norm alone on an H200 but the S5 GDN step did not move (docs/BENCHMARKS.md, session 18), so they are
+    opt-in. ``pallas`` on the CPU runs interpreted (tests)."""
     return _row_kernel_backend("gated_norm_kernel", impl, platform, devices, None)
 
 

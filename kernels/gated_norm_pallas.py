@@ -20,6 +20,11 @@ once and writes ``y``; the backward reads ``x``, ``z`` and ``dy`` once and write
 kernel's width, ready for its backward) and ``dz``. Backward programs walk contiguous ranges of row
 blocks and keep their partial ``dscale`` in registers; the ``[programs, d]`` partials are summed after.
 
+Measured (H200, session 18, ``experiments/bench_gated_norm.py``): 0.65–0.86x the model's former XLA path
+alone (forward + backward, 655,360 rows of 192 in 256 columns), but the S5 GDN step did not move (897.1 vs
+897.2 ms; XLA had fused the slice and casts into its neighbours), so the model runs them only on request
+(``ModelConfig.gated_norm_kernel='pallas'``).
+
 A block is ``block_rows`` rows of ``next_pow2(W)`` columns, masked past ``d`` (loads) or ``W`` (the
 ``dx`` store) and past ``N``. This module does not import ``hybrid_lm``; ``interpret=True`` runs the
 kernels on the CPU. The references are ``hybrid_lm.ops.norm.gated_rms_norm_fwd_reference`` /
@@ -39,8 +44,9 @@ from jax.experimental.pallas import triton as pltriton
 from .tiles import interpret_default as _interpret
 from .tiles import next_pow2 as _next_pow2
 
-# Default launch: rows per block, warps, backward programs (each walks its share of the row blocks).
-GATED_NORM_BLOCK_ROWS = 16
+# Default launch: rows per block, warps, backward programs (each walks its share of the row blocks); the
+# fastest of 7 on an H200 (session 18).
+GATED_NORM_BLOCK_ROWS = 8
 GATED_NORM_NUM_WARPS = 4
 GATED_NORM_BWD_PROGRAMS = 1056  # 8 per SM of an H100 / H200 (132 SMs)
 MAX_WIDTH = 4096  # widest row (W): a block of rows is held in registers

@@ -165,6 +165,22 @@ def test_backend_rule_and_config():
         load_config([], ["ModelConfig.gated_norm_kernel = 'fast'"])
 
 
+def test_startup_summary_names_the_gdn_norm_for_gdn_only():
+    from types import SimpleNamespace
+
+    from hybrid_lm.config import load_config
+    from hybrid_lm.train.logger import startup_summary
+
+    data = SimpleNamespace(meta={}, n_train_windows=4, eval_tokens=[0])
+    mesh = SimpleNamespace(shape={"data": 1}, devices=np.zeros(1))
+    lines = {k: startup_summary(load_config([], b), data, mesh) for k, b in (
+        ("gdn", ["efficient/MixerConfig.kind = 'gdn'", "ModelConfig.gated_norm_kernel = 'pallas'"]),
+        ("mamba2", ["efficient/MixerConfig.kind = 'mamba2'"]))}
+    norm = [line for line in lines["gdn"] if "gdn output norm" in line]
+    assert norm == ["backend  gdn output norm: pallas (gated_norm_kernel='pallas' set explicitly)"]
+    assert not any("gdn output norm" in line for line in lines["mamba2"])
+
+
 def test_lowers_for_cuda():
     """Both kernels lower through Triton for sm_90 at S5 GDN's output (4 x 16,384 x 10 heads, Dv 192 read
     from jla's 256 columns, bf16)."""

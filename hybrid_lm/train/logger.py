@@ -234,6 +234,8 @@ def startup_summary(cfg: Config, data: DataStreams, mesh) -> list[str]:
     lines.append("backend  norms: {} ({})".format(*backends.norm_kernel_backend(m.norm_kernel)))
     if any(mc.kind in ("mamba2", "gdn") for mc in (m.full, m.efficient)):
         lines.append("backend  short convs' backward: {} ({})".format(*backends.conv_kernel_backend(m.conv_kernel)))
+    if any(mc.kind == "gdn" for mc in (m.full, m.efficient)):
+        lines.append("backend  gdn output norm: {} ({})".format(*backends.gated_norm_kernel_backend(m.gated_norm_kernel)))
     train_tokens = data.meta.get("train_tokens")
     lines += [f"data     {cfg.data.source}: " + (f"{train_tokens:,} train tokens, " if train_tokens else "")
               + f"{data.n_train_windows:,} train windows of {cfg.data.seq_len} tokens, "
