@@ -29,7 +29,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-from timing import finish_checked, median_ms, print_checks
+from timing import finish_checked, median_ms, print_checks, rel_l2
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -51,11 +51,6 @@ def inputs(B, T, C, seed):
     w = jax.random.uniform(k[1], (K_TAPS, C), jnp.float32, -0.5, 0.5)
     dy = jax.random.normal(k[2], (B, T, C), jnp.float32).astype(jnp.bfloat16)
     return x, w, dy
-
-
-def rel_l2(a, b) -> float:
-    a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
-    return float(jnp.linalg.norm(a - b) / jnp.maximum(jnp.linalg.norm(b), 1e-30))
 
 
 def kernel_bwd(launch):

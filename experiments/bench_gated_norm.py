@@ -30,7 +30,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-from timing import finish_checked, median_ms, print_checks
+from timing import finish_checked, median_ms, print_checks, rel_l2
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -54,11 +54,6 @@ def inputs(n, d, width, seed):
     scale = 1.0 + 0.2 * jax.random.normal(k[2], (d,), jnp.float32)
     dy = jax.random.normal(k[3], (n, d), jnp.float32).astype(jnp.bfloat16)
     return x, z, scale, dy
-
-
-def rel_l2(a, b) -> float:
-    a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
-    return float(jnp.linalg.norm(a - b) / jnp.maximum(jnp.linalg.norm(b), 1e-30))
 
 
 def kernel_fns(launch):

@@ -32,7 +32,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from timing import finish_checked, median_ms, print_checks
+from timing import finish_checked, median_ms, print_checks, rel_l2
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -60,11 +60,6 @@ def rows_inputs(n, v, seed):
     targets = jax.random.randint(k[1], (n,), 0, v)
     weights = jax.random.uniform(k[2], (n,), jnp.float32) / n
     return logits, targets, weights
-
-
-def rel_l2(a, b) -> float:
-    a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
-    return float(jnp.linalg.norm(a - b) / jnp.maximum(jnp.linalg.norm(b), 1e-30))
 
 
 def check(args, launches) -> list[dict]:

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-from timing import finish_checked, median_ms, print_checks
+from timing import finish_checked, median_ms, print_checks, rel_l2
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -56,11 +56,6 @@ def inputs(n, d, seed):
     scale = 1.0 + 0.2 * jax.random.normal(k[1], (d,), jnp.float32)
     dy = jax.random.normal(k[2], (n, d), jnp.float32).astype(jnp.bfloat16)
     return x, scale, dy
-
-
-def rel_l2(a, b) -> float:
-    a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
-    return float(jnp.linalg.norm(a - b) / jnp.maximum(jnp.linalg.norm(b), 1e-30))
 
 
 def kernel_fns(launch):

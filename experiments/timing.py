@@ -1,4 +1,4 @@
-"""Device timing shared by the benchmarks in ``experiments/`` (imported as a sibling module)."""
+"""Device timing and check helpers shared by the benchmarks in ``experiments/`` (imported as a sibling module)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 
 
 def median_ms(fn, args, reps: int, inner: int, warmup: int = 3):
@@ -24,6 +25,12 @@ def median_ms(fn, args, reps: int, inner: int, warmup: int = 3):
         jax.block_until_ready(out)
         times.append((time.perf_counter() - t0) / inner * 1e3)
     return statistics.median(times), times
+
+
+def rel_l2(a, b) -> float:
+    """Relative L2 error of ``a`` against the reference ``b`` (in fp32)."""
+    a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
+    return float(jnp.linalg.norm(a - b) / jnp.maximum(jnp.linalg.norm(b), 1e-30))
 
 
 def print_checks(rows) -> None:

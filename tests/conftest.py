@@ -42,6 +42,17 @@ if os.environ.get("HYBRID_LM_TESTS_JAX_CACHE") == os.environ.get("JAX_COMPILATIO
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
+def assert_close_to_ref(a, b, dtype, rel):
+    """``a`` within ``rel`` of ``b``'s largest magnitude, plus one rounding step of ``dtype`` (bf16) at that size."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    big = float(np.max(np.abs(b)))
+    ulp = 2.0 ** -7 if dtype == jnp.bfloat16 else 0.0
+    np.testing.assert_allclose(a, b, atol=big * (rel + ulp))
+
+
 def triton_calls_for_cuda(fn, *args) -> int:
     """How many Triton custom calls the jitted ``fn`` lowers to for ``args`` (arrays or shape structs)
     when exported for CUDA, with an sm_90 GPU faked for Pallas's Triton lowering: the CPU-side check

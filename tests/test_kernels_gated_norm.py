@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import triton_calls_for_cuda
+from conftest import assert_close_to_ref, triton_calls_for_cuda
 from flax import nnx
 
 from hybrid_lm.backends import gated_norm_kernel_backend
@@ -35,14 +35,6 @@ def _inputs(lead, d, W, dtype, seed):
     return x, z, scale, dy
 
 
-def _close(a, b, dtype, rel):
-    """Within ``rel`` of b's largest magnitude, plus one rounding step of ``dtype`` at that size."""
-    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-    big = float(np.max(np.abs(b)))
-    ulp = 2.0 ** -7 if dtype == jnp.bfloat16 else 0.0
-    np.testing.assert_allclose(a, b, atol=big * (rel + ulp))
-
-
 @pytest.mark.parametrize("N,d,W,dtype,rows,programs", [
     (37, 24, 32, jnp.float32, 4, 3),      # row tail; padded input; uneven shares of blocks
     (64, 192, 256, jnp.bfloat16, 16, 1056),  # GDN's Dv in jla's width; more programs than blocks
@@ -55,14 +47,14 @@ def test_equals_reference(N, d, W, dtype, rows, programs):
     y_ref, rstd_ref = gated_rms_norm_fwd_reference(x, z, scale, 1e-5)
     assert y.dtype == z.dtype and y.shape == (N, d) and rstd.shape == (N,) and rstd.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(rstd), np.asarray(rstd_ref), rtol=1e-6)
-    _close(y, y_ref, dtype, 1e-6)
+    assert_close_to_ref(y, y_ref, dtype, 1e-6)
     dx, dz, dscale = gated_rms_norm_bwd(x, z, scale, rstd, dy, block_rows=rows, programs=programs, interpret=True)
     dx_ref, dz_ref, dscale_ref = gated_rms_norm_bwd_reference(x, z, scale, rstd_ref, dy)
     assert dx.dtype == x.dtype and dx.shape == (N, W) and dz.dtype == z.dtype and dz.shape == (N, d)
     assert not np.any(np.asarray(dx[:, d:], np.float32))  # the padded columns' gradient is zero
-    _close(dx, dx_ref, dtype, 1e-5)
-    _close(dz, dz_ref, dtype, 1e-5)
-    _close(dscale, dscale_ref, jnp.float32, 1e-5)  # fp32 sums in another order
+    assert_close_to_ref(dx, dx_ref, dtype, 1e-5)
+    assert_close_to_ref(dz, dz_ref, dtype, 1e-5)
+    assert_close_to_ref(dscale, dscale_ref, jnp.float32, 1e-5)  # fp32 sums in another order
 
 
 def test_references_are_the_plain_norm_and_its_gradient():
@@ -90,7 +82,7 @@ def test_custom_vjp_equals_autodiff_of_the_plain_norm(dtype, W):
     np.testing.assert_allclose(float(vp), float(vx), rtol=1e-2 if dtype == jnp.bfloat16 else 1e-6)
     for a, e in zip(gp, gx):
         assert a.dtype == e.dtype and a.shape == e.shape
-        _close(a, e, dtype if a.dtype == dtype else jnp.float32, 1e-5)
+        assert_close_to_ref(a, e, dtype if a.dtype == dtype else jnp.float32, 1e-5)
 
 
 def test_module_reads_the_padded_columns_in_place():

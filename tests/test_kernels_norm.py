@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import triton_calls_for_cuda
+from conftest import assert_close_to_ref, triton_calls_for_cuda
 
 from hybrid_lm.backends import loss_kernel_backend, norm_kernel_backend
 from hybrid_lm.errors import ConfigError
@@ -29,14 +29,6 @@ def _inputs(shape, dtype, seed, x_scale=3.0):
     return x, scale, dy
 
 
-def _close(a, b, dtype, rel):
-    """Within ``rel`` of b's largest magnitude, plus one rounding step of ``dtype`` at that size."""
-    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-    big = float(np.max(np.abs(b)))
-    ulp = 2.0 ** -7 if dtype == jnp.bfloat16 else 0.0
-    np.testing.assert_allclose(a, b, atol=big * (rel + ulp))
-
-
 @pytest.mark.parametrize("N,d,dtype,rows,programs", [
     (37, 96, jnp.float32, 4, 3),       # row tail; d not a power of two; programs with uneven shares
     (64, 384, jnp.bfloat16, 2, 528),   # S1's width; more programs asked for than row blocks
@@ -49,12 +41,12 @@ def test_equals_reference(N, d, dtype, rows, programs):
     y_ref, rstd_ref = rms_norm_fwd_reference(x, scale, 1e-6)
     assert y.dtype == x.dtype and y.shape == x.shape and rstd.shape == (N,) and rstd.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(rstd), np.asarray(rstd_ref), rtol=1e-6)
-    _close(y, y_ref, dtype, 1e-6)
+    assert_close_to_ref(y, y_ref, dtype, 1e-6)
     dx, dscale = rms_norm_bwd(x, scale, rstd, dy, block_rows=rows, programs=programs, interpret=True)
     dx_ref, dscale_ref = rms_norm_bwd_reference(x, scale, rstd_ref, dy)
     assert dx.dtype == x.dtype and dx.shape == x.shape and dscale.shape == (d,)
-    _close(dx, dx_ref, dtype, 1e-5)
-    _close(dscale, dscale_ref, jnp.float32, 1e-5)  # fp32 sums in another order
+    assert_close_to_ref(dx, dx_ref, dtype, 1e-5)
+    assert_close_to_ref(dscale, dscale_ref, jnp.float32, 1e-5)  # fp32 sums in another order
 
 
 def test_references_are_the_plain_norm_and_its_gradient():
@@ -81,8 +73,8 @@ def test_custom_vjp_equals_autodiff_of_the_plain_norm(dtype):
     (vx, (dxx, dsx)), (vp, (dxp, dsp)) = out["xla"], out["pallas"]
     np.testing.assert_allclose(float(vp), float(vx), rtol=1e-2 if dtype == jnp.bfloat16 else 1e-6)
     assert dxp.dtype == dtype and dsp.dtype == jnp.float32
-    _close(dxp, dxx, dtype, 1e-5)
-    _close(dsp, dsx, jnp.float32, 1e-5)  # fp32 sums of dy * xhat on both sides
+    assert_close_to_ref(dxp, dxx, dtype, 1e-5)
+    assert_close_to_ref(dsp, dsx, jnp.float32, 1e-5)  # fp32 sums of dy * xhat on both sides
 
 
 def test_rejects_bad_inputs():
