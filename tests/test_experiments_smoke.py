@@ -205,6 +205,20 @@ def test_bench_conv_check_and_table(tmp_path):
     assert parts.count("time") == 3  # autodiff, jnp vjp, 1 launch
 
 
+def test_bench_gated_norm_check_and_table(tmp_path):
+    """bench_gated_norm: the gated-norm kernels' check against the references (interpret mode) passes on
+    padded rows; the table is written."""
+    out = tmp_path / "gated_norm.json"
+    _run(["experiments/bench_gated_norm.py", "--rows", "96", "--d", "24", "--width", "32", "--launches", "4:4:3",
+          "--reps", "1", "--inner", "1", "--out", str(out)], tmp_path)
+    res = json.loads(out.read_text())
+    assert res["ok"]
+    parts = [r["part"] for r in res["rows"]]
+    assert parts.count("check_kernels") == 1 and parts.count("check_vjp") == 1
+    assert all(r["pad_grad_zero"] for r in res["rows"] if r["part"] == "check_kernels")
+    assert [r["impl"] for r in res["rows"] if r["part"] == "time"] == ["xla", "xla padded", "pallas 4:4:3"]
+
+
 def test_profile_parts_come_from_source_frames():
     """profile_train's breakdown reads each HLO instruction's source frames: the chunked loss's ops
     are the loss part, RMSNorm's the norms part."""
