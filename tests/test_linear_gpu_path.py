@@ -225,6 +225,30 @@ def test_zero_padded_head_widths_are_exact(op):
         assert a.shape == b.shape and _rel(a, b) < 1e-4, (op, i, _rel(a, b))
 
 
+@needs_jla
+def test_padded_output_is_the_kernels_output_unsliced():
+    """gated_delta_rule(padded_output=True) on the jla path (GDN's call): o at the padded width in the
+    kernel's dtype, its first Dv columns the usual output, the padded columns zero, and a consumer that
+    reads only those columns gets the same gradients as from the sliced output."""
+    q, k, v, g, _, beta, _ = _inputs(7, B=1, T=24, H=2, Dk=24, Dv=40, unit_qk=True)
+    fn = functools.partial(lag._jla_gated_delta_rule, scale=None, initial_state=None, output_final_state=False,
+                           kernel_dtype=jnp.bfloat16, backend="chunked", pad_to=(32, 64))
+    o_pad, _ = jax.jit(functools.partial(fn, padded_output=True))(q, k, v, g, beta)
+    o, _ = jax.jit(fn)(q, k, v, g, beta)
+    assert o_pad.shape == (1, 24, 2, 64) and o_pad.dtype == jnp.bfloat16 and o.dtype == q.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(o_pad[..., :40], np.float32), np.asarray(o))
+    assert not np.any(np.asarray(o_pad[..., 40:], np.float32))
+    w = jnp.linspace(-1.0, 1.0, 40)
+
+    def loss(padded, q, v):
+        out, _ = fn(q, k, v, g, beta, padded_output=padded)
+        return jnp.sum(out[..., :40].astype(jnp.float32) * w)
+
+    grads = [jax.jit(jax.grad(functools.partial(loss, p), argnums=(0, 1)))(q, v) for p in (True, False)]
+    for a, b in zip(*grads):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_kernel_widths_pick_the_cheapest_accepted_padding(monkeypatch):
     """With jla's predicate stubbed to its documented set, (96, 192) pads to (128, 256); accepted widths
     stay; nothing acceptable -> None (auto then runs XLA)."""
