@@ -44,6 +44,7 @@ from hybrid_lm.backends import loss_backend, recorded_backends
 from hybrid_lm.config import load_config
 from hybrid_lm.model import transformer
 from hybrid_lm.model.accounting import PEAK_FLOPS_H200_BF16, count_params, flops_per_token
+from hybrid_lm.train import microbatch
 from hybrid_lm.train.optim import optimizer_for_bounds, wsd_bounds
 from hybrid_lm.train.step import ModelFns, StateInit, make_train_step
 
@@ -119,6 +120,7 @@ class Variant:
                         gdn_padded_output=not getattr(args, "gdn_sliced_output", False))
         extra = ([f"ModelConfig.loss_impl = '{args.loss}'"] if args.loss != "default" else []) + args.gin_param
         self.cfg = make_config(scale, arch, args.seq_len, batch, args.remat, args.impl, extra, accumulate)
+        self.key["rule_arch"] = microbatch.arch_name(self.cfg.model)
         self.fns = ModelFns(self.cfg)
         self.build = optimizer_for_bounds(self.cfg.optim, self.fns.axes)
         self.bounds = np.asarray(wsd_bounds(self.cfg.optim, 1000), np.int32)
@@ -298,26 +300,37 @@ def report(r):
 
 
 def table_key(r) -> str:
-    """``scale/arch/seq_len@remat`` of a row (``arch`` without its ``@REMAT``): the micro-batch table's key."""
-    key = f"{r['scale']}/{r['arch'].partition('@')[0]}/{r['seq_len']}"
+    """``scale/arch/seq_len@remat`` of a row: the micro-batch table's key. ``arch`` is the rule's name for
+    the variant's architecture (``rule_arch``, ``hybrid_lm.train.microbatch.arch_name``: the ``moba16``
+    variant is the ``moba`` preset) where the row has it, else the variant's label without its ``@REMAT``."""
+    key = f"{r['scale']}/{r.get('rule_arch') or r['arch'].partition('@')[0]}/{r['seq_len']}"
     return key + (f"@{r['remat']}" if r.get("remat") else "")
 
 
 def best_microbatches(rows) -> dict:
     """Per (scale, arch, seq_len, remat): the micro-batch with the highest tokens/s among those that
-    ran, and ``tried``: every micro-batch that ran or was found not to fit."""
+    ran, ``tried``: every micro-batch that ran or was found not to fit, and ``variants``: the labels
+    measured under that key (two labels of one architecture, e.g. ``gdn`` and ``gdn_norm_pallas``, make
+    the key ambiguous: :func:`write_table` leaves it out). ``+scan`` variants are not keyed (the rule
+    keys on the architecture, not on how its stack is compiled)."""
     best: dict = {}
     tried: dict = {}
+    labels: dict = {}
     for r in rows:
+        label = r["arch"].partition("@")[0]
+        if SCAN in label:
+            continue
         k = table_key(r)
         if r.get("status") in ("ok", "oom"):
             tried.setdefault(k, []).append(r["batch"])
+            labels.setdefault(k, set()).add(label)
         if r.get("status") != "ok":
             continue
         if k not in best or r["tokens_per_sec"] > best[k]["tokens_per_sec"]:
             best[k] = {"batch": r["batch"], "tokens_per_sec": r["tokens_per_sec"], "mfu": r["mfu"]}
     for k in best:
         best[k]["tried"] = sorted(tried[k])
+        best[k]["variants"] = sorted(labels[k])
     return best
 
 
@@ -330,14 +343,17 @@ def save(path, rows, extra=None):
 def write_table(path: str, best: dict, command: str, device: str, remat: str) -> dict:
     """Merge ``best`` into the micro-batch table at ``path`` (entries of other keys are kept) and
     return the table written. Only sweeps enter it: a key with fewer than two micro-batches tried
-    is left out, and so are ``+scan`` variants (the rule keys on the architecture). Keys measured
+    is left out, and so is a key measured by several variants (``variants``). Keys measured
     under the table's remat policy (``remat`` for a new table) are written plain, others keep their
     ``@POLICY`` ending (``hybrid_lm.train.microbatch``)."""
     table = json.loads(open(path).read()) if os.path.exists(path) else {}
     own = table.get("remat", remat)
     merged = dict(table.get("best", {}))
     for k, b in best.items():
-        if SCAN in k or len(b.get("tried", ())) < 2:
+        if len(b.get("tried", ())) < 2:
+            continue
+        if len(b.get("variants", ())) > 1:
+            print(f"micro-batch table: {k} left out: measured by several variants ({', '.join(b['variants'])})")
             continue
         base, _, policy = k.partition("@")
         merged[base if policy in ("", own) else k] = b["batch"]

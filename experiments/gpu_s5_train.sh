@@ -45,6 +45,7 @@
 #   bash experiments/gpu_s5_train.sh mbnone18 # session 18: the micro-batch sweep {8, 16} under remat none, S1-S4 x Mamba-2/GDN/Lightning/SA+SWA
 #   bash experiments/gpu_s5_train.sh mbnone18b # session 18: the rest of the @none keys: S5 SA/SA+SWA/Lightning {4, 8}, S2/S4 full/SWA/SA {8, 16}
 #   bash experiments/gpu_s5_train.sh acc18    # session 18: S4 full/SWA/SA without remat at 16, one micro-batch vs 4 accumulated (S4's global batch 64)
+#   bash experiments/gpu_s5_train.sh mbsparse # next: the MoBA / SSA presets' micro-batch keys under remat none, S1-S4 x {8, 16}
 #   bash experiments/gpu_s5_train.sh mbnone17 # session 16: the micro-batch sweep {8, 16} under remat none, S1/S3 x full/SWA/SA
 #   bash experiments/gpu_s5_train.sh s5none17 # session 16: S5 x full/SWA/Mamba-2/GDN at 4 x 16K, remat none vs dots_attn; then 8 x 16K dots_attn
 #   bash experiments/gpu_s5_train.sh all7b    # part 2: S1's slow-compiling archs, S3-S5 full/SWA/SA
@@ -431,6 +432,12 @@ case "${1:-table}" in
     ;;
   acc18)  # session 18: S4's step as a run takes it (global batch 64 = 4 micro-batches of 16 without remat)
     ACC 330 4 bench_train_acc18_s4_ --scale s4 --arch full,swa,sa --remat none --batch 16 --steps 3 --compile-workers 3
+    ;;
+  mbsparse)  # not run yet (session 18 wrote it): the presets' MoBA (configs/arch/moba.gin, label moba16, keyed
+    # `moba` by the rule) and SSA at S1-S4 without remat, the last archs without micro-batch entries
+    B 580 --scale s1,s2,s3,s4 --arch moba16,ssa --order arch --remat none --sweep-microbatch 8,16 --steps 4 \
+      --compile-workers 8 --time-after-compiles --deadline 560 \
+      --out "$OUT/bench_train_mbsparse.json" --table-out "$OUT/microbatch_sparse.json"
     ;;
   mbnone17)  # session 16: the presets' remat (none): the best micro-batch at S1 and S3, timed after all compiles
     B 330 --scale s1,s3 --arch full,swa,sa --remat none --sweep-microbatch 8,16 --steps 4 \

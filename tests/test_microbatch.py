@@ -88,18 +88,26 @@ def test_bench_train_table_keeps_only_sweeps(tmp_path):
 
     rows = [row("full", 4, "ok", 10.0), row("full", 8, "ok", 12.0), row("swa", 4, "ok", 9.0),
             row("swa", 8, "oom"), row("sa", 4, "ok", 8.0), row("sa", 8, "not_compiled"),
-            row("full+scan", 4, "ok", 1.0), row("full+scan", 8, "ok", 2.0)]
+            row("full+scan", 4, "ok", 1.0), row("full+scan", 8, "ok", 2.0),
+            # the moba16 variant is the `moba` preset: keyed by the rule's name for it
+            dict(row("moba16", 4, "ok", 5.0), rule_arch="moba"), dict(row("moba16", 8, "ok", 6.0), rule_arch="moba"),
+            # two variants of one architecture (a kernel switch) in one sweep: ambiguous, left out
+            dict(row("gdn", 4, "ok", 4.0), rule_arch="gdn"), dict(row("gdn_norm_pallas", 8, "ok", 4.5), rule_arch="gdn")]
     rows = [dict(r, remat="dots_attn") for r in rows] + [
         dict(row("full@none", 4, "ok", 3.0), remat="none"), dict(row("full@none", 8, "oom"), remat="none")]
     best = bt.best_microbatches(rows)
     assert best["s4/full/16384@dots_attn"]["batch"] == 8 and best["s4/swa/16384@dots_attn"]["tried"] == [4, 8]
-    assert best["s4/full/16384@none"] == {"batch": 4, "tokens_per_sec": 3.0, "mfu": 0.1, "tried": [4, 8]}
+    assert best["s4/full/16384@none"] == {"batch": 4, "tokens_per_sec": 3.0, "mfu": 0.1, "tried": [4, 8],
+                                          "variants": ["full"]}
+    assert not any("scan" in k for k in best) and best["s4/moba/16384@dots_attn"]["batch"] == 8
+    assert best["s4/gdn/16384@dots_attn"]["variants"] == ["gdn", "gdn_norm_pallas"]
     path = tmp_path / "mb.json"
     path.write_text(json.dumps({"command": "old", "remat": "dots_attn", "best": {"s1/full/16384": 8}}))
     t = bt.write_table(str(path), best, "new", "NVIDIA H200", "dots_attn")
-    # swa: 8 did not fit, so 4; sa: only 4 was measured (not a sweep); +scan: not an architecture;
+    # swa: 8 did not fit, so 4; sa: only 4 was measured (not a sweep); +scan: not an architecture; gdn: two variants;
     # full@none: another policy than the table's, so its key keeps the ending
-    assert t["best"] == {"s1/full/16384": 8, "s4/full/16384": 8, "s4/swa/16384": 4, "s4/full/16384@none": 4}
+    assert t["best"] == {"s1/full/16384": 8, "s4/full/16384": 8, "s4/swa/16384": 4, "s4/moba/16384": 8,
+                         "s4/full/16384@none": 4}
     assert t["commands"] == ["old", "new"] and t["remat"] == "dots_attn" and json.loads(path.read_text()) == t
     # a sweep under another policy into a new table: that policy becomes the table's own
     fresh = bt.write_table(str(tmp_path / "none.json"), best, "n", "NVIDIA H200", "none")
