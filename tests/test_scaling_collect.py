@@ -106,6 +106,52 @@ def test_eval_settings_that_differ_get_tagged_columns(tmp_path):
     assert set(names.values()) == {"longppl[evaluator_step=100]", "longppl[evaluator_step=200]"}
 
 
+def _suite_rows(step, arch, exact, nll, cache):
+    """eval.jsonl rows of the suite's other tasks, as hybrid_lm.eval writes them: results, per-item lists,
+    curves and cache paths beside the settings (a newer per-arch field, ``generation``, too)."""
+    mix = {"efficient": {"kind": arch}}
+    ruler = [{"kind": "ruler", "task": f"ruler/{t}", "step": step, "checkpoint_step": step, "run_id": arch,
+              "seed": 0, "samples": 4, "trained_seq_len": 128, "generation": "greedy" if arch == "sa" else "unavailable",
+              "layer_types": "FE", "mixers": mix, "attention_impl": "auto", "devices": 1, "time": "t",
+              "length": 1024, "prompt_tokens": 1000, "gen_tokens": 24, "haystack": "essays" if t == "niah_single" else None,
+              "exact_match": exact if arch == "sa" else None, "answer_nll": nll, "ll_accuracy": None, "ll_chance": None,
+              "distractors": 0, "per_item": {"depth": [[0.1], [0.6]], "nll": [nll, nll]}, "items_cache": f"{cache}/{t}.jsonl",
+              "wall_s": 1.0, "attention_backends": {}} for t in ("niah_single", "vt")]
+    influence = {"kind": "influence", "task": "influence", "step": step, "checkpoint_step": step, "run_id": arch,
+                 "seq_len": 64, "samples": 8, "last": 16, "seed": 0, "windows": "eval", "document_mask": False,
+                 "g": [3.0 * nll, 2.0, 1.0], "g_max": 3.0 * nll, "g_sum": 6.0, "reach": 2, "reach_threshold": 1e-3,
+                 "reach_saturated": True, "mean_distance": 0.7, "bins": [{"lo": 0, "hi": 0, "mean": 3.0, "mass": 0.5}],
+                 "layer_types": "FE", "mixers": mix, "attention_impl": "auto", "devices": 1, "wall_s": 2.0}
+    probe = {"kind": "probe", "task": "probe", "step": step, "checkpoint_step": step, "samples": 40, "seq_len": 256,
+             "seed": 0, "haystack": "essays", "depths": [0.2, 0.4], "layers": ["emb", "L0"], "accuracy": [0.2, 0.5],
+             "best_layer": "L0", "best_accuracy": 0.5, "chance": 0.1, "mixers": mix, "wall_s": 3.0}
+    lm_eval = {"kind": "lm_eval", "task": "lm_eval/arc_easy", "checkpoint_step": step, "metrics": {"acc,none": 0.3},
+               "score": 0.3, "score_metric": "acc,none", "n_samples": {"original": 10}, "limit": 10, "num_fewshot": 0,
+               "max_length": 128, "wall_s": 4.0}
+    return [*ruler, influence, probe, lm_eval]
+
+
+def test_suite_tasks_get_one_short_column_per_task_shared_across_runs(tmp_path):
+    """RULER, influence, probe and lm-eval rows: one column per (sub)task and metric, the same for every
+    run, whatever per-item results, curves, cache paths and per-arch fields the rows hold."""
+    _fake_run(tmp_path, "sa", eval_rows=_suite_rows(20, "sa", 0.75, 1.5, "/tmp/cache_a"))
+    _fake_run(tmp_path, "gdn", eval_rows=_suite_rows(20, "gdn", 0.5, 2.5, "/tmp/cache_b"))
+    rows, stats = collect([tmp_path], None, progress=False)
+    cols = set(stats["eval_columns"])
+    assert cols == {"ruler/niah_single", "ruler/vt", "influence", "probe", "lm_eval/arc_easy"}
+    sa, gdn = sorted(rows, key=lambda r: r["run_id"], reverse=True)
+    assert sa["ruler/niah_single_exact_match"] == 0.75 and gdn["ruler/niah_single_exact_match"] is None
+    assert sa["ruler/vt_answer_nll"] == 1.5 and gdn["ruler/vt_answer_nll"] == 2.5
+    assert gdn["influence_g_max"] == 7.5 and gdn["influence_reach"] == 2 and gdn["probe_best_accuracy"] == 0.5
+    assert gdn["lm_eval/arc_easy_score"] == 0.3
+    assert max(len(k) for k in set(sa) | set(gdn)) < 40
+    # settings that do differ still split a task's columns, named by what differs
+    _fake_run(tmp_path, "sa2", eval_rows=[dict(r, samples=8) for r in _suite_rows(20, "sa", 0.5, 1.0, "/c")
+                                          if r["kind"] == "ruler"])
+    _, stats = collect([tmp_path], None, progress=False)
+    assert "ruler/vt[samples=8]" in stats["eval_columns"] and "ruler/vt[samples=4]" in stats["eval_columns"]
+
+
 def test_fit_log_longppl_from_collected_eval_rows_recovers_the_law(tmp_path):
     """Synthetic runs whose LongPPL follows a known law: collect -> fit --metric log_longppl recovers it,
     and a metric that is not in the table is an error listing the metric columns that are."""
@@ -328,3 +374,17 @@ def test_tiny_sweep_longppl_collect_fit_and_the_printed_next_steps(tmp_path, tin
     doc = json.loads((root / "fit_longppl" / "fit.json").read_text())
     assert doc["metric"] == "log_longppl" and doc["fits"]["swa8"]["n_points"] == 4
     assert re.search(r"swa8: NOT VALID", r.stdout)  # 4 points, 4 parameters: flagged, never silently trusted
+
+
+def test_collect_cli_refuses_a_missing_path_and_an_empty_tree_in_one_line(tmp_path, capsys):
+    from hybrid_lm.cli import main
+
+    assert main(["collect", str(tmp_path / "nope")]) == 2  # the missing path first, not the --out rule
+    assert capsys.readouterr().err.strip() == f"error: {tmp_path / 'nope'} does not exist"
+    (tmp_path / "empty").mkdir()
+    assert main(["collect", str(tmp_path / "empty"), "--out", str(tmp_path / "t.csv")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: no run dirs under") and "\n" not in err and not (tmp_path / "t.csv").exists()
+    _fake_run(tmp_path / "empty", "r1")
+    assert main(["collect", str(tmp_path / "empty"), "--out", str(tmp_path / "t.csv")]) == 0
+    assert "1 run dirs -> 1 rows" in capsys.readouterr().out

@@ -91,8 +91,16 @@ def cmd_sweep(args) -> int:
 
 
 def cmd_collect(args) -> int:
-    from hybrid_lm.scaling.collect import collect
+    from hybrid_lm.scaling.collect import collect, find_run_dirs
 
+    missing = [p for p in args.paths if not Path(p).exists()]
+    if missing:
+        print(f"error: {missing[0]} does not exist", file=sys.stderr)
+        return 2
+    if not find_run_dirs(args.paths, include_stable=args.include_stable):
+        print(f"error: no run dirs under {', '.join(args.paths)} (a run dir holds metrics.jsonl; a sweep root "
+              "sweep.json); nothing written", file=sys.stderr)
+        return 2
     out = args.out
     if out is None:
         if len(args.paths) == 1 and (Path(args.paths[0]) / "sweep.json").exists():

@@ -180,16 +180,34 @@ _EVAL_BOOKKEEPING = frozenset({
     "kind", "time", "step", "checkpoint_step", "run_id", "wall_s", "key_cache", "keys_cached", "self_evaluator",
     "evaluator_step", "attention_backends", "devices", "mixers", "trained_mixers", "layer_types",
     "attention_impl", "trained_seq_len", "trained_eval_loss", "nonfinite"})
-# what makes two rows of one task comparable; a task not listed: its non-numeric fields
+# what makes two rows of one task comparable (a task not listed: its scalar text / flag fields)
 _EVAL_SETTINGS = {"longppl": ("length", "docs", "trunc_len", "window", "alpha", "beta", "evaluator"),
-                  "swap_eval": ("swaps", "horizon", "sinks", "seq_len", "eval_windows")}
-# the numbers a task reports; a task not listed: its numeric fields
+                  "swap_eval": ("swaps", "horizon", "sinks", "seq_len", "eval_windows"),
+                  "ruler": ("length", "samples", "seed", "haystack"),
+                  "probe": ("samples", "seq_len", "seed", "haystack"),
+                  "heads": ("samples", "seq_len", "seed", "haystack", "reference_step"),
+                  "influence": ("seq_len", "samples", "last", "seed", "windows", "document_mask"),
+                  "lm_eval": ("limit", "num_fewshot", "max_length")}
+# the numbers a task reports (a task not listed: its numeric fields); per-item results, curves and
+# per-layer lists stay in eval.jsonl
 _EVAL_METRICS = {"longppl": ("longppl", "key_nll", "ppl", "nll", "n_key", "n_token", "key_rate"),
-                 "swap_eval": ("loss", "bpb", "delta_loss")}
+                 "swap_eval": ("loss", "bpb", "delta_loss"),
+                 "ruler": ("exact_match", "answer_nll", "ll_accuracy"),
+                 "probe": ("best_accuracy",),
+                 "heads": ("top_head_mass",),
+                 "influence": ("reach", "mean_distance", "g_max", "g_sum"),
+                 "lm_eval": ("score",)}
 
 
 def _number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def eval_task(row: dict) -> str:
+    """A row's task as a column name: its ``task`` (``ruler/niah_single``, ``lm_eval/hellaswag``) where
+    the row names one, else its ``kind`` (``longppl``, ``swap_eval``)."""
+    task = row.get("task")
+    return task if isinstance(task, str) and task else row["kind"]
 
 
 def eval_settings(row: dict) -> tuple:
@@ -199,14 +217,14 @@ def eval_settings(row: dict) -> tuple:
         keys = list(_EVAL_SETTINGS[task])
         if task == "longppl" and not row.get("self_evaluator", True):
             keys.append("evaluator_step")  # a fixed evaluator's checkpoint marks the key tokens
-    else:
-        keys = [k for k, v in row.items() if k not in _EVAL_BOOKKEEPING and not _number(v)]
+    else:  # short scalar text and flags only: never results, lists, or file paths
+        keys = [k for k, v in row.items() if k not in _EVAL_BOOKKEEPING and k != "task" and isinstance(v, (str, bool))
+                and not k.endswith(("_cache", "_path", "_dir"))]
     return tuple((k, json.dumps(row.get(k), sort_keys=True)) for k in keys)
 
 
 def eval_metrics(row: dict) -> dict:
-    task = row.get("kind")
-    names = _EVAL_METRICS.get(task) or [k for k, v in row.items() if k not in _EVAL_BOOKKEEPING and _number(v)]
+    names = _EVAL_METRICS.get(row.get("kind")) or [k for k, v in row.items() if k not in _EVAL_BOOKKEEPING and _number(v)]
     return {k: row.get(k) for k in names}
 
 
@@ -231,7 +249,7 @@ def read_eval_rows(d: Path) -> tuple[dict, dict]:
             log.warning("%s:%d: not an evaluation row (JSON object with kind and step); skipped", path, i)
             stats["bad_lines"] += 1
             continue
-        key = (row["kind"], eval_settings(row), int(step))
+        key = (eval_task(row), eval_settings(row), int(step))
         stats["read"] += 1
         stats["superseded"] += key in out
         out[key] = row
