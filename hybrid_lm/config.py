@@ -349,6 +349,42 @@ def operative_gin() -> str:
 
 # Fields older versions wrote to config.json that no longer exist (none defined the experiment).
 REMOVED_FIELDS = {"train": ("eval_batches",)}
+RUN_CONFIG_SECTIONS = ("model", "data", "optim", "train", "checkpoint", "mesh")
+
+
+def read_run_config(path: str | Path) -> tuple[dict, Config]:
+    """A run directory's ``config.json`` (``path``): its contents and the :class:`Config` they define.
+
+    The one reader of that file. A file that is not JSON, not an object, lacks a section or holds a
+    field this version does not know raises :class:`ConfigError` naming the file and what is wrong;
+    the file is left as it is."""
+    path = Path(path)
+    try:
+        d = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{path} is not JSON ({e}): fix or restore the run's config, as `hybrid-lm train` "
+                          "wrote it") from None
+    if not isinstance(d, dict):
+        raise ConfigError(f"{path} holds a JSON {type(d).__name__}, not the object `hybrid-lm train` writes")
+    missing = [s for s in RUN_CONFIG_SECTIONS if not isinstance(d.get(s), dict)]
+    if missing:
+        raise ConfigError(f"{path}: missing section{'s' * (len(missing) > 1)} {', '.join(map(repr, missing))}: "
+                          "not a run config as `hybrid-lm train` writes it")
+    types = get_type_hints(Config)
+    tables = [(sec, d[sec], types[sec]) for sec in RUN_CONFIG_SECTIONS]
+    tables += [(f"model.{slot}", d["model"][slot], MixerConfig) for slot in ("full", "efficient")
+               if isinstance(d["model"].get(slot), dict)]
+    unknown = [f"{where}.{k}" for where, table, cls in tables for k in table
+               if k not in {f.name for f in dataclasses.fields(cls)} | set(REMOVED_FIELDS.get(where, ()))]
+    if unknown:
+        raise ConfigError(f"{path}: unknown field{'s' * (len(unknown) > 1)} {', '.join(unknown)} (not a field of "
+                          "this version's config; remove it, or use the version that wrote the run)")
+    try:
+        return d, config_from_dict(d)
+    except KeyError as e:
+        raise ConfigError(f"{path}: missing field {e}") from None
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{path}: {e}") from None
 
 
 def config_from_dict(d: dict) -> Config:

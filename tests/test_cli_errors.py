@@ -76,3 +76,37 @@ def test_generate_warns_past_the_trained_context(run_dir, capsys, caplog):
     with caplog.at_level(logging.WARNING, logger="hybrid_lm.generate"):
         assert main(["generate", str(run_dir), "--prompt", "x" * 10, "--max-new", "10"]) == 0
     assert not caplog.records
+
+
+@pytest.mark.parametrize("text,what", [
+    ("{bad", "is not JSON"), ("{}", "missing sections 'model'"), ('{"a": 1}', "missing sections 'model'"),
+    ("[1]", "holds a JSON list"),
+])
+def test_a_corrupt_run_config_is_one_line_naming_it(tmp_path, capsys, text, what):
+    """A hand-edited or torn DIR/config.json: every command that reads it says so in one line naming the
+    file (exit 2), and none rewrites it."""
+    wd = tmp_path / "run"
+    wd.mkdir()
+    (wd / "config.json").write_text(text)
+    for argv in (["eval", str(wd), "--tasks", "loss"], ["eval", str(wd)], ["export", str(wd)],
+                 ["ruler", str(wd), "--lengths", "1K"], ["generate", str(wd), "--prompt", "hi"],
+                 ["longppl", str(wd)], ["train", "quickstart.gin", "--workdir", str(wd)]):
+        msg = one_line(capsys, *argv)
+        assert f"{wd / 'config.json'}" in msg and what in msg, (argv, msg)
+        assert (wd / "config.json").read_text() == text
+    assert sorted(p.name for p in wd.iterdir()) == ["config.json"]
+
+
+def test_a_run_config_with_an_unknown_or_missing_field_names_it(tmp_path, capsys):
+    import json
+
+    from hybrid_lm.config import load_config
+
+    good = load_config(["quickstart.gin"]).to_dict()
+    wd = tmp_path / "run"
+    wd.mkdir()
+    (wd / "config.json").write_text(json.dumps({**good, "model": {**good["model"], "colour": "red"}}))
+    assert "unknown field model.colour" in one_line(capsys, "eval", str(wd))
+    del good["model"]["full"]
+    (wd / "config.json").write_text(json.dumps(good))
+    assert "missing field 'full'" in one_line(capsys, "train", "quickstart.gin", "--workdir", str(wd))

@@ -109,6 +109,7 @@ def export_checkpoint(run_spec: str, out=None, fmt: str = "safetensors", dtype: 
     except the default ``out`` of the newest step (known once restored)."""
     import jax
 
+    from hybrid_lm.config import read_run_config
     from hybrid_lm.eval.restore import RestoredRun, load_run_config
     from hybrid_lm.optional import optional_import
     from hybrid_lm.train.checkpoint import params_fingerprint, saved_steps
@@ -153,7 +154,7 @@ def export_checkpoint(run_spec: str, out=None, fmt: str = "safetensors", dtype: 
             arr = arr.astype(ml_dtypes.bfloat16)
         flat[name] = np.ascontiguousarray(arr)
     axes = _flat_axes(run.fns.axes)
-    raw = json.loads((run_dir / "config.json").read_text())
+    raw = read_run_config(run_dir / "config.json")[0]
     raw.pop("export", None)
     meta = {"format": fmt, "weights": WEIGHTS, "step": run.step, "run_id": run.cfg.run_id(),
             "source": str(run_dir.resolve()), "dtype": target, "hybrid_lm_version": _version(),

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import jax
 
-from hybrid_lm.config import Config, config_from_dict
+from hybrid_lm.config import Config, read_run_config
 from hybrid_lm.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -30,13 +30,14 @@ log = logging.getLogger(__name__)
 
 def load_run_config(workdir: Path | str) -> Config:
     """The run's config in the current schema: a ``config.json`` written before mixers declared their
-    fields is read as ``train/rundir.py`` migrates it (unread mixer fields reset), the file left as is."""
+    fields is read as ``train/rundir.py`` migrates it (unread mixer fields reset), the file left as is.
+    Raises ``FileNotFoundError`` without the file, :class:`ConfigError` (naming it) for one that does not read."""
     from hybrid_lm.validate import read_fields_only
 
     path = Path(workdir) / "config.json"
     if not path.exists():
         raise FileNotFoundError(f"{workdir} is not a run directory: no config.json")
-    return read_fields_only(config_from_dict(json.loads(path.read_text())))
+    return read_fields_only(read_run_config(path)[1])
 
 
 def read_eval_rows(workdir: Path | str) -> list[dict]:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import jax
 
-from hybrid_lm.config import REMOVED_FIELDS, Config, config_from_dict, diff_experiments, operative_gin
+from hybrid_lm.config import REMOVED_FIELDS, Config, diff_experiments, operative_gin, read_run_config
 from hybrid_lm.errors import ConfigError, WorkdirError
 from hybrid_lm.files import atomic_write_json, atomic_write_text
 from hybrid_lm.validate import read_fields_only
@@ -258,7 +258,7 @@ def accepted_run_ids(workdir: Path) -> set[str]:
     path = Path(workdir) / "config.json"
     if not path.exists():
         return set()
-    d = json.loads(path.read_text())
+    d = read_run_config(path)[0]
     return {i for i in [d.get("run_id"), *d.get("previous_run_ids", [])] if i}
 
 
@@ -267,8 +267,7 @@ def migrate_run_config(workdir: Path) -> dict:
     fields (a moba run recording base.gin's window) or with a removed field (``eval_batches``) is
     rewritten, the old file kept as ``config.json.bak`` and its run id added to ``previous_run_ids``."""
     path = Path(workdir) / "config.json"
-    old = json.loads(path.read_text())
-    as_read = config_from_dict(old)  # drops the removed fields; the run id is computed as before
+    old, as_read = read_run_config(path)  # drops the removed fields; the run id is computed as before
     current = read_fields_only(as_read)
     dropped = [f"{sec}.{k}" for sec, ks in REMOVED_FIELDS.items() for k in ks if k in old.get(sec, {})]
     if current == as_read and not dropped:
