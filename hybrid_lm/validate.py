@@ -77,9 +77,14 @@ def config_warnings(cfg: Config, purpose: str = "train") -> list[str]:
         raise ValueError(f"purpose {purpose!r}: one of {PURPOSES}")
     out = []
     o, t, T = cfg.optim, cfg.train, cfg.data.seq_len
+    decay_start = t.steps - int(round(o.decay_fraction * t.steps))  # train/optim.py wsd_bounds
     if purpose != "eval" and o.warmup_steps > t.steps:
         out.append(f"OptimConfig.warmup_steps={o.warmup_steps} exceeds TrainConfig.steps={t.steps}: "
                    "the learning rate never reaches OptimConfig.lr")
+    elif purpose != "eval" and o.warmup_steps > decay_start + 1:  # the peak would be at step warmup_steps - 1
+        out.append(f"OptimConfig.warmup_steps={o.warmup_steps}: warmup ends at step {o.warmup_steps}, after the "
+                   f"decay starts at step {decay_start} (the last OptimConfig.decay_fraction={o.decay_fraction} of "
+                   f"TrainConfig.steps={t.steps}): the learning rate never reaches OptimConfig.lr")
     vocab = vocab_note(cfg) if purpose == "train" else None
     if vocab:
         out.append(vocab)

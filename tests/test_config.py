@@ -213,7 +213,13 @@ def test_mixers_declare_what_they_read():
     (["quickstart.gin"], [], []),
     (["quickstart.gin"], ["TrainConfig.steps = 40"],
      ["OptimConfig.warmup_steps=50 exceeds TrainConfig.steps=40"]),
-    (["quickstart.gin"], ["TrainConfig.steps = 50"], []),
+    (["quickstart.gin"], ["TrainConfig.steps = 60"],  # decay (the last 18 steps) starts before warmup ends
+     ["OptimConfig.warmup_steps=50: warmup ends at step 50, after the decay starts at step 42 (the last "
+      "OptimConfig.decay_fraction=0.3 of TrainConfig.steps=60): the learning rate never reaches OptimConfig.lr"]),
+    (["quickstart.gin"], ["TrainConfig.steps = 50"], ["OptimConfig.warmup_steps=50: warmup ends at step 50, after "
+                                                      "the decay starts at step 35"]),
+    (["quickstart.gin"], ["TrainConfig.steps = 70"], []),  # the peak at step 49, the decay from step 49 on
+    (["quickstart.gin"], ["TrainConfig.steps = 50", "OptimConfig.decay_fraction = 0.0"], []),
     (["quickstart.gin", "arch/sa.gin"], [],
      ["efficient/MixerConfig.window=128 >= DataConfig.seq_len: mixer 'sa' sees every key at seq_len=128"]),
     (["quickstart.gin", "arch/sa_swa.gin"], ["DataConfig.seq_len = 256"], []),
@@ -253,6 +259,9 @@ def test_an_eval_does_not_repeat_the_training_setup_warnings(caplog, monkeypatch
     assert [w.split("=")[0] for w in validate.config_warnings(cfg)] == ["OptimConfig.warmup_steps",
                                                                          "ModelConfig.vocab_size"]
     assert validate.config_warnings(cfg, "eval") == []
+    overlap = load_config(["quickstart.gin"], ["TrainConfig.steps = 60"], validate=False)
+    assert [w.split(":")[0] for w in validate.config_warnings(overlap, "info")] == ["OptimConfig.warmup_steps=50"]
+    assert validate.config_warnings(overlap, "eval") == []
     (tmp_path / "config.json").write_text(json.dumps(cfg.to_dict()))
     monkeypatch.setattr(validate, "_WARNED", set())
     caplog.clear()
