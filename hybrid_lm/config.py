@@ -26,6 +26,8 @@ import dataclasses
 import hashlib
 import json
 import logging
+import re
+import tokenize
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin, get_type_hints
@@ -295,8 +297,8 @@ def load_config(gin_files: list[str] | tuple[str, ...] = (), gin_params: list[st
     root.setLevel(logging.CRITICAL)  # gin logs an ERROR for every search path an include is not in
     try:
         gin.parse_config_files_and_bindings(files, list(gin_params), finalize_config=False)
-    except (ValueError, ImportError, SyntaxError, OSError) as e:
-        raise ConfigError(f"bad gin binding: {e}") from None
+    except (ValueError, ImportError, SyntaxError, OSError, tokenize.TokenError) as e:
+        raise ConfigError(f"bad gin binding: {_gin_error(e)}") from None
     finally:
         root.setLevel(level)
     cfg = Config(model=ModelConfig(full=_slot_mixer("full"), efficient=_slot_mixer("efficient")),
@@ -306,6 +308,22 @@ def load_config(gin_files: list[str] | tuple[str, ...] = (), gin_params: list[st
         from hybrid_lm.validate import validate_experiment  # the layer above: registry and tokenizers
         validate_experiment(cfg)
     return cfg
+
+
+def _gin_error(e: Exception) -> str:
+    """gin's parse error without the Python object it could not read (``<ast.Name object at 0x..>``); a
+    bare word as a value gets the hint that strings need quotes."""
+    if isinstance(e, tokenize.TokenError):  # e.g. an unclosed bracket: ('unexpected EOF ...', (1, 0))
+        return f"{e.args[0]} (an unclosed bracket or quote?)"
+    text = " ".join(str(e).split())
+    token = re.search(r"Failed to parse token '(.*?)'", text)
+    if not token:
+        return text
+    where = re.search(r"\(([^()]*line \d+)\)$", text)
+    binding = " ".join((getattr(e, "text", None) or "").split())
+    key = binding.split("=")[0].strip() if "=" in binding else "ModelConfig.field"
+    return (f"{binding!r}{f' ({where.group(1)})' if where else ''}: cannot read the value {token.group(1)}; "
+            f"strings need quotes, e.g. {key} = '{token.group(1)}'")
 
 
 def _bound(scope: str, name: str) -> bool:

@@ -296,3 +296,15 @@ def test_info_states_the_vocabulary_note_as_a_line_not_a_warning(caplog, capsys,
     with caplog.at_level("WARNING", logger="hybrid_lm.validate"):
         load_config(["scale/s1.gin"])
     assert [r.getMessage().split("=")[0] for r in caplog.records] == ["ModelConfig.vocab_size"]
+
+
+@pytest.mark.parametrize("binding,expected", [
+    ("ModelConfig.d_model=abc", "bad gin binding: 'ModelConfig.d_model=abc' (line 1): cannot read the value abc; "
+                                "strings need quotes, e.g. ModelConfig.d_model = 'abc'"),
+    ("ModelConfig.d_model = [1,", "bad gin binding: unexpected EOF in multi-line statement (an unclosed "
+                                  "bracket or quote?)"),
+])
+def test_an_unreadable_gin_value_is_one_clean_line(binding, expected):
+    with pytest.raises(ConfigError) as e:
+        load_config(["quickstart.gin"], [binding])
+    assert str(e.value) == expected
