@@ -110,3 +110,14 @@ def test_a_run_config_with_an_unknown_or_missing_field_names_it(tmp_path, capsys
     del good["model"]["full"]
     (wd / "config.json").write_text(json.dumps(good))
     assert "missing field 'full'" in one_line(capsys, "train", "quickstart.gin", "--workdir", str(wd))
+
+
+def test_a_sweep_spec_that_is_not_toml_says_what_a_spec_is(tmp_path, capsys):
+    from hybrid_lm.config import CONFIGS_DIR
+
+    gin = CONFIGS_DIR / "quickstart.gin"
+    msg = one_line(capsys, "sweep", str(gin), "--dry-run")
+    assert f"{gin}: a sweep spec is a .toml file (see configs/sweeps/" in msg and ".gin file" in msg
+    (tmp_path / "s.toml").write_text("name = [\n")
+    assert f"{tmp_path / 's.toml'}: cannot parse as TOML (" in one_line(capsys, "sweep", str(tmp_path / "s.toml"),
+                                                                       "--dry-run")

@@ -122,10 +122,15 @@ def load_spec(path: str | Path) -> Spec:
             p = cand
         else:
             raise SweepError(f"sweep spec {path} not found")
+    if p.suffix not in (".toml", ".json"):
+        gin = " (a .gin file is a model config: `hybrid-lm train` / `info` take it)" if p.suffix == ".gin" else ""
+        raise SweepError(f"{p}: a sweep spec is a .toml file (see configs/sweeps/, e.g. tiny_cpu.toml) or its "
+                         f".json equivalent{gin}")
+    fmt = "TOML" if p.suffix == ".toml" else "JSON"
     try:
-        raw = tomllib.loads(p.read_text()) if p.suffix == ".toml" else json.loads(p.read_text())
-    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
-        raise SweepError(f"{p}: cannot parse ({e})") from None
+        raw = tomllib.loads(p.read_text()) if fmt == "TOML" else json.loads(p.read_text())
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise SweepError(f"{p}: cannot parse as {fmt} ({e}); sweep specs: see configs/sweeps/") from None
     return spec_from_dict(raw, str(p))
 
 
