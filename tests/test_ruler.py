@@ -226,6 +226,13 @@ def test_request_checks():
     assert R.parse_lengths("4K, 8192,16k") == [4096, 8192, 16384]
     with pytest.raises(ConfigError, match="--lengths"):
         R.parse_lengths("4x")
+    # `hybrid-lm eval --tasks ruler` takes them as --ruler-lengths: the errors name the flag typed
+    with pytest.raises(ConfigError, match=r"^--ruler-lengths: '1Q' is not a positive length"):
+        R.parse_lengths("1Q", flag="--ruler-lengths")
+    with pytest.raises(ConfigError, match=r"^--ruler-lengths: give at least one length"):
+        R.parse_lengths(",", flag="--ruler-lengths")
+    with pytest.raises(ConfigError, match="use shorter --ruler-lengths, or --allow-longer"):
+        R.check_request(cfg, None, [16384], lengths_flag="--ruler-lengths")
 
 
 # ----------------------------------------------------------------------------- on a trained run

@@ -679,24 +679,25 @@ def summarize(items: list[Item], exact: list[float] | None, scores: list[dict]) 
 # ----------------------------------------------------------------------------- the model side
 
 
-def parse_lengths(text: str) -> list[int]:
-    """"4K,8192,16k" -> [4096, 8192, 16384]."""
+def parse_lengths(text: str, flag: str = "--lengths") -> list[int]:
+    """"4K,8192,16k" -> [4096, 8192, 16384]; errors name ``flag``, the option the text came from
+    (``hybrid-lm ruler --lengths``, ``hybrid-lm eval --ruler-lengths``)."""
     out = []
     for part in filter(None, (p.strip() for p in text.split(","))):
         m = re.fullmatch(r"(\d+)([kK]?)", part)
         if not m or int(m.group(1)) == 0:
-            raise ConfigError(f"--lengths: {part!r} is not a positive length in tokens (e.g. 4096 or 4K)")
+            raise ConfigError(f"{flag}: {part!r} is not a positive length in tokens (e.g. 4096 or 4K)")
         out.append(int(m.group(1)) * (1024 if m.group(2) else 1))
     if not out:
-        raise ConfigError("--lengths: give at least one length")
+        raise ConfigError(f"{flag}: give at least one length")
     return out
 
 
 def check_request(cfg, tasks=None, lengths=None, haystack: str = "essays", allow_longer: bool = False,
-                  samples: int = 1) -> tuple[list[str], list[int]]:
+                  samples: int = 1, lengths_flag: str = "--lengths") -> tuple[list[str], list[int]]:
     """The tasks and lengths to run for the run config ``cfg``, checked before anything is restored:
     known tasks and haystack, lengths up to the run's seq_len unless ``allow_longer`` (default: RULER's
-    4K..32K that fit, else the seq_len)."""
+    4K..32K that fit, else the seq_len). ``lengths_flag``: the option the lengths came from, for errors."""
     tasks = list(dict.fromkeys(tasks or TASKS))
     unknown = [t for t in tasks if t not in TASKS]
     if unknown:
@@ -712,7 +713,7 @@ def check_request(cfg, tasks=None, lengths=None, haystack: str = "essays", allow
     too_long = [n for n in lengths if n > seq_len]
     if too_long and not allow_longer:
         raise ConfigError(f"length(s) {', '.join(map(str, too_long))} exceed the run's seq_len {seq_len}: use "
-                          "shorter --lengths, or --allow-longer to evaluate beyond the trained length")
+                          f"shorter {lengths_flag}, or --allow-longer to evaluate beyond the trained length")
     return tasks, lengths
 
 
@@ -778,11 +779,12 @@ def batch_rows(run, length: int, n_rows: int, batch_size: int | None = None) -> 
 
 def evaluate_ruler(run, *, tasks=None, lengths=None, samples: int = 8, haystack: str = "essays", seed: int = 0,
                    allow_longer: bool = False, batch_size: int | None = None, cfg=None, cache_root=None,
-                   progress: bool = True) -> tuple[list[dict], list[dict]]:
+                   progress: bool = True, lengths_flag: str = "--lengths") -> tuple[list[dict], list[dict]]:
     """RULER on ``run`` (a :class:`~hybrid_lm.eval.restore.RestoredRun`) with the model of ``cfg``
     (default the run's; a swapped config of the same parameters works): ``(rows, skipped)``, a row
     per (task, length) evaluated (``kind: ruler``, ``task: ruler/<name>``, scores, settings) and a
-    ``{task, length, reason}`` per pair too short to generate. Nothing is recorded here."""
+    ``{task, length, reason}`` per pair too short to generate (``lengths_flag``: the option the lengths
+    came from, named by errors). Nothing is recorded here."""
     import jax
     from tqdm import tqdm
 
@@ -794,7 +796,7 @@ def evaluate_ruler(run, *, tasks=None, lengths=None, samples: int = 8, haystack:
     from hybrid_lm.train.step import ModelFns
 
     cfg = cfg or run.cfg
-    tasks, lengths = check_request(cfg, tasks, lengths, haystack, allow_longer, samples)
+    tasks, lengths = check_request(cfg, tasks, lengths, haystack, allow_longer, samples, lengths_flag)
     t_all = time.time()
     tok = run.tokenizer
     hay = haystack_for(haystack, tok, run) if any(t in HAYSTACK_TASKS for t in tasks) else None
