@@ -142,6 +142,24 @@ def test_eval_report_on_trainer_evals_only_says_what_it_found(capsys, tmp_path):
     assert "`hybrid-lm eval RUN_DIR --tasks loss --steps all` for each run" in out
 
 
+def _run_dir(path, rows=None):
+    """A run directory with a trainer row and, unless ``rows`` is None, an eval.jsonl of ``rows``."""
+    path.mkdir()
+    (path / "metrics.jsonl").write_text(json.dumps({"kind": "eval", "step": 5, "loss": 2.0}) + "\n")
+    if rows is not None:
+        (path / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_eval_report_refuses_an_unknown_task(capsys, tmp_path):
+    """--tasks names eval tasks, checked as `hybrid-lm eval --tasks` checks them: one line, exit 2."""
+    _run_dir(tmp_path / "run", [{"task": "loss", "bpb": 2.5, "checkpoint_step": 5, "tokens_seen": 640}])
+    rc = main(["eval-report", str(tmp_path / "run"), "--tasks", "loss,nope"])
+    out, err = capsys.readouterr()
+    assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1, (out, err)
+    assert "--tasks loss,nope: unknown nope; choose from loss,longppl,ruler" in err
+
+
 @pytest.mark.parametrize("args, msg", [
     (["--tasks", "loss,nope"], "unknown nope"),
     (["--steps", "7"], "no checkpoint at step 7"),

@@ -300,7 +300,9 @@ def add_eval_commands(sub) -> None:
                     "and eval config, each task's headline number against tokens seen, one curve per "
                     "architecture (and model size). Prints the table; plots go to --out.")
     p.add_argument("runs", nargs="+", help="a sweep root or run directories")
-    p.add_argument("--tasks", default=None, help="only these tasks (default: every task found)")
+    p.add_argument("--tasks", default=None, metavar="T1,T2",
+                   help="only these tasks, of loss,longppl,ruler,probe,heads,influence,lm_eval (default: every "
+                        "task found)")
     p.add_argument("--out", default=None, help="plot directory (default: <first path>/eval_report)")
     p.set_defaults(fn=cmd_eval_report)
 

@@ -42,9 +42,11 @@ def run_label(d: Path) -> str:
 
 def collect_eval(paths: list[str | Path], tasks: tuple[str, ...] | None = None) -> dict:
     """``{(task, eval_key): {label: [(tokens_seen, value, step), ...]}}`` over the runs under ``paths``."""
-    from hybrid_lm.eval.suite import current_rows, headline, task_of
+    from hybrid_lm.eval.suite import check_tasks, current_rows, headline, task_of
     from hybrid_lm.scaling.collect import find_run_dirs
 
+    if tasks:
+        check_tasks(tasks)
     try:
         dirs = find_run_dirs(list(paths))
     except FileNotFoundError as e:

@@ -45,6 +45,14 @@ HEADLINES = {"loss": ("bpb", "lower"), "longppl": ("longppl", "lower"), "ruler":
              "lm_eval": ("score", "higher")}
 
 
+def check_tasks(tasks: tuple[str, ...]) -> None:
+    """``--tasks`` of ``hybrid-lm eval`` and ``eval-report``: known task names (``TASKS``), at least one."""
+    bad = [t for t in tasks if t not in TASKS]
+    if bad or not tasks:
+        raise ConfigError(f"--tasks {','.join(tasks)}: unknown {', '.join(bad) or 'empty list'}; "
+                          f"choose from {','.join(TASKS)}")
+
+
 @dataclasses.dataclass(frozen=True)
 class EvalRequest:
     """What ``hybrid-lm eval`` was asked for; every field that changes a result is in :meth:`config`."""
@@ -84,10 +92,7 @@ class EvalRequest:
     progress: bool = True
 
     def check(self) -> None:
-        bad = [t for t in self.tasks if t not in TASKS]
-        if bad or not self.tasks:
-            raise ConfigError(f"--tasks {','.join(self.tasks)}: unknown {', '.join(bad) or 'empty list'}; "
-                              f"choose from {','.join(TASKS)}")
+        check_tasks(self.tasks)
         if self.data is not None and not {"loss", "longppl"} & set(self.tasks):
             raise ConfigError("--data applies to the loss and longppl tasks: add one of them to --tasks")
         if "lm_eval" in self.tasks and not self.lm_eval_tasks:
