@@ -65,9 +65,9 @@ def vocab_note(cfg: Config) -> str | None:
     v, padded = cfg.model.vocab_size, padded_vocab(tok.vocab_size)
     if v <= padded:
         return None
-    return (f"ModelConfig.vocab_size={v} exceeds the {tok.spec!r} tokenizer's {tok.vocab_size} "
-            f"(rounded up to a multiple of {VOCAB_MULTIPLE}: {padded}): {v - tok.vocab_size} embedding "
-            "rows stand for ids the tokenizer never produces")
+    rounded = f" (rounded up to a multiple of {VOCAB_MULTIPLE}: {padded})" if padded != tok.vocab_size else ""
+    return (f"ModelConfig.vocab_size={v} exceeds the {tok.spec!r} tokenizer's {tok.vocab_size} ids{rounded}: "
+            f"{v - tok.vocab_size} embedding rows stand for ids the tokenizer never produces")
 
 
 def config_warnings(cfg: Config, purpose: str = "train") -> list[str]:

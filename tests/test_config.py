@@ -308,3 +308,17 @@ def test_an_unreadable_gin_value_is_one_clean_line(binding, expected):
     with pytest.raises(ConfigError) as e:
         load_config(["quickstart.gin"], [binding])
     assert str(e.value) == expected
+
+
+def test_the_vocabulary_note_mentions_rounding_only_when_there_was_some(monkeypatch):
+    from types import SimpleNamespace
+
+    from hybrid_lm import validate
+
+    cfg = load_config(["quickstart.gin"], ["ModelConfig.vocab_size = 1024"], validate=False)
+    assert validate.vocab_note(cfg) == ("ModelConfig.vocab_size=1024 exceeds the 'byte' tokenizer's 256 ids: 768 "
+                                        "embedding rows stand for ids the tokenizer never produces")
+    monkeypatch.setattr(validate, "load_tokenizer", lambda spec: SimpleNamespace(spec="bpe300", vocab_size=300))
+    assert validate.vocab_note(cfg) == ("ModelConfig.vocab_size=1024 exceeds the 'bpe300' tokenizer's 300 ids "
+                                        "(rounded up to a multiple of 128: 384): 724 embedding rows stand for ids "
+                                        "the tokenizer never produces")
