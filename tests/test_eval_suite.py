@@ -151,6 +151,26 @@ def _run_dir(path, rows=None):
     return path
 
 
+def test_eval_report_names_each_run_and_task_it_leaves_out(capsys, tmp_path):
+    """A run dir with no eval.jsonl, and rows with no headline number (LongPPL of 0 key tokens), are
+    each one line with the reason, the flag to change where the row says why; the rest is plotted."""
+    loss = [{"task": "loss", "bpb": 2.5 - s / 100, "checkpoint_step": s, "tokens_seen": 128 * s, "eval_key": "a"}
+            for s in (5, 10)]
+    longppl = [{"task": "longppl", "longppl": None, "ppl": 9.0, "n_key": 0, "n_token": 1024, "length": 129,
+                "trunc_len": 64, "checkpoint_step": s, "tokens_seen": 128 * s, "eval_key": "b"} for s in (5, 10)]
+    sa, gdn = _run_dir(tmp_path / "sa", loss + longppl), _run_dir(tmp_path / "gdn", loss)
+    quick = _run_dir(tmp_path / "quickstart")
+    assert main(["eval-report", str(sa), str(gdn), str(quick), "--out", str(tmp_path / "rep")]) == 0
+    out = capsys.readouterr().out
+    skipped = [x for x in out.splitlines() if x.startswith("skipped")]
+    assert len(skipped) == 2, out
+    assert skipped[0].startswith(f"skipped longppl of {sa}: 2 rows without a headline number (LongPPL undefined: "
+                                 "the evaluator found 0 key tokens (key 0/1024") and "--longppl-length" in skipped[0]
+    assert skipped[1].startswith(f"skipped run {quick} (") and ": no eval.jsonl (`hybrid-lm eval " \
+        f"{quick} --tasks loss --steps all` writes them)" in skipped[1]
+    assert "2 checkpoints" in out and len(list((tmp_path / "rep").glob("loss_*.png"))) == 1
+
+
 def test_eval_report_refuses_an_unknown_task(capsys, tmp_path):
     """--tasks names eval tasks, checked as `hybrid-lm eval --tasks` checks them: one line, exit 2."""
     _run_dir(tmp_path / "run", [{"task": "loss", "bpb": 2.5, "checkpoint_step": 5, "tokens_seen": 640}])

@@ -5,7 +5,8 @@ folders searched), the current rows of its ``eval.jsonl`` (``suite.current_rows`
 (task, eval_key): one figure per group, the task's headline number (``suite.headline``) against
 tokens seen, one curve per run labelled by its architecture (``collect.arch_label``) and size.
 RULER rows are split per RULER task. Runs whose rows were evaluated with other settings land in
-another figure, never on the same axes.
+another figure, never on the same axes. A run left out (no eval.jsonl, none of ``--tasks``) and a
+task whose rows have no headline number are one ``skipped ...`` line each, with the reason.
 """
 
 from __future__ import annotations
@@ -40,13 +41,39 @@ def run_label(d: Path) -> str:
     return f"{arch or d.name} {size}".strip()
 
 
-def collect_eval(paths: list[str | Path], tasks: tuple[str, ...] | None = None) -> dict:
-    """``{(task, eval_key): {label: [(tokens_seen, value, step), ...]}}`` over the runs under ``paths``."""
+def why_no_headline(row: dict) -> str:
+    """Why an eval.jsonl row gives no point to plot (no headline number, or no tokens seen), from what
+    the row says."""
+    from hybrid_lm.eval.suite import HEADLINES, headline, task_of
+
+    fam = task_of(row)
+    if headline(row) is not None:
+        return ("no tokens seen: written outside the suite (`hybrid-lm longppl`, or `hybrid-lm eval` without "
+                "--tasks); rerun it with `hybrid-lm eval RUN_DIR --tasks ...`")
+    if fam == "longppl" and row.get("n_key") == 0:
+        return (f"LongPPL undefined: the evaluator found 0 key tokens (key 0/{row.get('n_token')}, documents of "
+                f"{row.get('length')} tokens, --trunc-len {row.get('trunc_len')}); only tokens past the short "
+                "context can be key: use longer documents (--longppl-length, default the run's seq_len + 1) or a "
+                "smaller --trunc-len")
+    if fam == "ruler" and str(row.get("generation", "")).startswith("unavailable"):
+        return f"no exact match: generation {row['generation']}"
+    if fam == "influence":
+        return "G(d) is zero at every distance (no mean_distance)"
+    if fam == "lm_eval":
+        return "lm-eval reported none of the score metrics (acc_norm, acc, ...)"
+    return f"no {HEADLINES.get(fam, (None,))[0] or 'headline number'} in the row"
+
+
+def collect_eval(paths: list[str | Path], tasks: tuple[str, ...] | None = None,
+                 skipped: list[str] | None = None) -> dict:
+    """``{(task, eval_key): {label: [(tokens_seen, value, step), ...]}}`` over the runs under ``paths``;
+    a line per run and per task left out, with the reason, is appended to ``skipped``."""
     from hybrid_lm.eval.suite import check_tasks, current_rows, headline, task_of
     from hybrid_lm.scaling.collect import find_run_dirs
 
     if tasks:
         check_tasks(tasks)
+    skipped = [] if skipped is None else skipped
     try:
         dirs = find_run_dirs(list(paths))
     except FileNotFoundError as e:
@@ -61,16 +88,27 @@ def collect_eval(paths: list[str | Path], tasks: tuple[str, ...] | None = None) 
         labels[label] = n + 1
         if n:  # two runs of one architecture and size (seeds): keep both curves apart
             label = f"{label} #{n + 1}"
-        for r in current_rows(d):
-            fam = task_of(r)
-            if tasks and fam not in tasks:
-                continue
+        rows = current_rows(d)
+        asked = [r for r in rows if not tasks or task_of(r) in tasks]
+        if not asked:
+            why = ("no eval.jsonl" if not (d / "eval.jsonl").exists() else "its eval.jsonl holds no rows" if not rows
+                   else f"its eval.jsonl holds no {','.join(tasks)} rows (it holds "
+                        f"{', '.join(sorted({task_of(r) for r in rows}))})")
+            skipped.append(f"skipped run {d} ({label}): {why} (`hybrid-lm eval {d} --tasks "
+                           f"{','.join(tasks) if tasks else 'loss'} --steps all` writes them)")
+            continue
+        missing: dict[str, list[str]] = {}
+        for r in asked:
+            name = str(r.get("task") or task_of(r))
             v = headline(r)
             if v is None or r.get("tokens_seen") is None:
+                missing.setdefault(name, []).append(why_no_headline(r))
                 continue
-            name = str(r.get("task") or fam)
             groups.setdefault((name, r.get("eval_key") or "-"), {}).setdefault(label, []).append(
                 (int(r["tokens_seen"]), v, int(r["checkpoint_step"])))
+        for name, whys in sorted(missing.items()):
+            skipped.append(f"skipped {name} of {d}: {len(whys)} row{'s' if len(whys) != 1 else ''} without a "
+                           f"headline number ({'; '.join(dict.fromkeys(whys))})")
     for series in groups.values():
         for pts in series.values():
             pts.sort()
@@ -156,7 +194,10 @@ def plot_report(groups: dict, out_dir: Path) -> list[Path]:
 
 def eval_report(paths: list[str | Path], out_dir: str | Path | None = None, tasks: tuple[str, ...] | None = None,
                 printer=print) -> list[Path]:
-    groups = collect_eval(paths, tasks)
+    skipped: list[str] = []
+    groups = collect_eval(paths, tasks, skipped)
+    for line in skipped:
+        printer(line)
     printer(format_report(groups) if groups else nothing_to_report(paths, tasks))
     out = Path(out_dir) if out_dir else Path(paths[0]) / "eval_report"
     plots = plot_report(groups, out) if groups else []
