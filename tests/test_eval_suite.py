@@ -195,6 +195,32 @@ def test_bad_requests_are_one_line_errors(capsys, run_dir, args, msg):
     assert rc == 2 and msg in err and len(err.strip().splitlines()) == 1, err
 
 
+def test_every_task_option_is_checked_before_any_task_runs(capsys, run_dir, monkeypatch):
+    """`--tasks ruler,probe --samples 4` fails on the probe's minimum before a checkpoint is restored
+    or a RULER item built, as do a LongPPL --trunc-len beyond the documents, heads on a model with no
+    full attention and a RULER length beyond seq_len: one line, exit 2, nothing recorded."""
+    from hybrid_lm.eval import restore
+
+    def restored(*_, **__):
+        raise AssertionError("a checkpoint was restored before every task's options were checked")
+
+    monkeypatch.setattr(restore.RestoredRun, "__init__", restored)
+    rows = run_dir / "eval.jsonl"
+    before = rows.read_text() if rows.exists() else None
+    for args, msg in [
+        (["--tasks", "ruler,probe", "--ruler-lengths", "1K", "--allow-longer", "--samples", "4", "--ruler-tasks",
+          "niah_single,vt", "--seq-len", "512"], "probe: samples=4; the probe needs at least 40"),
+        (["--tasks", "loss,longppl"], "longppl: documents of 33 tokens leave no token beyond the short context"),
+        (["--tasks", "loss,heads", "--swap", "full=swa:4"], "heads: no full-attention layer"),
+        (["--tasks", "loss,ruler", "--ruler-lengths", "1K"], "exceed the run's seq_len 32"),
+    ]:
+        rc, _, err = _eval(capsys, run_dir, *args)
+        assert rc == 2 and msg in err and len(err.strip().splitlines()) == 1, (args, err)
+    assert "--samples applies to every task of --tasks" in _eval(capsys, run_dir, "--tasks", "probe,heads",
+                                                                 "--samples", "8")[2]
+    assert (rows.read_text() if rows.exists() else None) == before
+
+
 def test_not_a_run_dir(capsys, tmp_path):
     rc, _, err = _eval(capsys, tmp_path, "--tasks", "loss")
     assert rc == 2 and "not a run directory" in err

@@ -266,7 +266,8 @@ def add_eval_commands(sub) -> None:
                    help="a prepared token store (hybrid-lm data prepare, the run's tokenizer): loss and bits/byte "
                         "on its val split, LongPPL on its val documents")
     g.add_argument("--samples", type=int, default=None,
-                   help="items per task (default: each task's own: ruler 8, probe 256, heads 32, influence 8)")
+                   help="items per task, one number for every task of --tasks (default: each task's own: ruler 8, "
+                        "probe 256 (at least 40), heads 32, influence 8)")
     g.add_argument("--seed", type=int, default=0, help="item seed (default 0)")
     g.add_argument("--batch-size", dest="batch_size", type=int, default=None, help="rows per forward pass")
     g.add_argument("--no-plots", dest="no_plots", action="store_true", help="do not draw WORKDIR/eval/*.png")

@@ -36,6 +36,13 @@ TEST_FRACTION = 0.2
 MIN_SAMPLES = 5 * I.N_CLASSES  # the 20% test split must hold every class at least once
 
 
+def check_samples(samples) -> None:
+    """``samples`` is an int >= ``MIN_SAMPLES``: the 20% test split holds every class."""
+    if isinstance(samples, bool) or not isinstance(samples, int) or samples < MIN_SAMPLES:
+        raise ConfigError(f"probe: samples={samples!r}; the probe needs at least {MIN_SAMPLES} "
+                          f"({I.N_CLASSES} classes, {TEST_FRACTION:.0%} held out, each class in the test split)")
+
+
 def probe_accuracy(features: np.ndarray, labels, seed: int = 0, *, C: float = C_REG) -> np.ndarray:
     """``[L]`` test accuracy of a linear probe per layer: ``features [N, L, d]``, ``labels [N]``;
     one stratified 80/20 split (seeded) shared by all layers, features standardised on the train
@@ -103,9 +110,7 @@ def evaluate_probe(run, cfg=None, *, samples: int = 256, seq_len: int | None = N
 
     t0 = time.time()
     cfg = cfg or run.cfg
-    if isinstance(samples, bool) or not isinstance(samples, int) or samples < MIN_SAMPLES:
-        raise ConfigError(f"probe: samples={samples!r}; the probe needs at least {MIN_SAMPLES} "
-                          f"({I.N_CLASSES} classes, {TEST_FRACTION:.0%} held out, each class in the test split)")
+    check_samples(samples)
     seq_len = I.check_length(cfg, seq_len, "probe")
     tok = run.tokenizer
     hay = R.haystack_for(haystack, tok, run)
@@ -191,4 +196,5 @@ def plot_probe(rows: list[dict], out_dir: Path) -> list[Path]:
     return [heat, curve]
 
 
-__all__ = ["CHANCE", "HEADLINE", "evaluate_probe", "format_probe", "plot_probe", "probe_accuracy", "probe_features"]
+__all__ = ["CHANCE", "HEADLINE", "check_samples", "evaluate_probe", "format_probe", "plot_probe", "probe_accuracy",
+           "probe_features"]

@@ -100,6 +100,46 @@ class EvalRequest:
         if self.samples is not None and self.samples < 1:
             raise ConfigError(f"--samples {self.samples}: must be >= 1")
 
+    def check_options(self, base, cfg) -> None:
+        """Every task's option constraints, checked before any task runs (nothing built, nothing recorded):
+        ``base`` is the run's config, ``cfg`` the one the tasks run on (``--swap`` ... applied).
+        ``--samples`` is one number for every task that takes it."""
+        if "probe" in self.tasks and self.samples is not None:
+            from hybrid_lm.eval.probe import check_samples
+            try:
+                check_samples(self.samples)
+            except ConfigError as e:
+                raise ConfigError(f"{e}; --samples applies to every task of --tasks: run the probe in a "
+                                  "`hybrid-lm eval --tasks probe` of its own") from None
+        if "ruler" in self.tasks:
+            from hybrid_lm.eval.ruler import check_request
+            check_request(cfg, self.ruler_tasks, self.ruler_lengths, self.haystack, self.allow_longer,
+                          1 if self.samples is None else self.samples)
+        if "longppl" in self.tasks:
+            from hybrid_lm.eval.longppl import KeyTokenRule
+            try:
+                KeyTokenRule(self.trunc_len, self.window, self.alpha, self.beta).validate(
+                    self.longppl_length or base.data.seq_len + 1)
+            except ValueError as e:
+                raise ConfigError(f"longppl: {e} (--longppl-length, --trunc-len)") from None
+            if self.evaluator is not None:
+                from hybrid_lm.eval.restore import load_run_config
+                try:
+                    judge = load_run_config(self.evaluator)
+                except FileNotFoundError as e:
+                    raise WorkdirError(f"--evaluator: {e}") from None
+                if judge.data.tokenizer != base.data.tokenizer:
+                    raise ConfigError(f"--evaluator {self.evaluator} tokenises with {judge.data.tokenizer!r}, the "
+                                      f"run with {base.data.tokenizer!r}: key tokens are positions, so they must "
+                                      "agree")
+        if "heads" in self.tasks:
+            from hybrid_lm.eval.introspect import ATTENTION_KINDS
+            kinds = sorted({cfg.model.mixer(t).kind for t in cfg.model.layer_types()})
+            if not set(kinds) & set(ATTENTION_KINDS):
+                raise ConfigError(f"heads: no full-attention layer (mixer {' or '.join(ATTENTION_KINDS)}) in layer "
+                                  f"pattern {''.join(cfg.model.layer_types())} (mixers: {', '.join(kinds)}); "
+                                  "retrieval heads are tracked on full-attention layers only")
+
     def config(self, task: str) -> dict:
         """The settings that define ``task``'s rows (the model's, then the task's own)."""
         c = {"swaps": list(self.swaps), "horizon": self.horizon, "sinks": self.sinks if self.horizon else None,
@@ -419,7 +459,9 @@ def evaluate_run(workdir: Path | str, req: EvalRequest, steps: str | None = None
     except FileNotFoundError as e:
         raise WorkdirError(str(e)) from None
     from hybrid_lm.eval.swap import swapped_config
-    swapped_config(base, req.swaps, req.horizon, req.sinks, seq_len=req.seq_len)  # bad swaps fail before a restore
+    # bad swaps and task options fail before a restore, an item built or a row recorded
+    req.check_options(base, swapped_config(base, req.swaps, req.horizon, req.sinks, seq_len=req.seq_len,
+                                           attention_impl=req.attention_impl))
     todo = parse_steps(steps, checkpoint_steps(workdir))
     new = []
     for step in tqdm(todo, desc="checkpoints", unit="ckpt", disable=bar_disabled(req.progress and len(todo) > 1)):
