@@ -322,3 +322,26 @@ def test_the_vocabulary_note_mentions_rounding_only_when_there_was_some(monkeypa
     assert validate.vocab_note(cfg) == ("ModelConfig.vocab_size=1024 exceeds the 'bpe300' tokenizer's 300 ids "
                                         "(rounded up to a multiple of 128: 384): 724 embedding rows stand for ids "
                                         "the tokenizer never produces")
+
+
+def test_a_workdir_holding_unrelated_files_gets_a_notice_not_a_refusal(tmp_path, caplog):
+    cfg = load_config(["quickstart.gin"])
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "notes.txt").write_text("mine")
+    (notes / "data").mkdir()
+    (notes / ".lock").write_text("{}")  # the trainer's own lock is not counted
+    with caplog.at_level("WARNING", logger="hybrid_lm.train.rundir"):
+        prepare_run_dir(cfg, notes)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{notes} is not a run directory and already holds 2 file(s) (e.g. data): writing the run into it anyway"]
+    assert (notes / "notes.txt").read_text() == "mine" and (notes / "config.json").exists()
+    caplog.clear()
+    sweep_job = tmp_path / "sweep_job"  # what a sweep writes before training: no notice
+    sweep_job.mkdir()
+    (sweep_job / "sweep_run.json").write_text("{}")
+    with caplog.at_level("WARNING", logger="hybrid_lm.train.rundir"):
+        prepare_run_dir(cfg, notes)  # now a run dir
+        prepare_run_dir(cfg, tmp_path / "new")
+        prepare_run_dir(cfg, sweep_job)
+    assert not caplog.records

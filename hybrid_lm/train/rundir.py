@@ -30,6 +30,7 @@ import jax
 from hybrid_lm.config import REMOVED_FIELDS, Config, diff_experiments, operative_gin, read_run_config
 from hybrid_lm.errors import ConfigError, WorkdirError
 from hybrid_lm.files import atomic_write_json, atomic_write_text
+from hybrid_lm.train.lock import LOCK_NAME
 from hybrid_lm.validate import read_fields_only
 
 log = logging.getLogger(__name__)
@@ -69,14 +70,25 @@ def provenance() -> dict:
     }
 
 
+# What hybrid-lm puts in a run dir before its config.json: the trainer's lock, --restart's archive, the
+# run records, a sweep job's files (scaling/launch.py: its lock and metadata, a branch's seeded checkpoint).
+_OWN_FILES = {LOCK_NAME, "archive", "metrics.jsonl", "checkpoints", "sweep_run.json", ".sweep.lock", "branch.json",
+              "sweep_error.txt", "sweep_done.json"}
+
+
 def prepare_run_dir(cfg: Config, workdir: Path, force: bool = False, init_record: dict | None = None) -> Path:
     """Create or re-open ``workdir``; refuse a config that defines a different experiment.
 
     ``init_record`` (:meth:`InitSource.record`) goes to ``provenance.json`` as ``init_from``; a resumed
     continued run keeps the record of its first start (where its parameters came from)."""
     workdir = Path(workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
     cfg_path = workdir / "config.json"
+    if workdir.is_dir() and not cfg_path.exists():  # not a run dir (yet): say so if it holds other things
+        others = [p for p in workdir.iterdir() if p.name not in _OWN_FILES]
+        if others:
+            log.warning("%s is not a run directory and already holds %d file(s) (e.g. %s): writing the run "
+                        "into it anyway", workdir, len(others), sorted(others)[0].name)
+    workdir.mkdir(parents=True, exist_ok=True)
     prov = provenance()
     from hybrid_lm.data.identity import data_identity
     prov["data_identity"] = data_identity(cfg.data)  # store fingerprints and tokenizer hash ({} = embedded, byte)
