@@ -187,6 +187,8 @@ def test_eval_report_refuses_an_unknown_task(capsys, tmp_path):
     (["--tasks", "ruler", "--data", "/nonexistent"], "--data applies to the loss and longppl"),
     (["--tasks", "loss", "--data", "/nonexistent"], "no prepared token store"),
     (["--tasks", "lm_eval"], "needs --lm-eval-tasks"),
+    (["--tasks", "ruler", "--ruler-lengths", "1K"], "use shorter --ruler-lengths, or --allow-longer"),
+    (["--tasks", "ruler", "--ruler-lengths", "1x"], "--ruler-lengths: '1x' is not a positive length"),
     (["--tasks", "loss", "--swap", "full=nope:3"], "nope"),
     (["--tasks", "loss", "--baseline"], "--baseline applies without --tasks"),
 ])

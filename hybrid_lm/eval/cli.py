@@ -126,7 +126,7 @@ def _suite(args) -> int:
     lengths = None
     if args.ruler_lengths:
         from hybrid_lm.eval.ruler import parse_lengths
-        lengths = tuple(parse_lengths(args.ruler_lengths))
+        lengths = tuple(parse_lengths(args.ruler_lengths, "--ruler-lengths"))
     req = suite.EvalRequest(
         tasks=_csv(args.tasks or "loss"), swaps=tuple(args.swap), horizon=args.horizon, sinks=args.sinks,
         seq_len=args.seq_len, eval_windows=args.eval_windows, attention_impl=args.attention_impl, data=args.data,

@@ -114,7 +114,7 @@ class EvalRequest:
         if "ruler" in self.tasks:
             from hybrid_lm.eval.ruler import check_request
             check_request(cfg, self.ruler_tasks, self.ruler_lengths, self.haystack, self.allow_longer,
-                          1 if self.samples is None else self.samples)
+                          1 if self.samples is None else self.samples, lengths_flag="--ruler-lengths")
         if "longppl" in self.tasks:
             from hybrid_lm.eval.longppl import KeyTokenRule
             try:
@@ -226,7 +226,7 @@ def _task_ruler(run, cfg, req: EvalRequest) -> list[dict]:
                                          lengths=list(req.ruler_lengths) if req.ruler_lengths else None,
                                          **_samples(req), haystack=req.haystack, seed=req.seed,
                                          allow_longer=req.allow_longer, batch_size=req.batch_size, cfg=cfg,
-                                         progress=req.progress)
+                                         progress=req.progress, lengths_flag="--ruler-lengths")
     for s in skipped:
         log.warning("ruler %s at %d tokens skipped: %s", s["task"], s["length"], s["reason"])
     if not rows:
