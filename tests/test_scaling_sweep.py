@@ -224,7 +224,7 @@ def test_launcher_applies_the_microbatch_rule(tmp_path, monkeypatch):
 
 def test_progress_bars_only_on_a_terminal(tmp_path, monkeypatch, capsys):
     """`sweep --launch local > log 2>&1` gets no tqdm bars (nor does `data prepare`): a bar is drawn only
-    when stderr is a terminal."""
+    when stderr is a terminal; the log gets a plain line naming each job as it starts and ends."""
     import io
 
     from hybrid_lm.data.prepare import prepare
@@ -232,18 +232,36 @@ def test_progress_bars_only_on_a_terminal(tmp_path, monkeypatch, capsys):
 
     monkeypatch.setattr(L, "run_job", lambda root, job, jobs=None: {"status": "done", "job": job.name})
     plan = expand(load_spec(TINY), root=tmp_path / "r", progress=True)
+    stable, *branches = L.select_jobs(plan.jobs, "t1-swa8")
     assert L.launch_local(plan, only="t1-swa8", progress=True)["jobs"] == 3
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[:2] == [f"job 1/3 {stable.name}: started", lines[1]], lines
+    assert re.fullmatch(rf"job 1/3 {stable.name}: done in \d+\.\d s", lines[1]), lines
+    # the fake run_job seeds nothing: the branches cannot start, and the log says so
+    assert lines[2:] == [f"job {b.name}: not started (its stable run {stable.name} did not seed it)"
+                         for b in branches], lines
     (tmp_path / "docs.jsonl").write_text(json.dumps({"text": "a few words"}) + "\n")
     prepare(SourceSpec("text", paths=(str(tmp_path / "docs.jsonl"),)), tmp_path / "store", progress=True)
     assert capsys.readouterr().err == ""
+
+    def fail(root, job, jobs=None):
+        raise SweepError("boom")
+
+    monkeypatch.setattr(L, "run_job", fail)
+    L.launch_local(plan, only="t1-swa8", progress=True)
+    out, err = capsys.readouterr()
+    assert err.splitlines()[:2] == [f"job 1/3 {stable.name}: started", f"job 1/3 {stable.name}: failed "
+                                    f"(SweepError: boom), log: {tmp_path / 'r' / stable.name / 'sweep_error.txt'}"]
+    assert out == ""  # said once, in the log's line
 
     class Terminal(io.StringIO):
         def isatty(self):
             return True
 
+    monkeypatch.setattr(L, "run_job", lambda root, job, jobs=None: {"status": "done", "job": job.name})
     monkeypatch.setattr(sys, "stderr", Terminal())
     L.launch_local(plan, only="t1-swa8", progress=True)
-    assert "sweep tiny_cpu: 100%" in sys.stderr.getvalue()
+    assert "sweep tiny_cpu: 100%" in sys.stderr.getvalue() and "job 1/3" not in sys.stderr.getvalue()
 
 
 def _text_store(path: Path, n_docs: int, words: int) -> Path:
@@ -450,6 +468,9 @@ def test_tiny_sweep_end_to_end(tmp_path, tiny_sweep):
              env)
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     assert "3 jobs, 0 already done, 3 launched, 3 finished now" in r.stdout
+    for n in (n for n, j in jobs.items() if j["scale"] == "t1"):  # stderr is a pipe: a plain line per job
+        assert re.search(rf"^job [1-3]/3 {re.escape(n)}: started on GPU [01]$", r.stderr, re.M), r.stderr[-3000:]
+        assert re.search(rf"^job [1-3]/3 {re.escape(n)}: done in [\d.]+ s$", r.stderr, re.M), r.stderr[-3000:]
     for n, j in jobs.items():
         if j["scale"] == "t1" and j["kind"] == "branch":
             assert _final_loss(pool / n) == _final_loss(root / n)

@@ -51,7 +51,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from hybrid_lm.files import atomic_write_json
-from hybrid_lm.progress import bar_disabled
+from hybrid_lm.progress import JobLines, bar_disabled
 from hybrid_lm.scaling.sweep import Job, Plan, SweepError, manifest_jobs, read_manifest, write_manifest
 
 DONE = "sweep_done.json"
@@ -317,28 +317,36 @@ def launch_local(plan: Plan, gpus: list[str] | None = None, only: str | None = N
     if gpus and len(gpus) > 1:
         return _gpu_pool(plan, todo, gpus, summary, progress)
     bar = tqdm(total=len(todo), desc=f"sweep {plan.spec.name}", disable=bar_disabled(progress), dynamic_ncols=True)
+    lines = JobLines(len(todo), progress)  # the bar names the running job; a log file gets these lines instead
     try:
         for j in todo:
             if j.kind == "branch" and not is_ready(root, j):
                 summary["blocked"].append(j.name)
+                lines.not_started(j.name, f"its stable run {j.branch_from['run']} did not seed it")
                 bar.update(1)
                 continue
             bar.set_postfix_str(j.name)
             summary["launched"] += 1
+            lines.start(j.name)
             try:
                 r = run_job(root, j, by_name)
             except Exception as e:  # one failed run must not stop the sweep; the traceback goes to the run dir
                 summary["failed"][j.name] = f"{type(e).__name__}: {e}"
                 (root / j.name).mkdir(parents=True, exist_ok=True)
                 (root / j.name / "sweep_error.txt").write_text(traceback.format_exc())
-                tqdm.write(f"FAILED {j.name}: {type(e).__name__}: {e} "
-                           f"(traceback in {root / j.name / 'sweep_error.txt'})")
+                if lines.on:
+                    lines.failed(j.name, f"{type(e).__name__}: {e}", root / j.name / "sweep_error.txt")
+                else:
+                    tqdm.write(f"FAILED {j.name}: {type(e).__name__}: {e} "
+                               f"(traceback in {root / j.name / 'sweep_error.txt'})")
                 bar.update(1)
                 continue
             if r["status"] == "preempted":
                 summary["preempted"] = r
+                lines.stopped(j.name, f"preempted by {r.get('signal')} at step {r.get('step')}")
                 break
             summary["done"].append(j.name)
+            lines.done(j.name)
             bar.update(1)
     finally:
         bar.close()
@@ -378,6 +386,7 @@ def _gpu_pool(plan: Plan, todo: list[Job], gpus: list[str], summary: dict, progr
     failed_stables: set[str] = set()
     bar = tqdm(total=len(todo), desc=f"sweep {plan.spec.name} on GPUs {','.join(gpus)}",
                disable=bar_disabled(progress), dynamic_ncols=True)
+    lines = JobLines(len(todo), progress)  # the bar names the running jobs; a log file gets these lines instead
     try:
         while pending or running:
             for g in gpus:
@@ -394,6 +403,7 @@ def _gpu_pool(plan: Plan, todo: list[Job], gpus: list[str], summary: dict, progr
                 fh.pump(proc.stdout)
                 running[g] = (proc, ready, fh)
                 summary["launched"] += 1
+                lines.start(ready.name, f"on GPU {g}")
                 bar.set_postfix_str(f"gpu{g}: {ready.name}")
             for g, (proc, job, fh) in list(running.items()):
                 rc = proc.poll()
@@ -403,11 +413,16 @@ def _gpu_pool(plan: Plan, todo: list[Job], gpus: list[str], summary: dict, progr
                 del running[g]
                 if rc == 0 and (root / job.name / DONE).exists():
                     summary["done"].append(job.name)
+                    lines.done(job.name)
                 elif rc == 3:
                     summary["preempted"] = {"job": job.name}
+                    lines.stopped(job.name, "preempted")
                 else:
                     summary["failed"][job.name] = f"exit code {rc}; log: {logs / (job.name + '.log')}"
-                    tqdm.write(f"FAILED {job.name} (exit {rc}); see {logs / (job.name + '.log')}")
+                    if lines.on:
+                        lines.failed(job.name, f"rc {rc}", logs / (job.name + ".log"))
+                    else:
+                        tqdm.write(f"FAILED {job.name} (exit {rc}); see {logs / (job.name + '.log')}")
                     if job.kind == "stable":
                         failed_stables.add(job.name)
                 bar.update(1)
@@ -417,6 +432,7 @@ def _gpu_pool(plan: Plan, todo: list[Job], gpus: list[str], summary: dict, progr
                 if j.kind == "branch" and not is_ready(root, j) and j.branch_from["run"] not in live_stables:
                     pending.remove(j)
                     summary["blocked"].append(j.name)
+                    lines.not_started(j.name, f"its stable run {j.branch_from['run']} did not seed it")
                     bar.update(1)
             if summary["preempted"]:
                 for proc, _, fh in running.values():
