@@ -120,6 +120,20 @@ def _info_backends(cfg, as_json: bool) -> int:
 
 
 def main(argv=None) -> int:
+    """The ``hybrid-lm`` command. A reader that leaves early (``hybrid-lm info ... --json | head``) ends it
+    quietly with status 141, the 128 + SIGPIPE of any Unix filter whose reader left: ``set -o pipefail``
+    scripts see what they see from ``cat``, and the output is known to be cut short (0 would hide that)."""
+    try:
+        try:
+            return _main(argv)
+        finally:
+            sys.stdout.flush()  # buffered output meets the closed pipe here, not at the interpreter's exit
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's own flush writes nowhere
+        return 141
+
+
+def _main(argv=None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     ap = argparse.ArgumentParser(prog="hybrid-lm", description=__doc__)
     ap.add_argument("--debug", action="store_true",
@@ -157,6 +171,8 @@ def main(argv=None) -> int:
     enable_compilation_cache()
     try:
         return args.fn(args)
+    except BrokenPipeError:
+        raise  # main(): the reader of stdout left, nothing to report
     except (ConfigError, WorkdirError, DataError, ImportError, OSError) as e:
         if debug:
             raise

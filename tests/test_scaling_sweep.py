@@ -320,6 +320,19 @@ def test_dry_run_states_the_passes_over_the_training_data(tmp_path):
     assert "size unknown" in text and "warning" not in text
 
 
+def test_a_reader_that_leaves_ends_the_command_quietly(tmp_path):
+    """`hybrid-lm sweep SPEC --dry-run | head -1`: output into a closed pipe ends the command with status
+    141 (128 + SIGPIPE, as `cat` ends) and nothing on stderr, not `error: [Errno 32] Broken pipe`."""
+    r, w = os.pipe()
+    os.close(r)  # the reader left before the first line
+    try:
+        p = subprocess.run([sys.executable, "-m", "hybrid_lm.cli", "sweep", str(TINY), "--dry-run", "--root",
+                            str(tmp_path / "r")], stdout=w, stderr=subprocess.PIPE, text=True, cwd=REPO, timeout=300)
+    finally:
+        os.close(w)
+    assert (p.returncode, p.stderr) == (141, "")
+
+
 def test_launch_states_the_passes_first(tmp_path, monkeypatch, capsys):
     """`sweep --launch` prints each selected job's D and passes, and the warning, before it launches."""
     from hybrid_lm.cli import main
