@@ -279,8 +279,8 @@ def test_model_vocab_against_tokenizer_through_load_config(bpe_dir):
     assert cfg.data.tokenizer == str(bpe_dir) and config_warnings(cfg) == []
     cfg = load_config(["quickstart.gin"], ["ModelConfig.vocab_size = 1024", spec])
     assert [w for w in config_warnings(cfg) if w.startswith("ModelConfig.vocab_size=1024 exceeds")] == [
-        f"ModelConfig.vocab_size=1024 exceeds the '{bpe_dir}' tokenizer's 512 (rounded up to a multiple of 128: "
-        "512): 512 embedding rows stand for ids the tokenizer never produces"]
+        f"ModelConfig.vocab_size=1024 exceeds the '{bpe_dir}' tokenizer's 512 ids: 512 embedding rows stand for "
+        "ids the tokenizer never produces"]
 
 
 def test_eos_id_beyond_model_vocab(bpe_dir, tmp_path):
