@@ -405,6 +405,17 @@ def read_run_config(path: str | Path) -> tuple[dict, Config]:
         raise ConfigError(f"{path}: {e}") from None
 
 
+def wsd_bounds(o: OptimConfig, total_steps: int) -> tuple[int, int]:
+    """``(decay_start, decay_steps)`` of a run of ``total_steps``: the last ``decay_fraction`` decays (the
+    schedule itself is ``train.optim.wsd_lr``; here, without jax, for the config checks too)."""
+    decay = decay_steps(o.decay_fraction, total_steps)
+    return total_steps - decay, decay
+
+
+def decay_steps(decay_fraction: float, total_steps: int) -> int:
+    return int(round(decay_fraction * total_steps))
+
+
 def config_from_dict(d: dict) -> Config:
     """A :class:`Config` from ``config.json`` contents (extra top-level keys such as ``run_id`` are ignored)."""
     d = {sec: {k: v for k, v in d[sec].items() if k not in REMOVED_FIELDS.get(sec, ())}

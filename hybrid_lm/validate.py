@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from hybrid_lm.config import Config, MixerConfig, check_config
+from hybrid_lm.config import Config, MixerConfig, check_config, wsd_bounds
 from hybrid_lm.data.tokenizer import Tokenizer, load_tokenizer
 from hybrid_lm.errors import ConfigError
 from hybrid_lm.model.registry import MIXER_FIELDS, get_mixer
@@ -77,7 +77,7 @@ def config_warnings(cfg: Config, purpose: str = "train") -> list[str]:
         raise ValueError(f"purpose {purpose!r}: one of {PURPOSES}")
     out = []
     o, t, T = cfg.optim, cfg.train, cfg.data.seq_len
-    decay_start = t.steps - int(round(o.decay_fraction * t.steps))  # train/optim.py wsd_bounds
+    decay_start = wsd_bounds(o, t.steps)[0]
     if purpose != "eval" and o.warmup_steps > t.steps:
         out.append(f"OptimConfig.warmup_steps={o.warmup_steps} exceeds TrainConfig.steps={t.steps}: "
                    "the learning rate never reaches OptimConfig.lr")

@@ -288,8 +288,8 @@ def _steps_for(ratio: float, n: int, tps: int) -> int:
 
 
 def decay_start(steps: int, decay_fraction: float) -> int:
-    """First step of the decay phase, as the trainer computes it (``train/optim.py::wsd_bounds``)."""
-    from hybrid_lm.train.optim import decay_steps
+    """First step of the decay phase, as the trainer computes it (``config.wsd_bounds``)."""
+    from hybrid_lm.config import decay_steps
     return steps - decay_steps(decay_fraction, steps)
 
 

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import optax
 from optax.contrib import MuonDimensionNumbers
 
-from hybrid_lm.config import OptimConfig
+from hybrid_lm.config import OptimConfig, decay_steps, wsd_bounds  # noqa: F401 (re-exported: the schedule's bounds)
 
 NO_DECAY_AXIS_NAMES = {"norm", "bias", "ssm_heads"}
 _HIDDEN_AXES = {"embed", "mlp", "heads", "kv_heads", "head_dim", "conv_dim", "state", "lowrank"}
@@ -32,16 +32,6 @@ MUON_RMS = 0.2
 
 def _is_axes(x) -> bool:
     return isinstance(x, tuple) and all(isinstance(a, (str, type(None))) for a in x)
-
-
-def wsd_bounds(o: OptimConfig, total_steps: int) -> tuple[int, int]:
-    """``(decay_start, decay_steps)`` of a run of ``total_steps``: the last ``decay_fraction`` decays."""
-    decay = decay_steps(o.decay_fraction, total_steps)
-    return total_steps - decay, decay
-
-
-def decay_steps(decay_fraction: float, total_steps: int) -> int:
-    return int(round(decay_fraction * total_steps))
 
 
 def wsd_lr(o: OptimConfig, step, decay_start, decay_steps):
