@@ -120,6 +120,15 @@ def _sequences(tok, items, length: int):
     return seqs, qpos, qvalid, spans
 
 
+def require_attention(cfg) -> None:
+    """Raise :class:`ConfigError` unless the layer pattern has a full-attention layer (the heads tracked)."""
+    kinds = sorted({cfg.model.mixer(t).kind for t in cfg.model.layer_types()})
+    if not set(kinds) & set(I.ATTENTION_KINDS):
+        raise ConfigError(f"heads: no full-attention layer (mixer {' or '.join(I.ATTENTION_KINDS)}) in layer "
+                          f"pattern {''.join(cfg.model.layer_types())} (mixers: {', '.join(kinds)}); retrieval "
+                          "heads are tracked on full-attention layers only")
+
+
 def evaluate_heads(run, cfg=None, *, samples: int = 32, seq_len: int | None = None, seed: int = 0,
                    progress: bool = True, batch_size: int | None = None, haystack: str = "essays",
                    reference_params=None, reference_step: int | None = None) -> list[dict]:
@@ -140,12 +149,8 @@ def evaluate_heads(run, cfg=None, *, samples: int = 32, seq_len: int | None = No
     if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
         raise ConfigError(f"heads: samples={samples!r} must be an int >= 1")
     seq_len = I.check_length(cfg, seq_len, "heads")
+    require_attention(cfg)
     layers = I.attention_layers(run.model(cfg))
-    if not layers:
-        kinds = sorted({cfg.model.mixer(t).kind for t in cfg.model.layer_types()})
-        raise ConfigError(f"heads: no full-attention layer (mixer {' or '.join(I.ATTENTION_KINDS)}) in layer "
-                          f"pattern {''.join(cfg.model.layer_types())} (mixers: {', '.join(kinds)}); retrieval "
-                          "heads are tracked on full-attention layers only")
     tok = run.tokenizer
     hay = R.haystack_for(haystack, tok, run)
     budget = I.answer_budget(tok)
@@ -263,4 +268,4 @@ def plot_heads(rows: list[dict], out_dir: Path) -> list[Path]:
     return [curves, heat]
 
 
-__all__ = ["HEADLINE", "evaluate_heads", "format_heads", "head_name", "plot_heads", "qk_host", "reference_qk"]
+__all__ = ["HEADLINE", "evaluate_heads", "require_attention", "format_heads", "head_name", "plot_heads", "qk_host", "reference_qk"]

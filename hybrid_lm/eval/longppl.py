@@ -149,6 +149,13 @@ def store_documents(store_path, length: int, docs: int, tokenizer_fingerprint: s
     return np.stack([val.read(int(starts[i]), length) for i in long[:docs]]).astype(np.int32)
 
 
+def check_evaluator_tokenizer(judge_cfg, run_cfg) -> None:
+    """Raise ValueError unless the evaluator and the run tokenise alike (key tokens are positions)."""
+    if judge_cfg.data.tokenizer != run_cfg.data.tokenizer:
+        raise ValueError(f"the evaluator tokenises with {judge_cfg.data.tokenizer!r}, the run with "
+                         f"{run_cfg.data.tokenizer!r}: key tokens are positions, so they must agree")
+
+
 def longppl_of_run(run, cfg=None, *, evaluator=None, evaluator_step: int | None = None, length: int | None = None,
                    docs: int | None = None, rule: KeyTokenRule = KeyTokenRule(), data=None,
                    progress: bool = True) -> dict:
@@ -168,9 +175,7 @@ def longppl_of_run(run, cfg=None, *, evaluator=None, evaluator_step: int | None 
     t0 = time.time()
     is_self = evaluator is None or Path(evaluator).resolve() == Path(run.workdir).resolve()
     judge = run if is_self else RestoredRun(evaluator, step=evaluator_step)
-    if judge.cfg.data.tokenizer != run.cfg.data.tokenizer:
-        raise ValueError(f"the evaluator tokenises with {judge.cfg.data.tokenizer!r}, the run with "
-                         f"{run.cfg.data.tokenizer!r}: key tokens are positions, so they must agree")
+    check_evaluator_tokenizer(judge.cfg, run.cfg)
     n = length or run.cfg.data.seq_len + 1
     rule.validate(n)
     if data is not None:

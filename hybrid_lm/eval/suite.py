@@ -123,22 +123,17 @@ class EvalRequest:
             except ValueError as e:
                 raise ConfigError(f"longppl: {e} (--longppl-length, --trunc-len)") from None
             if self.evaluator is not None:
+                from hybrid_lm.eval.longppl import check_evaluator_tokenizer
                 from hybrid_lm.eval.restore import load_run_config
                 try:
-                    judge = load_run_config(self.evaluator)
+                    check_evaluator_tokenizer(load_run_config(self.evaluator), base)
                 except FileNotFoundError as e:
                     raise WorkdirError(f"--evaluator: {e}") from None
-                if judge.data.tokenizer != base.data.tokenizer:
-                    raise ConfigError(f"--evaluator {self.evaluator} tokenises with {judge.data.tokenizer!r}, the "
-                                      f"run with {base.data.tokenizer!r}: key tokens are positions, so they must "
-                                      "agree")
+                except ValueError as e:
+                    raise ConfigError(f"--evaluator {self.evaluator}: {e}") from None
         if "heads" in self.tasks:
-            from hybrid_lm.eval.introspect import ATTENTION_KINDS
-            kinds = sorted({cfg.model.mixer(t).kind for t in cfg.model.layer_types()})
-            if not set(kinds) & set(ATTENTION_KINDS):
-                raise ConfigError(f"heads: no full-attention layer (mixer {' or '.join(ATTENTION_KINDS)}) in layer "
-                                  f"pattern {''.join(cfg.model.layer_types())} (mixers: {', '.join(kinds)}); "
-                                  "retrieval heads are tracked on full-attention layers only")
+            from hybrid_lm.eval.heads import require_attention
+            require_attention(cfg)
 
     def config(self, task: str) -> dict:
         """The settings that define ``task``'s rows (the model's, then the task's own)."""
