@@ -106,6 +106,18 @@ def make_config(scale: str, arch: str, seq_len: int, batch: int, remat: str, imp
     return load_config(gin_files, params)
 
 
+def rule_batch(scale: str, arch: str, args) -> int:
+    """The measured best micro-batch of ``(scale, arch)`` under the variant's remat policy (``--batch rule``):
+    the table's entry a run under that policy reads (``train.microbatch.measured_per_device``)."""
+    remat = arch.partition("@")[2] or args.remat
+    cfg = make_config(scale, arch, args.seq_len, 1, remat, args.impl, args.gin_param)
+    per = microbatch.measured_per_device(cfg)
+    if per is None:
+        raise SystemExit(f"--batch rule: {microbatch.TABLE.name} has no entry for {scale}/"
+                         f"{microbatch.arch_name(cfg.model)}/{args.seq_len} (arch {arch}); give --batch N")
+    return per
+
+
 class Variant:
     """One (scale, arch, batch) train step: its config, compiled executable and measurements."""
 
@@ -372,7 +384,9 @@ def main() -> None:
     ap.add_argument("--scale", default="s4", help="comma-separated scales")
     ap.add_argument("--arch", default="full,swa,sa", help=f"comma-separated, from {sorted(ARCH)}")
     ap.add_argument("--seq-len", type=int, default=16384)
-    ap.add_argument("--batch", type=int, default=2, help="sequences per step (one micro-batch)")
+    ap.add_argument("--batch", default="2",
+                    help="sequences per step (one micro-batch), or 'rule': each variant's measured best micro-batch "
+                         "under its remat policy (configs/microbatch_h200.json, as a run takes it)")
     ap.add_argument("--sweep-microbatch", default=None, metavar="B1,B2,...",
                     help="micro-batch sizes to try per (scale, arch); the best that fits is kept")
     ap.add_argument("--accumulate", type=int, default=1, metavar="M",
@@ -421,7 +435,12 @@ def main() -> None:
         linear_attention_gpu.JLA_GROUPED_KEYS = False
     if args.save_primitive:
         transformer._ATTENTION_KERNELS = (*transformer._ATTENTION_KERNELS, *args.save_primitive)
-    batches = [int(b) for b in args.sweep_microbatch.split(",")] if args.sweep_microbatch else [args.batch]
+    if args.batch != "rule" and not args.batch.isdigit():
+        raise SystemExit(f"--batch {args.batch!r}: give a number of sequences or 'rule'")
+    if args.batch == "rule" and args.sweep_microbatch:
+        raise SystemExit("--batch rule and --sweep-microbatch exclude each other: the sweep measures the rule")
+    batches = [int(b) for b in args.sweep_microbatch.split(",")] if args.sweep_microbatch else [
+        None if args.batch == "rule" else int(args.batch)]
     print(f"device: {jax.devices()[0].device_kind} x{jax.device_count()}   memory limit "
           f"{(device_memory() or 0) / 2 ** 30:.1f} GiB")
     print(f"{'scale':<5}{'arch':<11}{'B':>4}{'ms/step':>10}{'ktok/s':>10}{'MFU':>8}{'GiB':>8}{'compile':>9}")
@@ -431,6 +450,8 @@ def main() -> None:
         arch_bindings(a)
     keys = ([(s, a, b) for s in scales for a in archs for b in batches] if args.order == "scale"
             else [(s, a, b) for a in archs for s in scales for b in batches])
+    if args.batch == "rule":
+        keys = [(s, a, rule_batch(s, a, args)) for s, a, _ in keys]
     variants = [Variant(s, a, b, args) for s, a, b in keys]
     rows, left_running = measure(variants, args, None if args.deadline is None else t_start + args.deadline)
     best = best_microbatches(rows)

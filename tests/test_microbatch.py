@@ -163,3 +163,27 @@ def test_info_says_who_applies_the_rule(capsys):
     assert main(["info", "configs/scale/s1.gin", "--json"]) == 0
     mb = json.loads(capsys.readouterr().out)["microbatch"]
     assert (mb["microbatches_on_one_device"], mb["configured"], mb["applied_by"]) == (4, 1, "hybrid-lm sweep")
+
+
+def test_bench_train_batch_rule(monkeypatch):
+    """--batch rule: each variant takes the table's entry for its scale, arch and remat policy; a variant the
+    table does not cover, a bad --batch and rule + sweep are refused with one line."""
+    import argparse
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
+    import bench_train as bt
+
+    best = json.loads(mb.TABLE.read_text())["best"]
+    args = argparse.Namespace(seq_len=16384, remat="none", impl="auto", gin_param=[])
+    assert bt.rule_batch("s1", "sa", args) == best["s1/sa/16384@none"]
+    assert bt.rule_batch("s5", "gdn", args) == best["s5/gdn/16384@none"]
+    assert bt.rule_batch("s5", "gdn@dots_attn", args) == best["s5/gdn/16384"]  # the variant's own policy
+    with pytest.raises(SystemExit, match="has no entry for s1/full/64 .arch full.; give --batch N"):
+        bt.rule_batch("s1", "full", argparse.Namespace(seq_len=64, remat="none", impl="auto", gin_param=[]))
+    for argv, msg in ((["--batch", "x"], "--batch 'x': give a number of sequences or 'rule'"),
+                      (["--batch", "rule", "--sweep-microbatch", "4,8"], "exclude each other")):
+        monkeypatch.setattr(sys, "argv", ["bench_train.py", *argv])
+        with pytest.raises(SystemExit, match=msg):
+            bt.main()
