@@ -47,7 +47,8 @@
 #   bash experiments/gpu_s5_train.sh acc18    # session 18: S4 full/SWA/SA without remat at 16, one micro-batch vs 4 accumulated (S4's global batch 64)
 #   bash experiments/gpu_s5_train.sh final19a # session 19: issue 17's table, part 1: the anchor, S1-S4 x 7 archs, each at the rule's micro-batch (remat none)
 #   bash experiments/gpu_s5_train.sh final19b # session 19: part 2 (the next call, same lease): S5 x 7 archs (none, rule: 4), S5 full/SWA under dots_attn at 8, the anchor
-#   bash experiments/gpu_s5_train.sh mbsparse # next: the MoBA / SSA presets' micro-batch keys under remat none, S1-S4 x {8, 16}
+#   bash experiments/gpu_s5_train.sh alone19  # session 19: S5 x 7 archs (none, B 4) compiled strictly one at a time, each timed after its compile
+#   bash experiments/gpu_s5_train.sh mbsparse # session 19: the MoBA / SSA presets' micro-batch keys under remat none, S1-S4 x {8, 16}
 #   bash experiments/gpu_s5_train.sh mbnone17 # session 16: the micro-batch sweep {8, 16} under remat none, S1/S3 x full/SWA/SA
 #   bash experiments/gpu_s5_train.sh s5none17 # session 16: S5 x full/SWA/Mamba-2/GDN at 4 x 16K, remat none vs dots_attn; then 8 x 16K dots_attn
 #   bash experiments/gpu_s5_train.sh all7b    # part 2: S1's slow-compiling archs, S3-S5 full/SWA/SA
@@ -455,7 +456,11 @@ case "${1:-table}" in
     timeout $left python3 experiments/anchor_gpt.py --seq-len 16384 --batch 8 --steps 5 --out "$OUT/anchor_gpt_b.json" \
       2>&1 | grep -v -e "^W1204" -e "^I0000" -e "^W0000"
     ;;
-  mbsparse)  # not run yet (session 18 wrote it): the presets' MoBA (configs/arch/moba.gin, label moba16, keyed
+  alone19)  # session 19, fourth call: the compile target (S5, alone) for every arch under the presets' remat at 4
+    B 570 --scale s5 --arch full,swa,sa,lightning,mamba2,gdn,sa_swa --remat none --batch 4 --steps 2 --compile-alone \
+      --deadline 555 --out "$OUT/bench_train_alone19_s5.json"
+    ;;
+  mbsparse)  # session 19 (written in 18): the presets' MoBA (configs/arch/moba.gin, label moba16, keyed
     # `moba` by the rule) and SSA at S1-S4 without remat, the last archs without micro-batch entries
     B 580 --scale s1,s2,s3,s4 --arch moba16,ssa --order arch --remat none --sweep-microbatch 8,16 --steps 4 \
       --compile-workers 8 --time-after-compiles --deadline 560 \

@@ -12,7 +12,7 @@ of its own gets the plain key, and its reason says under which policy it was mea
 checked that every plain S1–S4 entry also fits without remat (the presets' ``ModelConfig.remat =
 'none'``: at most 101 GiB of an H200 at 16 x 16K, docs/BENCHMARKS.md). At S5 the plain entries (8) do
 not fit without remat for Mamba-2 / GDN, so S5 has ``@none`` entries of its own (4). Since session 18
-every S1–S5 arch of the table except MoBA / SSA has an ``@none`` entry (measured without remat).
+every S1–S5 arch of the table has an ``@none`` entry (measured without remat); session 19 added MoBA / SSA at S1–S4.
 :func:`apply_rule` returns the config with that ``M`` set; the sweep launcher
 (``hybrid_lm/scaling/launch.py``) applies it to every run, and ``hybrid-lm info`` states it.
 """
