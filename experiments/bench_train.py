@@ -21,6 +21,9 @@ sets that variant's remat policy, so one call compares policies.
 gradients accumulated in fp32), as a run does when its global batch exceeds one micro-batch: the
 optimizer update is then paid once per M micro-batches, which a one-micro-batch step overstates.
 
+``--batch rule`` gives each variant the micro-batch that ``configs/microbatch_h200.json`` holds for its
+scale, arch and remat policy (the one a run takes), so one call times every cell at its best micro-batch.
+
 ``--sweep-microbatch`` picks, per (scale, arch), the micro-batch (sequences per device) with the
 highest tokens/s among those that fit, and writes them as the measured table that
 ``hybrid_lm.train.microbatch`` reads (``--table-out``). MFU counts FLOPs per layer type
