@@ -1,11 +1,21 @@
 """The micro-batch rule (hybrid_lm/train/microbatch.py)."""
 
 import json
+import sys
+from pathlib import Path
 
 import pytest
 
 from hybrid_lm.config import load_config
 from hybrid_lm.train import microbatch as mb
+
+
+def _bench_train():
+    """experiments/bench_train.py as a module (the experiments folder is not a package)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
+    import bench_train
+
+    return bench_train
 
 
 @pytest.mark.parametrize("global_batch,per_device,shards,want", [
@@ -76,11 +86,7 @@ def test_shipped_table_covers_the_measured_sweeps():
 
 
 def test_bench_train_table_keeps_only_sweeps(tmp_path):
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
-    import bench_train as bt
+    bt = _bench_train()
 
     def row(arch, batch, status, tps=0.0):
         return {"scale": "s4", "arch": arch, "seq_len": 16384, "batch": batch, "status": status,
@@ -134,11 +140,7 @@ def test_the_runs_remat_policy_picks_its_entry(tmp_path):
 
 def test_bench_train_accumulates_micro_batches(monkeypatch):
     """--accumulate M: the variant's step holds M micro-batches of `batch` sequences; M < 1 is refused."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
-    import bench_train as bt
+    bt = _bench_train()
 
     cfg = bt.make_config("s1", "full", 64, 2, "none", "auto", accumulate=3)
     assert (cfg.train.global_batch, cfg.train.microbatches) == (6, 3)
@@ -169,12 +171,8 @@ def test_bench_train_batch_rule(monkeypatch):
     """--batch rule: each variant takes the table's entry for its scale, arch and remat policy; a variant the
     table does not cover, a bad --batch and rule + sweep are refused with one line."""
     import argparse
-    import sys
-    from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
-    import bench_train as bt
-
+    bt = _bench_train()
     best = json.loads(mb.TABLE.read_text())["best"]
     args = argparse.Namespace(seq_len=16384, remat="none", impl="auto", gin_param=[])
     assert bt.rule_batch("s1", "sa", args) == best["s1/sa/16384@none"]
