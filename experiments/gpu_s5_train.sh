@@ -49,6 +49,7 @@
 #   bash experiments/gpu_s5_train.sh final19b # session 19: part 2 (the next call, same lease): S5 x 7 archs (none, rule: 4), S5 full/SWA under dots_attn at 8, the anchor
 #   bash experiments/gpu_s5_train.sh alone19  # session 19: S5 x 7 archs (none, B 4) compiled strictly one at a time, each timed after its compile
 #   bash experiments/gpu_s5_train.sh mbsparse # session 19: the MoBA / SSA presets' micro-batch keys under remat none, S1-S4 x {8, 16}
+#   bash experiments/gpu_s5_train.sh ct20     # session 20: S5 gdn / mamba2 / sa_swa compiles traced (host phases), GDN alone with / without Triton GEMMs
 #   bash experiments/gpu_s5_train.sh mbnone17 # session 16: the micro-batch sweep {8, 16} under remat none, S1/S3 x full/SWA/SA
 #   bash experiments/gpu_s5_train.sh s5none17 # session 16: S5 x full/SWA/Mamba-2/GDN at 4 x 16K, remat none vs dots_attn; then 8 x 16K dots_attn
 #   bash experiments/gpu_s5_train.sh all7b    # part 2: S1's slow-compiling archs, S3-S5 full/SWA/SA
@@ -459,6 +460,21 @@ case "${1:-table}" in
   alone19)  # session 19, fourth call: the compile target (S5, alone) for every arch under the presets' remat at 4
     B 570 --scale s5 --arch full,swa,sa,lightning,mamba2,gdn,sa_swa --remat none --batch 4 --steps 2 --compile-alone \
       --deadline 555 --out "$OUT/bench_train_alone19_s5.json"
+    ;;
+  ct20)  # session 20: where an S5 compile's time goes (profile_train.py --compile-trace: host self time by
+    # event), for the three archs above 60 s alone, then GDN compiled alone and timed with XLA's Triton GEMMs off vs on
+    for a in gdn mamba2 sa_swa; do
+      echo "== compile trace: s5 $a (none, B 4)"
+      timeout 120 python3 experiments/profile_train.py --compile-trace --scale s5 --arch $a --batch 4 --remat none \
+        --top 30 --out-dir /tmp/ct_$a 2>&1 | grep -v -e "^W0000" -e "^I0000" -e "^W1204" -e gin_param | tail -34
+      cp /tmp/ct_$a/compile_phases.json "$OUT/compile_phases_s5_$a.json"
+    done
+    left=$(( 565 - SECONDS )); half=$(( left / 2 ))
+    echo "== $left s: S5 GDN alone, Triton GEMMs off, then on"
+    XLA_FLAGS=--xla_gpu_enable_triton_gemm=false B $half --scale s5 --arch gdn --remat none --batch 4 --steps 3 \
+      --compile-alone --out "$OUT/bench_train_ct20_gdn_notriton.json"
+    left=$(( 570 - SECONDS ))
+    B $left --scale s5 --arch gdn --remat none --batch 4 --steps 3 --compile-alone --out "$OUT/bench_train_ct20_gdn.json"
     ;;
   mbsparse)  # session 19 (written in 18): the presets' MoBA (configs/arch/moba.gin, label moba16, keyed
     # `moba` by the rule) and SSA at S1-S4 without remat, the last archs without micro-batch entries

@@ -9,6 +9,10 @@ steps, ``--steps`` steps run under ``jax.profiler.trace``; the trace's ``*.trace
 each kind of op (matmul, attention, loss, copies, other fusions; a name-based guess), and the busy
 fraction of the step (device time over wall time). ``--summarize`` reads a saved trace instead.
 
+``--compile-trace`` traces the step's XLA compile instead of its steps: host time by event name (self
+time, i.e. less the events nested inside, and inclusive), so a slow compile shows which phase holds
+it (HLO passes, the autotuner, LLVM / ptxas code generation).
+
 With ``--hlo`` the compiled step's optimised HLO is saved beside the trace, and the device time is
 also split by part of the step (loss, attention mixer, MLP, norms, optimizer, ...: the innermost source
 frame of each kernel's HLO instruction, ``PARTS``) and by kind of kernel. Run under
@@ -206,15 +210,19 @@ def print_summary(s: dict) -> None:
         print(f"{k['ms']:>9.3f} {100 * k['share']:>5.1f}% {k['calls_per_step']:>6.1f}  {k['kind']:<10} {k['name'][:110]}")
 
 
-def profile(args) -> dict:
-    import jax
-
+def _variant(args):
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench_train import Variant
 
     bench_args = argparse.Namespace(seq_len=args.seq_len, remat=args.remat, impl=args.impl, loss="default",
                                     gin_param=args.gin_param)
-    v = Variant(args.scale, args.arch, args.batch, bench_args)
+    return Variant(args.scale, args.arch, args.batch, bench_args)
+
+
+def profile(args) -> dict:
+    import jax
+
+    v = _variant(args)
     lowered, lower_s, backends = v.lower()
     compiled, compile_s, peak = v.compile(lowered, lower_s)
     state = v.init(v.seed)
@@ -243,6 +251,63 @@ def profile(args) -> dict:
     return s
 
 
+def host_phases(trace_path: str | Path, top: int = 30) -> dict:
+    """Host time by event name in a trace (seconds): ``self`` (less the events nested inside it on the
+    same thread) and ``inclusive``, over every host thread; the busiest names by self time first."""
+    events, procs, threads = _events(trace_path)
+    by_thread: dict = collections.defaultdict(list)
+    for e in events:
+        if e.get("ph") == "X" and "GPU" not in procs.get(e["pid"], ""):
+            by_thread[(e["pid"], e["tid"])].append(e)
+    self_us: collections.Counter = collections.Counter()
+    incl_us: collections.Counter = collections.Counter()
+    counts: collections.Counter = collections.Counter()
+    for evs in by_thread.values():
+        evs.sort(key=lambda e: (e["ts"], -e.get("dur", 0.0)))
+        stack: list = []  # [end, name, child_us]
+        for e in evs + [None]:
+            while stack and (e is None or e["ts"] >= stack[-1][0]):
+                end, name, child, dur = stack.pop()
+                self_us[name] += dur - child
+                if stack:
+                    stack[-1][2] += dur
+            if e is None:
+                break
+            dur = e.get("dur", 0.0)
+            incl_us[e["name"]] += dur
+            counts[e["name"]] += 1
+            stack.append([e["ts"] + dur, e["name"], 0.0, dur])
+    return {"threads": len(by_thread),
+            "phases": [{"name": n, "self_s": us * 1e-6, "inclusive_s": incl_us[n] * 1e-6, "count": counts[n]}
+                       for n, us in self_us.most_common(top)]}
+
+
+def trace_compile(args) -> dict:
+    """Lowers the step, then compiles it under ``jax.profiler.trace``; the host phases of the compile."""
+    import jax
+
+    v = _variant(args)
+    lowered, lower_s, _ = v.lower()
+    out_dir = Path(args.out_dir)
+    trace_dir = out_dir / "trace"
+    with jax.profiler.trace(str(trace_dir)):
+        t0 = time.perf_counter()
+        lowered.compile()
+        compile_s = time.perf_counter() - t0
+    saved = keep_trace(trace_dir, out_dir / f"compile_trace_{args.scale}_{args.arch}_b{args.batch}.json.gz")
+    s = host_phases(saved, args.top)
+    s.update(scale=args.scale, arch=args.arch, batch=args.batch, remat=args.remat, lower_s=lower_s,
+             compile_s=compile_s, trace=str(saved), device=jax.devices()[0].device_kind)
+    return s
+
+
+def print_phases(s: dict) -> None:
+    print(f"lower {s['lower_s']:.1f} s, compile {s['compile_s']:.1f} s ({s['threads']} host threads traced)")
+    print(f"{'self s':>8} {'incl s':>8} {'count':>7}  event")
+    for p in s["phases"]:
+        print(f"{p['self_s']:>8.2f} {p['inclusive_s']:>8.2f} {p['count']:>7}  {p['name'][:110]}")
+
+
 def keep_trace(trace_dir: Path, saved: Path) -> Path:
     """Copies the newest ``*.trace.json.gz`` under ``trace_dir`` (a ``jax.profiler.trace`` directory)
     to ``saved`` and removes ``trace_dir``: the copy is the one that travels."""
@@ -269,7 +334,15 @@ def main() -> None:
     ap.add_argument("--out-dir", default="profile_out")
     ap.add_argument("--summarize", default=None, metavar="TRACE_JSON_GZ", help="summarise a saved trace instead")
     ap.add_argument("--hlo-file", default=None, help="with --summarize: the step's saved HLO (--hlo), for the parts")
+    ap.add_argument("--compile-trace", action="store_true",
+                    help="trace the step's compile (host phases) instead of its steps")
     args = ap.parse_args()
+    if args.compile_trace:
+        Path(args.out_dir).mkdir(parents=True, exist_ok=True)
+        s = trace_compile(args)
+        (Path(args.out_dir) / "compile_phases.json").write_text(json.dumps(s, indent=2))
+        print_phases(s)
+        return
     if args.summarize:
         s = summarize(args.summarize, args.steps, None, args.top)
         if args.hlo_file:
