@@ -50,6 +50,7 @@
 #   bash experiments/gpu_s5_train.sh alone19  # session 19: S5 x 7 archs (none, B 4) compiled strictly one at a time, each timed after its compile
 #   bash experiments/gpu_s5_train.sh mbsparse # session 19: the MoBA / SSA presets' micro-batch keys under remat none, S1-S4 x {8, 16}
 #   bash experiments/gpu_s5_train.sh ct20     # session 20: S5 gdn / mamba2 / sa_swa compiles traced (host phases), GDN alone with / without Triton GEMMs
+#   bash experiments/gpu_s5_train.sh ct20b    # session 20: S5 GDN compiled alone and timed under XLA compile levers (scheduler, autotuner, autotune cache)
 #   bash experiments/gpu_s5_train.sh mbnone17 # session 16: the micro-batch sweep {8, 16} under remat none, S1/S3 x full/SWA/SA
 #   bash experiments/gpu_s5_train.sh s5none17 # session 16: S5 x full/SWA/Mamba-2/GDN at 4 x 16K, remat none vs dots_attn; then 8 x 16K dots_attn
 #   bash experiments/gpu_s5_train.sh all7b    # part 2: S1's slow-compiling archs, S3-S5 full/SWA/SA
@@ -475,6 +476,18 @@ case "${1:-table}" in
       --compile-alone --out "$OUT/bench_train_ct20_gdn_notriton.json"
     left=$(( 570 - SECONDS ))
     B $left --scale s5 --arch gdn --remat none --batch 4 --steps 3 --compile-alone --out "$OUT/bench_train_ct20_gdn.json"
+    ;;
+  ct20b)  # session 20: S5 GDN (none, B 4) compiled alone and timed, one process per XLA setting: as runs take it;
+    # without the latency-hiding scheduler; without the autotuner (level 0); the per-fusion autotune cache that
+    # JAX enables beside its compilation cache, first cold, then warm (a new program whose fusions were tuned before)
+    i=0
+    for flags in "" --xla_gpu_enable_latency_hiding_scheduler=false --xla_gpu_autotune_level=0 \
+        --xla_gpu_per_fusion_autotune_cache_dir=/tmp/atc --xla_gpu_per_fusion_autotune_cache_dir=/tmp/atc; do
+      i=$(( i + 1 )); left=$(( 575 - SECONDS )); [ $left -lt 60 ] && break
+      echo "== [$i] XLA_FLAGS='$flags' ($left s left)"
+      XLA_FLAGS="$flags" B $(( left < 110 ? left : 110 )) --scale s5 --arch gdn --remat none --batch 4 --steps 3 \
+        --compile-alone --out "$OUT/bench_train_ct20b_$i.json" | tail -1
+    done
     ;;
   mbsparse)  # session 19 (written in 18): the presets' MoBA (configs/arch/moba.gin, label moba16, keyed
     # `moba` by the rule) and SSA at S1-S4 without remat, the last archs without micro-batch entries
