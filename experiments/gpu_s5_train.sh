@@ -51,6 +51,7 @@
 #   bash experiments/gpu_s5_train.sh mbsparse # session 19: the MoBA / SSA presets' micro-batch keys under remat none, S1-S4 x {8, 16}
 #   bash experiments/gpu_s5_train.sh ct20     # session 20: S5 gdn / mamba2 / sa_swa compiles traced (host phases), GDN alone with / without Triton GEMMs
 #   bash experiments/gpu_s5_train.sh ct20b    # session 20: S5 GDN compiled alone and timed under XLA compile levers (scheduler, autotuner, autotune cache)
+#   bash experiments/gpu_s5_train.sh ct20c    # session 20: S5 GDN / SA+SWA compiles traced, their optimised HLO saved (kernels counted offline)
 #   bash experiments/gpu_s5_train.sh mbnone17 # session 16: the micro-batch sweep {8, 16} under remat none, S1/S3 x full/SWA/SA
 #   bash experiments/gpu_s5_train.sh s5none17 # session 16: S5 x full/SWA/Mamba-2/GDN at 4 x 16K, remat none vs dots_attn; then 8 x 16K dots_attn
 #   bash experiments/gpu_s5_train.sh all7b    # part 2: S1's slow-compiling archs, S3-S5 full/SWA/SA
@@ -487,6 +488,14 @@ case "${1:-table}" in
       echo "== [$i] XLA_FLAGS='$flags' ($left s left)"
       XLA_FLAGS="$flags" B $(( left < 110 ? left : 110 )) --scale s5 --arch gdn --remat none --batch 4 --steps 3 \
         --compile-alone --out "$OUT/bench_train_ct20b_$i.json" | tail -1
+    done
+    ;;
+  ct20c)  # session 20: the optimised HLO of the S5 GDN and SA+SWA steps (none, B 4) beside their compile traces
+    for a in gdn sa_swa; do
+      echo "== compile trace + HLO: s5 $a"
+      timeout 200 python3 experiments/profile_train.py --compile-trace --hlo --scale s5 --arch $a --batch 4 --remat none \
+        --top 12 --out-dir /tmp/ct_$a 2>&1 | grep -v -e "^W0000" -e "^I0000" -e "^W1204" -e gin_param | tail -16
+      cp /tmp/ct_$a/compile_phases.json "$OUT/compile_phases_ct20c_s5_$a.json"; cp /tmp/ct_$a/hlo_*.txt.gz "$OUT/"
     done
     ;;
   mbsparse)  # session 19 (written in 18): the presets' MoBA (configs/arch/moba.gin, label moba16, keyed

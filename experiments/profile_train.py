@@ -292,10 +292,14 @@ def trace_compile(args) -> dict:
     trace_dir = out_dir / "trace"
     with jax.profiler.trace(str(trace_dir)):
         t0 = time.perf_counter()
-        lowered.compile()
+        compiled = lowered.compile()
         compile_s = time.perf_counter() - t0
-    saved = keep_trace(trace_dir, out_dir / f"compile_trace_{args.scale}_{args.arch}_b{args.batch}.json.gz")
+    tag = f"{args.scale}_{args.arch}_b{args.batch}"
+    saved = keep_trace(trace_dir, out_dir / f"compile_trace_{tag}.json.gz")
     s = host_phases(saved, args.top)
+    if args.hlo:  # the optimised program: its fusions and kernels, to count what was compiled
+        with gzip.open(out_dir / f"hlo_{tag}.txt.gz", "wt") as fh:
+            fh.write(compiled.as_text())
     s.update(scale=args.scale, arch=args.arch, batch=args.batch, remat=args.remat, lower_s=lower_s,
              compile_s=compile_s, trace=str(saved), device=jax.devices()[0].device_kind)
     return s
