@@ -52,6 +52,7 @@
 #   bash experiments/gpu_s5_train.sh ct20     # session 20: S5 gdn / mamba2 / sa_swa compiles traced (host phases), GDN alone with / without Triton GEMMs
 #   bash experiments/gpu_s5_train.sh ct20b    # session 20: S5 GDN compiled alone and timed under XLA compile levers (scheduler, autotuner, autotune cache)
 #   bash experiments/gpu_s5_train.sh ct20c    # session 20: S5 GDN / SA+SWA compiles traced, their optimised HLO saved (kernels counted offline)
+#   bash experiments/gpu_s5_train.sh ct20d    # session 20: S5 GDN / Mamba-2 compile traces with each phase's wall time (union over threads)
 #   bash experiments/gpu_s5_train.sh mbnone17 # session 16: the micro-batch sweep {8, 16} under remat none, S1/S3 x full/SWA/SA
 #   bash experiments/gpu_s5_train.sh s5none17 # session 16: S5 x full/SWA/Mamba-2/GDN at 4 x 16K, remat none vs dots_attn; then 8 x 16K dots_attn
 #   bash experiments/gpu_s5_train.sh all7b    # part 2: S1's slow-compiling archs, S3-S5 full/SWA/SA
@@ -496,6 +497,14 @@ case "${1:-table}" in
       timeout 200 python3 experiments/profile_train.py --compile-trace --hlo --scale s5 --arch $a --batch 4 --remat none \
         --top 12 --out-dir /tmp/ct_$a 2>&1 | grep -v -e "^W0000" -e "^I0000" -e "^W1204" -e gin_param | tail -16
       cp /tmp/ct_$a/compile_phases.json "$OUT/compile_phases_ct20c_s5_$a.json"; cp /tmp/ct_$a/hlo_*.txt.gz "$OUT/"
+    done
+    ;;
+  ct20d)  # session 20: which compile phases hold the wall clock (profile_train's wall_s) for S5 GDN and Mamba-2
+    for a in gdn mamba2; do
+      echo "== compile trace (wall per phase): s5 $a"
+      timeout 200 python3 experiments/profile_train.py --compile-trace --scale s5 --arch $a --batch 4 --remat none \
+        --top 40 --out-dir /tmp/ct_$a 2>&1 | grep -v -e "^W0000" -e "^I0000" -e "^W1204" -e gin_param | tail -42
+      cp /tmp/ct_$a/compile_phases.json "$OUT/compile_phases_ct20d_s5_$a.json"
     done
     ;;
   mbsparse)  # session 19 (written in 18): the presets' MoBA (configs/arch/moba.gin, label moba16, keyed

@@ -253,7 +253,9 @@ def profile(args) -> dict:
 
 def host_phases(trace_path: str | Path, top: int = 30) -> dict:
     """Host time by event name in a trace (seconds): ``self`` (less the events nested inside it on the
-    same thread) and ``inclusive``, over every host thread; the busiest names by self time first."""
+    same thread) and ``inclusive``, summed over every host thread, and ``wall`` (the union of its
+    intervals over all threads: what it adds to the compile's wall time when nothing else overlaps it);
+    the busiest names by self time first."""
     events, procs, threads = _events(trace_path)
     by_thread: dict = collections.defaultdict(list)
     for e in events:
@@ -262,6 +264,7 @@ def host_phases(trace_path: str | Path, top: int = 30) -> dict:
     self_us: collections.Counter = collections.Counter()
     incl_us: collections.Counter = collections.Counter()
     counts: collections.Counter = collections.Counter()
+    spans: dict = collections.defaultdict(list)
     for evs in by_thread.values():
         evs.sort(key=lambda e: (e["ts"], -e.get("dur", 0.0)))
         stack: list = []  # [end, name, child_us]
@@ -276,9 +279,18 @@ def host_phases(trace_path: str | Path, top: int = 30) -> dict:
             dur = e.get("dur", 0.0)
             incl_us[e["name"]] += dur
             counts[e["name"]] += 1
+            spans[e["name"]].append((e["ts"], e["ts"] + dur))
             stack.append([e["ts"] + dur, e["name"], 0.0, dur])
+    def union_us(intervals):
+        total, end = 0.0, float("-inf")
+        for a, b in sorted(intervals):
+            total += max(0.0, b - max(a, end))
+            end = max(end, b)
+        return total
+
     return {"threads": len(by_thread),
-            "phases": [{"name": n, "self_s": us * 1e-6, "inclusive_s": incl_us[n] * 1e-6, "count": counts[n]}
+            "phases": [{"name": n, "self_s": us * 1e-6, "inclusive_s": incl_us[n] * 1e-6,
+                        "wall_s": union_us(spans[n]) * 1e-6, "count": counts[n]}
                        for n, us in self_us.most_common(top)]}
 
 
@@ -307,9 +319,9 @@ def trace_compile(args) -> dict:
 
 def print_phases(s: dict) -> None:
     print(f"lower {s['lower_s']:.1f} s, compile {s['compile_s']:.1f} s ({s['threads']} host threads traced)")
-    print(f"{'self s':>8} {'incl s':>8} {'count':>7}  event")
+    print(f"{'self s':>8} {'incl s':>8} {'wall s':>8} {'count':>7}  event")
     for p in s["phases"]:
-        print(f"{p['self_s']:>8.2f} {p['inclusive_s']:>8.2f} {p['count']:>7}  {p['name'][:110]}")
+        print(f"{p['self_s']:>8.2f} {p['inclusive_s']:>8.2f} {p['wall_s']:>8.2f} {p['count']:>7}  {p['name'][:110]}")
 
 
 def keep_trace(trace_dir: Path, saved: Path) -> Path:

@@ -245,3 +245,31 @@ def test_profile_parts_come_from_source_frames():
     assert {"loss", "norms"} <= parts, parts
     dots = [s for s in src.values() if s["shape"].startswith("f32[32,40]") and s["frames"]]  # a chunk's logits
     assert dots and all(prof.part_of(s["frames"]) == "loss" for s in dots)
+
+
+def test_compile_trace_host_phases(tmp_path):
+    """profile_train --compile-trace: self time excludes nested events on the same thread, inclusive
+    sums over threads, wall is the union over threads (two overlapping workers count once); GPU lines
+    are left out."""
+    import gzip
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("profile_train", ROOT / "experiments" / "profile_train.py")
+    prof = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(prof)
+    meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}},
+            {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/device:GPU:0"}}]
+    x = [("compile", 1, 0, 100), ("passes", 1, 10, 30), ("codegen", 1, 50, 40),  # main thread
+         ("codegen", 2, 60, 40), ("codegen", 3, 200, 10),  # workers: one overlaps the main thread's
+         ("kernel", None, 0, 500)]  # a device event
+    events = meta + [{"ph": "X", "name": n, "pid": 2 if t is None else 1, "tid": t or 0, "ts": ts * 1e6,
+                      "dur": d * 1e6} for n, t, ts, d in x]
+    path = tmp_path / "t.trace.json.gz"
+    with gzip.open(path, "wt") as fh:
+        json.dump({"traceEvents": events}, fh)
+    got = {p["name"]: p for p in prof.host_phases(path)["phases"]}
+    assert "kernel" not in got
+    assert got["compile"]["self_s"] == pytest.approx(30) and got["compile"]["inclusive_s"] == pytest.approx(100)
+    assert got["codegen"]["self_s"] == pytest.approx(90) and got["codegen"]["count"] == 3
+    assert got["codegen"]["wall_s"] == pytest.approx(60)  # [50, 100) and [200, 210)
+    assert got["passes"]["wall_s"] == pytest.approx(30)
