@@ -53,6 +53,7 @@
 #   bash experiments/gpu_s5_train.sh ct20b    # session 20: S5 GDN compiled alone and timed under XLA compile levers (scheduler, autotuner, autotune cache)
 #   bash experiments/gpu_s5_train.sh ct20c    # session 20: S5 GDN / SA+SWA compiles traced, their optimised HLO saved (kernels counted offline)
 #   bash experiments/gpu_s5_train.sh ct20d    # session 20: S5 GDN / Mamba-2 compile traces with each phase's wall time (union over threads)
+#   bash experiments/gpu_s5_train.sh ct20e    # session 20: S5 GDN compile traced with XLA's per-fusion autotune cache cold, then warm
 #   bash experiments/gpu_s5_train.sh mbnone17 # session 16: the micro-batch sweep {8, 16} under remat none, S1/S3 x full/SWA/SA
 #   bash experiments/gpu_s5_train.sh s5none17 # session 16: S5 x full/SWA/Mamba-2/GDN at 4 x 16K, remat none vs dots_attn; then 8 x 16K dots_attn
 #   bash experiments/gpu_s5_train.sh all7b    # part 2: S1's slow-compiling archs, S3-S5 full/SWA/SA
@@ -506,6 +507,17 @@ case "${1:-table}" in
         --top 40 --out-dir /tmp/ct_$a 2>&1 | grep -v -e "^W0000" -e "^I0000" -e "^W1204" -e gin_param | tail -42
       cp /tmp/ct_$a/compile_phases.json "$OUT/compile_phases_ct20d_s5_$a.json"
     done
+    ;;
+  ct20e)  # session 20: does the per-fusion autotune cache (JAX turns it on beside its compilation cache) remove the
+    # autotuner's pass (`config-assigner`) from a new process's compile? Traced cold, then warm
+    for run in cold warm; do
+      echo "== compile trace, autotune cache $run: s5 gdn"
+      XLA_FLAGS=--xla_gpu_per_fusion_autotune_cache_dir=/tmp/atc timeout 200 python3 experiments/profile_train.py \
+        --compile-trace --scale s5 --arch gdn --batch 4 --remat none --top 14 --out-dir /tmp/ct_$run 2>&1 \
+        | grep -v -e "^W0000" -e "^I0000" -e "^W1204" -e gin_param | tail -16
+      cp /tmp/ct_$run/compile_phases.json "$OUT/compile_phases_ct20e_s5_gdn_$run.json"
+    done
+    ls /tmp/atc | head -3; echo "$(find /tmp/atc -type f | wc -l) files in the autotune cache"
     ;;
   mbsparse)  # session 19 (written in 18): the presets' MoBA (configs/arch/moba.gin, label moba16, keyed
     # `moba` by the rule) and SSA at S1-S4 without remat, the last archs without micro-batch entries
