@@ -35,10 +35,10 @@ train-bpe: $(STAMP)
 	[ -f $(BPE_DIR)/tokenizer.json ] || $(VENV)/bin/hybrid-lm data train-tokenizer --vocab 2048 --out $(BPE_DIR)
 	$(VENV)/bin/hybrid-lm train configs/quickstart_bpe.gin --workdir runs/quickstart_bpe
 
-# pytest-xdist workers: one per core, plus one when 4 GiB per worker is available (the workers wait on
-# subprocesses, file locks and disk at times; on 2 cores a third worker ran the suite 0.94x as long,
-# with 7.7 GB in use at its peak, docs/ROADMAP.md "Test suite time"). TEST_WORKERS=N overrides.
-TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); \
+# pytest-xdist workers: one per core (at most 8), plus one when 4 GiB per worker is available (the workers
+# wait on subprocesses, file locks and disk at times; on 2 cores a third worker ran the suite 0.94x as
+# long, with 7.7 GB in use at its peak, docs/ROADMAP.md "Test suite time"). TEST_WORKERS=N overrides.
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 8 ] && n=8; \
   m=$$(awk '/^MemAvailable/ {print int($$2 / 1048576)}' /proc/meminfo 2>/dev/null || echo 0); \
   if [ "$${m:-0}" -ge $$(( 4 * (n + 1) )) ]; then echo $$(( n + 1 )); else echo $$n; fi)
 
