@@ -10,8 +10,9 @@ each kind of op (matmul, attention, loss, copies, other fusions; a name-based gu
 fraction of the step (device time over wall time). ``--summarize`` reads a saved trace instead.
 
 ``--compile-trace`` traces the step's XLA compile instead of its steps: host time by event name (self
-time, i.e. less the events nested inside, and inclusive), so a slow compile shows which phase holds
-it (HLO passes, the autotuner, LLVM / ptxas code generation).
+time, i.e. less the events nested inside; inclusive; and wall, the union over threads), so a slow
+compile shows which phase holds it (HLO passes, the autotuner, LLVM / ptxas code generation). With
+``--hlo`` the optimised program is saved beside it.
 
 With ``--hlo`` the compiled step's optimised HLO is saved beside the trace, and the device time is
 also split by part of the step (loss, attention mixer, MLP, norms, optimizer, ...: the innermost source
@@ -267,7 +268,7 @@ def host_phases(trace_path: str | Path, top: int = 30) -> dict:
     spans: dict = collections.defaultdict(list)
     for evs in by_thread.values():
         evs.sort(key=lambda e: (e["ts"], -e.get("dur", 0.0)))
-        stack: list = []  # [end, name, child_us]
+        stack: list = []  # [end, name, children's us, us] of the open events
         for e in evs + [None]:
             while stack and (e is None or e["ts"] >= stack[-1][0]):
                 end, name, child, dur = stack.pop()
@@ -281,17 +282,19 @@ def host_phases(trace_path: str | Path, top: int = 30) -> dict:
             counts[e["name"]] += 1
             spans[e["name"]].append((e["ts"], e["ts"] + dur))
             stack.append([e["ts"] + dur, e["name"], 0.0, dur])
-    def union_us(intervals):
-        total, end = 0.0, float("-inf")
-        for a, b in sorted(intervals):
-            total += max(0.0, b - max(a, end))
-            end = max(end, b)
-        return total
-
     return {"threads": len(by_thread),
             "phases": [{"name": n, "self_s": us * 1e-6, "inclusive_s": incl_us[n] * 1e-6,
-                        "wall_s": union_us(spans[n]) * 1e-6, "count": counts[n]}
+                        "wall_s": _union_length(spans[n]) * 1e-6, "count": counts[n]}
                        for n, us in self_us.most_common(top)]}
+
+
+def _union_length(intervals) -> float:
+    """The length covered by a list of ``(start, end)`` intervals (overlaps counted once)."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        total += max(0.0, b - max(a, end))
+        end = max(end, b)
+    return total
 
 
 def trace_compile(args) -> dict:
