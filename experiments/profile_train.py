@@ -356,6 +356,8 @@ def main() -> None:
     ap.add_argument("--compile-trace", action="store_true",
                     help="trace the step's compile (host phases) instead of its steps")
     args = ap.parse_args()
+    if args.compile_trace and (args.summarize or args.hlo_file):
+        ap.error("--compile-trace compiles and traces a step; it does not read a saved trace (--summarize, --hlo-file)")
     if args.compile_trace:
         Path(args.out_dir).mkdir(parents=True, exist_ok=True)
         s = trace_compile(args)

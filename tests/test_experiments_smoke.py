@@ -274,3 +274,6 @@ def test_compile_trace_host_phases(tmp_path):
     assert got["codegen"]["self_s"] == pytest.approx(90) and got["codegen"]["count"] == 3
     assert got["codegen"]["wall_s"] == pytest.approx(60)  # [50, 100) and [200, 210)
     assert got["passes"]["wall_s"] == pytest.approx(30)
+    r = subprocess.run([sys.executable, str(ROOT / "experiments" / "profile_train.py"), "--compile-trace",
+                        "--summarize", str(path)], capture_output=True, text=True)
+    assert r.returncode == 2 and "does not read a saved trace" in r.stderr.strip().splitlines()[-1]
