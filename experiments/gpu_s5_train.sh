@@ -54,6 +54,7 @@
 #   bash experiments/gpu_s5_train.sh ct20c    # session 20: S5 GDN / SA+SWA compiles traced, their optimised HLO saved (kernels counted offline)
 #   bash experiments/gpu_s5_train.sh ct20d    # session 20: S5 GDN / Mamba-2 compile traces with each phase's wall time (union over threads)
 #   bash experiments/gpu_s5_train.sh ct20e    # session 20: S5 GDN compile traced with XLA's per-fusion autotune cache cold, then warm
+#   bash experiments/gpu_s5_train.sh scan20   # next: S5 gdn / mamba2 / sa_swa unrolled vs scan_layers under the presets' remat (none, B 4), alone
 #   bash experiments/gpu_s5_train.sh mbnone17 # session 16: the micro-batch sweep {8, 16} under remat none, S1/S3 x full/SWA/SA
 #   bash experiments/gpu_s5_train.sh s5none17 # session 16: S5 x full/SWA/Mamba-2/GDN at 4 x 16K, remat none vs dots_attn; then 8 x 16K dots_attn
 #   bash experiments/gpu_s5_train.sh all7b    # part 2: S1's slow-compiling archs, S3-S5 full/SWA/SA
@@ -518,6 +519,11 @@ case "${1:-table}" in
       cp /tmp/ct_$run/compile_phases.json "$OUT/compile_phases_ct20e_s5_gdn_$run.json"
     done
     ls /tmp/atc | head -3; echo "$(find /tmp/atc -type f | wc -l) files in the autotune cache"
+    ;;
+  scan20)  # written in session 20: scan_layers' compile and step cost for the three archs whose S5 compile passes 60 s
+    # on slow hosts, under the presets' remat (none) at 4 (session 13 measured it under dots_attn at 8: 5-7% step)
+    B 575 --scale s5 --arch gdn,gdn+scan,mamba2,mamba2+scan,sa_swa,sa_swa+scan --remat none --batch 4 --steps 3 \
+      --compile-alone --deadline 560 --out "$OUT/bench_train_scan20_s5.json"
     ;;
   mbsparse)  # session 19 (written in 18): the presets' MoBA (configs/arch/moba.gin, label moba16, keyed
     # `moba` by the rule) and SSA at S1-S4 without remat, the last archs without micro-batch entries
