@@ -490,7 +490,7 @@ case "${1:-table}" in
       i=$(( i + 1 )); left=$(( 575 - SECONDS )); [ $left -lt 60 ] && break
       echo "== [$i] XLA_FLAGS='$flags' ($left s left)"
       XLA_FLAGS="$flags" B $(( left < 110 ? left : 110 )) --scale s5 --arch gdn --remat none --batch 4 --steps 3 \
-        --compile-alone --out "$OUT/bench_train_ct20b_$i.json" | tail -1
+        --compile-alone --out "$OUT/bench_train_ct20b_$i.json" | grep -E "^s5 |rror|Traceback" | tail -6
     done
     ;;
   ct20c)  # session 20: the optimised HLO of the S5 GDN and SA+SWA steps (none, B 4) beside their compile traces
