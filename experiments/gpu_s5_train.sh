@@ -69,6 +69,13 @@ ARCHS=full,swa,sa,sa_swa,lightning,mamba2,gdn
 # PROF seconds arch: a jax.profiler trace of 2 S5 steps at B 2 under dots_attn, with its top-40 kernel table
 PROF() { timeout "$1" python3 experiments/profile_train.py --scale s5 --arch "$2" --batch 2 --remat dots_attn \
   --steps 2 --top 40 --out-dir "$OUT/profile_s5_$2" 2>&1 | grep -v -e "^W0000" -e "^I0000" -e "^W1201" | tail -60; }
+# CT seconds arch top name [profile_train args...]: the S5 step's compile (none, B 4) traced, its top host
+# phases printed and kept as $OUT/compile_phases_<name>.json (the trace and any --hlo file under /tmp/ct_<name>)
+CT() { local secs=$1 a=$2 top=$3 name=$4; shift 4
+  timeout "$secs" python3 experiments/profile_train.py --compile-trace --scale s5 --arch "$a" --batch 4 --remat none \
+    --top "$top" --out-dir "/tmp/ct_$name" "$@" 2>&1 | grep -v -e "^W0000" -e "^I0000" -e "^W1204" -e gin_param \
+    | tail -$(( top + 4 ))
+  cp "/tmp/ct_$name/compile_phases.json" "$OUT/compile_phases_$name.json"; }
 # XLA's slow-constant-folding alarms are kept (one line each, cut short): until session 12 this filter
 # dropped them, and they named the cause of the S5 Lightning compile (a folded per-layer decay)
 B() { timeout "$1" python3 experiments/bench_train.py "${@:2}" 2>&1 | grep -v -e gin_param -e "^W1201" \
@@ -470,9 +477,7 @@ case "${1:-table}" in
     # event), for the three archs above 60 s alone, then GDN compiled alone and timed with XLA's Triton GEMMs off vs on
     for a in gdn mamba2 sa_swa; do
       echo "== compile trace: s5 $a (none, B 4)"
-      timeout 120 python3 experiments/profile_train.py --compile-trace --scale s5 --arch $a --batch 4 --remat none \
-        --top 30 --out-dir /tmp/ct_$a 2>&1 | grep -v -e "^W0000" -e "^I0000" -e "^W1204" -e gin_param | tail -34
-      cp /tmp/ct_$a/compile_phases.json "$OUT/compile_phases_s5_$a.json"
+      CT 120 $a 30 s5_$a
     done
     left=$(( 565 - SECONDS )); half=$(( left / 2 ))
     echo "== $left s: S5 GDN alone, Triton GEMMs off, then on"
@@ -496,27 +501,20 @@ case "${1:-table}" in
   ct20c)  # session 20: the optimised HLO of the S5 GDN and SA+SWA steps (none, B 4) beside their compile traces
     for a in gdn sa_swa; do
       echo "== compile trace + HLO: s5 $a"
-      timeout 200 python3 experiments/profile_train.py --compile-trace --hlo --scale s5 --arch $a --batch 4 --remat none \
-        --top 12 --out-dir /tmp/ct_$a 2>&1 | grep -v -e "^W0000" -e "^I0000" -e "^W1204" -e gin_param | tail -16
-      cp /tmp/ct_$a/compile_phases.json "$OUT/compile_phases_ct20c_s5_$a.json"; cp /tmp/ct_$a/hlo_*.txt.gz "$OUT/"
+      CT 200 $a 12 ct20c_s5_$a --hlo; cp /tmp/ct_ct20c_s5_$a/hlo_*.txt.gz "$OUT/"
     done
     ;;
   ct20d)  # session 20: which compile phases hold the wall clock (profile_train's wall_s) for S5 GDN and Mamba-2
     for a in gdn mamba2; do
       echo "== compile trace (wall per phase): s5 $a"
-      timeout 200 python3 experiments/profile_train.py --compile-trace --scale s5 --arch $a --batch 4 --remat none \
-        --top 40 --out-dir /tmp/ct_$a 2>&1 | grep -v -e "^W0000" -e "^I0000" -e "^W1204" -e gin_param | tail -42
-      cp /tmp/ct_$a/compile_phases.json "$OUT/compile_phases_ct20d_s5_$a.json"
+      CT 200 $a 40 ct20d_s5_$a
     done
     ;;
   ct20e)  # session 20: does the per-fusion autotune cache (JAX turns it on beside its compilation cache) remove the
     # autotuner's pass (`config-assigner`) from a new process's compile? Traced cold, then warm
     for run in cold warm; do
       echo "== compile trace, autotune cache $run: s5 gdn"
-      XLA_FLAGS=--xla_gpu_per_fusion_autotune_cache_dir=/tmp/atc timeout 200 python3 experiments/profile_train.py \
-        --compile-trace --scale s5 --arch gdn --batch 4 --remat none --top 14 --out-dir /tmp/ct_$run 2>&1 \
-        | grep -v -e "^W0000" -e "^I0000" -e "^W1204" -e gin_param | tail -16
-      cp /tmp/ct_$run/compile_phases.json "$OUT/compile_phases_ct20e_s5_gdn_$run.json"
+      XLA_FLAGS=--xla_gpu_per_fusion_autotune_cache_dir=/tmp/atc CT 200 gdn 14 ct20e_s5_gdn_$run
     done
     ls /tmp/atc | head -3; echo "$(find /tmp/atc -type f | wc -l) files in the autotune cache"
     ;;

@@ -220,20 +220,26 @@ def test_bench_gated_norm_check_and_table(tmp_path):
     assert [r["impl"] for r in res["rows"] if r["part"] == "time"] == ["xla", "xla padded", "pallas 4:4:3"]
 
 
+def _profile_train():
+    """experiments/profile_train.py as a module (the experiments folder is not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("profile_train", ROOT / "experiments" / "profile_train.py")
+    prof = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(prof)
+    return prof
+
+
 def test_profile_parts_come_from_source_frames():
     """profile_train's breakdown reads each HLO instruction's source frames: the chunked loss's ops
     are the loss part, RMSNorm's the norms part."""
-    import importlib.util
-
     import jax
     import jax.numpy as jnp
 
     from hybrid_lm.model.layers import RMSNorm
     from hybrid_lm.ops.cross_entropy import chunked_cross_entropy
 
-    spec = importlib.util.spec_from_file_location("profile_train", ROOT / "experiments" / "profile_train.py")
-    prof = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(prof)
+    prof = _profile_train()
     norm = RMSNorm(16)
     pnorm = RMSNorm(16, impl="pallas")  # its kernels' instructions are norms too
 
@@ -253,11 +259,8 @@ def test_compile_trace_host_phases(tmp_path):
     sums over threads, wall is the union over threads (two overlapping workers count once); GPU lines
     are left out."""
     import gzip
-    import importlib.util
 
-    spec = importlib.util.spec_from_file_location("profile_train", ROOT / "experiments" / "profile_train.py")
-    prof = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(prof)
+    prof = _profile_train()
     meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}},
             {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/device:GPU:0"}}]
     x = [("compile", 1, 0, 100), ("passes", 1, 10, 30), ("codegen", 1, 50, 40),  # main thread
