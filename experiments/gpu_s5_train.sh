@@ -54,7 +54,8 @@
 #   bash experiments/gpu_s5_train.sh ct20c    # session 20: S5 GDN / SA+SWA compiles traced, their optimised HLO saved (kernels counted offline)
 #   bash experiments/gpu_s5_train.sh ct20d    # session 20: S5 GDN / Mamba-2 compile traces with each phase's wall time (union over threads)
 #   bash experiments/gpu_s5_train.sh ct20e    # session 20: S5 GDN compile traced with XLA's per-fusion autotune cache cold, then warm
-#   bash experiments/gpu_s5_train.sh scan20   # next: S5 gdn / mamba2 / sa_swa unrolled vs scan_layers under the presets' remat (none, B 4), alone
+#   bash experiments/gpu_s5_train.sh scan20   # session 21: S5 gdn / mamba2 / sa_swa unrolled vs scan_layers under the presets' remat (none, B 4), alone
+#   bash experiments/gpu_s5_train.sh acc21    # session 21: S3 full/SWA/SA as runs take it (3 x 16 accumulated); S5 GDN vs the same without q/k L2 norms (a bound)
 #   bash experiments/gpu_s5_train.sh mbnone17 # session 16: the micro-batch sweep {8, 16} under remat none, S1/S3 x full/SWA/SA
 #   bash experiments/gpu_s5_train.sh s5none17 # session 16: S5 x full/SWA/Mamba-2/GDN at 4 x 16K, remat none vs dots_attn; then 8 x 16K dots_attn
 #   bash experiments/gpu_s5_train.sh all7b    # part 2: S1's slow-compiling archs, S3-S5 full/SWA/SA
@@ -522,6 +523,23 @@ case "${1:-table}" in
     # on slow hosts, under the presets' remat (none) at 4 (session 13 measured it under dots_attn at 8: 5-7% step)
     B 575 --scale s5 --arch gdn,gdn+scan,mamba2,mamba2+scan,sa_swa,sa_swa+scan --remat none --batch 4 --steps 3 \
       --compile-alone --deadline 560 --out "$OUT/bench_train_scan20_s5.json"
+    ;;
+  acc21)  # session 21: S3 full / SWA / SA as a run takes the step (global batch 48 = 3 micro-batches of 16, remat none),
+    # then S5 GDN (none, B 4) as runs take it against a bound: the same step without the q/k L2 norms (identity;
+    # numerics wrong, FLOPs of every matmul and kernel the same): what a fused conv + L2-norm kernel could gain at most
+    ACC 300 3 bench_train_acc21_s3_ --scale s3 --arch full,swa,sa --remat none --batch 16 --steps 3 --compile-workers 3
+    for v in as_run no_qk_l2norm; do
+      left=$(( 585 - SECONDS )); [ "$v" = as_run ] && left=$(( left / 2 ))
+      echo "== s5 gdn ($v, $left s)"
+      NOQK=$v timeout $left python3 -c "
+import os, runpy, sys
+if os.environ['NOQK'] == 'no_qk_l2norm':
+    import hybrid_lm.model.gated_deltanet as g
+    g.l2norm = lambda x: x
+sys.argv = ['bench_train.py'] + sys.argv[1:]
+runpy.run_path('experiments/bench_train.py', run_name='__main__')" --scale s5 --arch gdn --remat none --batch 4 --steps 4 \
+        --compile-alone --out "$OUT/bench_train_acc21_gdn_$v.json" 2>&1 | grep -E "^s5 |rror|Traceback" | cut -c1-240
+    done
     ;;
   mbsparse)  # session 19 (written in 18): the presets' MoBA (configs/arch/moba.gin, label moba16, keyed
     # `moba` by the rule) and SSA at S1-S4 without remat, the last archs without micro-batch entries
