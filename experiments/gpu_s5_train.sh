@@ -56,6 +56,7 @@
 #   bash experiments/gpu_s5_train.sh ct20e    # session 20: S5 GDN compile traced with XLA's per-fusion autotune cache cold, then warm
 #   bash experiments/gpu_s5_train.sh scan20   # session 21: S5 gdn / mamba2 / sa_swa unrolled vs scan_layers under the presets' remat (none, B 4), alone
 #   bash experiments/gpu_s5_train.sh acc21    # session 21: S3 full/SWA/SA as runs take it (3 x 16 accumulated); S5 GDN vs the same without q/k L2 norms (a bound)
+#   bash experiments/gpu_s5_train.sh prof21   # session 21: S5 GDN profiled by part with and without the q/k L2 norms (trace + HLO back)
 #   bash experiments/gpu_s5_train.sh mbnone17 # session 16: the micro-batch sweep {8, 16} under remat none, S1/S3 x full/SWA/SA
 #   bash experiments/gpu_s5_train.sh s5none17 # session 16: S5 x full/SWA/Mamba-2/GDN at 4 x 16K, remat none vs dots_attn; then 8 x 16K dots_attn
 #   bash experiments/gpu_s5_train.sh all7b    # part 2: S1's slow-compiling archs, S3-S5 full/SWA/SA
@@ -77,6 +78,17 @@ CT() { local secs=$1 a=$2 top=$3 name=$4; shift 4
     --top "$top" --out-dir "/tmp/ct_$name" "$@" 2>&1 | grep -v -e "^W0000" -e "^I0000" -e "^W1204" -e gin_param \
     | tail -$(( top + 4 ))
   cp "/tmp/ct_$name/compile_phases.json" "$OUT/compile_phases_$name.json"; }
+# BOUNDPY seconds variant script [args...]: an experiments script with GDN's q/k L2 norms as runs take them
+# (variant as_run) or replaced by the identity (no_qk_l2norm: numerics wrong, every matmul and kernel the same),
+# a bound on what the norms cost in the step
+BOUNDPY() { local secs=$1 v=$2 script=$3; shift 3
+  NOQK=$v timeout "$secs" python3 -c "
+import os, runpy, sys
+if os.environ['NOQK'] == 'no_qk_l2norm':
+    import hybrid_lm.model.gated_deltanet as g
+    g.l2norm = lambda x: x
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name='__main__')" "$script" "$@"; }
 # XLA's slow-constant-folding alarms are kept (one line each, cut short): until session 12 this filter
 # dropped them, and they named the cause of the S5 Lightning compile (a folded per-layer decay)
 B() { timeout "$1" python3 experiments/bench_train.py "${@:2}" 2>&1 | grep -v -e gin_param -e "^W1201" \
@@ -525,20 +537,25 @@ case "${1:-table}" in
       --compile-alone --deadline 560 --out "$OUT/bench_train_scan20_s5.json"
     ;;
   acc21)  # session 21: S3 full / SWA / SA as a run takes the step (global batch 48 = 3 micro-batches of 16, remat none),
-    # then S5 GDN (none, B 4) as runs take it against a bound: the same step without the q/k L2 norms (identity;
-    # numerics wrong, FLOPs of every matmul and kernel the same): what a fused conv + L2-norm kernel could gain at most
+    # then S5 GDN (none, B 4) as runs take it against a bound: the same step without the q/k L2 norms (BOUNDPY)
     ACC 300 3 bench_train_acc21_s3_ --scale s3 --arch full,swa,sa --remat none --batch 16 --steps 3 --compile-workers 3
     for v in as_run no_qk_l2norm; do
       left=$(( 585 - SECONDS )); [ "$v" = as_run ] && left=$(( left / 2 ))
       echo "== s5 gdn ($v, $left s)"
-      NOQK=$v timeout $left python3 -c "
-import os, runpy, sys
-if os.environ['NOQK'] == 'no_qk_l2norm':
-    import hybrid_lm.model.gated_deltanet as g
-    g.l2norm = lambda x: x
-sys.argv = ['bench_train.py'] + sys.argv[1:]
-runpy.run_path('experiments/bench_train.py', run_name='__main__')" --scale s5 --arch gdn --remat none --batch 4 --steps 4 \
+      BOUNDPY $left $v experiments/bench_train.py --scale s5 --arch gdn --remat none --batch 4 --steps 4 \
         --compile-alone --out "$OUT/bench_train_acc21_gdn_$v.json" 2>&1 | grep -E "^s5 |rror|Traceback" | cut -c1-240
+    done
+    ;;
+  prof21)  # session 21: where the q/k L2 norms' ~106 ms go (acc21): S5 GDN (none, B 4) profiled by part, as runs take
+    # it and without the norms; trace and optimised HLO come back for an offline split (profile_train --summarize)
+    for v in as_run no_qk_l2norm; do
+      echo "== profile s5 gdn ($v)"
+      XLA_FLAGS=--xla_gpu_enable_command_buffer= BOUNDPY 280 $v experiments/profile_train.py --scale s5 --arch gdn \
+        --batch 4 --remat none --steps 2 --top 25 --hlo --out-dir "/tmp/prof21_$v" 2>&1 \
+        | grep -v -e "^W0000" -e "^I0000" -e "^W1204" -e gin_param | tail -45
+      cp /tmp/prof21_$v/trace_*.json.gz "$OUT/prof21_${v}_trace.json.gz"
+      cp /tmp/prof21_$v/hlo_*.txt.gz "$OUT/prof21_${v}_hlo.txt.gz"
+      cp /tmp/prof21_$v/profile_summary.json "$OUT/prof21_${v}_summary.json"
     done
     ;;
   mbsparse)  # session 19 (written in 18): the presets' MoBA (configs/arch/moba.gin, label moba16, keyed
