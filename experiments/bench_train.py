@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures as cf
 import json
+import math
 import os
 import re
 import time
@@ -192,6 +193,21 @@ class Variant:
                 "loss": loss, "warmup_s": warmup_s}
 
 
+NONFINITE_LOSS = "nonfinite_loss"
+
+
+def mark_nonfinite_loss(row: dict) -> dict:
+    """A timed step whose loss is NaN or infinite is not a valid timing: on the H200, NaN activations ran the
+    unrelated cuDNN attention and MLP matmul kernels 12-14% faster (the chip is power-limited, and its speed
+    depends on the data; docs/BENCHMARKS.md, session 21). Such a row gets status ``nonfinite_loss``, so no table
+    and no micro-batch rule takes its time."""
+    loss = row.get("loss")
+    if loss is not None and not math.isfinite(loss):
+        row.update(status=NONFINITE_LOSS, error=f"loss {loss} after the timed steps: the step time is not valid "
+                                                "(NaN/inf data runs faster than real data)")
+    return row
+
+
 def device_memory() -> int | None:
     stats = jax.devices()[0].memory_stats() or {}
     return stats.get("bytes_limit")
@@ -285,6 +301,7 @@ def finish(v: Variant, backends: dict, fut, limit: int | None, args) -> dict:
             row["status"] = "ok"
             tps = row["tokens_per_step"] / (row["ms_per_step"] / 1e3)
             row.update(tokens_per_sec=tps, mfu=tps * f["train"] / (PEAK_FLOPS_H200_BF16 * jax.device_count()))
+            mark_nonfinite_loss(row)
         except Exception as e:  # noqa: BLE001
             msg = str(e)
             row.update(status="oom" if "RESOURCE_EXHAUSTED" in msg or "out of memory" in msg.lower()

@@ -28,6 +28,7 @@ import collections
 import glob
 import gzip
 import json
+import math
 import re
 import shutil
 import sys
@@ -203,6 +204,9 @@ def summarize(trace_path: str | Path, steps: int, wall_ms: float | None = None, 
 
 
 def print_summary(s: dict) -> None:
+    if s.get("loss") is not None and not math.isfinite(s["loss"]):
+        print(f"WARNING: loss {s['loss']} in the traced steps: NaN/inf data runs faster than real data on the H200, "
+              "so these kernel times are not valid")
     busy = f"   busy {100 * s['busy_fraction']:.1f}% of {s['wall_ms_per_step']:.1f} ms wall" if s["busy_fraction"] else ""
     print(f"device time {s['device_ms_per_step']:.2f} ms/step over stream lines{busy}")
     print("by kind: " + ", ".join(f"{k} {v['ms']:.2f} ms ({100 * v['share']:.1f}%)" for k, v in s["kinds"].items()))
@@ -239,6 +243,7 @@ def profile(args) -> dict:
             state, stats = compiled(state, tokens, v.bounds)
         jax.block_until_ready(stats["loss"])
         wall_ms = 1e3 * (time.perf_counter() - t0) / args.steps
+    loss = float(stats["loss"])
     tag = f"{args.scale}_{args.arch}_b{args.batch}"
     saved = keep_trace(trace_dir, out_dir / f"trace_{tag}.json.gz")
     s = summarize(saved, args.steps, wall_ms, args.top)
@@ -247,7 +252,7 @@ def profile(args) -> dict:
         with gzip.open(hlo_path, "wt") as fh:
             fh.write(compiled.as_text())
         s["breakdown"] = breakdown(saved, hlo_path, args.steps)
-    s.update(scale=args.scale, arch=args.arch, batch=args.batch, seq_len=args.seq_len, compile_s=compile_s,
+    s.update(loss=loss, scale=args.scale, arch=args.arch, batch=args.batch, seq_len=args.seq_len, compile_s=compile_s,
              peak_bytes=peak, attention_backends=backends, device=jax.devices()[0].device_kind)
     return s
 

@@ -280,3 +280,13 @@ def test_compile_trace_host_phases(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "experiments" / "profile_train.py"), "--compile-trace",
                         "--summarize", str(path)], capture_output=True, text=True)
     assert r.returncode == 2 and "does not read a saved trace" in r.stderr.strip().splitlines()[-1]
+
+
+def test_profile_summary_warns_on_a_nonfinite_loss(capsys):
+    """A profile of steps whose loss is NaN is flagged: NaN data runs faster than real data on the H200."""
+    prof = _profile_train()
+    s = {"busy_fraction": None, "device_ms_per_step": 1.0, "kinds": {}, "kernels": []}
+    prof.print_summary(dict(s, loss=10.5))
+    assert "WARNING" not in capsys.readouterr().out
+    prof.print_summary(dict(s, loss=float("nan")))
+    assert "WARNING: loss nan" in capsys.readouterr().out

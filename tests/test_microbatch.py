@@ -121,6 +121,21 @@ def test_bench_train_table_keeps_only_sweeps(tmp_path):
     assert fresh["best"]["s4/full/16384@dots_attn"] == 8
 
 
+def test_a_nonfinite_loss_is_not_a_timing(capsys):
+    """A step whose loss is NaN / inf (a broken variant) ran on data the chip processes faster: its row is marked
+    and never becomes a micro-batch entry, however fast it ran."""
+    bt = _bench_train()
+    base = {"scale": "s5", "arch": "gdn", "seq_len": 16384, "remat": "none", "status": "ok", "mfu": 0.4}
+    rows = [bt.mark_nonfinite_loss(dict(base, batch=4, loss=10.5, tokens_per_sec=70.0)),
+            bt.mark_nonfinite_loss(dict(base, batch=8, loss=float("nan"), tokens_per_sec=90.0)),
+            bt.mark_nonfinite_loss(dict(base, batch=16, loss=float("inf"), tokens_per_sec=95.0))]
+    assert [r["status"] for r in rows] == ["ok", bt.NONFINITE_LOSS, bt.NONFINITE_LOSS]
+    assert bt.best_microbatches(rows)["s5/gdn/16384@none"]["batch"] == 4
+    bt.report(dict(rows[1], peak_bytes=2 ** 30))
+    assert "nonfinite_loss" in capsys.readouterr().out
+    assert bt.mark_nonfinite_loss({"status": "oom"}) == {"status": "oom"}  # no loss: nothing to judge
+
+
 def test_the_runs_remat_policy_picks_its_entry(tmp_path):
     table = tmp_path / "mb.json"
     table.write_text(json.dumps({"remat": "dots_attn", "best": {"s1/full/16384": 8, "s2/full/16384": 16,
