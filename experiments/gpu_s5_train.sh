@@ -548,8 +548,9 @@ case "${1:-table}" in
         --compile-alone --out "$OUT/bench_train_acc21_gdn_$v.json" 2>&1 | grep -E "^s5 |rror|Traceback" | cut -c1-240
     done
     ;;
-  prof21)  # session 21: where the q/k L2 norms' ~106 ms go (acc21): S5 GDN (none, B 4) profiled by part, as runs take
-    # it and without the norms; trace and optimised HLO come back for an offline split (profile_train --summarize)
+  prof21)  # session 21: S5 GDN (none, B 4) profiled by part as runs take it and without the q/k norms, whose step
+    # ran 0.883x in acc21: the profile showed every kernel faster on its NaN data (not the norms' cost; see bound21);
+    # trace and optimised HLO come back for an offline split (profile_train --summarize)
     for v in as_run no_qk_l2norm; do
       echo "== profile s5 gdn ($v)"
       XLA_FLAGS=--xla_gpu_enable_command_buffer= BOUNDPY 280 $v experiments/profile_train.py --scale s5 --arch gdn \
