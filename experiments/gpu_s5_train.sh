@@ -91,6 +91,15 @@ if os.environ['NOQK'] != 'as_run':
     g.l2norm = (lambda x: x) if os.environ['NOQK'] == 'no_qk_l2norm' else (lambda x: x * x.shape[-1] ** -0.5)
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name='__main__')" "$script" "$@"; }
+# BOUND_GDN name variant...: S5 GDN (none, B 4) compiled alone and timed once per BOUNDPY variant, the first
+# given half of the time left before script time 585 s; JSON to $OUT/bench_train_<name>_gdn_<variant>.json
+BOUND_GDN() { local name=$1 v left; shift
+  for v in "$@"; do
+    left=$(( 585 - SECONDS )); [ "$v" = "$1" ] && left=$(( left / 2 ))
+    echo "== s5 gdn ($v, $left s)"
+    BOUNDPY $left $v experiments/bench_train.py --scale s5 --arch gdn --remat none --batch 4 --steps 4 \
+      --compile-alone --out "$OUT/bench_train_${name}_gdn_$v.json" 2>&1 | grep -E "^s5 |rror|Traceback" | cut -c1-240
+  done; }
 # XLA's slow-constant-folding alarms are kept (one line each, cut short): until session 12 this filter
 # dropped them, and they named the cause of the S5 Lightning compile (a folded per-layer decay)
 B() { timeout "$1" python3 experiments/bench_train.py "${@:2}" 2>&1 | grep -v -e gin_param -e "^W1201" \
@@ -541,12 +550,7 @@ case "${1:-table}" in
   acc21)  # session 21: S3 full / SWA / SA as a run takes the step (global batch 48 = 3 micro-batches of 16, remat none),
     # then S5 GDN (none, B 4) as runs take it against the same step without the q/k L2 norms (BOUNDPY; went NaN)
     ACC 300 3 bench_train_acc21_s3_ --scale s3 --arch full,swa,sa --remat none --batch 16 --steps 3 --compile-workers 3
-    for v in as_run no_qk_l2norm; do
-      left=$(( 585 - SECONDS )); [ "$v" = as_run ] && left=$(( left / 2 ))
-      echo "== s5 gdn ($v, $left s)"
-      BOUNDPY $left $v experiments/bench_train.py --scale s5 --arch gdn --remat none --batch 4 --steps 4 \
-        --compile-alone --out "$OUT/bench_train_acc21_gdn_$v.json" 2>&1 | grep -E "^s5 |rror|Traceback" | cut -c1-240
-    done
+    BOUND_GDN acc21 as_run no_qk_l2norm
     ;;
   prof21)  # session 21: S5 GDN (none, B 4) profiled by part as runs take it and without the q/k norms, whose step
     # ran 0.883x in acc21: the profile showed every kernel faster on its NaN data (not the norms' cost; see bound21);
@@ -563,12 +567,7 @@ case "${1:-table}" in
     ;;
   bound21)  # session 21: the q/k L2 norms' cost with finite data: S5 GDN (none, B 4) as runs take it, then with the
     # norms replaced by a constant scale (qk_scaled); bench_train marks a NaN loss (status nonfinite_loss)
-    for v in as_run qk_scaled; do
-      left=$(( 585 - SECONDS )); [ "$v" = as_run ] && left=$(( left / 2 ))
-      echo "== s5 gdn ($v, $left s)"
-      BOUNDPY $left $v experiments/bench_train.py --scale s5 --arch gdn --remat none --batch 4 --steps 4 \
-        --compile-alone --out "$OUT/bench_train_bound21_gdn_$v.json" 2>&1 | grep -E "^s5 |rror|Traceback" | cut -c1-240
-    done
+    BOUND_GDN bound21 as_run qk_scaled
     ;;
   mbsparse)  # session 19 (written in 18): the presets' MoBA (configs/arch/moba.gin, label moba16, keyed
     # `moba` by the rule) and SSA at S1-S4 without remat, the last archs without micro-batch entries
