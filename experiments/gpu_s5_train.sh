@@ -57,6 +57,7 @@
 #   bash experiments/gpu_s5_train.sh scan20   # session 21: S5 gdn / mamba2 / sa_swa unrolled vs scan_layers under the presets' remat (none, B 4), alone
 #   bash experiments/gpu_s5_train.sh acc21    # session 21: S3 full/SWA/SA as runs take it (3 x 16 accumulated); S5 GDN vs the same without q/k L2 norms (a bound)
 #   bash experiments/gpu_s5_train.sh bound21  # session 21: S5 GDN vs the same with the q/k L2 norms as a constant scale (finite data)
+#   bash experiments/gpu_s5_train.sh power21  # session 21: one bf16 GEMM's speed, SM clock and power by operand values (bench_data_power.py)
 #   bash experiments/gpu_s5_train.sh prof21   # session 21: S5 GDN profiled by part with and without the q/k L2 norms (trace + HLO back)
 #   bash experiments/gpu_s5_train.sh mbnone17 # session 16: the micro-batch sweep {8, 16} under remat none, S1/S3 x full/SWA/SA
 #   bash experiments/gpu_s5_train.sh s5none17 # session 16: S5 x full/SWA/Mamba-2/GDN at 4 x 16K, remat none vs dots_attn; then 8 x 16K dots_attn
@@ -568,6 +569,11 @@ case "${1:-table}" in
   bound21)  # session 21: the q/k L2 norms' cost with finite data: S5 GDN (none, B 4) as runs take it, then with the
     # norms replaced by a constant scale (qk_scaled); bench_train marks a NaN loss (status nonfinite_loss)
     BOUND_GDN bound21 as_run qk_scaled
+    ;;
+  power21)  # session 21: does a GEMM's speed depend on its operands' values (normal, init-scale, zeros, NaN)? SM clock
+    # and power sampled by nvidia-smi while each runs (the NaN train step of acc21 ran 0.883x)
+    timeout 200 python3 experiments/bench_data_power.py --size 8192 --seconds 8 --out "$OUT/bench_data_power.json" 2>&1 \
+      | grep -v -e "^W1204" -e "^I0000" -e "^W0000"
     ;;
   mbsparse)  # session 19 (written in 18): the presets' MoBA (configs/arch/moba.gin, label moba16, keyed
     # `moba` by the rule) and SSA at S1-S4 without remat, the last archs without micro-batch entries

@@ -290,3 +290,26 @@ def test_profile_summary_warns_on_a_nonfinite_loss(capsys):
     assert "WARNING" not in capsys.readouterr().out
     prof.print_summary(dict(s, loss=float("nan")))
     assert "WARNING: loss nan" in capsys.readouterr().out
+
+
+def test_bench_data_power_table_and_bad_kinds(tmp_path, capsys):
+    """bench_data_power times one GEMM per operand kind (no nvidia-smi here: no clock or power) and refuses
+    an unknown kind in one line."""
+    import importlib.util
+
+    import jax.numpy as jnp
+
+    spec = importlib.util.spec_from_file_location("bench_data_power", ROOT / "experiments" / "bench_data_power.py")
+    bdp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bdp)
+    out = tmp_path / "dp.json"
+    bdp.main(["--size", "64", "--seconds", "0.05", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["kind"] for r in rows] == list(bdp.KINDS) and rows[0]["vs_normal"] == 1.0
+    assert all(r["ms"] > 0 for r in rows)
+    a, b = bdp.operands("nan", 4)
+    assert bool(jnp.isnan(a).all()) and a.dtype.name == "bfloat16"
+    with pytest.raises(SystemExit):
+        bdp.main(["--kinds", "normal,ones"])
+    assert "not in" in capsys.readouterr().err
+
