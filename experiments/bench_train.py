@@ -198,8 +198,8 @@ NONFINITE_LOSS = "nonfinite_loss"
 
 def mark_nonfinite_loss(row: dict) -> dict:
     """A timed step whose loss is NaN or infinite is not a valid timing: on the H200, NaN activations ran the
-    unrelated cuDNN attention and MLP matmul kernels 13-15% faster (most likely the power limit: NaN operands
-    draw less power, so the clock stays higher; docs/BENCHMARKS.md, session 21). Such a row gets status ``nonfinite_loss``, so no table
+    unrelated cuDNN attention and MLP matmul kernels 13-15% faster (the power limit: NaN operands draw less
+    power, so the clock stays higher; experiments/bench_data_power.py, docs/BENCHMARKS.md session 21). Such a row gets status ``nonfinite_loss``, so no table
     and no micro-batch rule takes its time."""
     loss = row.get("loss")
     if loss is not None and not math.isfinite(loss):
