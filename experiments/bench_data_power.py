@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -25,12 +23,9 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from timing import median_ms  # noqa: E402
+from timing import GpuSampler, median_ms  # noqa: E402
 
 KINDS = ("normal", "init", "zeros", "nan")
-SMI_FIELDS = "clocks.sm,power.draw"
-
-
 def operands(kind: str, n: int):
     """Two ``[n, n]`` bf16 operands of the given kind."""
     if kind not in KINDS:
@@ -43,44 +38,12 @@ def operands(kind: str, n: int):
     return tuple(jnp.full((n, n), fill, jnp.bfloat16) for _ in range(2))
 
 
-class Sampler:
-    """``nvidia-smi`` sampling SM clock (MHz) and power (W) every ``ms`` milliseconds; inert without it."""
-
-    def __init__(self, ms: int = 100):
-        self.ms, self.proc = ms, None
-
-    def __enter__(self):
-        if shutil.which("nvidia-smi"):
-            self.proc = subprocess.Popen(["nvidia-smi", f"--query-gpu={SMI_FIELDS}", "--format=csv,noheader,nounits",
-                                          f"-lms={self.ms}"], stdout=subprocess.PIPE, text=True)
-        return self
-
-    def __exit__(self, *exc):
-        self.samples = []
-        if self.proc is not None:
-            self.proc.terminate()
-            out, _ = self.proc.communicate(timeout=10)
-            for line in out.splitlines():
-                try:
-                    self.samples.append(tuple(float(x) for x in line.split(",")))
-                except ValueError:  # a partial line at termination, or "[N/A]"
-                    continue
-
-    def means(self) -> dict:
-        if not self.samples:
-            return {"sm_clock_mhz": None, "power_w": None, "samples": 0}
-        # the first samples precede the loop's steady state: drop the first quarter
-        s = self.samples[len(self.samples) // 4:] or self.samples
-        return {"sm_clock_mhz": sum(x[0] for x in s) / len(s), "power_w": sum(x[1] for x in s) / len(s),
-                "samples": len(s)}
-
-
 def run(kind: str, n: int, seconds: float) -> dict:
     a, b = operands(kind, n)
     mm = jax.jit(lambda x, y: x @ y)
     one, _ = median_ms(mm, (a, b), reps=3, inner=5)  # compile, warm up, and size the loop
     inner = max(1, int(1e3 * seconds / max(one, 1e-3) / 5))
-    with Sampler() as smp:
+    with GpuSampler() as smp:
         ms, _ = median_ms(mm, (a, b), reps=5, inner=inner, warmup=1)
     return {"kind": kind, "size": n, "ms": ms, "tflops": 2 * n ** 3 / (ms * 1e-3) / 1e12, **smp.means()}
 

@@ -38,6 +38,7 @@ import json
 import math
 import os
 import re
+import sys
 import time
 
 import jax
@@ -51,6 +52,9 @@ from hybrid_lm.model.accounting import PEAK_FLOPS_H200_BF16, count_params, flops
 from hybrid_lm.train import microbatch
 from hybrid_lm.train.optim import optimizer_for_bounds, wsd_bounds
 from hybrid_lm.train.step import ModelFns, StateInit, make_train_step
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timing import GpuSampler  # noqa: E402
 
 ARCH = {  # gin bindings per variant (the full-attention slot unchanged unless said)
     "full": ["ModelConfig.layer_pattern = 'F'"],
@@ -181,16 +185,17 @@ class Variant:
         jax.block_until_ready(stats["loss"])
         warmup_s = time.perf_counter() - t0
         times = []
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            state, stats = compiled(state, tokens, self.bounds)
-            jax.block_until_ready(stats["loss"])
-            times.append(time.perf_counter() - t0)
+        with GpuSampler() as smi:  # the SM clock and power beside the time (the H200 is power-limited)
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                state, stats = compiled(state, tokens, self.bounds)
+                jax.block_until_ready(stats["loss"])
+                times.append(time.perf_counter() - t0)
         loss = float(stats["loss"])
         del state, stats
         ms = 1e3 * np.asarray(times)
         return {"ms_per_step": float(np.median(ms)), "ms_min": float(ms.min()), "ms_max": float(ms.max()),
-                "loss": loss, "warmup_s": warmup_s}
+                "loss": loss, "warmup_s": warmup_s, **smi.means()}
 
 
 NONFINITE_LOSS = "nonfinite_loss"
@@ -317,11 +322,16 @@ def _batch(r) -> str:
     return f"{r['batch']}" + (f"x{m}" if m > 1 else "")
 
 
+def _clock(r) -> str:
+    """``  SM <MHz> MHz <W> W`` while the variant was timed (nvidia-smi), or nothing without it."""
+    return "" if r.get("sm_clock_mhz") is None else f"  SM {r['sm_clock_mhz']:.0f} MHz {r['power_w']:.0f} W"
+
+
 def report(r):
     gib = (r.get("peak_bytes") or 0) / 2 ** 30
     if r.get("status") == "ok":
         print(f"{r['scale']:<5}{r['arch']:<11}{_batch(r):>4}{r['ms_per_step']:>10.1f}{r['tokens_per_sec'] / 1e3:>10.1f}"
-              f"{100 * r['mfu']:>7.1f}%{gib:>8.1f}{r['compile_s']:>9.1f}  {r['attention_backends']}", flush=True)
+              f"{100 * r['mfu']:>7.1f}%{gib:>8.1f}{r['compile_s']:>9.1f}  {r['attention_backends']}{_clock(r)}", flush=True)
     elif r.get("status") == "compiled":
         print(f"{r['scale']:<5}{r['arch']:<11}{_batch(r):>4}  compiled in {r['compile_s']:.1f} s (lowering "
               f"{r['lower_s']:.1f} s, init {r['init_compile_s']:.1f} s), {r['fusions']} fusions  peak {gib:.1f} GiB",

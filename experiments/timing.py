@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import shutil
 import statistics
+import subprocess
 import sys
 import time
 
@@ -49,3 +51,37 @@ def finish_checked(out: str, rows: list[dict], t0: float, **meta) -> None:
                    **meta, "wall_s": time.time() - t0, "ok": ok, "rows": rows}, fh, indent=2)
     print("checks:", "PASS" if ok else "FAIL")
     sys.exit(0 if ok else 1)
+
+
+class GpuSampler:
+    """``nvidia-smi`` sampling the SM clock (MHz) and power (W) every ``ms`` milliseconds while the block runs;
+    inert without ``nvidia-smi``. The H200 is power-limited: on real-valued data it holds ~690 W at ~1480 MHz, on
+    NaN or zeros ~1800 MHz (``bench_data_power.py``), so a clock beside a time says which regime it ran in."""
+
+    def __init__(self, ms: int = 100):
+        self.ms, self.proc = ms, None
+
+    def __enter__(self):
+        if shutil.which("nvidia-smi"):
+            cmd = ["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits", f"-lms={self.ms}"]
+            self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+        return self
+
+    def __exit__(self, *exc):
+        self.samples = []
+        if self.proc is not None:
+            self.proc.terminate()
+            out, _ = self.proc.communicate(timeout=10)
+            for line in out.splitlines():
+                try:
+                    self.samples.append(tuple(float(x) for x in line.split(",")))
+                except ValueError:  # a partial line at termination, or "[N/A]"
+                    continue
+
+    def means(self) -> dict:
+        if not self.samples:
+            return {"sm_clock_mhz": None, "power_w": None, "smi_samples": 0}
+        # the first samples precede the loop's steady state: drop the first quarter
+        s = self.samples[len(self.samples) // 4:] or self.samples
+        return {"sm_clock_mhz": sum(x[0] for x in s) / len(s), "power_w": sum(x[1] for x in s) / len(s),
+                "smi_samples": len(s)}

@@ -313,3 +313,28 @@ def test_bench_data_power_table_and_bad_kinds(tmp_path, capsys):
         bdp.main(["--kinds", "normal,ones"])
     assert "not in" in capsys.readouterr().err
 
+
+
+def test_gpu_sampler_reads_nvidia_smi_and_is_inert_without_it(tmp_path, monkeypatch):
+    """timing.GpuSampler averages nvidia-smi's clock / power lines after the first quarter, skips partial or N/A
+    lines, and gives None without nvidia-smi; bench_train prints the clock beside a GPU row only."""
+    import time
+
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import bench_train
+    from timing import GpuSampler
+
+    monkeypatch.setenv("PATH", str(tmp_path))  # no nvidia-smi here
+    with GpuSampler() as smp:
+        pass
+    assert smp.means() == {"sm_clock_mhz": None, "power_w": None, "smi_samples": 0}
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text("#!/bin/sh\nprintf '900, 100\\n1500, 690\\n1500, 690\\n1480, 700\\n[N/A], 1\\n'\nexec sleep 30\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
+    with GpuSampler() as smp:
+        time.sleep(0.5)
+    m = smp.means()
+    assert m["smi_samples"] == 3 and abs(m["sm_clock_mhz"] - 1493.33) < 0.01 and abs(m["power_w"] - 693.33) < 0.01
+    assert bench_train._clock(dict(sm_clock_mhz=1487.2, power_w=690.6)) == "  SM 1487 MHz 691 W"
+    assert bench_train._clock({"sm_clock_mhz": None}) == ""
