@@ -47,6 +47,7 @@
 #   bash experiments/gpu_s5_train.sh acc18    # session 18: S4 full/SWA/SA without remat at 16, one micro-batch vs 4 accumulated (S4's global batch 64)
 #   bash experiments/gpu_s5_train.sh final19a # session 19: issue 17's table, part 1: the anchor, S1-S4 x 7 archs, each at the rule's micro-batch (remat none)
 #   bash experiments/gpu_s5_train.sh final19b # session 19: part 2 (the next call, same lease): S5 x 7 archs (none, rule: 4), S5 full/SWA under dots_attn at 8, the anchor
+#   bash experiments/gpu_s5_train.sh final22a # session 22: final19a's commands again (JSON named final22a), then final22b: the table from one lease
 #   bash experiments/gpu_s5_train.sh alone19  # session 19: S5 x 7 archs (none, B 4) compiled strictly one at a time, each timed after its compile
 #   bash experiments/gpu_s5_train.sh mbsparse # session 19: the MoBA / SSA presets' micro-batch keys under remat none, S1-S4 x {8, 16}
 #   bash experiments/gpu_s5_train.sh ct20     # session 20: S5 gdn / mamba2 / sa_swa compiles traced (host phases), GDN alone with / without Triton GEMMs
@@ -474,22 +475,22 @@ case "${1:-table}" in
   acc18)  # session 18: S4's step as a run takes it (global batch 64 = 4 micro-batches of 16 without remat)
     ACC 330 4 bench_train_acc18_s4_ --scale s4 --arch full,swa,sa --remat none --batch 16 --steps 3 --compile-workers 3
     ;;
-  final19a)  # session 19: issue 17's table from one lease, part 1: the anchor GPT, then S1-S4 x 7 archs under the
+  final19a|final22a)  # session 19 (again in 22): issue 17's table from one lease, part 1: the anchor GPT, then S1-S4 x 7 archs under the
     # presets' remat (none), each at the micro-batch the rule gives it (configs/microbatch_h200.json), timed after all compiles
     timeout 100 python3 experiments/anchor_gpt.py --seq-len 16384 --batch 8 --steps 5 --out "$OUT/anchor_gpt_a.json" \
       2>&1 | grep -v -e "^W1204" -e "^I0000" -e "^W0000"
     left=$(( 575 - SECONDS ))
     echo "== $left s: S1-S4 x 7 archs, remat none, --batch rule"
     B $left --scale s1,s2,s3,s4 --arch $ARCHS --remat none --batch rule --steps 4 --compile-workers 8 \
-      --time-after-compiles --deadline $(( left - 10 )) --out "$OUT/bench_train_final19_s1_s4.json"
+      --time-after-compiles --deadline $(( left - 10 )) --out "$OUT/bench_train_${1}_s1_s4.json"
     ;;
-  final19b)  # part 2: S5 x 7 archs (none, rule = 4), S5 full / SWA under dots_attn at 8 (their best setting), the anchor
+  final19b|final22b)  # part 2: S5 x 7 archs (none, rule = 4), S5 full / SWA under dots_attn at 8 (their best setting), the anchor
     B 330 --scale s5 --arch $ARCHS --remat none --batch rule --steps 4 --compile-workers 4 --time-after-compiles \
-      --deadline 320 --out "$OUT/bench_train_final19_s5.json"
+      --deadline 320 --out "$OUT/bench_train_${1}_s5.json"
     left=$(( 470 - SECONDS ))
     echo "== $left s: S5 full / SWA, dots_attn at 8"
     B $left --scale s5 --arch full,swa --remat dots_attn --batch 8 --steps 4 --compile-workers 2 --time-after-compiles \
-      --deadline $(( left - 8 )) --out "$OUT/bench_train_final19_s5_dots_attn.json"
+      --deadline $(( left - 8 )) --out "$OUT/bench_train_${1}_s5_dots_attn.json"
     left=$(( 585 - SECONDS ))
     timeout $left python3 experiments/anchor_gpt.py --seq-len 16384 --batch 8 --steps 5 --out "$OUT/anchor_gpt_b.json" \
       2>&1 | grep -v -e "^W1204" -e "^I0000" -e "^W0000"
