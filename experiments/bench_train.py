@@ -115,15 +115,17 @@ def make_config(scale: str, arch: str, seq_len: int, batch: int, remat: str, imp
 
 
 def rule_batch(scale: str, arch: str, args) -> int:
-    """The measured best micro-batch of ``(scale, arch)`` under the variant's remat policy (``--batch rule``):
-    the table's entry a run under that policy reads (``train.microbatch.measured_per_device``)."""
+    """The micro-batch a one-device run of the ``scale`` preset's global batch takes (``--batch rule``): the
+    table's measured best for ``(scale, arch)`` under the variant's remat policy, fitted to this device's memory
+    limit, then to a divisor of the global batch (``train.microbatch``), as a run's is."""
     remat = arch.partition("@")[2] or args.remat
     cfg = make_config(scale, arch, args.seq_len, 1, remat, args.impl, args.gin_param)
-    per = microbatch.measured_per_device(cfg)
+    per = microbatch.measured_per_device(cfg, memory_limit=device_memory())
     if per is None:
         raise SystemExit(f"--batch rule: {microbatch.TABLE.name} has no entry for {scale}/"
                          f"{microbatch.arch_name(cfg.model)}/{args.seq_len} (arch {arch}); give --batch N")
-    return per
+    global_batch = load_config([f"scale/{scale}.gin"]).train.global_batch
+    return global_batch // microbatch.microbatches_for(global_batch, per, 1)
 
 
 class Variant:
@@ -214,8 +216,7 @@ def mark_nonfinite_loss(row: dict) -> dict:
 
 
 def device_memory() -> int | None:
-    stats = jax.devices()[0].memory_stats() or {}
-    return stats.get("bytes_limit")
+    return microbatch.device_memory_limit(jax.devices()[0])
 
 
 def measure(variants, args, deadline: float | None = None) -> tuple[list[dict], bool]:
@@ -370,6 +371,8 @@ def best_microbatches(rows) -> dict:
             continue
         if k not in best or r["tokens_per_sec"] > best[k]["tokens_per_sec"]:
             best[k] = {"batch": r["batch"], "tokens_per_sec": r["tokens_per_sec"], "mfu": r["mfu"]}
+            if r.get("peak_bytes"):
+                best[k]["peak_bytes"] = r["peak_bytes"]
     for k in best:
         best[k]["tried"] = sorted(tried[k])
         best[k]["variants"] = sorted(labels[k])
@@ -382,15 +385,18 @@ def save(path, rows, extra=None):
                    "rows": rows, **(extra or {})}, fh, indent=2)
 
 
-def write_table(path: str, best: dict, command: str, device: str, remat: str) -> dict:
+def write_table(path: str, best: dict, command: str, device: str, remat: str,
+                memory_limit: int | None = None) -> dict:
     """Merge ``best`` into the micro-batch table at ``path`` (entries of other keys are kept) and
     return the table written. Only sweeps enter it: a key with fewer than two micro-batches tried
     is left out, and so is a key measured by several variants (``variants``). Keys measured
     under the table's remat policy (``remat`` for a new table) are written plain, others keep their
-    ``@POLICY`` ending (``hybrid_lm.train.microbatch``)."""
+    ``@POLICY`` ending (``hybrid_lm.train.microbatch``). Each written key's compiled peak goes to
+    ``peak_gib`` and ``memory_limit`` (bytes, the measuring device's) to ``memory_limit_gib``: the rule
+    fits an entry to a device with less memory from them."""
     table = json.loads(open(path).read()) if os.path.exists(path) else {}
     own = table.get("remat", remat)
-    merged = dict(table.get("best", {}))
+    merged, peaks = dict(table.get("best", {})), dict(table.get("peak_gib", {}))
     for k, b in best.items():
         if len(b.get("tried", ())) < 2:
             continue
@@ -398,11 +404,17 @@ def write_table(path: str, best: dict, command: str, device: str, remat: str) ->
             print(f"micro-batch table: {k} left out: measured by several variants ({', '.join(b['variants'])})")
             continue
         base, _, policy = k.partition("@")
-        merged[base if policy in ("", own) else k] = b["batch"]
+        key = base if policy in ("", own) else k
+        merged[key] = b["batch"]
+        peaks.pop(key, None)
+        if b.get("peak_bytes"):
+            peaks[key] = round(b["peak_bytes"] / 2 ** 30, 1)
     commands = table.get("commands", [table["command"]] if "command" in table else [])
+    limit = round(memory_limit / 2 ** 30, 1) if memory_limit else table.get("memory_limit_gib")
     out = {"device": device, "measured": time.strftime("%Y-%m-%d"), "remat": own,
+           **({"memory_limit_gib": limit} if limit else {}),
            "commands": [*commands, command] if command not in commands else commands,
-           "best": dict(sorted(merged.items()))}
+           "best": dict(sorted(merged.items())), "peak_gib": dict(sorted(peaks.items()))}
     with open(path, "w") as fh:
         json.dump(out, fh, indent=2)
         fh.write("\n")
@@ -493,7 +505,7 @@ def main() -> None:
         if args.table_out:
             write_table(args.table_out, best, f"experiments/bench_train.py --scale {args.scale} --arch {args.arch} "
                                               f"--remat {args.remat} --sweep-microbatch {args.sweep_microbatch}",
-                        jax.devices()[0].device_kind, args.remat)
+                        jax.devices()[0].device_kind, args.remat, device_memory())
     if left_running:  # compile threads cannot be stopped: leave without joining them
         os._exit(0)
 

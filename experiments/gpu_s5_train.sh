@@ -60,6 +60,7 @@
 #   bash experiments/gpu_s5_train.sh bound21  # session 21: S5 GDN vs the same with the q/k L2 norms as a constant scale (finite data)
 #   bash experiments/gpu_s5_train.sh power21  # session 21: one bf16 GEMM's speed, SM clock and power by operand values (bench_data_power.py)
 #   bash experiments/gpu_s5_train.sh prof21   # session 21: S5 GDN profiled by part with and without the q/k L2 norms (trace + HLO back)
+#   bash experiments/gpu_s5_train.sh h100fit22 # session 22, on an H100: S3-S5 x 7 archs at the rule's micro-batch fitted to the device's memory
 #   bash experiments/gpu_s5_train.sh mbnone17 # session 16: the micro-batch sweep {8, 16} under remat none, S1/S3 x full/SWA/SA
 #   bash experiments/gpu_s5_train.sh s5none17 # session 16: S5 x full/SWA/Mamba-2/GDN at 4 x 16K, remat none vs dots_attn; then 8 x 16K dots_attn
 #   bash experiments/gpu_s5_train.sh all7b    # part 2: S1's slow-compiling archs, S3-S5 full/SWA/SA
@@ -575,6 +576,15 @@ case "${1:-table}" in
     # and power sampled by nvidia-smi while each runs (the NaN train step of acc21 ran 0.883x)
     timeout 200 python3 experiments/bench_data_power.py --size 8192 --seconds 8 --out "$OUT/bench_data_power.json" 2>&1 \
       | grep -v -e "^W1204" -e "^I0000" -e "^W0000"
+    ;;
+  h100fit22)  # session 22, on an H100 (75.2 GiB at fraction 0.95): the rule's micro-batch fitted to the device's memory
+    # (train.microbatch.fit_to_memory; final22a ran S3 / S4 out of memory at the H200's entries), S3-S4 then S5 x 7 archs
+    B 330 --scale s3,s4 --arch $ARCHS --remat none --batch rule --steps 3 --compile-workers 8 --time-after-compiles \
+      --deadline 320 --out "$OUT/bench_train_h100fit22_s3_s4.json"
+    left=$(( 585 - SECONDS ))
+    echo "== $left s: S5 x 7 archs, --batch rule on this device"
+    B $left --scale s5 --arch $ARCHS --remat none --batch rule --steps 3 --compile-workers 7 --time-after-compiles \
+      --deadline $(( left - 10 )) --out "$OUT/bench_train_h100fit22_s5.json"
     ;;
   mbsparse)  # session 19 (written in 18): the presets' MoBA (configs/arch/moba.gin, label moba16, keyed
     # `moba` by the rule) and SSA at S1-S4 without remat, the last archs without micro-batch entries

@@ -98,6 +98,9 @@ def cmd_info(args) -> int:
     print(f"{'lm head':<29}{flops['head']:>14.4g}")
     print(f"total forward {flops['forward']:.4g}   train (3x) {flops['train']:.4g} FLOPs/token")
     print(f"\nmicro-batches for global_batch {cfg.train.global_batch} on one device: {micro} ({why})")
+    if "; peak " in why:
+        print(f"  a device with less memory takes fewer sequences per micro-batch: `hybrid-lm sweep` fits the "
+              f"entry to each device's limit (train.microbatch.fit_to_memory)")
     if micro != cfg.train.microbatches:  # the sweep launcher applies the rule; a plain train takes the config
         print(f"  applied by `hybrid-lm sweep`; `hybrid-lm train` uses TrainConfig.microbatches = "
               f"{cfg.train.microbatches} as configured (add --gin_param \"TrainConfig.microbatches = {micro}\")")

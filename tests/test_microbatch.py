@@ -200,3 +200,92 @@ def test_bench_train_batch_rule(monkeypatch):
         monkeypatch.setattr(sys, "argv", ["bench_train.py", *argv])
         with pytest.raises(SystemExit, match=msg):
             bt.main()
+
+
+GIB = 2 ** 30
+
+
+@pytest.mark.parametrize("per,peak,limit_gib,want", [
+    (16, 99.7, 132.8, 16),   # the H200 where it was measured: as measured
+    (16, 99.7, 75.2, 11),    # an H100 (80 GB at fraction 0.95): 16 x 0.95 x 75.2 / 99.7 = 11.5
+    (16, 125.7, 104.9, 12),  # an H200 at JAX's default fraction of 0.75
+    (8, 71.0, 75.2, 8),      # 71.0 <= 0.95 x 75.2 = 71.4: fits
+    (4, 400.0, 75.2, 1),     # even one sequence is estimated above the limit: one, and the note says so
+    (16, None, 75.2, 16),    # no peak recorded: as measured
+    (16, 99.7, None, 16),    # no limit known (the CPU): as measured
+])
+def test_fit_to_memory(per, peak, limit_gib, want):
+    got, note = mb.fit_to_memory(per, peak, None if limit_gib is None else int(limit_gib * GIB))
+    assert got == want
+    assert (note == "") == (got == per)
+    if got != per:
+        assert f"scaled from {per} to {got} for this device: its peak {peak:.1f} GiB exceeds 95% of {limit_gib:.1f} GiB" in note
+    assert ("may not fit either" in note) == (peak is not None and limit_gib is not None and per * 0.95 * limit_gib < peak)
+
+
+def test_rule_fits_the_entry_to_a_smaller_device(tmp_path, monkeypatch):
+    """An entry measured on a large device (S4 at 16 x 16K: ~100 GiB) is scaled to a device with less memory:
+    it ran out of memory on an H100 as measured (docs/BENCHMARKS.md, session 22). The sweep launcher reads
+    each device's limit; the CPU reports none, so nothing changes there."""
+    table = tmp_path / "mb.json"
+    table.write_text(json.dumps({"device": "NVIDIA H200", "memory_limit_gib": 132.8, "remat": "none",
+                                 "best": {"s4/full/16384": 16}, "peak_gib": {"s4/full/16384": 99.7}}))
+    cfg = load_config(["scale/s4.gin"], ["ModelConfig.layer_pattern = 'F'"])  # global batch 64, remat none
+    M, why = mb.rule_for(cfg, batch_shards=1, table=table)
+    assert M == 4 and why.endswith("peak 99.7 GiB of the NVIDIA H200's 132.8)")
+    M, why = mb.rule_for(cfg, batch_shards=1, table=table, memory_limit=int(75.2 * GIB))
+    assert M == 8 and "scaled from 16 to 11 for this device" in why  # 64 / 8 = 8 sequences <= 11
+    assert mb.measured_per_device(cfg, table, memory_limit=int(75.2 * GIB)) == 11
+    out, why = mb.apply_rule(cfg, batch_shards=2, table=table, memory_limit=int(75.2 * GIB))
+    assert out.train.microbatches == 4 and out.run_id() == cfg.run_id()  # 2 devices x 8 = 16 per micro-batch
+
+    from hybrid_lm.scaling import launch
+
+    monkeypatch.setattr(mb, "TABLE", table)
+    assert launch.microbatch_plan(cfg)[0].train.microbatches == 4  # the CPU: no limit, as measured
+    monkeypatch.setattr(mb, "device_memory_limit", lambda device=None: int(75.2 * GIB))
+    planned, why = launch.microbatch_plan(cfg)
+    assert planned.train.microbatches == 8 and "scaled from 16 to 11" in why
+
+
+def test_a_bad_peak_in_the_table_is_a_one_line_error(tmp_path):
+    cfg = load_config(["scale/s4.gin"], ["ModelConfig.layer_pattern = 'F'"])
+    for i, bad in enumerate((-1, 0, "99", True)):
+        table = tmp_path / f"bad{i}.json"
+        table.write_text(json.dumps({"best": {"s4/full/16384": 16}, "peak_gib": {"s4/full/16384": bad}}))
+        with pytest.raises(ValueError, match=rf"bad{i}.json: peak_gib\['s4/full/16384'\] = .*: need a positive number"):
+            mb.rule_for(cfg, 1, table=table)
+
+
+def test_shipped_table_has_a_peak_for_every_entry():
+    t = json.loads(mb.TABLE.read_text())
+    assert set(t["peak_gib"]) == set(t["best"]) and t["memory_limit_gib"] == 132.8
+    assert all(0 < v <= t["memory_limit_gib"] for v in t["peak_gib"].values())
+    # on an H100's 75.2 GiB every S4 entry is fitted below its peak's share, and none is left unchanged above it
+    h100 = int(75.2 * GIB)
+    for key, per in t["best"].items():
+        fitted, _ = mb.fit_to_memory(per, t["peak_gib"][key], h100)
+        assert fitted * t["peak_gib"][key] / per <= 0.95 * 75.2 or fitted == 1
+
+
+def test_bench_train_records_peaks_and_fits_the_rule(tmp_path, monkeypatch):
+    """A sweep's table records each written key's compiled peak and the measuring device's limit, and
+    --batch rule takes the micro-batch a run on this device takes (fitted, then a divisor of the global batch)."""
+    import argparse
+
+    bt = _bench_train()
+    rows = [{"scale": "s4", "arch": "full", "seq_len": 16384, "batch": b, "status": "ok", "remat": "none",
+             "tokens_per_sec": tps, "mfu": 0.4, "peak_bytes": int(gib * GIB)} for b, tps, gib in ((8, 1.0, 55.0),
+                                                                                                 (16, 1.1, 99.7))]
+    best = bt.best_microbatches(rows)
+    assert best["s4/full/16384@none"]["peak_bytes"] == int(99.7 * GIB)
+    path = tmp_path / "mb.json"
+    t = bt.write_table(str(path), best, "cmd", "NVIDIA H200", "none", int(132.8 * GIB))
+    assert t["best"] == {"s4/full/16384": 16} and t["peak_gib"] == {"s4/full/16384": 99.7}
+    assert t["memory_limit_gib"] == 132.8
+    monkeypatch.setattr(mb, "TABLE", path)
+    args = argparse.Namespace(seq_len=16384, remat="none", impl="auto", gin_param=[])
+    monkeypatch.setattr(bt, "device_memory", lambda: int(132.8 * GIB))
+    assert bt.rule_batch("s4", "full", args) == 16
+    monkeypatch.setattr(bt, "device_memory", lambda: int(75.2 * GIB))
+    assert bt.rule_batch("s4", "full", args) == 8  # fitted to 11, then 64 / 8 micro-batches

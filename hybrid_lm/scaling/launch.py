@@ -127,11 +127,14 @@ def _config(job: Job, extra: list[str] | None = None):
 
 def microbatch_plan(cfg, devices=None):
     """``(cfg, reason)``: ``cfg`` with ``TrainConfig.microbatches`` from the micro-batch rule on the
-    mesh that ``train()`` builds from ``cfg.mesh`` and ``devices`` (default: all of this process's)."""
+    mesh that ``train()`` builds from ``cfg.mesh`` and ``devices`` (default: all of this process's), fitted
+    to the smallest memory limit among the mesh's devices."""
     from hybrid_lm.train import sharding as shd
-    from hybrid_lm.train.microbatch import apply_rule
+    from hybrid_lm.train.microbatch import apply_rule, device_memory_limit
 
-    return apply_rule(cfg, shd.n_batch_shards(shd.make_mesh(cfg.mesh, devices)))
+    mesh = shd.make_mesh(cfg.mesh, devices)
+    limits = [b for b in (device_memory_limit(d) for d in mesh.devices.flat) if b]
+    return apply_rule(cfg, shd.n_batch_shards(mesh), memory_limit=min(limits, default=None))
 
 
 def _link_or_copy(src, dst):

@@ -15,6 +15,12 @@ not fit without remat for Mamba-2 / GDN, so S5 has ``@none`` entries of its own 
 every S1–S5 arch of the table has an ``@none`` entry (measured without remat); session 19 added MoBA / SSA at S1–S4.
 :func:`apply_rule` returns the config with that ``M`` set; the sweep launcher
 (``hybrid_lm/scaling/launch.py``) applies it to every run, and ``hybrid-lm info`` states it.
+
+What fits depends on the device's memory. The table holds each entry's compiled peak (``peak_gib``) and the
+memory limit it was measured under (``memory_limit_gib``: an H200 with ``XLA_PYTHON_CLIENT_MEM_FRACTION=0.95``).
+On a device whose limit is smaller (an H100's 80 GB, or an H200 at JAX's default fraction of 0.75), an entry
+whose peak exceeds :data:`MEMORY_MARGIN` of the limit is scaled down by the ratio (:func:`fit_to_memory`):
+S4 at 16 x 16K needs 98-126 GiB and ran out of memory on an H100 (docs/BENCHMARKS.md, session 22).
 """
 
 from __future__ import annotations
@@ -46,28 +52,69 @@ def arch_name(m: ModelConfig) -> str:
     return m.efficient.kind
 
 
+# A micro-batch scaled to a smaller device may take at most this fraction of its memory limit (estimated).
+MEMORY_MARGIN = 0.95
+
+
 @lru_cache(maxsize=4)
 def _load_table(path: str) -> dict:
     p = Path(path)
-    return json.loads(p.read_text()) if p.exists() else {}
+    t = json.loads(p.read_text()) if p.exists() else {}
+    for k, v in t.get("peak_gib", {}).items():
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
+            raise ValueError(f"{p.name}: peak_gib[{k!r}] = {v!r}: need a positive number of GiB")
+    return t
 
 
-def _measured(cfg: Config, table: str | Path) -> tuple[int | None, str | None]:
-    """``(sequences per device, the remat policy it was measured under)`` for this config, if any."""
+def _measured(cfg: Config, table: str | Path) -> tuple[int | None, str | None, float | None]:
+    """``(sequences per device, the remat policy it was measured under, its compiled peak in GiB)`` for
+    this config, if any."""
     scale = scale_name(cfg.model)
     if scale is None:
-        return None, None
+        return None, None, None
     t = _load_table(str(table))
-    key, best = f"{scale}/{arch_name(cfg.model)}/{cfg.data.seq_len}", t.get("best", {})
+    key, best, peaks = f"{scale}/{arch_name(cfg.model)}/{cfg.data.seq_len}", t.get("best", {}), t.get("peak_gib", {})
     if f"{key}@{cfg.model.remat}" in best:
-        return best[f"{key}@{cfg.model.remat}"], cfg.model.remat
-    return best.get(key), t.get("remat")
+        key, remat = f"{key}@{cfg.model.remat}", cfg.model.remat
+    else:
+        remat = t.get("remat")
+    return best.get(key), remat, peaks.get(key)
 
 
-def measured_per_device(cfg: Config, table: str | Path | None = None) -> int | None:
+def device_memory_limit(device=None) -> int | None:
+    """Bytes JAX's allocator may take on ``device`` (default: the first device): the card's memory times
+    ``XLA_PYTHON_CLIENT_MEM_FRACTION``. None where the backend reports none (the CPU)."""
+    if device is None:
+        import jax
+
+        device = jax.devices()[0]
+    return (device.memory_stats() or {}).get("bytes_limit")
+
+
+def fit_to_memory(per_device: int, peak_gib: float | None, memory_limit: int | None) -> tuple[int, str]:
+    """``(sequences per device, note)``: ``per_device`` where its measured peak fits within
+    :data:`MEMORY_MARGIN` of ``memory_limit`` (bytes) or either is unknown; else scaled down by the ratio.
+    The estimate takes the whole peak as growing with the micro-batch, which overstates a smaller
+    micro-batch's peak (parameters and optimizer state do not shrink with it): it errs towards fitting."""
+    if memory_limit is None or peak_gib is None:
+        return per_device, ""
+    budget = MEMORY_MARGIN * memory_limit / 2 ** 30
+    if peak_gib <= budget:
+        return per_device, ""
+    scaled = int(per_device * budget / peak_gib)
+    note = (f"; scaled from {per_device} to {max(scaled, 1)} for this device: its peak {peak_gib:.1f} GiB exceeds "
+            f"{MEMORY_MARGIN:.0%} of {memory_limit / 2 ** 30:.1f} GiB")
+    if scaled < 1:
+        note += f" (one sequence, estimated {peak_gib / per_device:.1f} GiB, may not fit either)"
+    return max(scaled, 1), note
+
+
+def measured_per_device(cfg: Config, table: str | Path | None = None, memory_limit: int | None = None) -> int | None:
     """The measured best sequences per device for this config's scale, arch, seq_len and remat policy
-    (else the table's own policy), if any (``table`` defaults to :data:`TABLE`)."""
-    return _measured(cfg, TABLE if table is None else table)[0]
+    (else the table's own policy), if any (``table`` defaults to :data:`TABLE`), fitted to
+    ``memory_limit`` bytes per device when given (:func:`fit_to_memory`)."""
+    per, _, peak = _measured(cfg, TABLE if table is None else table)
+    return None if per is None else fit_to_memory(per, peak, memory_limit)[0]
 
 
 def microbatches_for(global_batch: int, per_device: int, batch_shards: int) -> int:
@@ -85,26 +132,34 @@ def microbatches_for(global_batch: int, per_device: int, batch_shards: int) -> i
     return global_batch // batch_shards  # one sequence per device
 
 
-def rule_for(cfg: Config, batch_shards: int, table: str | Path | None = None) -> tuple[int, str]:
-    """``(microbatches, reason)`` for ``cfg`` on ``batch_shards`` devices along the batch axes."""
+def rule_for(cfg: Config, batch_shards: int, table: str | Path | None = None,
+             memory_limit: int | None = None) -> tuple[int, str]:
+    """``(microbatches, reason)`` for ``cfg`` on ``batch_shards`` devices along the batch axes, each with
+    ``memory_limit`` bytes (None: as measured)."""
     path = TABLE if table is None else table
-    per, remat = _measured(cfg, path)
+    per, remat, peak = _measured(cfg, path)
     if per is None:
         return cfg.train.microbatches, "not measured: TrainConfig.microbatches as configured"
-    M = microbatches_for(cfg.train.global_batch, per, batch_shards)
+    fitted, note = fit_to_memory(per, peak, memory_limit)
+    M = microbatches_for(cfg.train.global_batch, fitted, batch_shards)
     under = "" if remat is None else f" under remat {remat}" + (
         "" if remat == cfg.model.remat else f"; this run's remat is {cfg.model.remat}")
+    t = _load_table(str(path))
+    where = "" if peak is None or "memory_limit_gib" not in t else (
+        f"; peak {peak:.1f} GiB of the {t.get('device', 'measuring device')}'s {t['memory_limit_gib']:.1f}")
     return M, (f"measured best {per} x {cfg.data.seq_len} tokens per device "
-               f"({scale_name(cfg.model)}/{arch_name(cfg.model)}, {Path(path).name}{under})")
+               f"({scale_name(cfg.model)}/{arch_name(cfg.model)}, {Path(path).name}{under}{where}){note}")
 
 
-def apply_rule(cfg: Config, batch_shards: int, table: str | Path | None = None) -> tuple[Config, str]:
+def apply_rule(cfg: Config, batch_shards: int, table: str | Path | None = None,
+               memory_limit: int | None = None) -> tuple[Config, str]:
     """``(cfg with TrainConfig.microbatches set by the rule, reason)``. A config that already sets
     ``microbatches > 1`` keeps it (an explicit choice wins); an unmeasured one is returned as it is.
+    ``memory_limit``: bytes per device (:func:`device_memory_limit`), to fit the measured entry to it.
     ``microbatches`` is not part of the run id, so the run's directory does not change."""
     if cfg.train.microbatches != 1:
         return cfg, f"TrainConfig.microbatches = {cfg.train.microbatches} as configured"
-    M, why = rule_for(cfg, batch_shards, table)
+    M, why = rule_for(cfg, batch_shards, table, memory_limit)
     if M == cfg.train.microbatches:
         return cfg, why
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, microbatches=M)), why
