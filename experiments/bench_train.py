@@ -103,29 +103,32 @@ def arch_bindings(arch: str) -> list[str]:
             + ([f"ModelConfig.remat = '{remat}'"] if remat else []))
 
 
-def make_config(scale: str, arch: str, seq_len: int, batch: int, remat: str, impl: str, extra=(), accumulate: int = 1):
-    """The variant's config: ``batch`` sequences per micro-batch, ``accumulate`` micro-batches per step."""
+def make_config(scale: str, arch: str, seq_len: int, batch: int | None, remat: str, impl: str, extra=(),
+                accumulate: int = 1):
+    """The variant's config: ``batch`` sequences per micro-batch, ``accumulate`` micro-batches per step
+    (``batch=None``: the preset's global batch and micro-batches, as a run takes them)."""
     bindings = arch_bindings(arch)
     gin_files = [f"scale/{scale}.gin"] + [b.split("'")[1] for b in bindings if b.startswith("include")]
+    batching = [] if batch is None else [f"TrainConfig.global_batch = {batch * accumulate}",
+                                         f"TrainConfig.microbatches = {accumulate}"]
     params = [f"ModelConfig.remat = '{remat}'"] + [b for b in bindings if not b.startswith("include")] + [
-        f"DataConfig.seq_len = {seq_len}", f"TrainConfig.global_batch = {batch * accumulate}",
-        f"TrainConfig.microbatches = {accumulate}",
-        f"ModelConfig.attention_impl = '{impl}'", *extra]
+        f"DataConfig.seq_len = {seq_len}", *batching, f"ModelConfig.attention_impl = '{impl}'", *extra]
     return load_config(gin_files, params)
 
 
 def rule_batch(scale: str, arch: str, args) -> int:
-    """The micro-batch a one-device run of the ``scale`` preset's global batch takes (``--batch rule``): the
-    table's measured best for ``(scale, arch)`` under the variant's remat policy, fitted to this device's memory
-    limit, then to a divisor of the global batch (``train.microbatch``), as a run's is."""
+    """The micro-batch a one-device run of the variant's global batch takes (``--batch rule``): the table's
+    measured best for ``(scale, arch)`` under the variant's remat policy, fitted to this device's memory limit,
+    then to a divisor of the global batch (``train.microbatch.rule_for``), as a run's is."""
     remat = arch.partition("@")[2] or args.remat
-    cfg = make_config(scale, arch, args.seq_len, 1, remat, args.impl, args.gin_param)
-    per = microbatch.measured_per_device(cfg, memory_limit=device_memory())
-    if per is None:
+    cfg = make_config(scale, arch, args.seq_len, None, remat, args.impl, args.gin_param)
+    if microbatch.measured_per_device(cfg) is None:
         raise SystemExit(f"--batch rule: {microbatch.TABLE.name} has no entry for {scale}/"
                          f"{microbatch.arch_name(cfg.model)}/{args.seq_len} (arch {arch}); give --batch N")
-    global_batch = load_config([f"scale/{scale}.gin"]).train.global_batch
-    return global_batch // microbatch.microbatches_for(global_batch, per, 1)
+    M, why = microbatch.rule_for(cfg, 1, memory_limit=device_memory())
+    if "scaled from" in why:
+        print(f"--batch rule: {scale} {arch}: {cfg.train.global_batch // M} sequences ({why})", flush=True)
+    return cfg.train.global_batch // M
 
 
 class Variant:
@@ -395,6 +398,9 @@ def write_table(path: str, best: dict, command: str, device: str, remat: str,
     ``peak_gib`` and ``memory_limit`` (bytes, the measuring device's) to ``memory_limit_gib``: the rule
     fits an entry to a device with less memory from them."""
     table = json.loads(open(path).read()) if os.path.exists(path) else {}
+    if table.get("device", device) != device:
+        raise ValueError(f"{path} holds entries measured on {table['device']}, not {device}: write this sweep to a "
+                         "table of its own (--table-out)")
     own = table.get("remat", remat)
     merged, peaks = dict(table.get("best", {})), dict(table.get("peak_gib", {}))
     for k, b in best.items():
@@ -407,8 +413,9 @@ def write_table(path: str, best: dict, command: str, device: str, remat: str,
         key = base if policy in ("", own) else k
         merged[key] = b["batch"]
         peaks.pop(key, None)
-        if b.get("peak_bytes"):
-            peaks[key] = round(b["peak_bytes"] / 2 ** 30, 1)
+        gib = round((b.get("peak_bytes") or 0) / 2 ** 30, 2)
+        if gib > 0:  # a peak that rounds to 0 GiB (a tiny CPU sweep) is left out: the table needs positive peaks
+            peaks[key] = gib
     commands = table.get("commands", [table["command"]] if "command" in table else [])
     limit = round(memory_limit / 2 ** 30, 1) if memory_limit else table.get("memory_limit_gib")
     out = {"device": device, "measured": time.strftime("%Y-%m-%d"), "remat": own,
@@ -503,9 +510,12 @@ def main() -> None:
         for k, b in sorted(best.items()):
             print(f"  {k:<28} {b['batch']:>3}   {b['tokens_per_sec'] / 1e3:.1f} ktok/s   {100 * b['mfu']:.1f}% MFU")
         if args.table_out:
-            write_table(args.table_out, best, f"experiments/bench_train.py --scale {args.scale} --arch {args.arch} "
-                                              f"--remat {args.remat} --sweep-microbatch {args.sweep_microbatch}",
-                        jax.devices()[0].device_kind, args.remat, device_memory())
+            try:
+                write_table(args.table_out, best, f"experiments/bench_train.py --scale {args.scale} --arch {args.arch} "
+                                                  f"--remat {args.remat} --sweep-microbatch {args.sweep_microbatch}",
+                            jax.devices()[0].device_kind, args.remat, device_memory())
+            except ValueError as err:
+                raise SystemExit(f"--table-out: {err}") from None
     if left_running:  # compile threads cannot be stopped: leave without joining them
         os._exit(0)
 

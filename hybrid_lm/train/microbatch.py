@@ -19,8 +19,9 @@ every S1–S5 arch of the table has an ``@none`` entry (measured without remat);
 What fits depends on the device's memory. The table holds each entry's compiled peak (``peak_gib``) and the
 memory limit it was measured under (``memory_limit_gib``: an H200 with ``XLA_PYTHON_CLIENT_MEM_FRACTION=0.95``).
 On a device whose limit is smaller (an H100's 80 GB, or an H200 at JAX's default fraction of 0.75), an entry
-whose peak exceeds :data:`MEMORY_MARGIN` of the limit is scaled down by the ratio (:func:`fit_to_memory`):
-S4 at 16 x 16K needs 98-126 GiB and ran out of memory on an H100 (docs/BENCHMARKS.md, session 22).
+whose peak exceeds :data:`MEMORY_MARGIN` of the limit gets the most sequences whose estimated peak fits
+(:func:`fit_to_memory`): the presets' S4 entries (remat none, 16 x 16K but Mamba-2's 8) need 78-127 GiB; the six
+at 16 ran out of memory on an H100 (docs/BENCHMARKS.md, session 22).
 """
 
 from __future__ import annotations
@@ -91,30 +92,52 @@ def device_memory_limit(device=None) -> int | None:
     return (device.memory_stats() or {}).get("bytes_limit")
 
 
-def fit_to_memory(per_device: int, peak_gib: float | None, memory_limit: int | None) -> tuple[int, str]:
-    """``(sequences per device, note)``: ``per_device`` where its measured peak fits within
-    :data:`MEMORY_MARGIN` of ``memory_limit`` (bytes) or either is unknown; else scaled down by the ratio.
-    The estimate takes the whole peak as growing with the micro-batch, which overstates a smaller
-    micro-batch's peak (parameters and optimizer state do not shrink with it): it errs towards fitting."""
+def fit_to_memory(per_device: int, peak_gib: float | None, memory_limit: int | None, fixed_gib: float = 0.0,
+                  measured_limit_gib: float | None = None) -> tuple[int, str]:
+    """``(sequences per device, note)``: ``per_device`` as measured where its peak fits within
+    :data:`MEMORY_MARGIN` of ``memory_limit`` (bytes), where the device has at least the measuring device's
+    limit (``measured_limit_gib``), or where either is unknown; else the most sequences whose estimated
+    peak fits. The estimate keeps ``fixed_gib`` (parameters and optimizer state) and scales the rest of the
+    peak (activations) with the micro-batch; the sweeps' peaks at two micro-batches fit such a line."""
     if memory_limit is None or peak_gib is None:
         return per_device, ""
-    budget = MEMORY_MARGIN * memory_limit / 2 ** 30
-    if peak_gib <= budget:
+    limit_gib = memory_limit / 2 ** 30
+    budget = MEMORY_MARGIN * limit_gib
+    if peak_gib <= budget or (measured_limit_gib is not None and round(limit_gib, 1) >= measured_limit_gib):
         return per_device, ""
-    scaled = int(per_device * budget / peak_gib)
+    fixed = fixed_gib if 0 <= fixed_gib < peak_gib else 0.0
+    per_sequence = (peak_gib - fixed) / per_device
+    scaled = int((budget - fixed) / per_sequence) if budget > fixed else 0
     note = (f"; scaled from {per_device} to {max(scaled, 1)} for this device: its peak {peak_gib:.1f} GiB exceeds "
-            f"{MEMORY_MARGIN:.0%} of {memory_limit / 2 ** 30:.1f} GiB")
+            f"{MEMORY_MARGIN:.0%} of {limit_gib:.1f} GiB")
     if scaled < 1:
-        note += f" (one sequence, estimated {peak_gib / per_device:.1f} GiB, may not fit either)"
+        note += f" (one sequence, estimated {fixed + per_sequence:.1f} GiB, may not fit either)"
     return max(scaled, 1), note
+
+
+# Bytes per parameter that do not grow with the micro-batch: fp32 parameter, gradient and two AdamW moments.
+STATE_BYTES_PER_PARAM = 16
+
+
+def _fitted(cfg: Config, table: str | Path, memory_limit: int | None):
+    """``(measured, remat, peak_gib, fitted, note)`` of this config's entry on a device of ``memory_limit`` bytes."""
+    per, remat, peak = _measured(cfg, table)
+    if per is None:
+        return None, remat, peak, None, ""
+    fixed = 0.0
+    if memory_limit is not None and peak is not None:
+        from hybrid_lm.model.accounting import count_params
+
+        fixed = STATE_BYTES_PER_PARAM * count_params(cfg.model)["total"] / 2 ** 30
+    fitted, note = fit_to_memory(per, peak, memory_limit, fixed, _load_table(str(table)).get("memory_limit_gib"))
+    return per, remat, peak, fitted, note
 
 
 def measured_per_device(cfg: Config, table: str | Path | None = None, memory_limit: int | None = None) -> int | None:
     """The measured best sequences per device for this config's scale, arch, seq_len and remat policy
     (else the table's own policy), if any (``table`` defaults to :data:`TABLE`), fitted to
     ``memory_limit`` bytes per device when given (:func:`fit_to_memory`)."""
-    per, _, peak = _measured(cfg, TABLE if table is None else table)
-    return None if per is None else fit_to_memory(per, peak, memory_limit)[0]
+    return _fitted(cfg, TABLE if table is None else table, memory_limit)[3]
 
 
 def microbatches_for(global_batch: int, per_device: int, batch_shards: int) -> int:
@@ -137,10 +160,9 @@ def rule_for(cfg: Config, batch_shards: int, table: str | Path | None = None,
     """``(microbatches, reason)`` for ``cfg`` on ``batch_shards`` devices along the batch axes, each with
     ``memory_limit`` bytes (None: as measured)."""
     path = TABLE if table is None else table
-    per, remat, peak = _measured(cfg, path)
+    per, remat, peak, fitted, note = _fitted(cfg, path, memory_limit)
     if per is None:
         return cfg.train.microbatches, "not measured: TrainConfig.microbatches as configured"
-    fitted, note = fit_to_memory(per, peak, memory_limit)
     M = microbatches_for(cfg.train.global_batch, fitted, batch_shards)
     under = "" if remat is None else f" under remat {remat}" + (
         "" if remat == cfg.model.remat else f"; this run's remat is {cfg.model.remat}")
