@@ -124,12 +124,13 @@ def _fitted(cfg: Config, table: str | Path, memory_limit: int | None):
     per, remat, peak = _measured(cfg, table)
     if per is None:
         return None, remat, peak, None, ""
-    fixed = 0.0
-    if memory_limit is not None and peak is not None:
+    measured_limit = _load_table(str(table)).get("memory_limit_gib")
+    fitted, note = fit_to_memory(per, peak, memory_limit, 0.0, measured_limit)
+    if fitted != per:  # whether to scale does not depend on the held state: count the parameters only then
         from hybrid_lm.model.accounting import count_params
 
         fixed = STATE_BYTES_PER_PARAM * count_params(cfg.model)["total"] / 2 ** 30
-    fitted, note = fit_to_memory(per, peak, memory_limit, fixed, _load_table(str(table)).get("memory_limit_gib"))
+        fitted, note = fit_to_memory(per, peak, memory_limit, fixed, measured_limit)
     return per, remat, peak, fitted, note
 
 
