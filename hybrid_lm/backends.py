@@ -26,7 +26,6 @@ and read by the train loop into every metrics row (``attention_backends``).
 
 from __future__ import annotations
 
-import numbers
 
 import jax
 import jax.numpy as jnp
@@ -61,7 +60,7 @@ def on_gpu(platform: str | None = None) -> bool:
     return (platform or current_platform()) == "gpu"
 
 
-def _no_gpu(platform: str | None) -> str:
+def no_gpu_reason(platform: str | None) -> str:
     return f"no GPU: the default JAX backend is {platform or current_platform()!r}"
 
 
@@ -95,7 +94,7 @@ def jla_attention_reason(q, k, v, platform: str | None = None) -> str | None:
     """Why jax-linear-attention's causal/SWA kernel cannot take these operands here (arrays or
     ``jax.ShapeDtypeStruct``s); ``None`` if it can (sm_90, bf16/fp16, head dim 64/128, GQA)."""
     if not on_gpu(platform):
-        return _no_gpu(platform)
+        return no_gpu_reason(platform)
     if not jla_available():
         return f"jax-linear-attention is not installed; {INSTALL_HINT}"
     try:
@@ -119,7 +118,7 @@ def attention_backend(impl: str, *, permuted: bool, window: int | None = None, q
                           f"{_NO_SEGMENTS}; use auto or xla")
     if impl == "auto":
         if not on_gpu(platform):
-            return "xla", f"auto: {_no_gpu(platform)}"
+            return "xla", f"auto: {no_gpu_reason(platform)}"
         if permuted:
             return "pallas", "auto: only our kernel expresses SA's permuted mask"
         dtype = None if qkv is None else jnp.dtype(qkv[0].dtype)
@@ -144,35 +143,9 @@ def attention_backend(impl: str, *, permuted: bool, window: int | None = None, q
     return impl, f"attention_impl={impl!r} set explicitly"
 
 
-_SLOTS = {"F": "full", "E": "efficient"}  # layer type -> config slot
-
 # Why a document mask runs the XLA reference: what the other attention backends take.
 _NO_SEGMENTS = ("only the XLA reference takes segment ids (jax.nn.dot_product_attention passes cuDNN no "
                 "segment ids, only a dense O(T^2) mask; our Pallas kernels and jla's take none)")
-
-
-def check_document_mask(model_cfg, seq_len: int) -> None:
-    """Raise a one-line :class:`ConfigError` unless every layer of ``model_cfg`` can run with
-    ``DataConfig.document_mask`` at ``seq_len``: each used slot's mixer declares support
-    (``register_mixer(document_mask=...)``), then the attention backend takes segment ids."""
-    for t in dict.fromkeys(model_cfg.layer_types()):
-        msg = document_mask_error(model_cfg.mixer(t), _SLOTS[t], seq_len)
-        if msg is not None:
-            raise ConfigError(msg)
-    # every mixer that takes a document mask today is softmax attention through model.attention.attend
-    attention_backend(model_cfg.attention_impl, permuted=False, segments=True)
-
-
-def document_mask_error(mc, slot: str, seq_len: int) -> str | None:
-    """The one-line refusal of mixer config ``mc`` (in ``slot``) under ``DataConfig.document_mask``;
-    None when its mixer masks documents."""
-    from hybrid_lm.model.registry import get_mixer
-
-    why = get_mixer(mc.kind).document_mask_refusal(mc, seq_len)
-    if why is None:
-        return None
-    return (f"DataConfig.document_mask=True: {slot}/MixerConfig.kind={mc.kind!r} cannot mask documents: {why}; "
-            "turn document_mask off or use attention / swa (docs/MIXERS.md, 'Document masking')")
 
 
 def loss_backend(impl: str, n_tokens: int, vocab: int, kernel: str = "auto") -> tuple[str, str]:
@@ -204,7 +177,7 @@ def _row_kernel_backend(field: str, impl: str, platform: str | None, devices: in
     if impl != "auto":
         return impl, f"{field}={impl!r} set explicitly"
     if not on_gpu(platform):
-        return "xla", "auto: " + _no_gpu(platform)
+        return "xla", "auto: " + no_gpu_reason(platform)
     devices = jax.device_count() if devices is None else devices
     if devices > 1:
         return "xla", f"auto: {devices} devices (the kernel has no sharding rule)"
@@ -225,7 +198,7 @@ def loss_kernel_backend(impl: str, platform: str | None = None, devices: int | N
     if impl == "jla":
         if not jla_available():
             raise ConfigError(f"ModelConfig.loss_kernel='jla' needs jax-linear-attention; {INSTALL_HINT}")
-        where = "its Mosaic GPU kernels" if on_gpu(platform) else "its plain-JAX form (" + _no_gpu(platform) + ")"
+        where = "its Mosaic GPU kernels" if on_gpu(platform) else "its plain-JAX form (" + no_gpu_reason(platform) + ")"
         return "jla", f"loss_kernel='jla' set explicitly: jla's fused LM-head loss, {where}"
     return _row_kernel_backend("loss_kernel", impl, platform, devices, "0.95-0.99x the XLA loss's step")
 
@@ -273,7 +246,7 @@ def moba_backend(impl: str, block_size: int, platform: str | None = None) -> tup
     pow2 = block_size >= MOBA_PALLAS_MIN_BLOCK and not block_size & (block_size - 1)
     if impl == "auto":
         if not on_gpu(platform):
-            return "xla", f"auto: {_no_gpu(platform)}"
+            return "xla", f"auto: {no_gpu_reason(platform)}"
         if pow2:
             return "pallas", f"auto: block {block_size} is a power of two >= {MOBA_PALLAS_MIN_BLOCK} (our kernel)"
         return "xla", (f"auto: block {block_size} is not a power of two >= {MOBA_PALLAS_MIN_BLOCK}, "
@@ -297,7 +270,7 @@ def topk_method(method: str, k: int, n: int, platform: str | None = None) -> tup
     if method != "auto":
         return method, f"method={method!r} set explicitly"
     if not on_gpu(platform):
-        return "sort", f"auto: {_no_gpu(platform)}"
+        return "sort", f"auto: {no_gpu_reason(platform)}"
     if k <= PASSES_MAX_K and n >= PASSES_MIN_RATIO * k:
         return "passes", f"auto: k={k} <= {PASSES_MAX_K} and n={n} >= {PASSES_MIN_RATIO}k"
     return "sort", f"auto: k={k} > {PASSES_MAX_K} or n={n} < {PASSES_MIN_RATIO}k"
@@ -309,7 +282,7 @@ def sparse_decode_backend(platform: str | None = None) -> tuple[str, str]:
     Both gather only the selected blocks for the attention. Decoding has no ``attention_impl``:
     the platform decides."""
     if not on_gpu(platform):
-        return "xla", f"auto: {_no_gpu(platform)}"
+        return "xla", f"auto: {no_gpu_reason(platform)}"
     try:
         import hybrid_lm_kernels  # noqa: F401
     except ImportError as e:
@@ -318,43 +291,6 @@ def sparse_decode_backend(platform: str | None = None) -> tuple[str, str]:
 
 
 # ----------------------------------------------------------------------------- linear attention
-
-def jla_linear_reason(op: str, q, k, v, gates: tuple, *, scale=None, initial_state=None,
-                      platform: str | None = None) -> str | None:
-    """Why the jla kernel cannot run this linear-attention call here (even with padded head widths);
-    ``None`` if it can. ``op`` is ``"simple_gla"`` or ``"gated_delta_rule"``; q/k/v/gates in jla's form
-    (arrays or ``jax.ShapeDtypeStruct``s, see ``hybrid_lm/ops/linear_attention_gpu.py``)."""
-    if not on_gpu(platform):
-        return f"{_no_gpu(platform)} (the jla kernels need an sm_90 GPU)"
-    if not jla_available():
-        return f"jax-linear-attention is not installed; {INSTALL_HINT}"
-    if scale is not None and not isinstance(scale, numbers.Real):
-        return f"scale must be a Python number for the kernel (it is static there), got {type(scale).__name__}"
-    from hybrid_lm.ops import linear_attention_gpu as lag
-    return lag.kernel_reason(op, q, k, v, gates, scale=scale, initial_state=initial_state)
-
-
-def linear_attention_backend(op: str, impl: str, q, k, v, gates: tuple, *, scale=None, initial_state=None,
-                             platform: str | None = None) -> tuple[str, str]:
-    """``(backend, reason)`` for one linear-attention call (``impl`` is ``linear_impl``): ``auto`` ->
-    ``jla`` where its kernel accepts the call, else ``xla``. An explicit ``jla`` that cannot run raises
-    :class:`FastPathUnavailable` (platform first, then package, then the call itself)."""
-    if impl not in LINEAR_IMPLS:
-        raise ValueError(f"impl={impl!r}: choose one of {LINEAR_IMPLS}")
-    if impl == "xla":
-        return "xla", "linear_impl='xla' set explicitly"
-    if impl == "jla":
-        if not on_gpu(platform):
-            raise FastPathUnavailable(f"impl='jla' needs a GPU (Hopper, sm_90); the default JAX backend is "
-                                      f"{platform or current_platform()!r}. Use impl='xla' or 'auto' here.")
-        import_jla()
-    reason = jla_linear_reason(op, q, k, v, gates, scale=scale, initial_state=initial_state, platform=platform)
-    if reason is None:
-        return "jla", f"{impl}: jla's Mosaic GPU kernel takes this call"
-    if impl == "jla":
-        raise FastPathUnavailable(f"impl='jla' cannot run {op}: {reason}")
-    return "xla", f"auto: {reason}"
-
 
 # ----------------------------------------------------------------------------- the record
 
@@ -381,86 +317,3 @@ def recorded_backends(clear: bool = False) -> dict[str, str]:
 def recorded_reasons() -> dict[str, str]:
     """The reason for each recorded backend (a copy)."""
     return dict(_REASONS)
-
-
-# ----------------------------------------------------------------------------- per layer
-
-def _trace_mixer(cfg, mc, layer_idx: int, seq_len: int, batch: int,
-                 document_mask: bool = False) -> dict[str, tuple[str | None, str]]:
-    """``{op: (backend, reason)}`` one training forward of this mixer records, traced abstractly; an
-    error while tracing (say an explicit backend that cannot run here) ends it as op ``"error"``, and
-    so does a mixer that cannot mask documents under ``document_mask``."""
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from hybrid_lm.model.registry import MixerContext, get_mixer
-    from hybrid_lm.ops.attention import default_positions, segment_positions
-
-    cls = get_mixer(mc.kind).cls
-    if document_mask and (msg := document_mask_error(mc, _SLOTS[cfg.layer_types()[layer_idx]], seq_len)):
-        return {"error": (None, msg)}
-
-    def forward(x):
-        mixer = cls(cfg, mc, layer_idx, rngs=nnx.Rngs(0))
-        if document_mask:  # one document per row: the same dispatch as any packing
-            seg = jnp.zeros((batch, seq_len), jnp.int32)
-            ctx = MixerContext(positions=segment_positions(seg), attention_impl=cfg.attention_impl, segment_ids=seg)
-        else:
-            ctx = MixerContext(positions=default_positions(batch, seq_len), attention_impl=cfg.attention_impl)
-        return mixer(x, ctx)
-
-    saved = (dict(_BACKENDS), dict(_REASONS))
-    _BACKENDS.clear()
-    _REASONS.clear()
-    try:
-        error = None
-        try:
-            jax.eval_shape(forward, jax.ShapeDtypeStruct((batch, seq_len, cfg.d_model), jnp.dtype(cfg.compute_dtype)))
-        except Exception as e:  # reported in the table, after what resolved before it
-            error = f"{type(e).__name__}: {e}"
-        out = {op: (b, _REASONS.get(op, "")) for op, b in _BACKENDS.items()}
-        if error is not None:
-            out["error"] = (None, error)
-        return out
-    finally:
-        _BACKENDS.clear()
-        _REASONS.clear()
-        _BACKENDS.update(saved[0])
-        _REASONS.update(saved[1])
-
-
-def describe_layers(model_cfg, seq_len: int, *, batch: int = 1, document_mask: bool = False) -> list[dict]:
-    """What each layer's ops resolve to on this platform for ``[batch, seq_len]`` inputs in the
-    compute dtype: one row per layer and op, ``{"layer", "slot", "kind", "window", "block", "op",
-    "backend", "reason"}`` (``op``/``backend`` ``None`` for a mixer that dispatches nothing; op
-    ``"error"`` with the message as reason where tracing failed). Each slot's mixer is traced once
-    (training forward, no compute; with segment ids under ``document_mask``, i.e.
-    ``DataConfig.document_mask``) and its record read."""
-    from hybrid_lm.model.registry import get_mixer
-
-    traced: dict[str, dict] = {}
-    rows = []
-    for i, t in enumerate(model_cfg.layer_types()):
-        mc = model_cfg.mixer(t)
-        if t not in traced:
-            traced[t] = _trace_mixer(model_cfg, mc, i, seq_len, batch, document_mask)
-        block = getattr(get_mixer(mc.kind).parse_options(mc), "block_size", None)
-        base = {"layer": i, "slot": _SLOTS[t], "kind": mc.kind, "window": mc.window, "block": block}
-        if not traced[t]:
-            rows.append({**base, "op": None, "backend": None, "reason": "no dispatched op"})
-        for op, (backend, reason) in traced[t].items():
-            rows.append({**base, "op": op, "backend": backend, "reason": reason})
-    return rows
-
-
-def format_layers(rows: list[dict]) -> list[str]:
-    """:func:`describe_layers` rows as aligned text lines (a header, then one line per row)."""
-    def span(r):
-        parts = ([f"w={r['window']}"] if r["window"] is not None else []) + (
-            [f"block={r['block']}"] if r["block"] is not None else [])
-        return " ".join(parts) or "-"
-    table = [("layer", "slot", "mixer", "window/block", "op", "backend", "reason")]
-    table += [(str(r["layer"]), r["slot"], r["kind"], span(r), r["op"] or "-", r["backend"] or "-", r["reason"])
-              for r in rows]
-    widths = [max(len(row[i]) for row in table) for i in range(6)]
-    return ["  ".join(c.ljust(w) for c, w in zip(row[:6], widths)) + "  " + row[6] for row in table]

@@ -7,9 +7,8 @@ import json
 import logging
 import os
 import sys
-from pathlib import Path
 
-from hybrid_lm.config import load_config
+from hybrid_lm.experiment import load_config, run_id
 from hybrid_lm.errors import ConfigError, DataError, WorkdirError
 from hybrid_lm.train.compile_cache import enable_compilation_cache
 
@@ -59,7 +58,7 @@ def cmd_train(args) -> int:
 
 def cmd_info(args) -> int:
     from hybrid_lm.model.accounting import count_params, flops_per_token
-    from hybrid_lm.validate import validate_experiment, vocab_note
+    from hybrid_lm.experiment import validate_experiment, vocab_note
 
     cfg = load_config(args.config, args.gin_param, validate=False)
     validate_experiment(cfg, purpose="info")  # the vocabulary note is a line of the report, not a warning
@@ -70,7 +69,7 @@ def cmd_info(args) -> int:
     from hybrid_lm.train.microbatch import measured_per_device, rule_for
 
     micro, why = rule_for(cfg, batch_shards=1)
-    info = {"run_id": cfg.run_id(), "layer_types": "".join(cfg.model.layer_types()),
+    info = {"run_id": run_id(cfg), "layer_types": "".join(cfg.model.layer_types()),
             "seq_len": cfg.data.seq_len, "params": counts, "flops_per_token": flops,
             "microbatch": {"measured_per_device": measured_per_device(cfg), "microbatches_on_one_device": micro,
                            "reason": why, "applied_by": "hybrid-lm sweep",
@@ -108,17 +107,17 @@ def cmd_info(args) -> int:
 
 
 def _info_backends(cfg, as_json: bool) -> int:
-    from hybrid_lm import backends
+    from hybrid_lm import backends, describe
 
     m = cfg.model
-    rows = backends.describe_layers(m, cfg.data.seq_len, document_mask=cfg.data.document_mask)
+    rows = describe.describe_layers(m, cfg.data.seq_len, document_mask=cfg.data.document_mask)
     head = {"platform": backends.current_platform(), "seq_len": cfg.data.seq_len, "compute_dtype": m.compute_dtype,
             "attention_impl": m.attention_impl, "linear_impl": m.linear_impl}
     if as_json:
         print(json.dumps({**head, "layers": rows}, indent=2))
         return 0
     print("   ".join(f"{k} {v}" for k, v in head.items()))
-    print("\n".join(backends.format_layers(rows)))
+    print("\n".join(describe.format_layers(rows)))
     return 0
 
 

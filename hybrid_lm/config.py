@@ -244,15 +244,10 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
 
-    def to_dict(self) -> dict:
-        """The fields, plus ``data_identity`` (what the data contributes to the run id, resolved from
-        the store and tokenizer files now; ``config.json`` keeps it, so resume compares contents)."""
-        from hybrid_lm.data.identity import data_identity
-        return {**dataclasses.asdict(self), "data_identity": data_identity(self.data)}
-
-    def run_id(self) -> str:
-        blob = json.dumps(experiment_fields(self), sort_keys=True, default=str)
-        return hashlib.sha256(blob.encode()).hexdigest()[:12]
+    def fields_dict(self) -> dict:
+        """The fields as plain containers (``dataclasses.asdict``). ``config.json`` adds the resolved
+        data identity (``hybrid_lm.experiment.config_record``)."""
+        return dataclasses.asdict(self)
 
 
 # ----------------------------------------------------------------------------- layer patterns
@@ -281,9 +276,9 @@ def expand_pattern(pattern: str, n_layers: int) -> list[str]:
 _CONFIGURABLES = (MixerConfig, ModelConfig, DataConfig, OptimConfig, TrainConfig, CheckpointConfig, MeshConfig)
 
 
-def load_config(gin_files: list[str] | tuple[str, ...] = (), gin_params: list[str] | tuple[str, ...] = (),
-                validate: bool = True) -> Config:
-    """Parse gin files and ``k=v`` bindings into a validated :class:`Config`. Allocates nothing."""
+def parse_config(gin_files: list[str] | tuple[str, ...] = (), gin_params: list[str] | tuple[str, ...] = ()) -> Config:
+    """Parse gin files and ``k=v`` bindings into a :class:`Config`, unchecked (allocates nothing).
+    ``hybrid_lm.experiment.load_config`` parses and validates."""
     gin.clear_config()
     gin.add_config_file_search_path(str(CONFIGS_DIR))
     gin.add_config_file_search_path(str(CONFIGS_DIR.parent))
@@ -301,13 +296,9 @@ def load_config(gin_files: list[str] | tuple[str, ...] = (), gin_params: list[st
         raise ConfigError(f"bad gin binding: {_gin_error(e)}") from None
     finally:
         root.setLevel(level)
-    cfg = Config(model=ModelConfig(full=_slot_mixer("full"), efficient=_slot_mixer("efficient")),
-                 data=DataConfig(), optim=OptimConfig(), train=TrainConfig(), checkpoint=CheckpointConfig(),
-                 mesh=MeshConfig())
-    if validate:
-        from hybrid_lm.validate import validate_experiment  # the layer above: registry and tokenizers
-        validate_experiment(cfg)
-    return cfg
+    return Config(model=ModelConfig(full=_slot_mixer("full"), efficient=_slot_mixer("efficient")),
+                  data=DataConfig(), optim=OptimConfig(), train=TrainConfig(), checkpoint=CheckpointConfig(),
+                  mesh=MeshConfig())
 
 
 def _gin_error(e: Exception) -> str:
@@ -370,41 +361,6 @@ REMOVED_FIELDS = {"train": ("eval_batches",)}
 RUN_CONFIG_SECTIONS = ("model", "data", "optim", "train", "checkpoint", "mesh")
 
 
-def read_run_config(path: str | Path) -> tuple[dict, Config]:
-    """A run directory's ``config.json`` (``path``): its contents and the :class:`Config` they define.
-
-    The one reader of that file. A file that is not JSON, not an object, lacks a section or holds a
-    field this version does not know raises :class:`ConfigError` naming the file and what is wrong;
-    the file is left as it is."""
-    path = Path(path)
-    try:
-        d = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConfigError(f"{path} is not JSON ({e}): fix or restore the run's config, as `hybrid-lm train` "
-                          "wrote it") from None
-    if not isinstance(d, dict):
-        raise ConfigError(f"{path} holds a JSON {type(d).__name__}, not the object `hybrid-lm train` writes")
-    missing = [s for s in RUN_CONFIG_SECTIONS if not isinstance(d.get(s), dict)]
-    if missing:
-        raise ConfigError(f"{path}: missing section{'s' * (len(missing) > 1)} {', '.join(map(repr, missing))}: "
-                          "not a run config as `hybrid-lm train` writes it")
-    types = get_type_hints(Config)
-    tables = [(sec, d[sec], types[sec]) for sec in RUN_CONFIG_SECTIONS]
-    tables += [(f"model.{slot}", d["model"][slot], MixerConfig) for slot in ("full", "efficient")
-               if isinstance(d["model"].get(slot), dict)]
-    unknown = [f"{where}.{k}" for where, table, cls in tables for k in table
-               if k not in {f.name for f in dataclasses.fields(cls)} | set(REMOVED_FIELDS.get(where, ()))]
-    if unknown:
-        raise ConfigError(f"{path}: unknown field{'s' * (len(unknown) > 1)} {', '.join(unknown)} (not a field of "
-                          "this version's config; remove it, or use the version that wrote the run)")
-    try:
-        return d, config_from_dict(d)
-    except KeyError as e:
-        raise ConfigError(f"{path}: missing field {e}") from None
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"{path}: {e}") from None
-
-
 def wsd_bounds(o: OptimConfig, total_steps: int) -> tuple[int, int]:
     """``(decay_start, decay_steps)`` of a run of ``total_steps``: the last ``decay_fraction`` decays (the
     schedule itself is ``train.optim.wsd_lr``; here, without jax, for the config checks too)."""
@@ -452,7 +408,7 @@ def _literal_choices(tp) -> tuple:
 
 
 def check_config(cfg: Config) -> None:
-    """The checks that need nothing beyond the config; :func:`hybrid_lm.validate.validate_experiment`
+    """The checks that need nothing beyond the config; :func:`hybrid_lm.experiment.validate_experiment`
     adds the mixer registry's and the tokenizer's."""
     check_choices(cfg)
     m = cfg.model
@@ -515,21 +471,12 @@ def check_data_config(d: DataConfig) -> None:
             raise ConfigError(f"DataConfig.mixture entry {e!r} must be a (store path, weight > 0) pair")
 
 
-def validate_config(cfg: Config) -> None:
-    """Every check, the registry's and tokenizer's included (:func:`hybrid_lm.validate.validate_experiment`)."""
-    from hybrid_lm.validate import validate_experiment
-    validate_experiment(cfg)
-
-
 # ----------------------------------------------------------------------------- run identity
 
-def experiment_fields(cfg: Config, data_identity: dict | None = None) -> dict[str, Any]:
+def experiment_fields(cfg: Config, data_identity: dict) -> dict[str, Any]:
     """Flat ``section.field -> value`` of the fields that define the experiment. The data enter by
-    content (``data.identity``: store fingerprints and the tokenizer's hash, see
-    :mod:`hybrid_lm.data.identity`; ``data_identity`` as recorded, else resolved now), not by path."""
-    if data_identity is None:
-        from hybrid_lm.data.identity import data_identity as resolve
-        data_identity = resolve(cfg.data)
+    content (``data.identity``: store fingerprints and the tokenizer's hash, resolved from disk by
+    :mod:`hybrid_lm.data.identity`), not by path."""
     out: dict[str, Any] = {"data.identity": data_identity} if data_identity else {}
     for sec in dataclasses.fields(cfg):
         obj = getattr(cfg, sec.name)
@@ -557,8 +504,8 @@ def _jsonable(v):
     return json.loads(json.dumps(v, default=str))
 
 
-def diff_experiments(old: dict, new: dict) -> list[str]:
-    """Fields (``section.field``) whose experiment-defining values differ between two config dicts."""
-    a = experiment_fields(config_from_dict(old), old.get("data_identity"))
-    b = experiment_fields(config_from_dict(new), new.get("data_identity"))
-    return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+def run_id_of(cfg: Config, data_identity: dict) -> str:
+    """The experiment's id: a hash of :func:`experiment_fields` (``hybrid_lm.experiment.run_id``
+    resolves the data identity from disk)."""
+    blob = json.dumps(experiment_fields(cfg, data_identity), sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]

@@ -135,7 +135,7 @@ def tiny_run(tmp_path_factory, worker_id, _data_dir):
     every 5 steps) in a fresh temp dir. The run is trained once per test run (across xdist workers too)
     for each ``steps`` and copied on every call, so the eval test modules share the training and still
     each write into their own run directory."""
-    from hybrid_lm.config import load_config
+    from hybrid_lm.experiment import load_config
     from hybrid_lm.train.loop import train
 
     trained = {}  # steps -> the trained run (never handed out)

@@ -10,8 +10,10 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from hybrid_lm import backends
-from hybrid_lm.config import MixerConfig, ModelConfig, load_config
+from hybrid_lm import backends, describe
+from hybrid_lm.ops.linear_attention_gpu import linear_attention_backend
+from hybrid_lm.config import MixerConfig, ModelConfig
+from hybrid_lm.experiment import load_config
 from hybrid_lm.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -123,33 +125,33 @@ def _linear_specs(D=64):
 
 def test_linear_backend_on_cpu():
     qkv, gates = _linear_specs()
-    b, why = backends.linear_attention_backend("simple_gla", "auto", *qkv, gates)
+    b, why = linear_attention_backend("simple_gla", "auto", *qkv, gates)
     assert b == "xla" and why.startswith("auto: no GPU: the default JAX backend is 'cpu'")
-    assert backends.linear_attention_backend("simple_gla", "xla", *qkv, gates) == (
+    assert linear_attention_backend("simple_gla", "xla", *qkv, gates) == (
         "xla", "linear_impl='xla' set explicitly")
     with pytest.raises(backends.FastPathUnavailable, match="needs a GPU.*'cpu'"):
-        backends.linear_attention_backend("gated_delta_rule", "jla", *qkv, gates)
+        linear_attention_backend("gated_delta_rule", "jla", *qkv, gates)
     with pytest.raises(ValueError, match="impl='pallas'"):
-        backends.linear_attention_backend("simple_gla", "pallas", *qkv, gates)
+        linear_attention_backend("simple_gla", "pallas", *qkv, gates)
 
 
 def test_linear_backend_on_a_faked_gpu(fake_gpu, monkeypatch):
     qkv, gates = _linear_specs()
     monkeypatch.setitem(sys.modules, "jla", None)  # as if jax-linear-attention were not installed
     monkeypatch.setitem(sys.modules, "jla.ops", None)
-    b, why = backends.linear_attention_backend("simple_gla", "auto", *qkv, gates)
+    b, why = linear_attention_backend("simple_gla", "auto", *qkv, gates)
     assert b == "xla" and "not installed" in why
     with pytest.raises(backends.FastPathUnavailable, match="jax-linear-attention"):
-        backends.linear_attention_backend("simple_gla", "jla", *qkv, gates)
+        linear_attention_backend("simple_gla", "jla", *qkv, gates)
     monkeypatch.undo()
     if not backends.jla_available():
         return
     monkeypatch.setattr(backends, "on_gpu", lambda platform=None: True)
     from hybrid_lm.ops import linear_attention_gpu as lag
     monkeypatch.setattr(lag, "_jla_kernel_reason", lambda op, *a: None)
-    assert backends.linear_attention_backend("simple_gla", "auto", *qkv, gates, scale=0.5) == (
+    assert linear_attention_backend("simple_gla", "auto", *qkv, gates, scale=0.5) == (
         "jla", "auto: jla's Mosaic GPU kernel takes this call")
-    b, why = backends.linear_attention_backend("simple_gla", "auto", *qkv, gates, scale=jnp.float32(0.5))
+    b, why = linear_attention_backend("simple_gla", "auto", *qkv, gates, scale=jnp.float32(0.5))
     assert b == "xla" and "scale must be a Python number" in why
 
 
@@ -209,14 +211,14 @@ def _ops_by_layer(rows):
 
 def test_describe_layers_quickstart():
     cfg = load_config([str(ROOT / "configs" / "quickstart.gin")])
-    rows = backends.describe_layers(cfg.model, cfg.data.seq_len)
+    rows = describe.describe_layers(cfg.model, cfg.data.seq_len)
     assert _ops_by_layer(rows) == {0: ["full"], 1: ["swa w=32"], 2: ["full"], 3: ["swa w=32"]}
     assert [r["slot"] for r in rows] == ["full", "efficient"] * 2
     assert all(r["backend"] == "xla" and "no GPU" in r["reason"] for r in rows)
     assert rows[1] == {"layer": 1, "slot": "efficient", "kind": "swa", "window": 32, "block": None,
                        "op": "swa w=32", "backend": "xla",
                        "reason": "auto: no GPU: the default JAX backend is 'cpu'"}
-    lines = backends.format_layers(rows)
+    lines = describe.format_layers(rows)
     assert lines[0].split() == ["layer", "slot", "mixer", "window/block", "op", "backend", "reason"]
     assert len(lines) == 5 and "swa w=32" in lines[2]
 
@@ -230,7 +232,7 @@ ARCH_OPS = {"gdn.gin": ["gdn"], "lightning.gin": ["lightning"], "mamba2.gin": ["
 @pytest.mark.parametrize("arch", ARCHS)
 def test_describe_layers_arch(arch):
     cfg = load_config([str(ROOT / "configs" / "quickstart.gin"), str(ROOT / "configs" / "arch" / arch)])
-    rows = backends.describe_layers(cfg.model, cfg.data.seq_len)
+    rows = describe.describe_layers(cfg.model, cfg.data.seq_len)
     by_layer = _ops_by_layer(rows)
     assert sorted(by_layer) == list(range(cfg.model.n_layers))
     mixed = [i for i, t in enumerate(cfg.model.layer_types()) if cfg.model.mixer(t).kind not in ("attention",)]
@@ -244,7 +246,7 @@ def test_describe_layers_leaves_the_record_alone():
     backends.recorded_backends(clear=True)
     backends.record_backend("mine", "xla", "kept")
     cfg = load_config([str(ROOT / "configs" / "quickstart.gin")])
-    backends.describe_layers(cfg.model, cfg.data.seq_len)
+    describe.describe_layers(cfg.model, cfg.data.seq_len)
     assert backends.recorded_backends(clear=True) == {"mine": "xla"}
 
 
@@ -254,20 +256,20 @@ def test_describe_layers_on_a_faked_gpu(fake_gpu, monkeypatch):
     monkeypatch.setattr(ops, "causal_attention", lambda q, k, v, implementation: q)
     cfg = load_config([str(ROOT / "configs" / "quickstart.gin"), str(ROOT / "configs" / "arch" / "ssa.gin")],
                       ["ModelConfig.compute_dtype = 'bfloat16'"])  # cuDNN takes bf16/fp16 only
-    rows = backends.describe_layers(cfg.model, cfg.data.seq_len)
+    rows = describe.describe_layers(cfg.model, cfg.data.seq_len)
     assert [(r["op"], r["backend"]) for r in rows[:2]] == [("full", "cudnn"), ("ssa sparse block=16", "pallas-gather")]
     cfg = load_config([str(ROOT / "configs" / "quickstart.gin")], ["ModelConfig.compute_dtype = 'bfloat16'"])
-    rows = backends.describe_layers(cfg.model, cfg.data.seq_len)
+    rows = describe.describe_layers(cfg.model, cfg.data.seq_len)
     assert [(r["op"], r["backend"]) for r in rows[:2]] == [("full", "cudnn"), ("swa w=32", "pallas")]
     cfg = load_config([str(ROOT / "configs" / "quickstart.gin")])  # fp32: cuDNN would reject it
-    rows = backends.describe_layers(cfg.model, cfg.data.seq_len)
+    rows = describe.describe_layers(cfg.model, cfg.data.seq_len)
     assert [(r["op"], r["backend"]) for r in rows[:2]] == [("full", "xla"), ("swa w=32", "pallas")]
 
 
 def test_describe_layers_reports_an_impossible_choice():
     cfg = load_config([str(ROOT / "configs" / "quickstart.gin"), str(ROOT / "configs" / "arch" / "sa.gin")],
                       ["ModelConfig.attention_impl = 'cudnn'"])
-    rows = backends.describe_layers(cfg.model, cfg.data.seq_len)
+    rows = describe.describe_layers(cfg.model, cfg.data.seq_len)
     err = [r for r in rows if r["op"] == "error" and r["kind"] == "sa"]
     assert err and all("ConfigError" in r["reason"] and "stochastic" in r["reason"] for r in err)
 

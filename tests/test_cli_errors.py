@@ -7,6 +7,7 @@ import shutil
 import pytest
 
 from hybrid_lm.cli import main
+from hybrid_lm.experiment import config_record
 from resume_check import make_unwritable
 
 pytestmark = pytest.mark.slow  # trains a run
@@ -15,7 +16,7 @@ pytestmark = pytest.mark.slow  # trains a run
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory, _data_dir):
     from conftest import TINY
-    from hybrid_lm.config import load_config
+    from hybrid_lm.experiment import load_config
     from hybrid_lm.train.loop import train
 
     wd = tmp_path_factory.mktemp("cli_errors_run")
@@ -100,9 +101,9 @@ def test_a_corrupt_run_config_is_one_line_naming_it(tmp_path, capsys, text, what
 def test_a_run_config_with_an_unknown_or_missing_field_names_it(tmp_path, capsys):
     import json
 
-    from hybrid_lm.config import load_config
+    from hybrid_lm.experiment import load_config
 
-    good = load_config(["quickstart.gin"]).to_dict()
+    good = config_record(load_config(["quickstart.gin"]))
     wd = tmp_path / "run"
     wd.mkdir()
     (wd / "config.json").write_text(json.dumps({**good, "model": {**good["model"], "colour": "red"}}))

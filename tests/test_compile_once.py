@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import pytest
 from conftest import TINY, triton_calls_for_cuda
 
-from hybrid_lm.config import load_config
+from hybrid_lm.experiment import load_config
 from hybrid_lm.train.step import ModelFns
 
 

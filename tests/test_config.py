@@ -2,7 +2,8 @@ import json
 
 import pytest
 
-from hybrid_lm.config import CONFIGS_DIR, config_from_dict, diff_experiments, expand_pattern, load_config
+from hybrid_lm.config import CONFIGS_DIR, config_from_dict, expand_pattern
+from hybrid_lm.experiment import config_record, diff_experiments, load_config, run_id
 from hybrid_lm.errors import ConfigError
 from hybrid_lm.train.rundir import prepare_run_dir
 
@@ -52,15 +53,15 @@ def test_run_id_ignores_logging_paths_cadence_and_steps():
                                             "MeshConfig.data = 1"])
     other = load_config(["quickstart.gin"], ["TrainConfig.seed = 1"])
     other2 = load_config(["quickstart.gin"], ["OptimConfig.lr = 1e-4"])
-    assert base.run_id() == same.run_id()
-    assert len({base.run_id(), other.run_id(), other2.run_id()}) == 3
+    assert run_id(base) == run_id(same)
+    assert len({run_id(base), run_id(other), run_id(other2)}) == 3
 
 
 def test_config_json_round_trip():
     cfg = load_config(["quickstart.gin"], ["efficient/MixerConfig.window = 5"])
-    d = json.loads(json.dumps(cfg.to_dict()))
+    d = json.loads(json.dumps(config_record(cfg)))
     assert config_from_dict(d) == cfg
-    assert diff_experiments(d, cfg.to_dict()) == []
+    assert diff_experiments(d, config_record(cfg)) == []
 
 
 def test_resume_refuses_a_different_experiment(tmp_path):
@@ -115,7 +116,7 @@ def test_importing_config_pulls_in_no_jax():
 
 
 # run ids computed by the code before mixers declared their fields: existing default runs keep resuming
-@pytest.mark.parametrize("files,run_id", [
+@pytest.mark.parametrize("files,expected_id", [
     (["quickstart.gin"], "bc91a0bd964d"),
     (["scale/s4.gin"], "b8611841d379"),
     (["base.gin", "scale/s4.gin"], "b8611841d379"),
@@ -124,8 +125,8 @@ def test_importing_config_pulls_in_no_jax():
     (["quickstart.gin", "arch/sa.gin"], "fc86b6ba4c3a"),
     (["scale/s1.gin", "arch/gdn.gin"], "fcf084f91e2d"),
 ])
-def test_run_ids_are_unchanged(files, run_id):
-    assert load_config(files).run_id() == run_id
+def test_run_ids_are_unchanged(files, expected_id):
+    assert run_id(load_config(files)) == expected_id
 
 
 @pytest.mark.parametrize("binding,field,choices", [
@@ -233,13 +234,13 @@ def test_mixers_declare_what_they_read():
     (["quickstart.gin"], ["ModelConfig.layer_pattern = 'F'", "efficient/MixerConfig.window = 500"], []),  # unused
 ])
 def test_config_warnings(files, params, expected):
-    from hybrid_lm.validate import config_warnings
+    from hybrid_lm.experiment import config_warnings
     got = config_warnings(load_config(files, params))
     assert len(got) == len(expected) and all(g.startswith(e) for g, e in zip(got, expected)), got
 
 
 def test_warnings_are_logged_once_at_validation(caplog, monkeypatch):
-    from hybrid_lm import validate
+    from hybrid_lm import experiment as validate
     monkeypatch.setattr(validate, "_WARNED", set())
     with caplog.at_level("WARNING", logger="hybrid_lm.validate"):
         load_config(["quickstart.gin"], ["TrainConfig.steps = 10"])
@@ -252,7 +253,7 @@ def test_warnings_are_logged_once_at_validation(caplog, monkeypatch):
 def test_an_eval_does_not_repeat_the_training_setup_warnings(caplog, monkeypatch, tmp_path):
     """warmup > steps and the vocabulary note are warned about where a run is configured to train
     (load_config: train, sweep), not each time `hybrid-lm eval` loads a run's config."""
-    from hybrid_lm import validate
+    from hybrid_lm import experiment as validate
     from hybrid_lm.cli import main
 
     cfg = load_config(["quickstart.gin"], ["TrainConfig.steps = 10", "ModelConfig.vocab_size = 1024"])
@@ -262,7 +263,7 @@ def test_an_eval_does_not_repeat_the_training_setup_warnings(caplog, monkeypatch
     overlap = load_config(["quickstart.gin"], ["TrainConfig.steps = 60"], validate=False)
     assert [w.split(":")[0] for w in validate.config_warnings(overlap, "info")] == ["OptimConfig.warmup_steps=50"]
     assert validate.config_warnings(overlap, "eval") == []
-    (tmp_path / "config.json").write_text(json.dumps(cfg.to_dict()))
+    (tmp_path / "config.json").write_text(json.dumps(config_record(cfg)))
     monkeypatch.setattr(validate, "_WARNED", set())
     caplog.clear()
     with caplog.at_level("WARNING", logger="hybrid_lm.validate"):
@@ -276,7 +277,7 @@ def test_an_eval_does_not_repeat_the_training_setup_warnings(caplog, monkeypatch
 def test_info_states_the_vocabulary_note_as_a_line_not_a_warning(caplog, capsys, monkeypatch):
     """`hybrid-lm info` of a scale preset (vocab 73,448 on the byte tokenizer) prints the note once in
     its report instead of logging a warning; warmup > steps stays a warning; training still warns."""
-    from hybrid_lm import validate
+    from hybrid_lm import experiment as validate
     from hybrid_lm.cli import main
 
     monkeypatch.setattr(validate, "_WARNED", set())
@@ -313,7 +314,7 @@ def test_an_unreadable_gin_value_is_one_clean_line(binding, expected):
 def test_the_vocabulary_note_mentions_rounding_only_when_there_was_some(monkeypatch):
     from types import SimpleNamespace
 
-    from hybrid_lm import validate
+    from hybrid_lm import experiment as validate
 
     cfg = load_config(["quickstart.gin"], ["ModelConfig.vocab_size = 1024"], validate=False)
     assert validate.vocab_note(cfg) == ("ModelConfig.vocab_size=1024 exceeds the 'byte' tokenizer's 256 ids: 768 "

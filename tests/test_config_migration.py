@@ -5,7 +5,8 @@ import logging
 
 import pytest
 
-from hybrid_lm.config import config_from_dict, load_config
+from hybrid_lm.config import config_from_dict
+from hybrid_lm.experiment import config_record, load_config, run_id
 from hybrid_lm.train.rundir import accepted_run_ids, prepare_run_dir
 
 # quickstart + kind=moba under the old rules: base/quickstart's window (32) stayed in the record and the run id
@@ -14,7 +15,7 @@ OLD_ID = "8daad79730ce"
 
 def _old_config_json(new):
     """config.json as the old code wrote it for ``new``: the unread window recorded, eval_batches present."""
-    d = json.loads(json.dumps(new.to_dict(), default=str))
+    d = json.loads(json.dumps(config_record(new), default=str))
     d["model"]["efficient"]["window"] = 32
     d["train"]["eval_batches"] = 4
     return d
@@ -22,8 +23,8 @@ def _old_config_json(new):
 
 def test_old_rules_reproduced():
     new = load_config(["quickstart.gin"], ["efficient/MixerConfig.kind = 'moba'"])
-    assert new.model.efficient.window is None and new.run_id() != OLD_ID
-    assert config_from_dict(_old_config_json(new)).run_id() == OLD_ID  # the old run id hashed every field
+    assert new.model.efficient.window is None and run_id(new) != OLD_ID
+    assert run_id(config_from_dict(_old_config_json(new))) == OLD_ID  # the old run id hashed every field
 
 
 def test_old_run_dir_is_migrated_once(tmp_path, caplog):
@@ -35,36 +36,36 @@ def test_old_run_dir_is_migrated_once(tmp_path, caplog):
         prepare_run_dir(new, tmp_path)  # no "different experiment" error
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 1 and "model.efficient.window reset" in lines[0] and "train.eval_batches dropped" in lines[0]
-    assert f"run id {OLD_ID} -> {new.run_id()}" in lines[0]
+    assert f"run id {OLD_ID} -> {run_id(new)}" in lines[0]
     assert (tmp_path / "config.json.bak").read_text() == old_text
     stored = json.loads((tmp_path / "config.json").read_text())
-    assert stored["run_id"] == new.run_id() and stored["previous_run_ids"] == [OLD_ID]
+    assert stored["run_id"] == run_id(new) and stored["previous_run_ids"] == [OLD_ID]
     assert stored["model"]["efficient"]["window"] is None and "eval_batches" not in stored["train"]
-    assert accepted_run_ids(tmp_path) == {new.run_id(), OLD_ID}
+    assert accepted_run_ids(tmp_path) == {run_id(new), OLD_ID}
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="hybrid_lm.train.rundir"):
         prepare_run_dir(load_config(["quickstart.gin"], ["efficient/MixerConfig.kind = 'moba'",
                                                          "TrainConfig.steps = 999"]), tmp_path)
-    assert not caplog.records and accepted_run_ids(tmp_path) == {new.run_id(), OLD_ID}
+    assert not caplog.records and accepted_run_ids(tmp_path) == {run_id(new), OLD_ID}
 
 
 def test_removed_field_alone_keeps_the_run_id(tmp_path):
     cfg = load_config(["quickstart.gin"])
-    d = {**json.loads(json.dumps(cfg.to_dict(), default=str)), "run_id": cfg.run_id()}
+    d = {**json.loads(json.dumps(config_record(cfg), default=str)), "run_id": run_id(cfg)}
     d["train"]["eval_batches"] = 4
     (tmp_path / "config.json").write_text(json.dumps(d))
     assert config_from_dict(d) == cfg
     prepare_run_dir(cfg, tmp_path)
     stored = json.loads((tmp_path / "config.json").read_text())
     assert "eval_batches" not in stored["train"] and "previous_run_ids" not in stored
-    assert accepted_run_ids(tmp_path) == {cfg.run_id()}
+    assert accepted_run_ids(tmp_path) == {run_id(cfg)}
 
 
 def test_a_current_run_dir_is_not_migrated(tmp_path):
     cfg = load_config(["quickstart.gin", "arch/moba.gin"])
     prepare_run_dir(cfg, tmp_path)
     prepare_run_dir(cfg, tmp_path)
-    assert not (tmp_path / "config.json.bak").exists() and accepted_run_ids(tmp_path) == {cfg.run_id()}
+    assert not (tmp_path / "config.json.bak").exists() and accepted_run_ids(tmp_path) == {run_id(cfg)}
     assert accepted_run_ids(tmp_path / "missing") == set()
 
 
@@ -75,9 +76,9 @@ def test_checkpoint_of_an_old_run_resumes_without_force(tiny_params, tmp_path, c
                             "{'block_size': 4, 'top_k': 2}", "TrainConfig.steps = 5", "TrainConfig.eval_every = 5"]
     new = load_config([], params)
     # train as the old code did: moba with a recorded (unread) window, so checkpoints carry the old run id
-    old_cfg = config_from_dict(json.loads(json.dumps({**new.to_dict(), "model": {
-        **new.to_dict()["model"], "efficient": {**new.to_dict()["model"]["efficient"], "window": 8}}}, default=str)))
-    assert old_cfg.run_id() != new.run_id()
+    old_cfg = config_from_dict(json.loads(json.dumps({**config_record(new), "model": {
+        **config_record(new)["model"], "efficient": {**config_record(new)["model"]["efficient"], "window": 8}}}, default=str)))
+    assert run_id(old_cfg) != run_id(new)
     train(old_cfg, tmp_path)
     d = json.loads((tmp_path / "config.json").read_text())
     d["train"]["eval_batches"] = 4
@@ -88,4 +89,4 @@ def test_checkpoint_of_an_old_run_resumes_without_force(tiny_params, tmp_path, c
     assert res.resumed_from == 5 and res.step == 7
     assert not [r for r in caplog.records if "(forced)" in r.getMessage()]
     assert any("migrated" in r.getMessage() for r in caplog.records)
-    assert accepted_run_ids(tmp_path) == {new.run_id(), old_cfg.run_id()}
+    assert accepted_run_ids(tmp_path) == {run_id(new), run_id(old_cfg)}

@@ -75,7 +75,7 @@ def test_train_loss_chunked_equals_full():
     """The train step's loss and gradients with loss_impl='chunked' equal loss_impl='full' (tiny model,
     z-loss on), and auto picks by the size of the whole logits."""
     from hybrid_lm.backends import CHUNKED_LOSS_MIN_BYTES, loss_backend
-    from hybrid_lm.config import load_config
+    from hybrid_lm.experiment import load_config
     from hybrid_lm.train.step import ModelFns
 
     assert loss_backend("auto", 4096, 256)[0] == "full"  # the quickstart: 4 MiB of logits

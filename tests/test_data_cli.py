@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from hybrid_lm.cli import main
-from hybrid_lm.config import load_config
+from hybrid_lm.experiment import load_config
 from hybrid_lm.data.corpus import default_dir
 from hybrid_lm.data.pipeline import DataStreams
 from hybrid_lm.data.store import TokenStore

@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 
-from hybrid_lm.config import load_config
+from hybrid_lm.experiment import config_record, load_config, run_id
 from hybrid_lm.data.prepare import prepare
 from hybrid_lm.data.sources import SourceSpec
 from hybrid_lm.data.tokenizer import train_bpe
@@ -27,18 +27,18 @@ def cfg(*params):
 
 def test_default_data_keeps_the_published_run_id():
     c = cfg()
-    assert c.run_id() == "bc91a0bd964d" and c.to_dict()["data_identity"] == {}
+    assert run_id(c) == "bc91a0bd964d" and config_record(c)["data_identity"] == {}
 
 
 def test_store_content_not_path_defines_the_id(tmp_path):
     a, b = store(tmp_path, "a", 1), store(tmp_path, "b", 2)
-    ida = cfg("DataConfig.source='tokens'", f"DataConfig.path='{a}'").run_id()
-    idb = cfg("DataConfig.source='tokens'", f"DataConfig.path='{b}'").run_id()
-    assert ida != idb != cfg().run_id()
+    ida = run_id(cfg("DataConfig.source='tokens'", f"DataConfig.path='{a}'"))
+    idb = run_id(cfg("DataConfig.source='tokens'", f"DataConfig.path='{b}'"))
+    assert ida != idb != run_id(cfg())
     shutil.move(str(a), str(tmp_path / "moved"))
-    assert cfg("DataConfig.source='tokens'", f"DataConfig.path='{tmp_path / 'moved'}'").run_id() == ida
-    w1 = cfg(f"DataConfig.mixture=(('{tmp_path / 'moved'}', 1.0), ('{b}', 1.0))").run_id()
-    w2 = cfg(f"DataConfig.mixture=(('{tmp_path / 'moved'}', 2.0), ('{b}', 1.0))").run_id()
+    assert run_id(cfg("DataConfig.source='tokens'", f"DataConfig.path='{tmp_path / 'moved'}'")) == ida
+    w1 = run_id(cfg(f"DataConfig.mixture=(('{tmp_path / 'moved'}', 1.0), ('{b}', 1.0))"))
+    w2 = run_id(cfg(f"DataConfig.mixture=(('{tmp_path / 'moved'}', 2.0), ('{b}', 1.0))"))
     assert w1 != w2
 
 
@@ -46,11 +46,11 @@ def test_tokenizer_hash_not_path_defines_the_id(tmp_path):
     texts = write_jsonl(tmp_path / "t.jsonl", 60)
     tj = train_bpe(iter(texts), 300, tmp_path / "tok")
     params = ["ModelConfig.vocab_size=384"]
-    one = cfg(*params, f"DataConfig.tokenizer='{tj}'").run_id()
+    one = run_id(cfg(*params, f"DataConfig.tokenizer='{tj}'"))
     shutil.copytree(tmp_path / "tok", tmp_path / "tok2")
-    assert cfg(*params, f"DataConfig.tokenizer='{tmp_path / 'tok2' / 'tokenizer.json'}'").run_id() == one
+    assert run_id(cfg(*params, f"DataConfig.tokenizer='{tmp_path / 'tok2' / 'tokenizer.json'}'")) == one
     tj2 = train_bpe(iter(texts), 290, tmp_path / "tok3")
-    assert cfg(*params, f"DataConfig.tokenizer='{tj2}'").run_id() != one
+    assert run_id(cfg(*params, f"DataConfig.tokenizer='{tj2}'")) != one
 
 
 def test_resume_refuses_other_data_under_the_same_path(tmp_path):

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from hybrid_lm import backends
-from hybrid_lm.config import load_config
+from hybrid_lm import backends, describe
+from hybrid_lm.experiment import load_config
 from hybrid_lm.errors import ConfigError, DataError
 from hybrid_lm.model.registry import MixerContext
 from hybrid_lm.model.transformer import HybridLM
@@ -298,15 +298,15 @@ def test_auto_resolves_to_xla_on_a_gpu_and_info_shows_it(tiny_params, monkeypatc
         assert b == "xla" and why.startswith("auto: document_mask: only the XLA reference")
     assert backends.attention_backend("auto", permuted=False, window=None, qkv=(s, s, s))[0] == "cudnn"
     cfg = load_config([], tiny_params + ["DataConfig.document_mask = True", "ModelConfig.compute_dtype = 'bfloat16'"])
-    rows = backends.describe_layers(cfg.model, cfg.data.seq_len, document_mask=True)
+    rows = describe.describe_layers(cfg.model, cfg.data.seq_len, document_mask=True)
     assert {(r["op"], r["backend"]) for r in rows} == {("full", "xla"), ("swa w=8", "xla")}
     assert all("document_mask" in r["reason"] for r in rows)
-    plain = backends.describe_layers(cfg.model, cfg.data.seq_len)
+    plain = describe.describe_layers(cfg.model, cfg.data.seq_len)
     assert {r["backend"] for r in plain if r["op"] == "full"} == {"cudnn"}
 
 
 def test_info_reports_a_refused_layer(tiny_params):
     cfg = load_config([], tiny_params + ["efficient/MixerConfig.kind = 'mamba2'"])
-    rows = backends.describe_layers(cfg.model, cfg.data.seq_len, document_mask=True)
+    rows = describe.describe_layers(cfg.model, cfg.data.seq_len, document_mask=True)
     errors = [r for r in rows if r["op"] == "error"]
     assert errors and all(r["kind"] == "mamba2" and "cannot mask documents" in r["reason"] for r in errors)

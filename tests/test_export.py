@@ -11,6 +11,7 @@ import pytest
 
 from hybrid_lm.errors import ConfigError, WorkdirError
 from hybrid_lm.eval import export as X
+from hybrid_lm.experiment import run_id
 
 
 def test_names_round_trip():
@@ -28,7 +29,7 @@ def test_names_round_trip():
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory, _data_dir):
     from conftest import TINY
-    from hybrid_lm.config import load_config
+    from hybrid_lm.experiment import load_config
     from hybrid_lm.train.loop import train
 
     wd = tmp_path_factory.mktemp("export_run")
@@ -54,7 +55,7 @@ def test_round_trip(run_dir, tmp_path):
     params, cfg = X.load_exported(out)
     meta = cfg.pop("export")
     assert cfg == json.loads((wd / "config.json").read_text())
-    assert meta["step"] == 4 and meta["run_id"] == run.cfg.run_id() and meta["dtype"] == "float32"
+    assert meta["step"] == 4 and meta["run_id"] == run_id(run.cfg) and meta["dtype"] == "float32"
     assert meta["hybrid_lm_version"] and meta["params_fingerprint"] == params_fingerprint(run.params)
     want = X.flatten_params(run.params)
     got = X.flatten_params(params)

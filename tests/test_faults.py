@@ -4,7 +4,8 @@ import json
 import pytest
 
 from hybrid_lm.cli import main
-from hybrid_lm.config import CONFIGS_DIR, load_config
+from hybrid_lm.config import CONFIGS_DIR
+from hybrid_lm.experiment import load_config
 from hybrid_lm.errors import ConfigError
 from hybrid_lm.train.metrics import MetricsWriter, plot_loss_curve, read_metrics
 

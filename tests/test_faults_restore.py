@@ -144,7 +144,7 @@ STEPS = 10  # checkpoints at 5 and 10 (TINY: every_steps = 5)
 @pytest.fixture(scope="module")
 def done_run(tmp_path_factory, _data_dir):
     from conftest import TINY
-    from hybrid_lm.config import load_config
+    from hybrid_lm.experiment import load_config
     from hybrid_lm.train.loop import train
 
     wd = tmp_path_factory.mktemp("done_run")
@@ -167,7 +167,7 @@ def _corrupt(wd, step):
 
 def _cfg(steps=STEPS):
     from conftest import TINY
-    from hybrid_lm.config import load_config
+    from hybrid_lm.experiment import load_config
     return load_config([], list(TINY) + [f"TrainConfig.steps = {steps}"])
 
 

@@ -18,7 +18,7 @@ from hybrid_lm.eval import introspect as I
 
 def _one_layer(*extra):
     from conftest import TINY
-    from hybrid_lm.config import load_config
+    from hybrid_lm.experiment import load_config
     from hybrid_lm.train.step import ModelFns
 
     cfg = load_config([], list(TINY) + ["ModelConfig.n_layers = 1", "ModelConfig.layer_pattern = 'F'",

@@ -36,7 +36,7 @@ def test_summaries():
 @pytest.fixture(scope="module")
 def run(tmp_path_factory, _data_dir):
     from conftest import TINY
-    from hybrid_lm.config import load_config
+    from hybrid_lm.experiment import load_config
     from hybrid_lm.eval.restore import RestoredRun
     from hybrid_lm.train.loop import train
 

@@ -11,7 +11,7 @@ import pytest
 
 from conftest import TINY
 from hybrid_lm.cli import main
-from hybrid_lm.config import load_config
+from hybrid_lm.experiment import load_config, run_id
 from hybrid_lm.eval.restore import RestoredRun, load_run_config
 from hybrid_lm.train import loop
 from hybrid_lm.train.checkpoint import params_fingerprint
@@ -80,11 +80,11 @@ def test_a_continued_run_starts_from_the_source_and_resumes_its_own(source, tmp_
     assert opt and all(not np.any(x) for x in opt)  # zero moments, zero counts
 
     # identity: the source's run id and the concrete step; provenance holds the source
-    src_id = load_run_config(src).run_id()
+    src_id = run_id(load_run_config(src))
     record = json.loads((work / "config.json").read_text())
     assert record["train"]["init_from"] == f"{src_id}@4" and record["data"]["seq_len"] == 512
     assert record["model"]["full"]["rope_theta"] == 500000.0
-    assert record["run_id"] != load_config([], params).run_id()  # the same config without --init-from
+    assert record["run_id"] != run_id(load_config([], params))  # the same config without --init-from
     prov = json.loads((work / "provenance.json").read_text())["init_from"]
     assert prov["source_dir"] == str(src.resolve()) and prov["source_run_id"] == src_id and prov["step"] == 4
     assert prov["requested"] == str(src) and prov["source_steps"] == [2, 4]
@@ -126,7 +126,7 @@ def test_a_continued_run_starts_from_the_source_and_resumes_its_own(source, tmp_
 
 
 def test_the_identity_is_the_source_run_id_and_a_concrete_step(source, tmp_path):
-    src_id = load_run_config(source).run_id()
+    src_id = run_id(load_run_config(source))
     assert resolve_init_source(f"{source}@2").identity == f"{src_id}@2"
     assert resolve_init_source(f"{source}@latest").identity == f"{src_id}@4"
     assert resolve_init_source(str(source)).identity == f"{src_id}@4"  # 'latest' is resolved to a number
@@ -134,16 +134,16 @@ def test_the_identity_is_the_source_run_id_and_a_concrete_step(source, tmp_path)
     shutil.copytree(source, copy)
     assert resolve_init_source(f"{copy}@2").identity == f"{src_id}@2"  # the path is not part of it
 
-    def run_id(spec):
+    def id_of(spec):
         import dataclasses
         cfg = load_config([], CONTINUED)
         if spec is None:
-            return cfg.run_id()
-        return dataclasses.replace(cfg, train=dataclasses.replace(
-            cfg.train, init_from=resolve_init_source(spec).identity)).run_id()
+            return run_id(cfg)
+        return run_id(dataclasses.replace(cfg, train=dataclasses.replace(
+            cfg.train, init_from=resolve_init_source(spec).identity)))
 
-    ids = {run_id(None), run_id(f"{source}@2"), run_id(f"{source}@4")}
-    assert len(ids) == 3 and run_id(f"{copy}@4") == run_id(f"{source}@4")
+    ids = {id_of(None), id_of(f"{source}@2"), id_of(f"{source}@4")}
+    assert len(ids) == 3 and id_of(f"{copy}@4") == id_of(f"{source}@4")
 
 
 @pytest.mark.parametrize("case,match", [

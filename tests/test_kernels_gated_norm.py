@@ -145,7 +145,7 @@ def test_rejects_bad_inputs():
 
 
 def test_backend_rule_and_config():
-    from hybrid_lm.config import load_config
+    from hybrid_lm.experiment import load_config
 
     assert gated_norm_kernel_backend("auto", "gpu", devices=2)[0] == "xla"  # no sharding rule
     assert gated_norm_kernel_backend("auto", "cpu")[0] == "xla"
@@ -160,7 +160,7 @@ def test_backend_rule_and_config():
 def test_startup_summary_names_the_gdn_norm_for_gdn_only():
     from types import SimpleNamespace
 
-    from hybrid_lm.config import load_config
+    from hybrid_lm.experiment import load_config
     from hybrid_lm.train.logger import startup_summary
 
     data = SimpleNamespace(meta={}, n_train_windows=4, eval_tokens=[0])

@@ -99,7 +99,7 @@ def test_rejects_bad_inputs():
 
 
 def test_backend_rule_and_config():
-    from hybrid_lm.config import load_config
+    from hybrid_lm.experiment import load_config
 
     assert loss_kernel_backend("auto", "gpu", devices=1)[0] == "pallas"
     assert norm_kernel_backend("auto", "gpu", devices=1)[0] == "xla"  # opt-in: no step gain measured

@@ -107,7 +107,7 @@ def test_rejects_bad_inputs():
 
 
 def test_backend_rule_and_config():
-    from hybrid_lm.config import load_config
+    from hybrid_lm.experiment import load_config
 
     assert conv_kernel_backend("auto", "gpu", devices=1)[0] == "pallas"  # faster in the step (session 17)
     assert conv_kernel_backend("auto", "cpu")[0] == "xla"
@@ -135,7 +135,7 @@ def test_lowers_for_cuda(C, bias):
 def test_startup_summary_names_the_conv_backward_for_recurrent_mixers_only():
     from types import SimpleNamespace
 
-    from hybrid_lm.config import load_config
+    from hybrid_lm.experiment import load_config
     from hybrid_lm.train.logger import startup_summary
 
     data = SimpleNamespace(meta={}, n_train_windows=4, eval_tokens=[0])

@@ -25,7 +25,8 @@ import pytest
 from flax import nnx
 
 from hybrid_lm import backends
-from hybrid_lm.config import MixerConfig, ModelConfig, load_config
+from hybrid_lm.config import MixerConfig, ModelConfig
+from hybrid_lm.experiment import config_record, load_config, run_id
 from hybrid_lm.errors import ConfigError
 from hybrid_lm.ops import linear_attention_gpu as lag
 from hybrid_lm.ops.delta_rule import chunk_gated_delta_rule, naive_recurrent_gated_delta_rule
@@ -123,8 +124,8 @@ def test_linear_impl_config():
     finally:
         gin.clear_config()  # gin bindings are global: later ModelConfig() calls must not see 'jla'
     assert base.model.linear_impl == "auto" and jla_cfg.model.linear_impl == "jla"
-    assert base.run_id() == jla_cfg.run_id()  # an execution detail, like microbatches
-    assert jla_cfg.to_dict()["model"]["linear_impl"] == "jla"  # recorded in config.json
+    assert run_id(base) == run_id(jla_cfg)  # an execution detail, like microbatches
+    assert config_record(jla_cfg)["model"]["linear_impl"] == "jla"  # recorded in config.json
 
 
 # ----------------------------------------------------------------------------- conventions vs jla's ops

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from hybrid_lm.config import load_config
+from hybrid_lm.experiment import load_config
 from hybrid_lm.train.logger import StepLogger
 from hybrid_lm.train.loop import train
 from hybrid_lm.train.metrics import read_metrics

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from hybrid_lm.config import load_config
+from hybrid_lm.experiment import load_config, run_id
 from hybrid_lm.train import microbatch as mb
 
 
@@ -67,7 +67,7 @@ def test_apply_rule_sets_microbatches_unless_configured(tmp_path):
     cfg = load_config(["scale/s2.gin"], full)
     out, why = mb.apply_rule(cfg, batch_shards=1, table=table)
     assert out.train.microbatches == 4 and "measured best 8" in why  # 32 sequences, 8 per micro-batch
-    assert out.run_id() == cfg.run_id()  # the run directory does not change
+    assert run_id(out) == run_id(cfg)  # the run directory does not change
     assert mb.apply_rule(cfg, batch_shards=2, table=table)[0].train.microbatches == 2
     explicit = load_config(["scale/s2.gin"], full + ["TrainConfig.microbatches = 16"])
     kept, why = mb.apply_rule(explicit, batch_shards=1, table=table)
@@ -241,7 +241,7 @@ def test_rule_fits_the_entry_to_a_smaller_device(tmp_path, monkeypatch):
     assert M == 8 and "scaled from 16 to 11 for this device" in why  # 64 / 8 = 8 sequences <= 11
     assert mb.measured_per_device(cfg, table, memory_limit=int(75.2 * GIB)) == 11
     out, why = mb.apply_rule(cfg, batch_shards=2, table=table, memory_limit=int(75.2 * GIB))
-    assert out.train.microbatches == 4 and out.run_id() == cfg.run_id()  # 2 devices x 8 = 16 per micro-batch
+    assert out.train.microbatches == 4 and run_id(out) == run_id(cfg)  # 2 devices x 8 = 16 per micro-batch
 
     from hybrid_lm.scaling import launch
 

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from hybrid_lm.config import load_config
+from hybrid_lm.experiment import load_config
 from hybrid_lm.model.accounting import count_params, flops_per_token
 from hybrid_lm.model.attention import mean_keys_per_query
 from hybrid_lm.model.transformer import HybridLM

@@ -15,7 +15,7 @@ import pytest
 
 from conftest import TINY
 from hybrid_lm.cli import main
-from hybrid_lm.config import load_config
+from hybrid_lm.experiment import load_config
 from hybrid_lm.train import loop
 from hybrid_lm.train import step as step_mod
 from hybrid_lm.train.metrics import read_metrics

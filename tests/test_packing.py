@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from hybrid_lm.config import load_config
+from hybrid_lm.experiment import load_config
 from hybrid_lm.data import store as st
 from hybrid_lm.data.pipeline import DataStreams, Mixture, mix_counts
 from hybrid_lm.data.prepare import PrepareSettings, prepare

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hybrid_lm.config import load_config
+from hybrid_lm.experiment import load_config
 from hybrid_lm.model.transformer import ParamInit, init_params_reference
 from hybrid_lm.train.optim import optimizer_for_bounds
 from hybrid_lm.train.step import ModelFns, StateInit

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from hybrid_lm.config import load_config
+from hybrid_lm.experiment import load_config
 from hybrid_lm.eval.restore import RestoredRun
 
 STEPS = 10  # checkpoints at 5 and 10 (TINY: every_steps = 5)

@@ -212,7 +212,7 @@ def test_answer_scores_and_summary():
 
 
 def test_request_checks():
-    from hybrid_lm.config import load_config
+    from hybrid_lm.experiment import load_config
     cfg = load_config([], ["DataConfig.seq_len = 8192"])
     assert R.check_request(cfg) == (list(R.TASKS), [4096, 8192])
     assert R.check_request(load_config([], ["DataConfig.seq_len = 512"]))[1] == [512]

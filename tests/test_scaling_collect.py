@@ -19,6 +19,7 @@ from hybrid_lm.scaling import fit as F
 from hybrid_lm.scaling.collect import (arch_label, arch_spec, collect, eval_column_names, eval_settings,
                                        parse_label_overrides)
 from hybrid_lm.scaling.table import read_table
+from hybrid_lm.experiment import config_record, run_id
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "sweeps" / "tiny_cpu.toml"
@@ -228,7 +229,7 @@ ARCH_LABELS = {None: "swa128", "gdn.gin": "gdn", "lightning.gin": "lightning", "
 
 
 def test_labels_for_every_arch_file():
-    from hybrid_lm.config import load_config
+    from hybrid_lm.experiment import load_config
 
     files = {p.name for p in (REPO / "configs" / "arch").glob("*.gin")}
     assert files == set(ARCH_LABELS) - {None}, "a new arch file needs its expected label here"
@@ -268,7 +269,7 @@ def test_labels_for_every_arch_file():
 def test_collect_labels_runs_outside_a_sweep_from_their_config(tmp_path):
     """No sweep_run.json: the label comes from config.json (an SSA run is not 'full', two MoBA variants
     differ); --label overrides it; fit refuses to pool two architectures under one label."""
-    from hybrid_lm.config import load_config
+    from hybrid_lm.experiment import load_config
 
     configs = {"ssa": (["arch/ssa.gin"], []), "moba_a": (["arch/moba.gin"], []),
                "moba_b": (["arch/moba.gin"], ["efficient/MixerConfig.options = {'block_size': 8, 'top_k': 4}"])}
@@ -278,7 +279,7 @@ def test_collect_labels_runs_outside_a_sweep_from_their_config(tmp_path):
         d = _fake_run(tmp_path, name, N=1000)
         (d / "sweep_run.json").unlink()
         cfg = load_config(["base.gin", *files], tiny + params)
-        (d / "config.json").write_text(json.dumps({**cfg.to_dict(), "run_id": cfg.run_id()}, default=str))
+        (d / "config.json").write_text(json.dumps({**config_record(cfg), "run_id": run_id(cfg)}, default=str))
     rows, _ = collect([tmp_path], None, progress=False)
     labels = {r["run_id"]: r["arch"] for r in rows}
     assert labels == {"ssa": "ssa16x16", "moba_a": "moba16x16", "moba_b": "moba8x4"}

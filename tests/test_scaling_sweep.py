@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from hybrid_lm.scaling import launch as L
+from hybrid_lm.experiment import run_id
 from hybrid_lm.scaling.sweep import (
     MFU_H200_MEASURED,
     PEAK_FLOPS,
@@ -211,7 +212,7 @@ def test_launcher_applies_the_microbatch_rule(tmp_path, monkeypatch):
     plan = expand(load_spec(TINY), root=tmp_path)
     t1 = next(j for j in plan.jobs if j.scale == "t1" and j.arch == "swa8" and j.kind == "branch")
     cfg = L._load(t1)
-    assert cfg.train.microbatches == 2 and cfg.run_id() == t1.config_run_id
+    assert cfg.train.microbatches == 2 and run_id(cfg) == t1.config_run_id
     assert L.microbatch_plan(cfg)[0] is cfg  # already set: kept
     L._write_run_meta(tmp_path, t1)
     meta = json.loads((tmp_path / t1.name / L.RUN_META).read_text())

@@ -21,7 +21,7 @@ PARAMS = TINY + ["TrainConfig.steps = 4", "TrainConfig.log_every = 1", "TrainCon
 MESHES_SCRIPT = textwrap.dedent("""
     import json, sys
     import jax, numpy as np
-    from hybrid_lm.config import load_config
+    from hybrid_lm.experiment import load_config
     from hybrid_lm.train.loop import train
     from hybrid_lm.train.metrics import read_metrics
     params, out = json.loads(sys.argv[1]), sys.argv[2]
@@ -103,7 +103,7 @@ def test_data_fsdp_tensor_parallel_match_one_device_and_restore_across_topologie
 
 PROCESS_SCRIPT = textwrap.dedent("""
     import json, sys
-    from hybrid_lm.config import load_config
+    from hybrid_lm.experiment import load_config
     from hybrid_lm.train.loop import train
     from hybrid_lm.train.metrics import read_metrics
     import jax

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from conftest import TINY
 
-from hybrid_lm.config import load_config
+from hybrid_lm.experiment import load_config, run_id
 from hybrid_lm.errors import ConfigError
 from hybrid_lm.model.moba import moba_attend, sparse_kernel_backend
 from hybrid_lm.ops import block_sparse as ops
@@ -32,7 +32,7 @@ def test_kernel_choices_are_not_the_experiment():
     other = load_config(["arch/ssa.gin"], TINY + ["ModelConfig.sparse_impl = 'gather'",
                                                   "ModelConfig.selection_impl = 'fused'"])
     assert (other.model.sparse_impl, other.model.selection_impl) == ("gather", "fused")
-    assert other.run_id() == base.run_id()
+    assert run_id(other) == run_id(base)
     with pytest.raises(ConfigError, match="sparse_impl"):
         load_config(["arch/ssa.gin"], TINY + ["ModelConfig.sparse_impl = 'fast'"])
 

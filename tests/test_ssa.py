@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from hybrid_lm.config import MixerConfig, ModelConfig, load_config
+from hybrid_lm.config import MixerConfig, ModelConfig
+from hybrid_lm.experiment import load_config
 from hybrid_lm.model.registry import MixerContext
 from hybrid_lm.model.ssa import SSAAttention, alignment_loss, smooth_l1, ssa_coin
 from hybrid_lm.train.loop import train

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from hybrid_lm.config import MixerConfig, ModelConfig, load_config
+from hybrid_lm.config import MixerConfig, ModelConfig
+from hybrid_lm.experiment import load_config
 from hybrid_lm.errors import ConfigError
 from hybrid_lm.model.accounting import count_params, flops_per_token
 from hybrid_lm.model.attention import FullAttention, SlidingWindowAttention, attend, mean_keys_per_query

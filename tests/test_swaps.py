@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from hybrid_lm.config import MixerConfig, ModelConfig, load_config
+from hybrid_lm.config import MixerConfig, ModelConfig
+from hybrid_lm.experiment import load_config
 from hybrid_lm.errors import ConfigError
 from hybrid_lm.eval.restore import RestoredRun, evaluate_checkpoint, read_eval_rows
 from hybrid_lm.eval.swap import SwapError, apply_swaps, parse_swap

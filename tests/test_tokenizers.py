@@ -12,11 +12,11 @@ import shutil
 import numpy as np
 import pytest
 
-from hybrid_lm.config import load_config
+from hybrid_lm.experiment import load_config
 from hybrid_lm.data.sources import embedded_documents
 from hybrid_lm.data.tokenizer import REPLACEMENT, get_tokenizer, load_tokenizer, train_bpe
 from hybrid_lm.errors import ConfigError
-from hybrid_lm.validate import check_tokenizer, config_warnings
+from hybrid_lm.experiment import check_tokenizer, config_warnings
 
 SAMPLES = [
     "The quick brown fox jumps over the lazy dog.",

@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from hybrid_lm.config import load_config
+from hybrid_lm.experiment import load_config, run_id
 from hybrid_lm.train.checkpoint import Checkpointer, abstract_with_shardings
 from hybrid_lm.train.distributed import PreemptionFlag
 from hybrid_lm.train.loop import train
@@ -34,7 +34,7 @@ def test_loss_decreases_and_run_dir_is_complete(tiny_params, tmp_path):
     assert rows[0]["attention_backends"] == {"full": "xla", "swa w=8": "xla"}, rows[0]
     for f in ("config.json", "operative.gin", "provenance.json", "metrics.jsonl", "loss_curve.png"):
         assert (tmp_path / f).exists(), f
-    assert json.loads((tmp_path / "config.json").read_text())["run_id"] == cfg.run_id()
+    assert json.loads((tmp_path / "config.json").read_text())["run_id"] == run_id(cfg)
     assert res.step == 40 and res.final_eval["step"] == 40
 
 

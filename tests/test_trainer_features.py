@@ -2,7 +2,7 @@ import jax
 import numpy as np
 import pytest
 
-from hybrid_lm.config import load_config
+from hybrid_lm.experiment import load_config
 from hybrid_lm.train.checkpoint import Checkpointer
 from hybrid_lm.train.loop import train
 from hybrid_lm.train.metrics import read_metrics

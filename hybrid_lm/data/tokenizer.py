@@ -430,3 +430,27 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out_dir: Path, *, min_frequ
         log.warning(f"train_bpe: the corpus gave {actual} tokens, fewer than vocab_size={vocab_size} "
                     f"(too little text for more merges at min_frequency={min_frequency}); wrote {path}")
     return path
+
+
+# ----------------------------------------------------------------------------- against a model
+
+VOCAB_MULTIPLE = 128  # a model vocab up to the tokenizer's rounded up to this is not warned about
+
+
+def padded_vocab(vocab_size: int, multiple: int = VOCAB_MULTIPLE) -> int:
+    """``vocab_size`` rounded up to a multiple of ``multiple`` (the usual embedding-table size)."""
+    return -(-vocab_size // multiple) * multiple
+
+
+def check_tokenizer(tok: Tokenizer, model_vocab: int) -> None:
+    """Raise :class:`ConfigError` unless every id ``tok`` produces (its special ids included) has a
+    row in a ``model_vocab`` embedding table."""
+    if model_vocab < tok.vocab_size:
+        raise ConfigError(f"ModelConfig.vocab_size={model_vocab} is smaller than the {tok.spec!r} tokenizer's "
+                          f"{tok.vocab_size}: set ModelConfig.vocab_size to at least {tok.vocab_size} "
+                          f"(e.g. {padded_vocab(tok.vocab_size)}, a multiple of {VOCAB_MULTIPLE})")
+    for role in ("eos", "bos", "pad"):
+        i = getattr(tok, f"{role}_id")
+        if i is not None and not 0 <= i < model_vocab:
+            raise ConfigError(f"the {tok.spec!r} tokenizer's {role} id {i} is not below "
+                              f"ModelConfig.vocab_size={model_vocab}: raise ModelConfig.vocab_size above {i}")

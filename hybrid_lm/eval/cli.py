@@ -153,7 +153,7 @@ def cmd_eval_report(args) -> int:
 
 
 def _run(args) -> int:
-    from hybrid_lm.eval.restore import RestoredRun, load_run_config
+    from hybrid_lm.eval.restore import RestoredRun, load_run_config, record_rows
     from hybrid_lm.eval.swap import swapped_config
 
     overrides = dict(seq_len=args.seq_len, eval_windows=args.eval_windows, attention_impl=args.attention_impl)
@@ -181,7 +181,7 @@ def cmd_ruler(args) -> int:
     """``hybrid-lm ruler``: RULER-offline on a checkpoint; the table is printed before the rows are recorded."""
     from hybrid_lm.errors import ConfigError, WorkdirError
     from hybrid_lm.eval import ruler
-    from hybrid_lm.eval.restore import RestoredRun, load_run_config
+    from hybrid_lm.eval.restore import RestoredRun, load_run_config, record_rows
 
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()] if args.tasks else None
     lengths = ruler.parse_lengths(args.lengths) if args.lengths else None
@@ -208,21 +208,6 @@ def cmd_ruler(args) -> int:
     if not args.no_record:  # after printing: a workdir that cannot be written loses nothing
         record_rows(run, rows, quiet=args.json)
     return 0
-
-
-def record_rows(run, rows, quiet: bool = False) -> None:
-    """Append ``rows`` to the run's eval.jsonl; an unwritable workdir is one line (the result is printed)."""
-    from hybrid_lm.errors import WorkdirError
-
-    try:
-        for r in rows:
-            run.record(r)
-    except OSError as e:
-        raise WorkdirError(f"the result is printed above, but it could not be appended to "
-                           f"{run.workdir / 'eval.jsonl'} ({e.strerror or e}); rerun with --no-record, or make "
-                           "the run dir writable") from e
-    if not quiet:
-        print(f"recorded in {run.workdir / 'eval.jsonl'}")
 
 
 def add_eval_commands(sub) -> None:

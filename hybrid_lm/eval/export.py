@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from hybrid_lm.errors import ConfigError, WorkdirError
+from hybrid_lm.experiment import run_id
 
 FORMATS = ("safetensors",)
 DTYPES = {None: "float32", "fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16"}
@@ -109,7 +110,7 @@ def export_checkpoint(run_spec: str, out=None, fmt: str = "safetensors", dtype: 
     except the default ``out`` of the newest step (known once restored)."""
     import jax
 
-    from hybrid_lm.config import read_run_config
+    from hybrid_lm.experiment import read_run_config
     from hybrid_lm.eval.restore import RestoredRun, load_run_config
     from hybrid_lm.optional import optional_import
     from hybrid_lm.train.checkpoint import params_fingerprint, saved_steps
@@ -156,7 +157,7 @@ def export_checkpoint(run_spec: str, out=None, fmt: str = "safetensors", dtype: 
     axes = _flat_axes(run.fns.axes)
     raw = read_run_config(run_dir / "config.json")[0]
     raw.pop("export", None)
-    meta = {"format": fmt, "weights": WEIGHTS, "step": run.step, "run_id": run.cfg.run_id(),
+    meta = {"format": fmt, "weights": WEIGHTS, "step": run.step, "run_id": run_id(run.cfg),
             "source": str(run_dir.resolve()), "dtype": target, "hybrid_lm_version": _version(),
             "params_fingerprint": params_fingerprint(run.params), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "n_params": int(sum(a.size for a in flat.values())),

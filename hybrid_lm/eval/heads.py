@@ -38,6 +38,7 @@ import numpy as np
 
 from hybrid_lm.errors import ConfigError
 from hybrid_lm.eval import introspect as I
+from hybrid_lm.experiment import run_id
 
 HEADLINE = "top_head_mass"
 TOP = 8  # heads listed in ``top_heads``
@@ -182,7 +183,7 @@ def evaluate_heads(run, cfg=None, *, samples: int = 32, seq_len: int | None = No
              for li, a in enumerate(layers) for h in range(mass.shape[1])]
     ranked = sorted(heads, key=lambda x: -x["mass"])
     return [{"kind": "heads", "task": "heads", "step": run.step, "checkpoint_step": run.step,
-             "tokens_seen": R.tokens_seen(run), "run_id": run.cfg.run_id(), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+             "tokens_seen": R.tokens_seen(run), "run_id": run_id(run.cfg), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
              "samples": samples, "seq_len": seq_len, "trained_seq_len": run.cfg.data.seq_len, "seed": seed,
              "haystack": hay.name, "prompt_tokens": seq_len - budget, "answer_tokens": int(qvalid.sum(1).max()),
              "depth_range": list(I.DEPTH_RANGE), "depths": [round(it.depths[0], 4) for it in items], "layers": list(idx), "layer_kinds": [a.kind for a in layers],

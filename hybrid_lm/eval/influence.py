@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from hybrid_lm.errors import ConfigError
+from hybrid_lm.experiment import run_id
 
 log = logging.getLogger(__name__)
 
@@ -190,7 +191,7 @@ def evaluate_influence(run, cfg=None, *, windows=None, samples: int = 8, seq_len
     if not np.all(np.isfinite(g)):
         log.warning("influence: G(d) is not finite at %d distances", int((~np.isfinite(g)).sum()))
     row = {"kind": "influence", "task": "influence", "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-           "step": run.step, "checkpoint_step": run.step, "run_id": run.cfg.run_id(),
+           "step": run.step, "checkpoint_step": run.step, "run_id": run_id(run.cfg),
            "seq_len": T, "trained_seq_len": run.cfg.data.seq_len, "samples": n, "last": last, "seed": seed,
            "windows": source, "document_mask": segments is not None,
            "g": [float(x) for x in g], **summarize(g),

@@ -62,6 +62,7 @@ import zlib
 import numpy as np
 
 from hybrid_lm.errors import ConfigError, DataError, WorkdirError
+from hybrid_lm.experiment import run_id
 
 log = logging.getLogger(__name__)
 
@@ -246,7 +247,7 @@ class _HybridLMEvalImpl:
     def get_model_info(self) -> dict:
         """Added to lm-eval's results["config"]."""
         return {"hybrid_lm_run": str(self.run.workdir), "hybrid_lm_step": self.run.step,
-                "hybrid_lm_run_id": self.run.cfg.run_id(), "hybrid_lm_swaps": self.swaps,
+                "hybrid_lm_run_id": run_id(self.run.cfg), "hybrid_lm_swaps": self.swaps,
                 "hybrid_lm_max_length": self.max_length, "hybrid_lm_attention_impl": self.cfg.model.attention_impl,
                 "hybrid_lm_tokenizer": self.tokenizer.describe()}
 

@@ -30,6 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hybrid_lm.experiment import run_id
+
 
 @dataclasses.dataclass(frozen=True)
 class KeyTokenRule:
@@ -202,7 +204,7 @@ def longppl_of_run(run, cfg=None, *, evaluator=None, evaluator_step: int | None 
     if cached is None and jax.process_index() == 0:
         _save_keys(cache, keys)
     return {"kind": "longppl", "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "checkpoint_step": run.step,
-            "run_id": run.cfg.run_id(), "evaluator": "self" if is_self else str(evaluator),
+            "run_id": run_id(run.cfg), "evaluator": "self" if is_self else str(evaluator),
             "evaluator_step": judge.step, "self_evaluator": is_self, "length": n, "docs": len(documents),
             "data": None if data is None else str(data), "documents": "store val documents" if data is not None
             else "run val windows", **dataclasses.asdict(rule), **longppl(np.concatenate(fulls), keys),
@@ -234,7 +236,7 @@ def _key_cache_path(judge, documents, rule: KeyTokenRule):
     import hashlib
     h = hashlib.sha256()
     h.update(np.ascontiguousarray(documents, np.int64).tobytes())
-    h.update(repr((judge.cfg.run_id(), judge.step, dataclasses.astuple(rule))).encode())
+    h.update(repr((run_id(judge.cfg), judge.step, dataclasses.astuple(rule))).encode())
     return judge.workdir / "longppl_keys" / f"{h.hexdigest()[:20]}.npy"
 
 

@@ -26,6 +26,7 @@ import numpy as np
 
 from hybrid_lm.errors import ConfigError
 from hybrid_lm.eval import introspect as I
+from hybrid_lm.experiment import run_id
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +124,7 @@ def evaluate_probe(run, cfg=None, *, samples: int = 256, seq_len: int | None = N
     best = int(np.argmax(acc))
     n_test = math.ceil(TEST_FRACTION * samples)  # as train_test_split rounds
     return [{"kind": "probe", "task": "probe", "step": run.step, "checkpoint_step": run.step,
-             "tokens_seen": R.tokens_seen(run), "run_id": run.cfg.run_id(), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+             "tokens_seen": R.tokens_seen(run), "run_id": run_id(run.cfg), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
              "samples": samples, "seq_len": seq_len, "trained_seq_len": run.cfg.data.seq_len, "seed": seed,
              "haystack": hay.name, "classes": I.N_CLASSES, "depth_range": list(I.DEPTH_RANGE),
              "depths": [round(it.depths[0], 4) for it in items],

@@ -22,8 +22,9 @@ from pathlib import Path
 
 import jax
 
-from hybrid_lm.config import Config, read_run_config
-from hybrid_lm.errors import ConfigError
+from hybrid_lm.config import Config
+from hybrid_lm.experiment import read_run_config, run_id
+from hybrid_lm.errors import ConfigError, WorkdirError
 
 log = logging.getLogger(__name__)
 
@@ -188,7 +189,7 @@ class RestoredRun:
                                     bytes_per_token=streams.bytes_per_token)
         ce, n = metrics["loss"], metrics["eval_windows"]
         row = {"kind": "swap_eval", "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "step": self.step,
-               "checkpoint_step": self.step, "run_id": self.cfg.run_id(),
+               "checkpoint_step": self.step, "run_id": run_id(self.cfg),
                "swaps": [s.spec or s.to_dict() for s in swaps], "horizon": horizon,
                "sinks": sinks if horizon is not None else None,
                "seq_len": data.seq_len, "trained_seq_len": self.cfg.data.seq_len, "eval_windows": n,
@@ -220,3 +221,16 @@ def evaluate_checkpoint(workdir: Path | str, swaps=(), horizon: int | None = Non
 
 
 __all__ = ["RestoredRun", "evaluate_checkpoint", "load_run_config", "read_eval_rows"]
+
+
+def record_rows(run, rows, quiet: bool = False) -> None:
+    """Append ``rows`` to the run's eval.jsonl; an unwritable workdir is one line (the result is printed)."""
+    try:
+        for r in rows:
+            run.record(r)
+    except OSError as e:
+        raise WorkdirError(f"the result is printed above, but it could not be appended to "
+                           f"{run.workdir / 'eval.jsonl'} ({e.strerror or e}); rerun with --no-record, or make "
+                           "the run dir writable") from e
+    if not quiet:
+        print(f"recorded in {run.workdir / 'eval.jsonl'}")

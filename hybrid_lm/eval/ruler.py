@@ -63,6 +63,7 @@ from pathlib import Path
 import numpy as np
 
 from hybrid_lm.errors import ConfigError
+from hybrid_lm.experiment import run_id
 
 log = logging.getLogger(__name__)
 
@@ -805,7 +806,7 @@ def evaluate_ruler(run, *, tasks=None, lengths=None, samples: int = 8, haystack:
     no_decode = decode_unavailable(model)
     impl = cfg.model.attention_impl
     common = {"kind": "ruler", "step": run.step, "checkpoint_step": run.step, "tokens_seen": tokens_seen(run),
-              "run_id": run.cfg.run_id(), "seed": seed, "samples": samples,
+              "run_id": run_id(run.cfg), "seed": seed, "samples": samples,
               "trained_seq_len": run.cfg.data.seq_len, "generation": "greedy" if no_decode is None else
               f"unavailable ({no_decode}): log-likelihood scores only",
               "layer_types": "".join(cfg.model.layer_types()), "mixers": describe(cfg.model),

@@ -35,6 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from hybrid_lm.errors import ConfigError, WorkdirError
+from hybrid_lm.experiment import run_id
 
 log = logging.getLogger(__name__)
 
@@ -285,7 +286,7 @@ def run_tasks(run, req: EvalRequest, cfg=None) -> list[dict]:
             sub = r.get("task")
             r["task"] = task if sub is None or not str(sub).startswith(task) else sub
             r.update(checkpoint_step=run.step, tokens_seen=seen, eval_config=conf, eval_key=eval_key(conf),
-                     run_id=run.cfg.run_id(), time=time.strftime("%Y-%m-%dT%H:%M:%S"))
+                     run_id=run_id(run.cfg), time=time.strftime("%Y-%m-%dT%H:%M:%S"))
             r.setdefault("step", run.step)
             if not r.get("attention_backends"):
                 r["attention_backends"] = backends
@@ -297,7 +298,7 @@ def run_tasks(run, req: EvalRequest, cfg=None) -> list[dict]:
 def _resolved_backends(cfg) -> dict[str, str]:
     """``{op: backend}`` each layer of ``cfg`` resolves to at its seq_len on this platform (the record
     a first trace would have written)."""
-    from hybrid_lm.backends import describe_layers
+    from hybrid_lm.describe import describe_layers
 
     return {r["op"]: r["backend"] for r in describe_layers(cfg.model, cfg.data.seq_len) if r["op"] not in (None, "error")}
 
@@ -443,7 +444,7 @@ def evaluate_run(workdir: Path | str, req: EvalRequest, steps: str | None = None
     over every current row of its eval config into ``workdir/eval/``. Returns the new rows."""
     from tqdm import tqdm
 
-    from hybrid_lm.eval.cli import record_rows
+    from hybrid_lm.eval.restore import record_rows
     from hybrid_lm.eval.restore import RestoredRun, load_run_config
     from hybrid_lm.progress import bar_disabled
 

@@ -226,7 +226,7 @@ def swapped_config(cfg: Config, swaps=(), horizon: int | None = None, sinks: int
                    attention_impl: str | None = None) -> Config:
     """The run's config with swaps, constraint and eval overrides applied, validated, and checked to
     take the checkpoint's parameters unchanged (nothing is restored or allocated)."""
-    from hybrid_lm.validate import validate_experiment
+    from hybrid_lm.experiment import validate_experiment
 
     model = apply_swaps(cfg.model, swaps, horizon, sinks)
     if attention_impl is not None:

@@ -8,7 +8,7 @@ Adding a mixer is one file with ``@register_mixer("name", ...)`` plus one config
 Document masking (``DataConfig.document_mask``): a mixer that honours ``MixerContext.segment_ids``
 says so with ``register_mixer(..., document_mask=True)``; otherwise it is refused with that flag on
 (``False``: not implemented; a string: why not; a function of ``(mixer_cfg, seq_len)``: the reason
-for this config, or None). ``hybrid_lm.backends.check_document_mask`` reads it.
+for this config, or None). :func:`check_document_mask` reads it.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 import jax
 
+from hybrid_lm.backends import attention_backend
 from hybrid_lm.config import MixerConfig, ModelConfig
 from hybrid_lm.errors import ConfigError
 
@@ -135,3 +136,30 @@ def get_mixer(name: str | None) -> MixerSpec:
 def registered_mixers() -> dict[str, MixerSpec]:
     _load_builtin_mixers()
     return dict(_REGISTRY)
+
+
+# ----------------------------------------------------------------------------- document masking
+
+SLOTS = {"F": "full", "E": "efficient"}  # layer type -> config slot
+
+
+def check_document_mask(model_cfg: ModelConfig, seq_len: int) -> None:
+    """Raise a one-line :class:`ConfigError` unless every layer of ``model_cfg`` can run with
+    ``DataConfig.document_mask`` at ``seq_len``: each used slot's mixer declares support
+    (``register_mixer(document_mask=...)``), then the attention backend takes segment ids."""
+    for t in dict.fromkeys(model_cfg.layer_types()):
+        msg = document_mask_error(model_cfg.mixer(t), SLOTS[t], seq_len)
+        if msg is not None:
+            raise ConfigError(msg)
+    # every mixer that takes a document mask today is softmax attention through model.attention.attend
+    attention_backend(model_cfg.attention_impl, permuted=False, segments=True)
+
+
+def document_mask_error(mc: MixerConfig, slot: str, seq_len: int) -> str | None:
+    """The one-line refusal of mixer config ``mc`` (in ``slot``) under ``DataConfig.document_mask``;
+    None when its mixer masks documents."""
+    why = get_mixer(mc.kind).document_mask_refusal(mc, seq_len)
+    if why is None:
+        return None
+    return (f"DataConfig.document_mask=True: {slot}/MixerConfig.kind={mc.kind!r} cannot mask documents: {why}; "
+            "turn document_mask off or use attention / swa (docs/MIXERS.md, 'Document masking')")

@@ -17,10 +17,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hybrid_lm.backends import check_document_mask
 from hybrid_lm.config import ModelConfig
 from hybrid_lm.model.layers import Embedding, RMSNorm, SwiGLU, param
-from hybrid_lm.model.registry import MixerContext, get_mixer
+from hybrid_lm.model.registry import MixerContext, check_document_mask, get_mixer
 from hybrid_lm.ops.attention import default_positions
 
 log = logging.getLogger(__name__)

@@ -11,7 +11,7 @@ dtype), plus two keywords:
   ``"auto"`` picks ``"jla"`` when the default backend is a GPU, the package imports and its kernel
   accepts the call (its own ``supports`` predicate: sm_90, bf16/fp16 q/k/v of one dtype, head dims
   K, V in {64, 128}, and for the delta rule also (K, V) in {(128, 256), (256, 128..512)}, static
-  scale), else ``"xla"`` (decided in ``hybrid_lm.backends.linear_attention_backend``). An explicit
+  scale), else ``"xla"`` (decided in :func:`linear_attention_backend`). An explicit
   ``"jla"`` that cannot run raises :class:`FastPathUnavailable` with the reason.
 - grouped keys (:func:`simple_gla` only): ``q, k`` may have ``Hk`` heads dividing v's ``H`` (Mamba-2's
   B/C groups); value head ``h`` reads key head ``h // (H // Hk)``, as ``jnp.repeat(q, H // Hk, axis=2)``.
@@ -53,13 +53,15 @@ the heads, jla's rule), so sharded activations are not all-gathered around the c
 from __future__ import annotations
 
 import contextlib
+import numbers
 import functools
 
 import jax
 import jax.numpy as jnp
 
+from hybrid_lm import backends
 from hybrid_lm.backends import FastPathUnavailable, jla_available  # noqa: F401  (part of this API)
-from hybrid_lm.backends import import_jla, linear_attention_backend, record_backend
+from hybrid_lm.backends import INSTALL_HINT, LINEAR_IMPLS, import_jla, no_gpu_reason, record_backend
 from hybrid_lm.ops.delta_rule import _check_gates, chunk_gated_delta_rule
 from hybrid_lm.ops.linear_attention import _check_qkv, _check_state, chunk_simple_gla
 
@@ -141,15 +143,53 @@ def kernel_reason(op: str, q, k, v, gates: tuple, *, scale=None, initial_state=N
 
     ``op`` is ``"simple_gla"`` or ``"gated_delta_rule"``; q/k/v/gates are in jla's form (after the
     conversions below; arrays or ``jax.ShapeDtypeStruct``s). The platform and package checks come
-    first, in ``hybrid_lm.backends.jla_linear_reason``.
+    first, in :func:`jla_linear_reason`.
     """
     if kernel_widths(op, q, k, v, gates, scale=scale, initial_state=initial_state) is not None:
         return None
     return _jla_kernel_reason(op, q, k, v, gates, {"scale": scale, "initial_state": initial_state})
 
 
+# ----------------------------------------------------------------------------- dispatch
+
+def jla_linear_reason(op: str, q, k, v, gates: tuple, *, scale=None, initial_state=None,
+                      platform: str | None = None) -> str | None:
+    """Why the jla kernel cannot run this linear-attention call here (even with padded head widths);
+    ``None`` if it can. ``op`` is ``"simple_gla"`` or ``"gated_delta_rule"``; q/k/v/gates in jla's form
+    (arrays or ``jax.ShapeDtypeStruct``s, see ``hybrid_lm/ops/linear_attention_gpu.py``)."""
+    if not backends.on_gpu(platform):
+        return f"{no_gpu_reason(platform)} (the jla kernels need an sm_90 GPU)"
+    if not backends.jla_available():
+        return f"jax-linear-attention is not installed; {INSTALL_HINT}"
+    if scale is not None and not isinstance(scale, numbers.Real):
+        return f"scale must be a Python number for the kernel (it is static there), got {type(scale).__name__}"
+    return kernel_reason(op, q, k, v, gates, scale=scale, initial_state=initial_state)
+
+
+def linear_attention_backend(op: str, impl: str, q, k, v, gates: tuple, *, scale=None, initial_state=None,
+                             platform: str | None = None) -> tuple[str, str]:
+    """``(backend, reason)`` for one linear-attention call (``impl`` is ``linear_impl``): ``auto`` ->
+    ``jla`` where its kernel accepts the call, else ``xla``. An explicit ``jla`` that cannot run raises
+    :class:`FastPathUnavailable` (platform first, then package, then the call itself)."""
+    if impl not in LINEAR_IMPLS:
+        raise ValueError(f"impl={impl!r}: choose one of {LINEAR_IMPLS}")
+    if impl == "xla":
+        return "xla", "linear_impl='xla' set explicitly"
+    if impl == "jla":
+        if not backends.on_gpu(platform):
+            raise FastPathUnavailable(f"impl='jla' needs a GPU (Hopper, sm_90); the default JAX backend is "
+                                      f"{platform or backends.current_platform()!r}. Use impl='xla' or 'auto' here.")
+        import_jla()
+    reason = jla_linear_reason(op, q, k, v, gates, scale=scale, initial_state=initial_state, platform=platform)
+    if reason is None:
+        return "jla", f"{impl}: jla's Mosaic GPU kernel takes this call"
+    if impl == "jla":
+        raise FastPathUnavailable(f"impl='jla' cannot run {op}: {reason}")
+    return "xla", f"auto: {reason}"
+
+
 def _resolve(op: str, impl: str, q, k, v, gates, scale, initial_state, label: str | None = None) -> str:
-    """'xla' or 'jla' for this call (``hybrid_lm.backends.linear_attention_backend``), recorded under
+    """'xla' or 'jla' for this call (:func:`linear_attention_backend`), recorded under
     ``label`` when given; raises :class:`FastPathUnavailable` for an explicit 'jla' that can't run."""
     which, reason = linear_attention_backend(op, impl, q, k, v, gates, scale=scale, initial_state=initial_state)
     if label is not None:

@@ -51,6 +51,8 @@ from scipy.optimize import minimize
 from tqdm.auto import tqdm
 
 from hybrid_lm.progress import bar_disabled
+from hybrid_lm.scaling.law import EXTRAPOLATION_LIMIT, compute_optimal, predict  # noqa: F401  (part of this API)
+from hybrid_lm.scaling.plots import write_figures
 
 log = logging.getLogger(__name__)
 
@@ -574,28 +576,6 @@ def summarize_samples(samples: dict[str, np.ndarray], level: float = 0.95) -> di
     return out
 
 
-# ----------------------------------------------------------------------------- compute-optimal
-
-def compute_optimal(params: dict, C, k: float = 6.0) -> dict:
-    """N*(C), D*(C), L*(C) minimising L(N, D) subject to k N D = C (arrays follow C's shape)."""
-    al, be, A, B = params["alpha"], params["beta"], params["A"], params["B"]
-    C = np.asarray(C, float)
-    if not (al > 0 and be > 0):
-        return {"valid": False, "reason": f"alpha={al:.4g}, beta={be:.4g}: both must be > 0"}
-    s = al + be
-    G = (al * A / (be * B)) ** (1.0 / s)
-    a, b = be / s, al / s
-    N = G * (C / k) ** a
-    D = (C / k) ** b / G
-    L = A * N ** -al + B * D ** -be + (params.get("E") or 0.0)
-    return {"valid": True, "a": a, "b": b, "G": G, "N": N, "D": D, "L": L}
-
-
-def predict(params: dict, N, D):
-    N, D = np.asarray(N, float), np.asarray(D, float)
-    return params["A"] * N ** -params["alpha"] + params["B"] * D ** -params["beta"] + (params.get("E") or 0.0)
-
-
 # ----------------------------------------------------------------------------- one data set
 
 
@@ -632,7 +612,6 @@ E_FLOOR = 1e-3  # E below this fraction of the smallest observed value: the irre
 CI_MAX_RATIO = 100.0  # a 95% CI of E, A or B wider than hi/lo = 100 (two orders of magnitude)
 CI_MAX_EXPONENT_WIDTH = 1.0  # a 95% CI of alpha or beta wider than this
 MAX_UNIDENTIFIED = 0.1  # fraction of bootstrap resamples with fewer distinct (N, D) points than parameters
-EXTRAPOLATION_LIMIT = 10.0  # reports rank architectures at most this many times beyond the largest run
 
 
 def free_parameters(form: Form, lo, hi) -> list[str]:
@@ -1027,7 +1006,6 @@ def fit_table(rows: list[dict], *, metric: str = "loss", form: str = "with-E", o
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         if plots:
-            from hybrid_lm.scaling.plots import write_figures
             doc["figures"] = write_figures(doc, groups, out, samples)
         (out / "fit.json").write_text(json.dumps(doc, indent=2, default=_json_default))
     return doc

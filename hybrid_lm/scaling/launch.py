@@ -53,6 +53,7 @@ from tqdm.auto import tqdm
 from hybrid_lm.files import atomic_write_json
 from hybrid_lm.progress import JobLines, bar_disabled
 from hybrid_lm.scaling.sweep import Job, Plan, SweepError, manifest_jobs, read_manifest, write_manifest
+from hybrid_lm.experiment import run_id
 
 DONE = "sweep_done.json"
 RUN_META = "sweep_run.json"
@@ -114,12 +115,12 @@ def _load(job: Job, extra: list[str] | None = None):
 
 def _config(job: Job, extra: list[str] | None = None):
     """``(config, micro-batch reason)`` of ``job``; a config that no longer matches the planned run id fails."""
-    from hybrid_lm.config import load_config
+    from hybrid_lm.experiment import load_config
 
     cfg = load_config(job.gin_files, job.gin_params + list(extra or []))
-    if cfg.run_id() != job.config_run_id:
+    if run_id(cfg) != job.config_run_id:
         raise SweepError(
-            f"job {job.name}: its gin files now resolve to config {cfg.run_id()}, not {job.config_run_id} as when "
+            f"job {job.name}: its gin files now resolve to config {run_id(cfg)}, not {job.config_run_id} as when "
             "the sweep was planned (a gin file changed?). Re-run `hybrid-lm sweep SPEC --launch ...` to re-plan; "
             "the changed runs get new ids.")
     return microbatch_plan(cfg)

@@ -1,4 +1,4 @@
-"""Figures of a scaling fit (the math is ``fit.py``'s; matplotlib is imported here only).
+"""Figures of a scaling fit (the fitting is ``fit.py``'s, the law ``law.py``'s; matplotlib is imported here only).
 
 * ``fit.png``: the metric against D, one panel per architecture on shared axes, one colour per N
   (a discrete legend), the fitted curve of each N with its 95% bootstrap band, held-out points as
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hybrid_lm.scaling.fit import EXTRAPOLATION_LIMIT, compute_optimal, predict
+from hybrid_lm.scaling.law import EXTRAPOLATION_LIMIT, compute_optimal, predict
 
 HELD_OUT_COLOR = "#d62728"
 BAND_LEVEL = 0.95

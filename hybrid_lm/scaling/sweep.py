@@ -21,7 +21,7 @@ the stable checkpoint at ``s_b``; the trainer then resumes it as if it had train
 itself. Cost: ``max_b s_b + sum_b (steps_b - s_b)`` steps instead of ``sum_b steps_b``.
 
 **Run ids** are ``<scale>-<arch>-dn<ratio>-seed<k>-<hash8>`` (``-stable-`` for stable runs); the hash
-covers the experiment-defining config (``Config.run_id()``), the run length, the run kind and the
+covers the experiment-defining config (``run_id(Config)``), the run length, the run kind and the
 branch point, so a changed spec or gin file gives new ids and never reuses a run directory.
 """
 
@@ -38,6 +38,7 @@ from pathlib import Path
 from hybrid_lm.config import CONFIGS_DIR
 from hybrid_lm.errors import ConfigError
 from hybrid_lm.files import atomic_write_json
+from hybrid_lm.experiment import run_id
 
 SCHEMA = "hybrid_lm.sweep/1"
 MFU_H200_MEASURED = 0.385  # measured on one H200: 375M GPT, T=16K, bf16, 38.3% / 39.0% MFU (docs/SOURCES.md)
@@ -307,7 +308,7 @@ def expand(spec: Spec, root: str | Path | None = None, extra_params: list[str] |
     """Resolve every (scale, arch) config, match parameters if asked, and lay out the jobs."""
     from tqdm.auto import tqdm
 
-    from hybrid_lm.config import load_config
+    from hybrid_lm.experiment import load_config
     from hybrid_lm.data.corpus import train_split_tokens
     from hybrid_lm.model.accounting import count_params, flops_per_token
     from hybrid_lm.progress import bar_disabled
@@ -419,13 +420,13 @@ def expand(spec: Spec, root: str | Path | None = None, extra_params: list[str] |
 
 
 def _config_id(files, params) -> str:
-    from hybrid_lm.config import load_config
-    return load_config(files, params).run_id()
+    from hybrid_lm.experiment import load_config
+    return run_id(load_config(files, params))
 
 
 def match_d_ff(files, params, target: int, d_ff0: int, multiple: int, n_of) -> tuple[int, int, dict]:
     """The d_ff (a multiple of ``multiple``) whose N is closest to ``target``; N is affine in d_ff."""
-    from hybrid_lm.config import load_config
+    from hybrid_lm.experiment import load_config
     from hybrid_lm.model.accounting import count_params
 
     cache: dict[int, dict] = {}

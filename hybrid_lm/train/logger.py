@@ -19,10 +19,12 @@ import jax
 from tqdm.auto import tqdm
 
 from hybrid_lm import backends
+from hybrid_lm.describe import describe_layers
 from hybrid_lm.config import Config, TrainConfig
 from hybrid_lm.model.accounting import PEAK_FLOPS_H200_BF16, count_params, flops_per_token
 from hybrid_lm.optional import optional_import
 from hybrid_lm.train.metrics import MetricsWriter, plot_loss_curve, read_metrics
+from hybrid_lm.experiment import config_record, run_id
 
 if TYPE_CHECKING:
     from hybrid_lm.data.pipeline import DataStreams
@@ -61,10 +63,10 @@ class WandbSink:
     def __init__(self, cfg: Config, workdir: Path):
         wandb = optional_import("wandb")
         id_file = workdir / "wandb_id"
-        run_id = id_file.read_text().strip() if id_file.exists() else secrets.token_hex(4)
-        id_file.write_text(run_id + "\n")
-        self._run = wandb.init(project=os.environ.get("WANDB_PROJECT", "hybrid_lm"), name=workdir.name, id=run_id,
-                               resume="allow", dir=str(workdir), config={**cfg.to_dict(), "run_id": cfg.run_id()},
+        wandb_id = id_file.read_text().strip() if id_file.exists() else secrets.token_hex(4)
+        id_file.write_text(wandb_id + "\n")
+        self._run = wandb.init(project=os.environ.get("WANDB_PROJECT", "hybrid_lm"), name=workdir.name, id=wandb_id,
+                               resume="allow", dir=str(workdir), config={**config_record(cfg), "run_id": run_id(cfg)},
                                mode=os.environ.get("WANDB_MODE") or None)
 
     def write(self, row: dict) -> None:
@@ -217,7 +219,7 @@ def startup_summary(cfg: Config, data: DataStreams, mesh) -> list[str]:
     slots = [f"{s}={mc.kind}" + (f" w={mc.window}" if mc.window else "") + (f" {dict(mc.options)}" if mc.options else "")
              for s, mc in (("F", m.full), ("E", m.efficient)) if s in m.layer_types()]
     uses: dict[tuple, list[int]] = {}
-    for r in backends.describe_layers(m, cfg.data.seq_len):
+    for r in describe_layers(m, cfg.data.seq_len):
         uses.setdefault((r["kind"], r["op"], r["backend"], r["reason"]), []).append(r["layer"])
     lines = [f"model    {m.n_layers} layers, pattern {m.layer_pattern!r} = {''.join(m.layer_types())}, "
              f"{', '.join(slots)}, d_model {m.d_model}",

@@ -34,7 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from hybrid_lm.backends import recorded_backends
-from hybrid_lm.config import Config, TrainConfig, diff_experiments
+from hybrid_lm.config import Config, TrainConfig
+from hybrid_lm.experiment import config_record, diff_experiments, run_id
 from hybrid_lm.data.pipeline import DataStreams
 from hybrid_lm.errors import ConfigError, WorkdirError
 from hybrid_lm.eval.loss import evaluate
@@ -170,8 +171,8 @@ def init_or_restore(cfg: Config, prog: Program, ckpt: Checkpointer, source: Init
             return prog.start(_source_params(source, prog)), None
         return prog.init(seed), None
     state, meta = restored
-    if meta.get("run_id") not in {cfg.run_id(), *accepted_run_ids(ckpt.directory.parent)}:
-        log.warning("resuming a checkpoint of run %s under run id %s (forced)", meta.get("run_id"), cfg.run_id())
+    if meta.get("run_id") not in {run_id(cfg), *accepted_run_ids(ckpt.directory.parent)}:
+        log.warning("resuming a checkpoint of run %s under run id %s (forced)", meta.get("run_id"), run_id(cfg))
     return state, int(meta["step"])
 
 
@@ -203,7 +204,7 @@ def check_init_shapes(source: InitSource, cfg: Config) -> None:
     theirs, ours = _param_specs(source.cfg), _param_specs(cfg)
     for name in [*ours, *(n for n in theirs if n not in ours)]:
         if theirs.get(name) != ours.get(name):
-            changed = [f for f in diff_experiments(source.cfg.to_dict(), cfg.to_dict()) if f.startswith("model.")]
+            changed = [f for f in diff_experiments(config_record(source.cfg), config_record(cfg)) if f.startswith("model.")]
             raise ConfigError(
                 f"--init-from {source.spec}: parameter {name} is {theirs.get(name) or 'absent'} in the source "
                 f"and {ours.get(name) or 'absent'} in this config"
@@ -220,7 +221,7 @@ def _param_specs(cfg: Config) -> dict[str, str]:
 def _refuse_foreign_checkpoints(cfg: Config, workdir: Path, source: InitSource) -> None:
     """A continued run starts from the source only in a workdir without checkpoints of another run."""
     steps = saved_steps(workdir / "checkpoints")
-    if not steps or cfg.run_id() in accepted_run_ids(workdir):
+    if not steps or run_id(cfg) in accepted_run_ids(workdir):
         return
     rec = recorded_init_source(workdir)
     whose = f"a run initialised from {rec['identity']}" if rec else "a run not initialised from it"
@@ -270,7 +271,7 @@ def train(cfg: Config, workdir: Path | str | None = None, *, force: bool = False
                               "set one of them")
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, init_from=source.identity))
         check_init_shapes(source, cfg)
-    workdir = Path(workdir) if workdir else Path("runs") / cfg.run_id()
+    workdir = Path(workdir) if workdir else Path("runs") / run_id(cfg)
     if source is not None and not restart:
         _refuse_foreign_checkpoints(cfg, workdir, source)
     with workdir_lock(workdir, enabled=main):
@@ -416,7 +417,7 @@ def _run_steps(cfg: Config, prog: Program, data: DataStreams, ckpt: Checkpointer
 
 def _ckpt_meta(cfg: Config, step: int) -> dict:
     return {"step": step, "data_position": step, "tokens_seen": step * cfg.train.global_batch * cfg.data.seq_len,
-            "run_id": cfg.run_id()}
+            "run_id": run_id(cfg)}
 
 
 def _eval(logger: StepLogger, prog: Program, data: DataStreams, state, step: int) -> dict:

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import optax
 from optax.contrib import MuonDimensionNumbers
 
-from hybrid_lm.config import OptimConfig, decay_steps, wsd_bounds  # noqa: F401 (re-exported: the schedule's bounds)
+from hybrid_lm.config import OptimConfig, decay_steps, wsd_bounds  # noqa: F401 re-exported: the schedule's bounds
 
 NO_DECAY_AXIS_NAMES = {"norm", "bias", "ssm_heads"}
 _HIDDEN_AXES = {"embed", "mlp", "heads", "kv_heads", "head_dim", "conv_dim", "state", "lowrank"}

@@ -27,7 +27,8 @@ from pathlib import Path
 
 import jax
 
-from hybrid_lm.config import REMOVED_FIELDS, Config, diff_experiments, operative_gin, read_run_config
+from hybrid_lm.config import REMOVED_FIELDS, Config, operative_gin
+from hybrid_lm.experiment import config_record, diff_experiments, read_run_config, run_id
 from hybrid_lm.errors import ConfigError, WorkdirError
 from hybrid_lm.files import atomic_write_json, atomic_write_text
 from hybrid_lm.train.lock import LOCK_NAME
@@ -95,7 +96,7 @@ def prepare_run_dir(cfg: Config, workdir: Path, force: bool = False, init_record
     if cfg.train.init_from:
         kept = recorded_init_source(workdir)
         prov["init_from"] = kept if kept and kept.get("identity") == cfg.train.init_from else init_record
-    new = cfg.to_dict()
+    new = config_record(cfg)
     previous: list[str] = []
     if cfg_path.exists():
         old = migrate_run_config(workdir)
@@ -109,7 +110,7 @@ def prepare_run_dir(cfg: Config, workdir: Path, force: bool = False, init_record
         if changed:
             atomic_write_json(workdir / f"config.forced-{len(list(workdir.glob('config.forced-*')))}.json",
                               old, indent=2, default=str)
-    record = {**new, "run_id": cfg.run_id()}
+    record = {**new, "run_id": run_id(cfg)}
     if previous:
         record["previous_run_ids"] = previous
     atomic_write_json(cfg_path, record, indent=2, default=str)
@@ -228,9 +229,9 @@ def resolve_init_source(spec: str, workdir: Path | None = None) -> InitSource:
         cfg = load_run_config(src)
     except FileNotFoundError as e:
         raise WorkdirError(f"--init-from {spec}: {e}") from None
-    run_id = cfg.run_id()
+    src_id = run_id(cfg)
     saved = tuple(saved_steps(src / "checkpoints"))
-    if step is None and kept and kept["source_run_id"] == run_id:
+    if step is None and kept and kept["source_run_id"] == src_id:
         step = int(kept["step"])
         if saved and saved[-1] != step:
             log.warning("--init-from %s: %s was initialised from step %d and keeps it (the source's newest "
@@ -239,10 +240,10 @@ def resolve_init_source(spec: str, workdir: Path | None = None) -> InitSource:
         if not saved:
             raise WorkdirError(f"--init-from {spec}: {src / 'checkpoints'} holds no checkpoint")
         step = saved[-1]
-    if step not in saved and not (kept and kept["identity"] == f"{run_id}@{step}"):
+    if step not in saved and not (kept and kept["identity"] == f"{src_id}@{step}"):
         raise WorkdirError(f"--init-from {spec}: {src} has no checkpoint at step {step}; saved steps: "
                            f"{list(saved) or 'none'}")
-    return InitSource(src, run_id, step, str(spec), cfg, saved)
+    return InitSource(src, src_id, step, str(spec), cfg, saved)
 
 
 def recorded_init_source(workdir: Path | None) -> dict | None:
@@ -284,14 +285,14 @@ def migrate_run_config(workdir: Path) -> dict:
     dropped = [f"{sec}.{k}" for sec, ks in REMOVED_FIELDS.items() for k in ks if k in old.get(sec, {})]
     if current == as_read and not dropped:
         return old
-    new = json.loads(json.dumps(current.to_dict(), default=str))
-    old_id = old.get("run_id") or as_read.run_id()
-    previous = [*old.get("previous_run_ids", []), *([old_id] if old_id != current.run_id() else [])]
+    new = json.loads(json.dumps(config_record(current), default=str))
+    old_id = old.get("run_id") or run_id(as_read)
+    previous = [*old.get("previous_run_ids", []), *([old_id] if old_id != run_id(current) else [])]
     atomic_write_text(path.with_name("config.json.bak"), path.read_text())
-    atomic_write_json(path, {**new, "run_id": current.run_id(), "previous_run_ids": previous}, indent=2,
+    atomic_write_json(path, {**new, "run_id": run_id(current), "previous_run_ids": previous}, indent=2,
                       default=str)
     changes = [f"{f} reset (its mixer does not read it)" for f in diff_experiments(old, new)]
     changes += [f"{f} dropped (no longer a field)" for f in dropped]
     log.warning("migrated %s to the current config schema: %s; run id %s -> %s; old file kept as config.json.bak",
-             path, ", ".join(changes), old_id, current.run_id())
-    return {**new, "run_id": current.run_id(), "previous_run_ids": previous}
+             path, ", ".join(changes), old_id, run_id(current))
+    return {**new, "run_id": run_id(current), "previous_run_ids": previous}

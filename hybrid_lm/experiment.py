@@ -1,0 +1,139 @@
+"""An experiment: a config together with what it is run on, checked and identified.
+
+The layer above the model and the data: it parses a config (``hybrid_lm.config``), checks the model
+(``hybrid_lm.validate``) and the tokenizer against it, and gives the run id, which hashes the
+experiment-defining fields together with the data's identity (content fingerprints read from disk,
+``hybrid_lm.data.identity``). ``config.json`` of a run dir is written from :func:`config_record` and
+read by :func:`read_run_config`.
+
+Warnings depend on the purpose: a config loaded to train (``train``, ``sweep``) gets all of them;
+``info`` prints the vocabulary note as a line of its report; an eval of a trained run
+(``eval/swap.py``) gets none about the training setup (warmup, vocabulary), which it cannot change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from pathlib import Path
+from typing import get_type_hints
+
+from hybrid_lm.config import REMOVED_FIELDS, RUN_CONFIG_SECTIONS, Config, MixerConfig, config_from_dict, experiment_fields, parse_config, run_id_of
+from hybrid_lm.data.identity import data_identity
+from hybrid_lm.data.tokenizer import VOCAB_MULTIPLE, check_tokenizer, load_tokenizer, padded_vocab
+from hybrid_lm.errors import ConfigError
+from hybrid_lm.validate import PURPOSES, model_warnings, validate_model
+
+log = logging.getLogger(__name__)
+_WARNED: set[str] = set()
+
+__all__ = ["check_tokenizer", "config_record", "config_warnings", "diff_experiments", "load_config",
+           "read_run_config", "run_id", "validate_experiment", "vocab_note"]
+
+
+def load_config(gin_files: list[str] | tuple[str, ...] = (), gin_params: list[str] | tuple[str, ...] = (),
+                validate: bool = True) -> Config:
+    """Parse gin files and ``k=v`` bindings into a :class:`Config`, validated (:func:`validate_experiment`)
+    unless ``validate=False``. Allocates nothing."""
+    cfg = parse_config(gin_files, gin_params)
+    if validate:
+        validate_experiment(cfg)
+    return cfg
+
+
+def validate_experiment(cfg: Config, purpose: str = "train") -> None:
+    """Raise :class:`ConfigError` for a config that cannot run (the model's checks, then the tokenizer
+    against ``ModelConfig.vocab_size``); log each warning of ``purpose`` (:func:`config_warnings`)
+    once per process."""
+    validate_model(cfg)
+    check_tokenizer(load_tokenizer(cfg.data.tokenizer), cfg.model.vocab_size)
+    for msg in config_warnings(cfg, purpose):
+        if msg not in _WARNED:
+            _WARNED.add(msg)
+            log.warning(msg)
+
+
+def config_warnings(cfg: Config, purpose: str = "train") -> list[str]:
+    """Settings that run but are probably not what was meant. ``purpose``: ``train`` (all), ``info``
+    (not the vocabulary note: info prints it), ``eval`` (nothing about the training setup)."""
+    if purpose not in PURPOSES:
+        raise ValueError(f"purpose {purpose!r}: one of {PURPOSES}")
+    out = model_warnings(cfg, purpose)
+    vocab = vocab_note(cfg) if purpose == "train" else None
+    if vocab:  # after the optimizer's notes, before the mixers'
+        n_optim = sum(w.startswith("OptimConfig.") for w in out)
+        out.insert(n_optim, vocab)
+    return out
+
+
+def vocab_note(cfg: Config) -> str | None:
+    """The model's embedding rows beyond the tokenizer's vocabulary (rounded up), or None."""
+    tok = load_tokenizer(cfg.data.tokenizer)
+    v, padded = cfg.model.vocab_size, padded_vocab(tok.vocab_size)
+    if v <= padded:
+        return None
+    rounded = f" (rounded up to a multiple of {VOCAB_MULTIPLE}: {padded})" if padded != tok.vocab_size else ""
+    return (f"ModelConfig.vocab_size={v} exceeds the {tok.spec!r} tokenizer's {tok.vocab_size} ids{rounded}: "
+            f"{v - tok.vocab_size} embedding rows stand for ids the tokenizer never produces")
+
+
+# ----------------------------------------------------------------------------- identity
+
+def run_id(cfg: Config) -> str:
+    """The run id: the experiment-defining fields and the data's identity (resolved now), hashed."""
+    return run_id_of(cfg, data_identity(cfg.data))
+
+
+def config_record(cfg: Config) -> dict:
+    """What ``config.json`` holds: the fields, plus ``data_identity`` (what the data contributes to the
+    run id, resolved from the store and tokenizer files now), so that resume compares contents."""
+    return {**cfg.fields_dict(), "data_identity": data_identity(cfg.data)}
+
+
+def _fields(cfg: Config, recorded: dict | None) -> dict:
+    return experiment_fields(cfg, data_identity(cfg.data) if recorded is None else recorded)
+
+
+def diff_experiments(old: dict, new: dict) -> list[str]:
+    """Fields (``section.field``) whose experiment-defining values differ between two config dicts."""
+    a = _fields(config_from_dict(old), old.get("data_identity"))
+    b = _fields(config_from_dict(new), new.get("data_identity"))
+    return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+
+
+# ----------------------------------------------------------------------------- config.json
+
+def read_run_config(path: str | Path) -> tuple[dict, Config]:
+    """A run directory's ``config.json`` (``path``): its contents and the :class:`Config` they define.
+
+    The one reader of that file. A file that is not JSON, not an object, lacks a section or holds a
+    field this version does not know raises :class:`ConfigError` naming the file and what is wrong;
+    the file is left as it is."""
+    path = Path(path)
+    try:
+        d = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{path} is not JSON ({e}): fix or restore the run's config, as `hybrid-lm train` "
+                          "wrote it") from None
+    if not isinstance(d, dict):
+        raise ConfigError(f"{path} holds a JSON {type(d).__name__}, not the object `hybrid-lm train` writes")
+    missing = [s for s in RUN_CONFIG_SECTIONS if not isinstance(d.get(s), dict)]
+    if missing:
+        raise ConfigError(f"{path}: missing section{'s' * (len(missing) > 1)} {', '.join(map(repr, missing))}: "
+                          "not a run config as `hybrid-lm train` writes it")
+    types = get_type_hints(Config)
+    tables = [(sec, d[sec], types[sec]) for sec in RUN_CONFIG_SECTIONS]
+    tables += [(f"model.{slot}", d["model"][slot], MixerConfig) for slot in ("full", "efficient")
+               if isinstance(d["model"].get(slot), dict)]
+    unknown = [f"{where}.{k}" for where, table, cls in tables for k in table
+               if k not in {f.name for f in dataclasses.fields(cls)} | set(REMOVED_FIELDS.get(where, ()))]
+    if unknown:
+        raise ConfigError(f"{path}: unknown field{'s' * (len(unknown) > 1)} {', '.join(unknown)} (not a field of "
+                          "this version's config; remove it, or use the version that wrote the run)")
+    try:
+        return d, config_from_dict(d)
+    except KeyError as e:
+        raise ConfigError(f"{path}: missing field {e}") from None
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{path}: {e}") from None
