@@ -2,26 +2,24 @@
 
 One function per op family, each returning ``(backend, reason)``:
 
-- :func:`attention_backend`: causal softmax attention (full, SWA, SA's permuted band);
+- :func:`attention_backend`: causal softmax attention (full, SWA, SA's permuted band), from
+  ``ModelConfig.attention_impl``;
 - :func:`moba_backend`: MoBA's block-sparse attention (the ``moba`` mixer and SSA's sparse stream);
 - :func:`topk_method`: the top-k of the block selection (sort or argmax passes);
 - :func:`sparse_decode_backend`: MoBA / SSA-sparse decoding (our kernels or the reference);
-- :func:`linear_attention_backend`: the linear-attention ops of lightning / mamba2 / gdn;
-- :func:`loss_backend`, :func:`loss_kernel_backend`: the next-token loss (whole or chunked logits)
-  and the chunked loss's softmax pass;
-- :func:`norm_kernel_backend`: the RMSNorms (plain jnp or the one-pass kernels);
-- :func:`conv_kernel_backend`: the short convs' backward in mamba2 / gdn (plain jnp or one Pallas pass);
-- :func:`gated_norm_kernel_backend`: gdn's gated output norm (plain jnp or one Pallas pass each way).
+- :func:`loss_backend`: the next-token loss, whole or chunked logits (``ModelConfig.loss_impl``);
+- :func:`loss_kernel_backend`: the chunked loss's softmax pass (Pallas on one GPU);
+- :func:`conv_kernel_backend`: the short convs' backward in mamba2 / gdn (Pallas on one GPU).
 
-:func:`check_document_mask` says whether a model can run with ``DataConfig.document_mask`` (the
-mixers' declared support, then the attention backend), before anything is allocated.
+The linear-attention ops dispatch beside their kernels (``ops.linear_attention_gpu``, from
+``ModelConfig.linear_impl``), MoBA's selection and sparse kernel in ``model.moba``.
 
 ``platform`` is a JAX platform name (``"cpu"``, ``"gpu"``, ...), by default the default backend's. The
 thresholds below were measured; ``docs/KERNELS.md`` ("Dispatch") has the table behind each.
-:func:`describe_layers` resolves every layer of a model config (``hybrid-lm info CONFIG --backends``).
 
 Also the record of what the traced model's calls resolved to, filled while tracing (``record_backend``)
-and read by the train loop into every metrics row (``attention_backends``).
+and read by the train loop into every metrics row (``attention_backends``); ``hybrid_lm.describe``
+reads it per layer (``hybrid-lm info CONFIG --backends``).
 """
 
 from __future__ import annotations
@@ -148,17 +146,11 @@ _NO_SEGMENTS = ("only the XLA reference takes segment ids (jax.nn.dot_product_at
                 "segment ids, only a dense O(T^2) mask; our Pallas kernels and jla's take none)")
 
 
-def loss_backend(impl: str, n_tokens: int, vocab: int, kernel: str = "auto") -> tuple[str, str]:
-    """``(backend, reason)`` of the next-token loss: ``full`` (whole fp32 logits) or ``chunked``
-    (``hybrid_lm.ops.cross_entropy.chunked_cross_entropy``, never more than a chunk of logits).
-    ``kernel`` is ``ModelConfig.loss_kernel``: ``'jla'`` (jla's fused loss) runs through the chunked
-    loss's entry point, so it needs ``chunked``."""
+def loss_backend(impl: str, n_tokens: int, vocab: int) -> tuple[str, str]:
+    """``(backend, reason)`` of the next-token loss (``ModelConfig.loss_impl``): ``full`` (whole fp32
+    logits) or ``chunked`` (``hybrid_lm.ops.cross_entropy.chunked_cross_entropy``, never more than a
+    chunk of logits)."""
     whole = 4 * n_tokens * vocab
-    if kernel == "jla":
-        if impl == "full":
-            raise ConfigError("ModelConfig.loss_kernel='jla' replaces the chunked loss; it cannot run with "
-                              "loss_impl='full' (use 'auto' or 'chunked')")
-        return "chunked", "loss_kernel='jla' (jla's fused LM-head loss)"
     if impl != "auto":
         return impl, f"loss_impl={impl!r} set explicitly"
     if whole >= CHUNKED_LOSS_MIN_BYTES:
@@ -166,69 +158,41 @@ def loss_backend(impl: str, n_tokens: int, vocab: int, kernel: str = "auto") -> 
     return "full", f"auto: whole logits {whole / 2 ** 20:.1f} MiB < CHUNKED_LOSS_MIN_BYTES"
 
 
-def _row_kernel_backend(field: str, impl: str, platform: str | None, devices: int | None,
-                        auto_pallas: str | None) -> tuple[str, str]:
-    """``(backend, reason)`` of a row-wise Pallas kernel with an XLA reference (``ModelConfig.<field>``).
-    ``auto`` -> pallas on one GPU if ``auto_pallas`` (the measured reason) is given; xla elsewhere,
-    and on several devices (the kernels have no sharding rule: the partitioner would gather their
-    sharded operands)."""
-    if impl not in ("auto", "xla", "pallas"):
-        raise ConfigError(f"ModelConfig.{field}={impl!r}: choose 'auto', 'xla' or 'pallas'")
+KERNEL_CHOICES = ("auto", "xla", "pallas")
+
+
+def _row_kernel_backend(op: str, impl: str, platform: str | None, devices: int | None,
+                        measured: str) -> tuple[str, str]:
+    """``(backend, reason)`` of a row-wise Pallas kernel with an XLA reference. ``auto`` -> pallas on
+    one GPU (``measured``: the win that earned it), xla elsewhere and on several devices (the kernels
+    have no sharding rule: the partitioner would gather their sharded operands). ``xla`` / ``pallas``
+    are for tests and benchmarks (``pallas`` on the CPU runs interpreted)."""
+    if impl not in KERNEL_CHOICES:
+        raise ValueError(f"{op} kernel {impl!r}: choose one of {KERNEL_CHOICES}")
     if impl != "auto":
-        return impl, f"{field}={impl!r} set explicitly"
+        return impl, f"{op}: {impl!r} asked for"
     if not on_gpu(platform):
         return "xla", "auto: " + no_gpu_reason(platform)
     devices = jax.device_count() if devices is None else devices
     if devices > 1:
         return "xla", f"auto: {devices} devices (the kernel has no sharding rule)"
-    if auto_pallas is None:
-        return "xla", "auto: the kernel is opt-in (no train-step gain measured; docs/KERNELS.md)"
-    return "pallas", f"auto: one GPU ({auto_pallas})"
+    return "pallas", f"auto: one GPU ({measured})"
 
 
-def loss_kernel_backend(impl: str, platform: str | None = None, devices: int | None = None) -> tuple[str, str]:
+def loss_kernel_backend(impl: str = "auto", platform: str | None = None, devices: int | None = None) -> tuple[str, str]:
     """``(backend, reason)`` of the chunked loss's softmax pass between the head's matmuls: ``pallas``
     (``hybrid_lm_kernels.softmax_xent_rows``, the logits read twice) or ``xla`` (the reference, three
-    passes). ``auto``: pallas on one GPU (docs/BENCHMARKS.md, session 13), xla elsewhere. ``pallas``
-    on the CPU runs the kernel interpreted (tests). ``jla`` (explicit only) replaces the whole chunked
-    loss by jax-linear-attention's fused LM-head loss (``ops.cross_entropy.jla_linear_cross_entropy``:
-    its Mosaic GPU kernels on a Hopper GPU, its plain-JAX form elsewhere)."""
-    if impl not in ("auto", "xla", "pallas", "jla"):
-        raise ConfigError(f"ModelConfig.loss_kernel={impl!r}: choose 'auto', 'xla', 'pallas' or 'jla'")
-    if impl == "jla":
-        if not jla_available():
-            raise ConfigError(f"ModelConfig.loss_kernel='jla' needs jax-linear-attention; {INSTALL_HINT}")
-        where = "its Mosaic GPU kernels" if on_gpu(platform) else "its plain-JAX form (" + no_gpu_reason(platform) + ")"
-        return "jla", f"loss_kernel='jla' set explicitly: jla's fused LM-head loss, {where}"
-    return _row_kernel_backend("loss_kernel", impl, platform, devices, "0.95-0.99x the XLA loss's step")
+    passes); ``auto``: pallas on one GPU (docs/KERNELS.md, "Loss softmax pass")."""
+    return _row_kernel_backend("the loss's softmax pass", impl, platform, devices,
+                               "train steps 0.95-0.99x the XLA pass's on an H200")
 
 
-def norm_kernel_backend(impl: str, platform: str | None = None, devices: int | None = None) -> tuple[str, str]:
-    """``(backend, reason)`` of the RMSNorms: ``pallas`` (``hybrid_lm_kernels.rms_norm_fwd`` /
-    ``rms_norm_bwd``, one pass each way) or ``xla`` (``hybrid_lm.ops.norm.rms_norm``'s plain jnp).
-    ``auto``: xla everywhere. The kernels are 0.72-0.80x XLA's norm alone on an H200, but no train step
-    gained (XLA fuses the residual adds and casts around its norm; docs/BENCHMARKS.md, session 14), so
-    they are opt-in. ``pallas`` on the CPU runs interpreted (tests)."""
-    return _row_kernel_backend("norm_kernel", impl, platform, devices, None)
-
-
-def conv_kernel_backend(impl: str, platform: str | None = None, devices: int | None = None) -> tuple[str, str]:
+def conv_kernel_backend(impl: str = "auto", platform: str | None = None, devices: int | None = None) -> tuple[str, str]:
     """``(backend, reason)`` of the short convs' backward (``model.recurrent_common.short_conv``): ``pallas``
-    (``hybrid_lm_kernels.short_conv_bwd``, x and dy read once) or ``xla`` (the jnp backward). ``auto``:
-    pallas on one GPU (0.49-0.63x the jnp backward alone; train steps 0.978-0.984x at S3/S5 Mamba-2 and
-    GDN on an H200, docs/BENCHMARKS.md session 17), xla elsewhere. ``pallas`` on the CPU runs interpreted
-    (tests)."""
-    return _row_kernel_backend("conv_kernel", impl, platform, devices,
-                               "the conv backward kernel: train steps 0.978-0.984x on an H200, session 17")
-
-
-def gated_norm_kernel_backend(impl: str, platform: str | None = None, devices: int | None = None) -> tuple[str, str]:
-    """``(backend, reason)`` of gdn's gated output norm (``ops.norm.gated_rms_norm``): ``pallas``
-    (``hybrid_lm_kernels.gated_rms_norm_fwd`` / ``_bwd``, reading the linear-attention kernel's padded
-    output in place) or ``xla`` (plain jnp). ``auto``: xla everywhere: the kernels are 0.65-0.86x XLA's
-    norm alone on an H200 but the S5 GDN step did not move (docs/BENCHMARKS.md, session 18), so they are
-    opt-in. ``pallas`` on the CPU runs interpreted (tests)."""
-    return _row_kernel_backend("gated_norm_kernel", impl, platform, devices, None)
+    (``hybrid_lm_kernels.short_conv_bwd``, x and dy read once) or ``xla`` (the jnp backward); ``auto``:
+    pallas on one GPU (docs/KERNELS.md, "Short conv backward")."""
+    return _row_kernel_backend("the short convs' backward", impl, platform, devices,
+                               "train steps 0.978-0.984x the jnp backward's at S3/S5 Mamba-2 and GDN on an H200")
 
 
 def attention_op_name(window: int | None, permuted: bool) -> str:
@@ -287,7 +251,7 @@ def sparse_decode_backend(platform: str | None = None) -> tuple[str, str]:
         import hybrid_lm_kernels  # noqa: F401
     except ImportError as e:
         return "xla", f"auto: the Pallas kernels (hybrid_lm_kernels) do not import: {e}"
-    return "pallas", "auto: GPU (top-k kernel: 0.003 ms against 0.033 for XLA's passes at S5, 128K, B 8, session 10)"
+    return "pallas", "auto: GPU (top-k kernel: 0.003 ms against 0.033 for XLA's passes at S5, 128K, B 8, H200)"
 
 
 # ----------------------------------------------------------------------------- linear attention

@@ -28,7 +28,7 @@ import json
 import logging
 import re
 import tokenize
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
@@ -66,6 +66,24 @@ class MixerConfig:
     options: dict = field(default_factory=dict)  # mixer-specific; checked against the mixer's Options
 
 
+# Backend settings that no longer exist, and what decides instead (ModelConfig accepts and ignores them).
+REMOVED_MODEL_SETTINGS = {
+    "sparse_impl": "MoBA / SSA pick the gather kernel where the selection is shared by a GQA group, else the union kernel",
+    "selection_impl": "MoBA / SSA select with the split bf16 kernels for the ssa gate on a GPU, else the XLA reference",
+    "loss_kernel": "the chunked loss's softmax pass runs the Pallas kernel on one GPU, else XLA",
+    "norm_kernel": "RMSNorm runs plain jnp (its kernel gave no train-step gain)",
+    "conv_kernel": "the short convs' backward runs the Pallas kernel on one GPU, else jnp",
+    "gated_norm_kernel": "GDN's gated output norm runs plain jnp (its kernel gave no train-step gain)",
+}
+_WARNED: set[str] = set()
+
+
+def _warn_once(msg: str) -> None:
+    if msg not in _WARNED:
+        _WARNED.add(msg)
+        logging.getLogger(__name__).warning(msg)
+
+
 # The mixer of each layer slot when the config names none; the other fields apply while the slot
 # holds that kind (a moba efficient slot has no window).
 SLOT_DEFAULTS = {"full": MixerConfig(kind="attention"), "efficient": MixerConfig(kind="swa", window=128)}
@@ -77,13 +95,7 @@ DType = Literal["float32", "bfloat16", "float16"]
 Source = Literal["embedded", "tokens"]  # tokens: a prepared token store (hybrid_lm/data/store.py) at DataConfig.path
 Optimizer = Literal["adamw", "muon"]  # muon: Muon for hidden matrices, AdamW for the rest (train/optim.py)
 DecayShape = Literal["linear", "cosine", "1-sqrt"]
-SparseImpl = Literal["auto", "union", "gather"]  # MoBA/SSA sparse kernel on the pallas path (model/moba.py)
-SelectionImpl = Literal["auto", "xla", "fused", "split", "split_bf16"]  # who selects MoBA/SSA's blocks on the pallas path (model/moba.py)
 LossImpl = Literal["auto", "full", "chunked"]  # resolved in hybrid_lm/backends.py (loss_backend)
-LossKernel = Literal["auto", "xla", "pallas", "jla"]  # softmax pass of the chunked loss, or jla's fused loss (backends.loss_kernel_backend)
-NormKernel = Literal["auto", "xla", "pallas"]  # the RMSNorms (backends.norm_kernel_backend)
-ConvKernel = Literal["auto", "xla", "pallas"]  # ShortConv's backward in mamba2 / gdn (backends.conv_kernel_backend)
-GatedNormKernel = Literal["auto", "xla", "pallas"]  # gdn's output norm (backends.gated_norm_kernel_backend)
 NanPolicy = Literal["stop", "skip"]  # a non-finite loss/gradient never reaches the state
 
 
@@ -108,24 +120,27 @@ class ModelConfig:
     # An execution detail (same math up to rounding), so not part of the run id; recorded in config.json.
     linear_impl: LinearImpl = _nid("auto")
     remat: Remat = "none"
-    # MoBA / SSA sparse stream on the pallas path (hybrid_lm/model/moba.py): the kernel (union of a query
-    # tile's blocks, or per-token gather) and the selection (XLA reference or the fused kernel).
-    # Execution details (same math up to rounding, same blocks), so not part of the run id.
-    sparse_impl: SparseImpl = _nid("auto")
-    selection_impl: SelectionImpl = _nid("auto")
     # next-token loss: whole fp32 logits, or chunks of loss_chunk tokens (hybrid_lm/ops/cross_entropy.py);
     # the same math up to float rounding, so not part of the run id
     loss_impl: LossImpl = _nid("auto")
     loss_chunk: int = _nid(8192)
-    # the chunked loss's softmax pass: XLA's three passes or one Pallas kernel; 'jla': jla's fused LM-head
-    # loss instead of the chunked one (loss_chunk is then its row block: ~4 * loss_chunk * vocab bytes of fp16 buffers)
-    loss_kernel: LossKernel = _nid("auto")
-    norm_kernel: NormKernel = _nid("auto")  # the blocks' and final RMSNorms (not mixers' inner norms): jnp or Pallas (ops/norm.py)
-    conv_kernel: ConvKernel = _nid("auto")  # the recurrent mixers' short convs' backward: jnp or one Pallas pass (model/recurrent_common.py)
-    gated_norm_kernel: GatedNormKernel = _nid("auto")  # gdn's gated output norm: jnp or one Pallas pass each way (ops/norm.py)
     scan_layers: bool = _nid(False)  # lax.scan over repeated layer groups (same params; hybrid_lm/model/transformer.py)
     full: MixerConfig = field(default_factory=lambda: SLOT_DEFAULTS["full"])
     efficient: MixerConfig = field(default_factory=lambda: SLOT_DEFAULTS["efficient"])
+    # Removed backend settings (docs/KERNELS.md, "Removed settings"): still accepted, so that gin files
+    # that bind them keep loading; a binding is ignored with a warning. Not fields: not in config.json.
+    sparse_impl: InitVar[str | None] = None
+    selection_impl: InitVar[str | None] = None
+    loss_kernel: InitVar[str | None] = None
+    norm_kernel: InitVar[str | None] = None
+    conv_kernel: InitVar[str | None] = None
+    gated_norm_kernel: InitVar[str | None] = None
+
+    def __post_init__(self, *removed):
+        for name, value in zip(REMOVED_MODEL_SETTINGS, removed):
+            if value is not None:
+                _warn_once(f"ModelConfig.{name}={value!r} is no longer a setting and is ignored: "
+                           f"{REMOVED_MODEL_SETTINGS[name]}")
 
     @property
     def resolved_head_dim(self) -> int:
@@ -357,7 +372,7 @@ def operative_gin() -> str:
 
 
 # Fields older versions wrote to config.json that no longer exist (none defined the experiment).
-REMOVED_FIELDS = {"train": ("eval_batches",)}
+REMOVED_FIELDS = {"train": ("eval_batches",), "model": tuple(REMOVED_MODEL_SETTINGS)}
 RUN_CONFIG_SECTIONS = ("model", "data", "optim", "train", "checkpoint", "mesh")
 
 

@@ -1,11 +1,12 @@
-"""Fused MoBA / SSA block selection (gate scores + top-k) in one Pallas (Triton lowering) kernel.
+"""MoBA / SSA per-token block selection in two Pallas (Triton lowering) kernels: the gate's block
+importance (:func:`block_importance`), then each row's top-k (:func:`top_k_blocks`);
+:func:`select_blocks_split` runs both.
 
 Returns what ``hybrid_lm.ops.block_sparse.select_blocks(..., selection='token')`` returns: int32
 ``[B, T, Hs, min(top_k, nb)]`` selected key blocks per query token, -1 for empty slots, ordered by
 score descending with ties to the lower block index, the query's own block first (its score is
-+inf). The ``[T, nb]`` score matrix never leaves the chip: one program per (query tile, selection
-head, batch) walks the block means ``kbar [nb, D]`` of its KV head in chunks of ``block_c`` blocks
-and keeps a running top-k per query row in registers.
++inf). One gate program per (query tile, selection head, batch) walks the block means
+``kbar [nb, D]`` of its KV head in chunks of ``block_c`` blocks.
 
 Gates (as the reference, ``hybrid_lm/ops/block_sparse.py``):
 
@@ -16,20 +17,13 @@ Gates (as the reference, ``hybrid_lm/ops/block_sparse.py``):
   (0 when there is none). A first loop over the chunks computes each head's lse online, a second
   one the group-summed probabilities.
 
-Running top-k (exact): the list holds S = min(top_k, nb) (value, block) pairs, unsorted, seeded
-with the own block at +inf. For each chunk, ``n`` = the most entries any row of the tile has that
-beat its list's worst pair; ``n`` passes then move the chunk's best remaining entry into the list
-in place of the list's worst whenever it beats it (the order: value descending, then block index
-ascending). A final S passes sort the list. Work per chunk is O(n * (block_c + S)) per row, with
-``n <= S`` and typically shrinking as the list fills with good blocks.
-
-Exactness against the reference: the dot products are accumulated in fp32 (``precision=HIGHEST``)
-in a different order than XLA's einsum, the ``ssa`` lse online rather than in one reduction, so
-scores can differ in the last bits. Selections are bitwise equal whenever no two candidate scores
-of a row are within that rounding of each other; on inputs whose dot products are exact in fp32
-(small integers / dyadic values: block means of integer keys over power-of-two blocks) the
-``moba`` gate is exact always, and the ``ssa`` gate whenever its group sums have no near-ties
-(always for groups of identical heads or G = 1, where only the common lse rounding differs).
+Exactness against the reference: with fp32 operands and ``precision=HIGHEST`` the dot products are
+accumulated in fp32 in a different order than XLA's einsum, the ``ssa`` lse online rather than in
+one reduction, so scores can differ in the last bits. Selections are bitwise equal whenever no two
+candidate scores of a row are within that rounding of each other; on inputs whose dot products are
+exact in fp32 (small integers / dyadic values: block means of integer keys over power-of-two
+blocks) the ``moba`` gate is exact always, and the ``ssa`` gate whenever its group sums have no
+near-ties. ``dot_dtype='bfloat16'`` (what the model runs) rounds the block means to bf16 first.
 ``-0.0`` and ``+0.0`` tie (as ``top_k_by_passes``).
 
 This module does not import ``hybrid_lm``. ``interpret=True`` runs the same kernel on the CPU.
@@ -50,8 +44,6 @@ from jax.experimental.pallas import triton as pltriton
 from .tiles import cdiv as _cdiv, next_pow2 as _next_pow2
 
 GATES = ("moba", "ssa")
-_BIG = 1 << 30  # index of an empty list slot (plus its slot number, so pairs stay distinct)
-_NONE = (1 << 31) - 1  # index of "nothing left" in the final sort
 _MASK = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite "-inf" of the online lse
 
 
@@ -88,21 +80,9 @@ def _best(x, idx, big):
     return v, jnp.min(jnp.where(x == v[:, None], idx, big), axis=1)
 
 
-def _worst(bv, bi, valid):
-    """Per row: the list's worst pair (lowest value, then highest index) among valid slots."""
-    wv = jnp.min(jnp.where(valid, bv, jnp.inf), axis=1)
-    wi = jnp.max(jnp.where(valid & (bv == wv[:, None]), bi, -1), axis=1)
-    return wv, wi
-
-
-def _beats(v, i, wv, wi):
-    """``(v, i)`` comes before ``(wv, wi)`` (value descending, index ascending) and is finite."""
-    return (v > -jnp.inf) & ((v > wv) | ((v == wv) & (i < wi)))
-
-
 def _gate_tile(q_ref, kbar_ref, *, bq, bc, block_size, seq_len, group, gate, scale, precision,
                dot_dtype=jnp.float32, hoist_q=False):
-    """The gate of one query tile (program 0's axis), shared by both selection kernels: runs the ssa
+    """The gate of one query tile (program 0's axis): runs the ssa
     lse pass and returns ``(own, last, chunk_scores)``: each row's own block, the tile's last real
     token, and ``chunk_scores(c0) -> (c, imp)``, the importance ``[bq, bc]`` of blocks
     ``c = c0 ... c0 + bc - 1`` (the gate's score for past blocks, ``-inf`` elsewhere)."""
@@ -151,51 +131,6 @@ def _gate_tile(q_ref, kbar_ref, *, bq, bc, block_size, seq_len, group, gate, sca
         return c, jnp.where(past, acc, -jnp.inf)
 
     return own, last, chunk_scores
-
-
-def _select_kernel(q_ref, kbar_ref, o_ref, *, bq, bc, block_size, seq_len, top_k, group, gate,
-                   scale, precision, hoist_q):
-    own, last, chunk_scores = _gate_tile(q_ref, kbar_ref, bq=bq, bc=bc, block_size=block_size, seq_len=seq_len,
-                                         group=group, gate=gate, scale=scale, precision=precision,
-                                         hoist_q=hoist_q)
-    Sp = o_ref.shape[-1]
-    slot = jnp.arange(Sp, dtype=jnp.int32)[None, :]
-    valid = slot < top_k
-
-    # -- pass 2: chunk scores merged into a running top-k list per row
-    def chunk_body(j, carry):
-        bv, bi = carry
-        c, x = chunk_scores(j * bc)
-        wv, wi = _worst(bv, bi, valid)
-        n_beat = jnp.sum(_beats(x, c, wv[:, None], wi[:, None]).astype(jnp.int32), axis=1)
-        n = jnp.minimum(jnp.max(n_beat), top_k)
-
-        def insert(_, carry):
-            bv, bi, xm = carry
-            cv, ci = _best(xm, c, _BIG)
-            xm = jnp.where(c == ci[:, None], -jnp.inf, xm)  # taken
-            wv, wi = _worst(bv, bi, valid)
-            hit = (bi == wi[:, None]) & _beats(cv, ci, wv, wi)[:, None]
-            return jnp.where(hit, cv[:, None], bv), jnp.where(hit, ci[:, None], bi), xm
-
-        bv, bi, _ = lax.fori_loop(0, n, insert, (bv, bi, x))
-        return bv, bi
-
-    bv = jnp.where(slot == 0, jnp.inf, -jnp.inf) + jnp.zeros((bq, 1), jnp.float32)
-    bi = jnp.where(slot == 0, own[:, None], _BIG + slot)
-    n_past = _cdiv(lax.div(last, block_size), bc)
-    bv, bi = lax.fori_loop(0, n_past, chunk_body, (bv, bi))
-
-    # -- sort the list: S passes, each taking the best pair after the previous pick
-    bv = jnp.where(valid, bv, -jnp.inf)
-    out = jnp.full((bq, Sp), -1, jnp.int32)
-    pv = jnp.full((bq,), jnp.inf, jnp.float32)
-    pi = jnp.full((bq,), -1, jnp.int32)
-    for s in range(top_k):
-        below = (bv < pv[:, None]) | ((bv == pv[:, None]) & (bi > pi[:, None]))
-        pv, pi = _best(jnp.where(below, bv, -jnp.inf), jnp.where(below, bi, _NONE), _NONE)
-        out = jnp.where(slot == s, jnp.where(pv > -jnp.inf, pi, -1)[:, None], out)
-    o_ref[...] = out
 
 
 # ------------------------------------------------------------------------------------------------
@@ -259,68 +194,12 @@ def _gate_call(kernel, q, kb, *, block_size, gate, scale, precision, blocks, int
     return out[:, :T]
 
 
-# jitted: identical calls (one per layer) lower, and compile their Triton kernels, once per program
-@functools.partial(jax.jit, static_argnames=("block_size", "top_k", "gate", "scale", "interpret", "block_sizes", "kbar", "precision"))
-def select_blocks(q, k_or_kbar, *, block_size: int, top_k: int, gate: str, scale: float | None = None,
-                  interpret: bool | None = None, block_sizes: SelectionBlockSizes | None = None,
-                  kbar: bool | None = None, precision=lax.Precision.HIGHEST):
-    """Selected key blocks per query token, fused (gate + top-k in one kernel); no gradient.
-
-    Args:
-      q: ``[B, T, H, D]`` queries (any float dtype; scored in fp32).
-      k_or_kbar: keys ``[B, T, K, D]`` or their block means ``[B, ceil(T / block_size), K, D]``
-        (fp32, as ``block_means``); ``kbar`` says which (default: by the second axis).
-      block_size: tokens per key block (any int >= 1; static).
-      top_k: selected blocks per query, counting its own.
-      gate: ``moba`` (per query head, raw dot) or ``ssa`` (softmax probability summed over the GQA
-        group, ``scale`` default ``1/sqrt(D)``).
-      interpret: run the kernel in interpret mode (default: when JAX's default backend is the CPU).
-      block_sizes: tiles and launch parameters (`SelectionBlockSizes`).
-      precision: of the in-kernel dots; HIGHEST = IEEE fp32 (tf32 would round the inputs).
-    Returns:
-      int32 ``[B, T, Hs, min(top_k, nb)]``, ``Hs = H`` (moba) or ``K`` (ssa); -1 = empty slot.
-    """
-    if q.ndim != 4 or k_or_kbar.ndim != 4:
-        raise ValueError(f"expected q [B,T,H,D] and k [B,T,K,D] or kbar [B,nb,K,D]: q{q.shape} "
-                         f"k_or_kbar{k_or_kbar.shape}")
-    B, T, H, D = q.shape
-    K = k_or_kbar.shape[2]
-    block_size, top_k = int(block_size), int(top_k)
-    if block_size < 1 or top_k < 1:
-        raise ValueError(f"block_size={block_size} and top_k={top_k} must be >= 1")
-    if gate not in GATES:
-        raise ValueError(f"gate={gate!r}: choose one of {GATES}")
-    if H % K or k_or_kbar.shape[0] != B or k_or_kbar.shape[3] != D:
-        raise ValueError(f"q{q.shape} and k_or_kbar{k_or_kbar.shape} do not match (B, D; H % K == 0)")
-    nb = -(-T // block_size)
-    if kbar is None:
-        if T == nb and T > 1:
-            raise ValueError("block_size 1: say kbar=True or kbar=False (k and kbar have the same shape)")
-        kbar = k_or_kbar.shape[1] == nb and T != nb
-    if kbar and k_or_kbar.shape[1] != nb or not kbar and k_or_kbar.shape[1] != T:
-        raise ValueError(f"k_or_kbar{k_or_kbar.shape}: expected [B, {T}, K, D] keys or [B, {nb}, K, D] "
-                         "block means")
-    blocks = block_sizes or SelectionBlockSizes()
-    _check_tiles(blocks)
-    if interpret is None:
-        interpret = jax.default_backend() == "cpu"
-    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    kb = lax.stop_gradient(k_or_kbar).astype(jnp.float32) if kbar else block_means(
-        lax.stop_gradient(k_or_kbar), block_size)
-    S = min(top_k, nb)
-    out = _gate_call(_select_kernel, q, kb, block_size=block_size, gate=gate, scale=scale, precision=precision,
-                     blocks=blocks, interpret=interpret, out_cols=lambda _: max(2, _next_pow2(S)),
-                     out_dtype=jnp.int32, name=f"select_blocks_{gate}", top_k=S)
-    return out[..., :S]
-
-
 # ------------------------------------------------------------------------------------------------
-# Split selection: the gate's block importance (one kernel), then the top-k of its rows (another)
+# Selection in two kernels: the gate's block importance, then the top-k of its rows
 # ------------------------------------------------------------------------------------------------
-# The fused kernel above keeps a running top-k per row while it walks the chunks of block means:
-# serial, low-occupancy work. Split in two, each kernel does one simple thing at full occupancy:
-# `block_importance` writes the gate's importance [B, T, Hs, nb] (fp32; the ssa gate's [.., G, nb]
-# scores never reach HBM), and `top_k_blocks` reads each row once and takes its top-k in registers.
+# Each kernel does one simple thing at full occupancy: `block_importance` writes the gate's
+# importance [B, T, Hs, nb] (fp32; the ssa gate's [.., G, nb] scores never reach HBM), and
+# `top_k_blocks` reads each row once and takes its top-k in registers.
 
 def _top_k_kernel(x_ref, o_ref, *, k):
     x = x_ref[...]  # [rows, n] fp32, padding at -inf
@@ -460,8 +339,10 @@ def block_importance(q, kbar, *, block_size: int, gate: str, scale: float | None
 def select_blocks_split(q, kbar, *, block_size: int, top_k: int, gate: str, scale: float | None = None,
                         interpret: bool | None = None, precision=lax.Precision.DEFAULT, dot_dtype: str = "float32",
                         block_sizes: SelectionBlockSizes | None = None):
-    """:func:`select_blocks` in two kernels: :func:`block_importance`, then :func:`top_k_blocks`.
-    ``kbar``: the block means ``[B, nb, K, D]``. Returns int32 ``[B, T, Hs, min(top_k, nb)]``."""
+    """Selected key blocks per query token: :func:`block_importance`, then :func:`top_k_blocks`; what
+    ``hybrid_lm.ops.block_sparse.select_blocks(..., selection='token')`` returns up to near-ties of the
+    scores. ``kbar``: the block means ``[B, nb, K, D]``. Returns int32 ``[B, T, Hs, min(top_k, nb)]``,
+    ordered by score descending (ties to the lower block), the own block first, -1 for empty slots."""
     imp = block_importance(q, kbar, block_size=block_size, gate=gate, scale=scale, interpret=interpret,
                            precision=precision, dot_dtype=dot_dtype, block_sizes=block_sizes)
     return top_k_blocks(imp, int(top_k), interpret=interpret)

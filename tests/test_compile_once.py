@@ -22,10 +22,10 @@ def _triton_calls(n_layers: int, mixer: list[str]) -> int:
 
 @pytest.mark.parametrize("mixer", [
     ["efficient/MixerConfig.kind = 'sa'"],
-    ["efficient/MixerConfig.kind = 'moba'", "efficient/MixerConfig.options = {'block_size': 16, 'top_k': 4}",
-     "ModelConfig.sparse_impl = 'union'"],
-    ["efficient/MixerConfig.kind = 'moba'", "efficient/MixerConfig.options = {'block_size': 16, 'top_k': 4}",
-     "ModelConfig.sparse_impl = 'gather'"],
+    # per-head gate: the union kernel; the ssa gate (shared by the GQA group): the gather kernel
+    ["efficient/MixerConfig.kind = 'moba'",
+     "efficient/MixerConfig.options = {'block_size': 16, 'top_k': 4, 'gate': 'moba'}"],
+    ["efficient/MixerConfig.kind = 'moba'", "efficient/MixerConfig.options = {'block_size': 16, 'top_k': 4}"],
 ], ids=["sa", "moba-union", "moba-gather"])
 def test_kernels_lower_once_per_program_not_per_layer(mixer):
     shallow, deep = _triton_calls(2, mixer), _triton_calls(8, mixer)

@@ -91,50 +91,14 @@ def test_lowers_for_cuda():
     assert triton_calls_for_cuda(fn, x, t, w) == 1
 
 
-@pytest.mark.parametrize("z", [0.0, 1e-3])
-def test_jla_fused_loss_equals_the_chunked_loss(z):
-    """kernel='jla' (jla's fused LM-head loss; its plain-JAX form on the CPU) equals the chunked loss on
-    XLA: objective, ce, and the gradients of h and w; ce carries no gradient under a z-loss."""
-    from hybrid_lm.backends import jla_available
-
-    if not jla_available():
-        pytest.skip("jax-linear-attention not installed")
-    N, d, V = 300, 64, 333
-    k = jax.random.split(jax.random.key(3), 3)
-    h = jax.random.normal(k[0], (N, d), jnp.float32)
-    wh = 0.3 * jax.random.normal(k[1], (d, V), jnp.float32)
-    t = jax.random.randint(k[2], (N,), 0, V)
-    out = {}
-    for kern in ("xla", "jla"):
-        def f(h, wh, kern=kern):
-            return chunked_cross_entropy(h, wh, t, z, chunk=128, kernel=kern)
-        loss, grads = jax.value_and_grad(lambda h, wh: f(h, wh)[0], argnums=(0, 1))(h, wh)
-        out[kern] = (loss, f(h, wh)[1], grads)
-    (lx, cx, gx), (lj, cj, gj) = out["xla"], out["jla"]
-    np.testing.assert_allclose(float(lj), float(lx), rtol=1e-5)
-    np.testing.assert_allclose(float(cj), float(cx), rtol=1e-5)
-    for a, b in zip(gx, gj):
-        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-5 * float(jnp.max(jnp.abs(a))))
-    if z:
-        assert not jnp.any(jax.grad(lambda h: chunked_cross_entropy(h, wh, t, z, chunk=128, kernel="jla")[1])(h))
-
-
-def test_jla_loss_backend_rule(monkeypatch):
+def test_loss_kernel_backend_rule():
+    """The softmax pass runs the Pallas kernel on one GPU, XLA elsewhere; ``jla`` is no longer a choice."""
     from hybrid_lm import backends
-    from hybrid_lm.errors import ConfigError
 
-    monkeypatch.setattr(backends, "jla_available", lambda: True)
-    assert backends.loss_kernel_backend("jla", "cpu")[0] == "jla"
-    assert "Mosaic GPU" in backends.loss_kernel_backend("jla", "gpu")[1]
-    assert backends.loss_kernel_backend("auto", "gpu", devices=1)[0] == "pallas"  # jla is explicit only
-    monkeypatch.setattr(backends, "jla_available", lambda: False)
-    with pytest.raises(ConfigError, match="needs jax-linear-attention"):
-        backends.loss_kernel_backend("jla", "gpu")
-    with pytest.raises(ConfigError, match="'pallas' or 'jla'"):
-        backends.loss_kernel_backend("cuda")
-    # jla's loss replaces the chunked one: small logits go chunked too, whole logits are refused
-    assert backends.loss_backend("auto", 4096, 256, "jla")[0] == "chunked"
-    assert backends.loss_backend("auto", 4096, 256)[0] == "full"
-    with pytest.raises(ConfigError, match="loss_impl='full'"):
-        backends.loss_backend("full", 4096, 256, "jla")
-
+    assert backends.loss_kernel_backend("auto", "gpu", devices=1)[0] == "pallas"
+    assert backends.loss_kernel_backend("auto", "gpu", devices=2)[0] == "xla"
+    assert backends.loss_kernel_backend("auto", "cpu")[0] == "xla"
+    assert backends.loss_kernel_backend("pallas", "cpu")[0] == "pallas"  # interpreted (tests)
+    for removed in ("jla", "cuda"):
+        with pytest.raises(ValueError, match="choose one of"):
+            backends.loss_kernel_backend(removed)

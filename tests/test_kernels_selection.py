@@ -1,11 +1,11 @@
-"""Fused block selection kernel (hybrid_lm_kernels.select_blocks) against ops.select_blocks.
+"""Block selection kernels (hybrid_lm_kernels.block_importance + top_k_blocks) against ops.select_blocks.
 
-CPU: the Pallas kernel runs in interpret mode (the same kernel body as on the GPU). Selections must
+CPU: the Pallas kernels run in interpret mode (the same kernel bodies as on the GPU). Selections must
 be *exactly* equal to the reference for both gates. Most inputs are quantised (small integers and
 dyadic values, block means over power-of-two blocks), so every dot product is exact in fp32 and
 the many exact ties test the tie-breaking (lower block index first); the others are Gaussian
 (no near-ties at these sizes). The Triton lowering is checked by exporting for CUDA; the compiled
-GPU check is ``experiments/bench_selection.py --check``.
+GPU check is in ``tests/gpu/``.
 """
 
 from __future__ import annotations
@@ -17,11 +17,9 @@ from conftest import triton_calls_for_cuda
 import jax
 import jax.numpy as jnp
 
-from hybrid_lm.errors import ConfigError
 from hybrid_lm.model.moba import moba_attend, selection_backend
 from hybrid_lm.ops import block_sparse as ops
-from hybrid_lm_kernels import (SelectionBlockSizes, block_importance, select_blocks, select_blocks_split,
-                               top_k_blocks)
+from hybrid_lm_kernels import SelectionBlockSizes, block_importance, select_blocks_split, top_k_blocks
 from hybrid_lm_kernels import selection_pallas as sel_mod
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
@@ -51,81 +49,43 @@ CASES = [  # B, T, H, K, D, block, top_k, gate, quantised, tiles
 ]
 
 
-@pytest.mark.parametrize("B,T,H,K,D,block,top_k,gate,quantised,tiles", CASES)
-def test_equals_reference_selection(B, T, H, K, D, block, top_k, gate, quantised, tiles):
-    q, k = _inputs(B * T + D, B, T, H, K, D, quantised)
-    want = np.asarray(ops.select_blocks(q, k, block_size=block, top_k=top_k, gate=gate))
-    got = np.asarray(jax.jit(lambda q, k: select_blocks(
-        q, k, block_size=block, top_k=top_k, gate=gate, interpret=True, block_sizes=tiles))(q, k))
-    assert got.dtype == np.int32 and got.shape == want.shape
-    np.testing.assert_array_equal(got, want)
-    t = np.arange(T)
-    assert (got[:, :, :, 0] == (t // block)[None, :, None]).all()  # own block first
-    n_sel = np.minimum(t // block + 1, want.shape[-1])  # own + complete past blocks
-    assert ((got >= 0).sum(-1) == n_sel[None, :, None]).all()  # first blocks: the rest is -1
-
-
-def test_block_means_input_and_ties_to_lower_index():
+def test_block_means_ties_go_to_the_lower_index():
     """Identical keys everywhere: every score ties, so the past blocks come in ascending order;
-    giving the block means (kbar=True) is the same as giving the keys."""
+    top-1 is the own block."""
     B, T, H, K, D, block = 1, 130, 2, 1, 16, 8
     q = jax.random.normal(jax.random.key(3), (B, T, H, D))
     k = jnp.ones((B, T, K, D))
+    kbar = ops.block_means(k, block)
     for gate in ("moba", "ssa"):
         want = np.asarray(ops.select_blocks(q, k, block_size=block, top_k=4, gate=gate))
-        got = np.asarray(jax.jit(lambda q, kbar, gate=gate: select_blocks(
-            q, kbar, block_size=block, top_k=4, gate=gate, kbar=True, interpret=True))(q, ops.block_means(k, block)))
+        got = np.asarray(jax.jit(lambda q, kbar, gate=gate: select_blocks_split(
+            q, kbar, block_size=block, top_k=4, gate=gate, interpret=True))(q, kbar))
         np.testing.assert_array_equal(got, want)
         t = 100
         assert list(got[0, t, 0]) == [t // block, 0, 1, 2]
-    one = np.asarray(jax.jit(lambda q, k: select_blocks(q, k, block_size=block, top_k=1, gate="ssa",
-                                                        interpret=True))(q, k))
-    np.testing.assert_array_equal(one[0, :, 0, 0], np.arange(T) // block)  # top-1: the own block
-
-
-def test_rejects_bad_inputs():
-    q, k = jnp.zeros((1, 64, 4, 16)), jnp.zeros((1, 64, 2, 16))
-    with pytest.raises(ValueError, match="gate"):
-        select_blocks(q, k, block_size=16, top_k=2, gate="nsa")
-    with pytest.raises(ValueError, match="block means"):
-        select_blocks(q, k[:, :5], block_size=16, top_k=2, gate="moba")
-    with pytest.raises(ValueError, match="do not match"):
-        select_blocks(q, jnp.zeros((1, 64, 3, 16)), block_size=16, top_k=2, gate="moba")
-    with pytest.raises(ValueError, match="block_size 1"):
-        select_blocks(q, k, block_size=1, top_k=2, gate="moba")
-    with pytest.raises(ValueError, match="powers of two"):
-        select_blocks(q, k, block_size=16, top_k=2, gate="moba", block_sizes=SelectionBlockSizes(block_q=24))
-
-
-@pytest.mark.parametrize("gate,H", [("ssa", 10), ("moba", 4)])
-def test_triton_lowering_for_cuda(gate, H):
-    q = jax.ShapeDtypeStruct((2, 1000, H, 128), jnp.bfloat16)  # S5-like heads (G = 10 for ssa)
-    k = jax.ShapeDtypeStruct((2, 1000, 1, 128), jnp.bfloat16)
-    fn = jax.jit(lambda q, k: select_blocks(q, k, block_size=16, top_k=16, gate=gate, interpret=False))
-    assert triton_calls_for_cuda(fn, q, k) == 1
+    one = np.asarray(jax.jit(lambda q, kbar: select_blocks_split(q, kbar, block_size=block, top_k=1, gate="ssa",
+                                                                 interpret=True))(q, kbar))
+    np.testing.assert_array_equal(one[0, :, 0, 0], np.arange(T) // block)
 
 
 def test_selection_backend_rules():
     assert selection_backend("auto", "token", "ssa")[0] == "split_bf16"  # measured fastest (docs/KERNELS.md)
     assert selection_backend("auto", "token", "moba")[0] == "xla"  # the kernels are not timed on the moba gate
-    assert selection_backend("fused", "token")[0] == "fused"
-    assert selection_backend("split", "token")[0] == "split"
     assert selection_backend("split_bf16", "token", "moba")[0] == "split_bf16"
     assert selection_backend("auto", "block")[0] == "xla"  # per-block: the reference
     assert selection_backend("xla", "token")[0] == "xla"
-    for impl in ("fused", "split", "split_bf16"):
-        with pytest.raises(ConfigError, match="per-token selection only"):
-            selection_backend(impl, "block")
-    with pytest.raises(ConfigError, match="selection_impl"):
-        selection_backend("triton", "token")
+    with pytest.raises(ValueError, match="per-token selection only"):
+        selection_backend("split_bf16", "block")
+    for removed in ("fused", "split", "triton"):
+        with pytest.raises(ValueError, match="selection_impl"):
+            selection_backend(removed, "token")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("gate,H,K,sel", [("ssa", 4, 2, "fused"), ("moba", 2, 1, "fused"), ("ssa", 4, 2, "split"),
-                                          ("ssa", 4, 2, "auto")])
-def test_moba_attend_fused_selection_end_to_end(gate, H, K, sel):
-    """moba_attend's pallas path with the fused selection equals the reference moba_attention
-    (the xla path) in output and dq, dk, dv; the selection carries no gradient."""
+@pytest.mark.parametrize("gate,H,K,sel", [("ssa", 4, 2, "auto"), ("ssa", 4, 2, "xla"), ("moba", 2, 1, "auto")])
+def test_moba_attend_kernel_selection_end_to_end(gate, H, K, sel):
+    """moba_attend's pallas path with each selection equals the reference moba_attention (the xla
+    path) in output and dq, dk, dv; the selection carries no gradient."""
     B, T, D, block, top_k = 1, 80, 16, 16, 3
     ks = jax.random.split(jax.random.key(11), 4)
     q, k, v, do = (jax.random.normal(kk, s) for kk, s in zip(ks, [(B, T, H, D), (B, T, K, D), (B, T, K, D),

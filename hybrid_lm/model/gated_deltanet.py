@@ -134,16 +134,16 @@ class GatedDeltaNet(nnx.Module):
         self.w_q = param(rngs, (d, H * Dk), ("embed", "conv_dim"), std)
         self.w_k = param(rngs, (d, H * Dk), ("embed", "conv_dim"), std)
         self.w_v = param(rngs, (d, H * Dv), ("embed", "conv_dim"), std)
-        self.conv_q = ShortConv(H * Dk, o.conv_size, rngs=rngs, bias=o.conv_bias, kernel=cfg.conv_kernel)
-        self.conv_k = ShortConv(H * Dk, o.conv_size, rngs=rngs, bias=o.conv_bias, kernel=cfg.conv_kernel)
-        self.conv_v = ShortConv(H * Dv, o.conv_size, rngs=rngs, bias=o.conv_bias, kernel=cfg.conv_kernel)
+        self.conv_q = ShortConv(H * Dk, o.conv_size, rngs=rngs, bias=o.conv_bias)
+        self.conv_k = ShortConv(H * Dk, o.conv_size, rngs=rngs, bias=o.conv_bias)
+        self.conv_v = ShortConv(H * Dv, o.conv_size, rngs=rngs, bias=o.conv_bias)
         self.w_a = param(rngs, (d, H), ("embed", "heads"), std)
         self.w_b = param(rngs, (d, H), ("embed", "heads"), std)
         self.A_log = const_param(a_log_init(rngs, H, 0.0, 16.0), ("ssm_heads",))
         self.dt_bias = const_param(dt_bias_init(rngs, H), ("ssm_heads",))
         if o.use_gate:
             self.w_g = param(rngs, (d, H, Dv), ("embed", "heads", "head_dim"), std)
-            self.o_norm = GatedRMSNorm(Dv, norm_before_gate=True, kernel=cfg.gated_norm_kernel)
+            self.o_norm = GatedRMSNorm(Dv, norm_before_gate=True)
         else:
             self.w_g = None
             self.o_norm = _RMSNorm(Dv)

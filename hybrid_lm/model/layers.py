@@ -10,7 +10,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hybrid_lm.backends import norm_kernel_backend
 from hybrid_lm.config import ModelConfig
 from hybrid_lm.ops.norm import rms_norm
 
@@ -31,15 +30,14 @@ def out_proj_std(cfg: ModelConfig) -> float:
 
 
 class RMSNorm(nnx.Module):
-    """``hybrid_lm.ops.norm.rms_norm``; ``impl`` is ``ModelConfig.norm_kernel``, resolved when traced."""
+    """``hybrid_lm.ops.norm.rms_norm`` with a learned fp32 scale."""
 
-    def __init__(self, dim: int, eps: float = 1e-6, impl: str = "xla"):
+    def __init__(self, dim: int, eps: float = 1e-6):
         self.scale = ones_param((dim,), ("norm",))
         self.eps = eps
-        self.impl = impl
 
     def __call__(self, x):
-        return rms_norm(x, self.scale[...], self.eps, norm_kernel_backend(self.impl)[0])
+        return rms_norm(x, self.scale[...], self.eps)
 
 
 class SwiGLU(nnx.Module):

@@ -119,8 +119,7 @@ class Mamba2(nnx.Module):
         self.w_z = param(rngs, (d, H, P), ("embed", "heads", "head_dim"), std)
         self.w_xbc = param(rngs, (d, conv_dim), ("embed", "conv_dim"), std)
         self.w_dt = param(rngs, (d, H), ("embed", "heads"), std)
-        self.conv = ShortConv(conv_dim, o.conv_kernel, rngs=rngs, bias=o.conv_bias, activation="silu",
-                              kernel=cfg.conv_kernel)
+        self.conv = ShortConv(conv_dim, o.conv_kernel, rngs=rngs, bias=o.conv_bias, activation="silu")
         self.A_log = const_param(a_log_init(rngs, H, *o.A_init_range), ("ssm_heads",))
         self.dt_bias = const_param(dt_bias_init(rngs, H, o.dt_min, o.dt_max, o.dt_init_floor), ("ssm_heads",))
         self.D = const_param(jnp.ones((H,)), ("ssm_heads",))

@@ -8,16 +8,15 @@ Backends (``attention_impl``): ``xla`` = the O(T*k*block) reference in ``ops/blo
 powers of two >= 16); ``auto`` = pallas on a GPU for those blocks, else xla
 (``hybrid_lm.backends.moba_backend``). cuDNN and jla cannot express the mask.
 
-Selection on the pallas path (``moba_attend(selection_impl=...)``, see :func:`selection_backend`):
-``xla`` runs the reference ``ops.select_blocks``; ``fused`` runs the fused gate + top-k
-kernel for per-token selection (``hybrid_lm_kernels.select_blocks``: the ``[T, n_blocks]`` scores
-never reach HBM), exact but measured slower in an S5 train step; ``split`` runs two kernels, the
-gate's importance (``block_importance``, fp32 operands) and then its rows' top-k (``top_k_blocks``);
-``split_bf16`` the same with bf16 operands in the gate's dots (as NSA's top-k kernel), ``auto``'s
-choice for per-token selection with the ssa gate (see :func:`selection_backend`). The kernels give
-the reference's blocks up to near-ties of the scores (bf16 operands round the block means;
-``tests/test_kernels_selection.py``, ``experiments/bench_selection.py --check / --split``). The xla path keeps the reference's chunked
-selection + attention.
+Selection on the pallas path (:func:`selection_backend`): ``xla`` runs the reference
+``ops.select_blocks``; ``split_bf16`` runs two kernels, the gate's importance
+(``hybrid_lm_kernels.block_importance`` on bf16 operands, as NSA's top-k kernel) and then its rows'
+top-k (``top_k_blocks``): ``auto``'s choice for per-token selection with the ssa gate. The kernels
+give the reference's blocks up to near-ties of the scores (bf16 operands round the block means;
+``tests/test_kernels_selection.py``). The sparse kernel (:func:`sparse_kernel_backend`): the union
+kernel, or the per-token gather kernel where the selection is shared by a GQA group. The xla path
+keeps the reference's chunked selection + attention. Neither choice is a config setting: ``auto``
+decides, and tests and benchmarks pass the others to :func:`moba_attend`.
 """
 
 from __future__ import annotations
@@ -66,31 +65,25 @@ class MobaOptions:
             raise ConfigError(f"{self._mixer} option selection={self.selection!r}: choose one of {ops.SELECTIONS}")
 
 
-SELECTION_IMPLS = ("auto", "fused", "split", "split_bf16", "xla")
-# the kernel selections: one fused kernel, or the gate kernel then the top-k kernel (dots on fp32
-# operands, tf32 on a GPU; or on bf16 operands, as NSA's own top-k kernel scores)
-_KERNEL_SELECTIONS = ("fused", "split", "split_bf16")
+SELECTION_IMPLS = ("auto", "split_bf16", "xla")
 
 
 def selection_backend(selection_impl: str, selection: str, gate: str = "ssa") -> tuple[str, str]:
-    """``(fused | split | split_bf16 | xla, reason)``: who selects the blocks on the pallas path.
+    """``(split_bf16 | xla, reason)``: who selects the blocks on the pallas path.
 
     ``auto``, by measurement on the H200 (docs/KERNELS.md): ``split_bf16`` for per-token selection
     with the ``ssa`` gate (S5 selection alone, T = 16K, B = 2: 1.47 ms against 3.35 ms for the XLA
-    reference and 2.50 ms for ``split``; session 9), else the reference ``ops.select_blocks``. The
-    fused kernel was slower than the XLA selection in every train step measured (sessions 6 and
-    8). The kernel selections run per-token selection only (``selection='block'`` is refused)."""
+    reference), else the reference ``ops.select_blocks``. The kernels run per-token selection only
+    (``selection='block'`` is refused)."""
     if selection_impl not in SELECTION_IMPLS:
-        raise ConfigError(f"selection_impl={selection_impl!r}: choose one of {SELECTION_IMPLS}")
+        raise ValueError(f"selection_impl={selection_impl!r}: choose one of {SELECTION_IMPLS}")
     if selection_impl == "xla":
-        return "xla", "selection_impl='xla' set explicitly"
-    if selection_impl in _KERNEL_SELECTIONS:
+        return "xla", "selection_impl='xla' asked for"
+    if selection_impl == "split_bf16":
         if selection != "token":
-            raise ConfigError(f"selection_impl={selection_impl!r} runs per-token selection only; selection='block' "
-                              "uses the reference (ops.select_blocks)")
-        return selection_impl, {"fused": "fused gate + top-k kernel",
-                                "split": "gate kernel (fp32 operands), then top-k kernel",
-                                "split_bf16": "gate kernel (bf16 operands), then top-k kernel"}[selection_impl]
+            raise ValueError("selection_impl='split_bf16' runs per-token selection only; selection='block' "
+                             "uses the reference (ops.select_blocks)")
+        return "split_bf16", "gate kernel (bf16 operands), then top-k kernel"
     if selection == "token" and gate == "ssa":
         return "split_bf16", ("auto: per-token ssa gate -> gate kernel on bf16 operands + top-k kernel (H200: "
                               "0.44x the XLA selection's time, docs/KERNELS.md)")
@@ -110,15 +103,15 @@ def sparse_kernel_backend(sparse_impl: str, selection: str, gate: str) -> tuple[
     gate). ``auto`` picks ``gather`` wherever it applies (measured faster in a train step,
     docs/KERNELS.md), else ``union``."""
     if sparse_impl not in SPARSE_IMPLS:
-        raise ConfigError(f"sparse_impl={sparse_impl!r}: choose one of {SPARSE_IMPLS}")
+        raise ValueError(f"sparse_impl={sparse_impl!r}: choose one of {SPARSE_IMPLS}")
     gather_applies = selection == "token" and gate == "ssa"  # one list per token and GQA group
     if sparse_impl == "gather":
         if not gather_applies:
-            raise ConfigError("sparse_impl='gather' runs per-token selection shared by a GQA group (selection="
+            raise ValueError("sparse_impl='gather' runs per-token selection shared by a GQA group (selection="
                               f"'token', gate='ssa'); got selection={selection!r}, gate={gate!r}: use union")
         return "gather", "sparse_impl='gather': per-token gather kernel"
     if sparse_impl == "union":
-        return "union", "sparse_impl='union' set explicitly"
+        return "union", "sparse_impl='union' asked for"
     if gather_applies:
         return "gather", ("auto: per-token selection shared by the GQA group -> the gather kernel (H200, S5 "
                           "train step: arch/moba.gin 0.72x, arch/ssa.gin 0.65x the union kernel's, docs/KERNELS.md)")
@@ -143,15 +136,10 @@ def moba_attend(q, k, v, *, block_size: int, top_k: int, gate: str, selection: s
             import hybrid_lm_kernels as kernels
         except ImportError as e:
             raise ConfigError(f"attention_impl='pallas' needs the Pallas kernels (hybrid_lm_kernels): {e}") from None
-        if sel_impl in _KERNEL_SELECTIONS:
+        if sel_impl == "split_bf16":
             kbar = ops.block_means(jax.lax.stop_gradient(k), block_size)
-            if sel_impl.startswith("split"):
-                idx = kernels.select_blocks_split(q, kbar, block_size=block_size, top_k=top_k, gate=gate,
-                                                  interpret=interpret,
-                                                  dot_dtype="bfloat16" if sel_impl == "split_bf16" else "float32")
-            else:
-                idx = kernels.select_blocks(q, kbar, block_size=block_size, top_k=top_k, gate=gate, kbar=True,
-                                            interpret=interpret)
+            idx = kernels.select_blocks_split(q, kbar, block_size=block_size, top_k=top_k, gate=gate,
+                                              interpret=interpret, dot_dtype="bfloat16")
         else:  # the reference, kept beside the kernel
             idx = ops.select_blocks(q, k, block_size=block_size, top_k=top_k, gate=gate, selection=selection)
         idx = checkpoint_name(idx, "sparse_selection")  # remat 'dots_attn' keeps it (model/transformer.py)
@@ -215,11 +203,10 @@ class MobaAttention(AttentionDecode, Attention):
     def __init__(self, cfg: ModelConfig, mc: MixerConfig, layer_idx: int, *, rngs: nnx.Rngs):
         super().__init__(cfg, mc, layer_idx, rngs=rngs, window=None)
         self.opts = MobaOptions(**mc.options)
-        self.kernel_impls = dict(selection_impl=cfg.selection_impl, sparse_impl=cfg.sparse_impl)
 
     def attend_prompt(self, q, k, v, ctx: MixerContext):
         return moba_attend(q, k, v, block_size=self.opts.block_size, top_k=self.opts.top_k, gate=self.opts.gate,
-                           selection=self.opts.selection, impl=ctx.attention_impl, **self.kernel_impls)
+                           selection=self.opts.selection, impl=ctx.attention_impl)
 
     def __call__(self, x, ctx: MixerContext):
         q, k, v = self.project_qkv(x, ctx.positions)
@@ -249,9 +236,8 @@ def moba_extend_state(state: dict, q, k, pos, opts) -> dict:
 def moba_read(q_t, state: dict, opts):
     """One query's MoBA attention over the decode cache (selection as in the forward pass), on the
     backend of :func:`hybrid_lm.backends.sparse_decode_backend`: on a GPU the selection's top-k runs
-    as the top-k kernel. Either way the attention gathers only the selected blocks of the cache (in
-    XLA: ``hybrid_lm_kernels.gather_decode_attention`` does it in one kernel but was slower at S5,
-    128K, batch 8: docs/KERNELS.md)."""
+    as the top-k kernel. Either way the attention gathers only the selected blocks of the cache, in
+    XLA (a one-kernel gather was slower at S5, 128K, batch 8: docs/KERNELS.md)."""
     impl, reason = sparse_decode_backend()
     record_backend(f"moba decode block={opts.block_size}", impl, reason)
     imp = ops.decode_importance(q_t, state["kbar_sum"], state["pos"], block_size=opts.block_size, gate=opts.gate,

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hybrid_lm.backends import conv_kernel_backend, gated_norm_kernel_backend
+from hybrid_lm.backends import conv_kernel_backend
 from hybrid_lm.ops.norm import gated_rms_norm
 
 # eps of the norms *inside* the recurrent layers (mamba_ssm, fla and MiniMax all use 1e-5); the
@@ -165,7 +165,7 @@ class ShortConv(nnx.Module):
         self.kernel_size = kernel_size
         self.channels = channels
         self.activation = activation
-        self.kernel = kernel  # ModelConfig.conv_kernel: who runs the training form's backward (resolved when traced)
+        self.kernel = kernel  # who runs the training form's backward: auto | xla | pallas (resolved when traced)
 
     def init_state(self, batch: int):
         return jnp.zeros((batch, self.kernel_size - 1, self.channels), jnp.float32)
@@ -205,7 +205,7 @@ class GatedRMSNorm(nnx.Module):
     """
 
     def __init__(self, dim: int, *, norm_before_gate: bool, group_size: int | None = None,
-                 eps: float = INNER_NORM_EPS, kernel: str = "xla"):
+                 eps: float = INNER_NORM_EPS):
         group_size = group_size or dim
         if dim % group_size:
             raise ValueError(f"group_size={group_size} does not divide dim={dim}")
@@ -213,8 +213,6 @@ class GatedRMSNorm(nnx.Module):
         self.norm_before_gate = norm_before_gate
         self.group_size = group_size
         self.eps = eps
-        # ModelConfig.gated_norm_kernel (resolved when traced); used by the one-group, norm-first form (gdn)
-        self.kernel = kernel
 
     def __call__(self, x, z):
         """``x [..., W]``, ``z [..., dim]`` -> ``[..., dim]`` in x's dtype. ``W > dim`` (the norm-first,
@@ -222,8 +220,7 @@ class GatedRMSNorm(nnx.Module):
         dtype = x.dtype
         dim = self.scale.shape[0]
         if self.norm_before_gate and self.group_size == dim:
-            return gated_rms_norm(x, z, self.scale[...], self.eps,
-                                  gated_norm_kernel_backend(self.kernel)[0]).astype(dtype)
+            return gated_rms_norm(x, z, self.scale[...], self.eps).astype(dtype)
         if x.shape[-1] != dim:
             raise ValueError(f"x {x.shape}: this gated norm takes {dim} columns")
         x, z = x.astype(jnp.float32), z.astype(jnp.float32)

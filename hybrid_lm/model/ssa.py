@@ -87,7 +87,6 @@ class SSAAttention(AttentionDecode, Attention):
     def __init__(self, cfg: ModelConfig, mc: MixerConfig, layer_idx: int, *, rngs: nnx.Rngs):
         super().__init__(cfg, mc, layer_idx, rngs=rngs, window=None)
         self.opts = SSAOptions(**mc.options)
-        self.kernel_impls = dict(selection_impl=cfg.selection_impl, sparse_impl=cfg.sparse_impl)
         self.w_gate = param(rngs, (cfg.d_model, cfg.n_heads), ("embed", "heads"), cfg.init_std)
         self.n_ssa_layers = sum(cfg.mixer(t).kind == "ssa" for t in cfg.layer_types())
 
@@ -100,8 +99,7 @@ class SSAAttention(AttentionDecode, Attention):
         if name == "sparse":
             o = self.opts
             return moba_attend(q, k, v, block_size=o.block_size, top_k=o.top_k, gate=o.gate,
-                               selection=o.selection, impl=ctx.attention_impl, label="ssa sparse",
-                               **self.kernel_impls)
+                               selection=o.selection, impl=ctx.attention_impl, label="ssa sparse")
         return attend(q, k, v, window=None, positions=ctx.positions, impl=ctx.attention_impl)
 
     def _streams(self, x, ctx: MixerContext, want_full: bool, want_sparse: bool):
@@ -133,7 +131,9 @@ class SSAAttention(AttentionDecode, Attention):
         full, sparse = self._streams(x, ctx, True, True)
         use_sparse = ssa_coin(ctx.seed, ctx.step, ctx.micro_index)
         align = alignment_loss(full, sparse)
-        self.sow(nnx.Intermediate, "aux_loss", self.opts.align_weight * align / self.n_ssa_layers)
-        self.sow(nnx.Intermediate, "ssa_align", align / self.n_ssa_layers)
-        self.sow(nnx.Intermediate, "ssa_sparse", use_sparse.astype(jnp.float32) / self.n_ssa_layers)
+        # sown into an enclosing nnx.capture (the train step's); outside one (eval, generation) a no-op
+        self.sow(nnx.Intermediate, "aux_loss", self.opts.align_weight * align / self.n_ssa_layers, capture_noop=True)
+        self.sow(nnx.Intermediate, "ssa_align", align / self.n_ssa_layers, capture_noop=True)
+        self.sow(nnx.Intermediate, "ssa_sparse", use_sparse.astype(jnp.float32) / self.n_ssa_layers,
+                 capture_noop=True)
         return self.project_out(jnp.where(use_sparse, sparse, full))

@@ -74,9 +74,9 @@ class Block(nnx.Module):
         mc = cfg.mixer(layer_type)
         self.layer_type = layer_type
         self.mixer_kind = mc.kind
-        self.mixer_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.norm_kernel)
+        self.mixer_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mixer = get_mixer(mc.kind).cls(cfg, mc, layer_idx, rngs=rngs)
-        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.norm_kernel)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = SwiGLU(cfg, rngs=rngs)
 
     def __call__(self, x, ctx: MixerContext):
@@ -109,7 +109,7 @@ def model_parts(cfg: ModelConfig):
     yield ("embed",), "embed", lambda rngs: Embedding(cfg, rngs=rngs)
     for i, t in enumerate(cfg.layer_types()):
         yield ("blocks", i), f"block/{t}", lambda rngs, t=t, i=i: Block(cfg, t, i, rngs=rngs)
-    yield ("final_norm",), "final_norm", lambda rngs: RMSNorm(cfg.d_model, cfg.norm_eps, cfg.norm_kernel)
+    yield ("final_norm",), "final_norm", lambda rngs: RMSNorm(cfg.d_model, cfg.norm_eps)
     if not cfg.tie_embeddings:
         yield ("lm_head",), "lm_head", lambda rngs: param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"),
                                                           cfg.init_std)
@@ -202,7 +202,7 @@ class HybridLM(nnx.Module):
                     for key in path[:-1]:
                         module = module[key] if isinstance(key, int) else getattr(module, key)
                     for value in values:
-                        module.sow(nnx.Intermediate, path[-1], value[g])
+                        module.sow(nnx.Intermediate, path[-1], value[g], capture_noop=True)
         return x
 
     def head_matrix(self):

@@ -41,39 +41,9 @@ def chunked_cross_entropy(h, w, targets, z_loss: float = 0.0, chunk: int = 8192,
     With a z-loss the returned ``ce`` carries no gradient (differentiate the objective).
     ``kernel`` runs the softmax pass between the matmuls: ``'xla'`` (:func:`softmax_xent_rows_reference`)
     or ``'pallas'`` (``hybrid_lm_kernels.softmax_xent_rows``: the logits read twice, not three times);
-    ``'jla'`` hands the whole loss to :func:`jla_linear_cross_entropy` instead.
     ``hybrid_lm.backends.loss_kernel_backend`` picks it."""
-    if kernel == "jla":
-        return jla_linear_cross_entropy(h, w, targets, z_loss, chunk)
     loss, ce = _fused(h, w, targets, float(z_loss), int(chunk), kernel)
     return loss, (jax.lax.stop_gradient(ce) if z_loss else ce)
-
-
-def jla_linear_cross_entropy(h, w, targets, z_loss: float = 0.0, chunk: int = 8192, impl: str | None = None):
-    """:func:`chunked_cross_entropy` on jax-linear-attention's fused LM-head loss
-    (``jla.ops.cross_entropy.linear_cross_entropy_objective``). On a Hopper GPU (``impl='mosaic_gpu'``)
-    its logits GEMM keeps the fp32 logits on chip and writes the softmax statistics (and, per block of
-    ``chunk`` rows, ``exp(logit - tile max)`` in fp16) from its epilogue; two cuBLAS GEMMs give the
-    gradients. Elsewhere (``impl='xla'``) jla's plain-JAX form runs, the same math. Operands in ``h``'s
-    dtype (bf16 / fp16 for the kernel), statistics fp32. Returns ``(objective, ce)`` as
-    :func:`chunked_cross_entropy`; ``impl`` defaults by platform."""
-    from jla.ops.cross_entropy import linear_cross_entropy_objective
-
-    from hybrid_lm.backends import on_gpu
-
-    if impl is None:
-        impl = "mosaic_gpu" if on_gpu() else "xla"
-    if impl == "mosaic_gpu":  # jla's own verdict (Hopper, bf16/fp16, d a multiple of 64, one device)
-        from jla.ops.mosaic_gpu.linear_cross_entropy import unsupported_reason
-        why = unsupported_reason(h, w.T, h.dtype, devices=False)
-        if why is not None:
-            raise ValueError(f"ModelConfig.loss_kernel='jla' cannot run its kernels here: {why}; "
-                             "use loss_kernel='auto'")
-    N = h.shape[0]
-    out = linear_cross_entropy_objective(h, w.T, targets.astype(jnp.int32), z_loss_weight=float(z_loss),
-                                         row_chunk=int(chunk), compute_dtype=h.dtype, impl=impl)
-    loss = out.objective_sum / N
-    return loss, (out.loss_sum / N if z_loss else loss)
 
 
 def _chunk(h, targets, chunk: int):

@@ -228,16 +228,13 @@ def startup_summary(cfg: Config, data: DataStreams, mesh) -> list[str]:
         use = f"{op} -> {backend}" + (f" ({why})" if why else "") if op is not None else why
         lines.append(f"backend  layer {','.join(map(str, layers))} {kind}: {use}")
     micro = cfg.train.global_batch // cfg.train.microbatches * cfg.data.seq_len
-    loss, why = backends.loss_backend(m.loss_impl, micro, m.vocab_size, m.loss_kernel)
+    loss, why = backends.loss_backend(m.loss_impl, micro, m.vocab_size)
     if loss == "chunked":
-        kernel, kwhy = backends.loss_kernel_backend(m.loss_kernel)
+        kernel, kwhy = backends.loss_kernel_backend()
         why += f"; softmax pass {kernel}: {kwhy}"
     lines.append(f"backend  loss: {loss} ({why}; {micro:,} tokens per micro-batch)")
-    lines.append("backend  norms: {} ({})".format(*backends.norm_kernel_backend(m.norm_kernel)))
     if any(mc.kind in ("mamba2", "gdn") for mc in (m.full, m.efficient)):
-        lines.append("backend  short convs' backward: {} ({})".format(*backends.conv_kernel_backend(m.conv_kernel)))
-    if any(mc.kind == "gdn" for mc in (m.full, m.efficient)):
-        lines.append("backend  gdn output norm: {} ({})".format(*backends.gated_norm_kernel_backend(m.gated_norm_kernel)))
+        lines.append("backend  short convs' backward: {} ({})".format(*backends.conv_kernel_backend()))
     train_tokens = data.meta.get("train_tokens")
     lines += [f"data     {cfg.data.source}: " + (f"{train_tokens:,} train tokens, " if train_tokens else "")
               + f"{data.n_train_windows:,} train windows of {cfg.data.seq_len} tokens, "

@@ -94,11 +94,11 @@ class ModelFns:
                            example_ids=example_ids, train=train, micro_index=micro_index, segment_ids=seg)
         model = self.model(params)
         z_loss = cfg.optim.z_loss if train else 0.0
-        if loss_backend(cfg.model.loss_impl, B * T, cfg.model.vocab_size, cfg.model.loss_kernel)[0] == "chunked":  # never more than loss_chunk tokens of logits at a time
+        if loss_backend(cfg.model.loss_impl, B * T, cfg.model.vocab_size)[0] == "chunked":  # never more than loss_chunk tokens of logits at a time
             h, sown = nnx.capture(model, nnx.Intermediate)(inputs, ctx, features=True)
             obj, ce = chunked_cross_entropy(h.reshape(B * T, -1), model.head_matrix(), targets.reshape(-1),
                                             z_loss, chunk=cfg.model.loss_chunk,
-                                            kernel=loss_kernel_backend(cfg.model.loss_kernel)[0])
+                                            kernel=loss_kernel_backend()[0])
         else:
             logits, sown = nnx.capture(model, nnx.Intermediate)(inputs, ctx)
             obj, ce = cross_entropy(logits, targets, z_loss)
