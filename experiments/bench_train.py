@@ -88,12 +88,21 @@ def device_memory() -> int | None:
 
 
 def _rule(scale: str, arch: str, args) -> tuple[int | None, str]:
-    remat = arch.partition("@")[2] or args.remat
-    cfg = make_config(scale, arch, args.seq_len, None, remat, args.impl, args.gin_param)
-    if microbatch.measured_per_device(cfg) is None:
-        return None, f"{scale}/{microbatch.arch_name(cfg.model)}/{args.seq_len}"
-    M, why = microbatch.rule_for(cfg, 1, memory_limit=device_memory())
-    return cfg.train.global_batch // M, why
+    """``(micro-batch, why)`` of the rule for the variant, or ``(None, its table key)`` without an entry."""
+    limit = device_memory()
+    key = (scale, arch, args.seq_len, args.remat, args.impl, tuple(args.gin_param), microbatch.TABLE, limit)
+    if key not in _RULES:
+        remat = arch.partition("@")[2] or args.remat
+        cfg = make_config(scale, arch, args.seq_len, None, remat, args.impl, args.gin_param)
+        if microbatch.measured_per_device(cfg) is None:
+            _RULES[key] = None, f"{scale}/{microbatch.arch_name(cfg.model)}/{args.seq_len}"
+        else:
+            M, why = microbatch.rule_for(cfg, 1, memory_limit=limit)
+            _RULES[key] = cfg.train.global_batch // M, why
+    return _RULES[key]
+
+
+_RULES: dict = {}  # the rule per variant, setting, table and memory limit (fitting builds an abstract model)
 
 
 def rule_batch(scale: str, arch: str, args) -> int:
@@ -103,9 +112,9 @@ def rule_batch(scale: str, arch: str, args) -> int:
     entry takes the smallest the rule gives the measured archs of its scale."""
     batch, why = _rule(scale, arch, args)
     if batch is None:
+        policy = arch.partition("@")[2]
         others = [b for a in ARCH if a != arch.partition("@")[0]
-                  for b in [_rule(scale, a + ("@" + arch.partition("@")[2] if "@" in arch else ""), args)[0]]
-                  if b is not None]
+                  for b in [_rule(scale, a + (f"@{policy}" if policy else ""), args)[0]] if b is not None]
         if not others:
             raise SystemExit(f"--batch rule: {microbatch.TABLE.name} has no entry for {why} (arch {arch}); "
                              "give --batch N")
@@ -188,10 +197,10 @@ def mark_nonfinite_loss(row: dict) -> dict:
     return row
 
 
-def measure(variants: dict, args, t_start: float) -> tuple[dict, bool]:
-    """Rows by key: every variant lowered (main thread) and compiled (pool), then each timed alone, in order.
-    With ``--deadline``, compiles get until the timings must start (``--time-reserve`` seconds per variant
-    before the end) and a variant not timed by the end is ``not_timed``."""
+def measure(variants: dict, args, t_start: float, on_row=None) -> tuple[dict, bool]:
+    """Rows by key: every variant lowered (main thread) and compiled (pool), then each timed alone, in order
+    (``on_row(rows)`` after each). With ``--deadline``, compiles get until the timings must start
+    (``--time-reserve`` seconds per variant before the end) and a variant not timed by the end is ``not_timed``."""
     end = None if args.deadline is None else t_start + args.deadline
     compile_end = None if end is None else end - args.time_reserve * len(variants)
     limit = device_memory()
@@ -236,6 +245,8 @@ def measure(variants: dict, args, t_start: float) -> tuple[dict, bool]:
             c["value"] = exe = None
         rows[k] = row
         report(row)
+        if on_row:
+            on_row(rows)
     return rows, left_running
 
 
@@ -371,7 +382,13 @@ def main(argv=None) -> dict:
         variants["anchor"] = (harness.AnchorGPT(args.seq_len, 2, layers=2, d=64, heads=4, vocab=256)
                               if args.quick else harness.AnchorGPT(args.seq_len, args.anchor_batch))
     variants.update({k: Variant(*k, args) for k in keys})
-    rows, left_running = measure(variants, args, t_start)
+    def save(rows):  # after every timed variant: a run stopped by a timeout keeps what it measured
+        done = dict(rows)
+        harness.write_result(BENCH, args.out, argv, [r for k, r in done.items() if k != "anchor"],
+                             anchor=done.get("anchor"), started=t_start, batch=args.batch,
+                             peak_flops=harness.PEAK_BF16_FLOPS, memory_limit_bytes=limit)
+
+    rows, left_running = measure(variants, args, t_start, save)
     anchor = rows.pop("anchor", None)
     rows = list(rows.values())
     if anchor and anchor.get("status") == "ok":
