@@ -4,7 +4,7 @@ CPU: the Pallas kernels run in interpret mode (same kernel bodies as on the GPU)
 dq/dk/dv; per-token and per-block selections, one selection per query head (MoBA) or per GQA
 group (SSA), T not a multiple of the block or the tiles, tiles wider than the block, fp32 and bf16.
 The Triton lowering (what the GPU compiles) is checked on the CPU by exporting for CUDA; the
-compiled GPU check is ``experiments/bench_attention.py --check --moba``.
+compiled GPU check is ``tests/gpu/test_gpu_attention.py``.
 """
 
 from __future__ import annotations

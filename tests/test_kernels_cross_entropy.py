@@ -2,7 +2,7 @@
 reference (ops.cross_entropy.softmax_xent_rows_reference), and the chunked loss on it.
 
 CPU: the kernel runs in interpret mode (the same body as on the GPU). The Triton lowering is checked
-by exporting for CUDA; the compiled GPU check is ``experiments/bench_loss.py``.
+by exporting for CUDA; the compiled GPU check is ``tests/gpu/test_gpu_kernels.py``.
 """
 
 from __future__ import annotations

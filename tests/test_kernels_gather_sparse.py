@@ -9,7 +9,7 @@ blocks, tokens that see nothing), dK/dV chunks smaller than a block's token list
 compiles once (without LLVM optimisation); its selections are arguments. The inverse lists and
 their chunks are checked against a brute-force construction. The Triton lowering (what the GPU
 compiles) is checked by exporting for CUDA at S5's shapes; the compiled GPU check is
-``experiments/bench_gather_sparse.py --check``.
+``tests/gpu/test_gpu_sparse.py``.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ be *exactly* equal to the reference for both gates. Most inputs are quantised (s
 dyadic values, block means over power-of-two blocks), so every dot product is exact in fp32 and
 the many exact ties test the tie-breaking (lower block index first); the others are Gaussian
 (no near-ties at these sizes). The Triton lowering is checked by exporting for CUDA; the compiled
-GPU check is in ``tests/gpu/``.
+GPU check is ``tests/gpu/test_gpu_sparse.py``.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 (model.recurrent_common), the conv on the kernel against autodiff of the plain conv, and the dispatch.
 
 CPU: the kernel runs in interpret mode (the same body as on the GPU). The Triton lowering is checked by
-exporting for CUDA; the GPU check is ``experiments/bench_conv.py``.
+exporting for CUDA; the GPU check is ``tests/gpu/test_gpu_kernels.py``.
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ def test_backend_rule():
 def test_lowers_for_cuda(C, bias):
     """The kernel lowers through Triton for sm_90 at S5 GDN's q conv (8 x 16,384 x 960 bf16, no bias) and
     S5 Mamba-2's conv (2,816 channels, with its default bias). Only the Triton call is emitted here; its
-    compile is checked on the GPU (experiments/bench_conv.py)."""
+    compile is checked on the GPU (tests/gpu/test_gpu_kernels.py)."""
     x = jax.ShapeDtypeStruct((8, 16384, C), jnp.bfloat16)
     w = jax.ShapeDtypeStruct((4, C), jnp.float32)
     b = jax.ShapeDtypeStruct((C,), jnp.float32) if bias else None

@@ -4,8 +4,8 @@ CPU: the Pallas kernels run in interpret mode (same kernel bodies as on the GPU)
 dq/dk/dv, fp32 and bf16, T not a multiple of the blocks, GQA, w in {1, 64, 128, 1000}, identity
 and permuted positions, and the two-sided band (``window_right > 0``, SA
 ``window_mode='symmetric'``). The Triton lowering of the same kernels (what the GPU compiles) is
-checked on the CPU by exporting for CUDA. GPU-only checks are marked ``gpu`` and skipped without a GPU;
-the full GPU check is ``experiments/bench_attention.py --check``.
+checked on the CPU by exporting for CUDA. The compiled kernels are checked on a GPU by
+``tests/gpu/test_gpu_attention.py``.
 """
 
 from __future__ import annotations
@@ -238,32 +238,3 @@ def test_triton_lowering_for_cuda(permuted, window_right):
         return jnp.sum(o.astype(jnp.float32) ** 2)
 
     assert triton_calls_for_cuda(jax.jit(jax.grad(loss, argnums=(0, 1, 2))), q, kv, kv, pos) == 3  # fwd, dkv, dq
-
-
-# ------------------------------------------------------------------------------------------------
-# GPU (compiled Triton kernels); the full set is experiments/bench_attention.py --check.
-# ------------------------------------------------------------------------------------------------
-
-def _has_gpu():
-    try:
-        return any(d.platform == "gpu" for d in jax.devices())
-    except RuntimeError:
-        return False
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not _has_gpu(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("permuted,wr", [(False, 0), (True, 0), (True, 127)],
-                         ids=["swa", "sa", "sa-symmetric"])
-def test_gpu_compiled_bf16(permuted, wr):
-    B, T, H, K, D, w = 2, 1000, 8, 2, 128, 128
-    q, k, v, do, pos = _inputs(5, B, T, H, K, D, jnp.bfloat16, permuted)
-    got = jax.jit(lambda *a: _fwd_bwd(
-        lambda q, k, v: windowed_attention(q, k, v, pos, w, window_right=wr), *a))(q, k, v, do)
-    f32 = [x.astype(jnp.float32) for x in (q, k, v, do)]
-    with jax.default_matmul_precision("highest"):
-        want = jax.jit(lambda *a: _fwd_bwd(
-            lambda q, k, v: dense_attention(q, k, v, window=w, positions=pos, window_right=wr),
-            *a))(*f32)
-    for g, r in zip(got, want):
-        assert _rel(g, r) < 2e-2

@@ -10,7 +10,7 @@
 - the layers routed through the jla conversion (backend swapped to jla's chunked ops) equal their XLA
   path, so the layer wiring (kernel_dtype casts, output dtype) is checked too.
 
-The kernels themselves are checked on the H200 by ``experiments/bench_mixers.py --check``.
+The kernels themselves are checked on a GPU by ``tests/gpu/test_gpu_linear.py``.
 """
 
 from __future__ import annotations
@@ -396,23 +396,3 @@ def test_grouped_keys_reach_the_kernel_as_the_flag_says(grouped_flag, monkeypatc
     assert lag.resolve_simple_gla(q, k, v, g, impl="auto") == "jla"
     H = v.shape[2]
     assert seen and seen[0][2] == (q.shape[2] if grouped_flag else H)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(jax.default_backend() != "gpu" or not lag.jla_available(), reason="needs a GPU and jla")
-def test_grouped_keys_on_the_kernel():
-    """The check that turns JLA_GROUPED_KEYS on: jla's Mosaic GPU kernel given Mamba-2's groups (q, k of
-    G = 1 head, v of 16; S5's d_state 128, head_dim 64) equals the kernel given the keys repeated, forward
-    and gradients, bf16 (`pytest -m gpu tests/test_linear_gpu_path.py` on the device)."""
-    r = np.random.default_rng(0)
-    B, T, G, rep, Dk, Dv = 2, 1000, 1, 16, 128, 64
-    q, k = (jnp.asarray(r.normal(size=(B, T, G, Dk)) / Dk ** 0.5, jnp.bfloat16) for _ in range(2))
-    v = jnp.asarray(r.normal(size=(B, T, G * rep, Dv)), jnp.bfloat16)
-    g = jnp.asarray(-np.log1p(np.exp(r.normal(size=(B, T, G * rep)) - 1.0)), jnp.float32)
-    call = jax.jit(lambda q, k, v, g: lag._jla_simple_gla(q, k, v, g, None, scale=1.0, initial_state=None,
-                                                          output_final_state=True, grouped_keys=True))
-    (o, S), (dq, dk, dv, dg) = _grads(call, [q, k, v, g], 7)
-    (o_r, S_r), (dq_r, dk_r, dv_r, dg_r) = _grads(call, [jnp.repeat(q, rep, 2), jnp.repeat(k, rep, 2), v, g], 7)
-    assert _rel(o, o_r) < 1e-2 and _rel(S, S_r) < 1e-2 and _rel(dv, dv_r) < 1e-2 and _rel(dg, dg_r) < 1e-2
-    for a, b in ((dq, dq_r), (dk, dk_r)):
-        assert _rel(a, b.astype(jnp.float32).reshape(B, T, G, rep, Dk).sum(axis=3)) < 1e-2

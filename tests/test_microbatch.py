@@ -153,18 +153,6 @@ def test_the_runs_remat_policy_picks_its_entry(tmp_path):
     assert json.loads(mb.TABLE.read_text())["remat"] == "dots_attn"
 
 
-def test_bench_train_accumulates_micro_batches(monkeypatch):
-    """--accumulate M: the variant's step holds M micro-batches of `batch` sequences; M < 1 is refused."""
-    bt = _bench_train()
-
-    cfg = bt.make_config("s1", "full", 64, 2, "none", "auto", accumulate=3)
-    assert (cfg.train.global_batch, cfg.train.microbatches) == (6, 3)
-    assert (bt.make_config("s1", "full", 64, 2, "none", "auto").train.microbatches) == 1
-    with pytest.raises(SystemExit, match="--accumulate 0: need at least one micro-batch per step"):
-        monkeypatch.setattr(sys, "argv", ["bench_train.py", "--accumulate", "0"])
-        bt.main()
-
-
 def test_info_says_who_applies_the_rule(capsys):
     """`hybrid-lm info` states the measured micro-batches, that the sweep launcher applies them, and the
     gin line a plain `hybrid-lm train` needs to take them."""
