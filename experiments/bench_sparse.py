@@ -23,7 +23,6 @@ kernels in interpret mode and XLA in place of cuDNN (a CPU smoke run).
 
 from __future__ import annotations
 
-import inspect
 import os
 import sys
 import time
@@ -44,8 +43,8 @@ BENCH = "sparse"
 def kernel_selection(q, k, *, block_size, top_k, gate, interpret):
     """The selection kernels as the model's pallas path runs them for the ssa gate (bf16 dots)."""
     kbar = ops.block_means(k, block_size)
-    kw = {"dot_dtype": "bfloat16"} if "dot_dtype" in inspect.signature(K.select_blocks_split).parameters else {}
-    return K.select_blocks_split(q, kbar, block_size=block_size, top_k=top_k, gate=gate, interpret=interpret, **kw)
+    return K.select_blocks_split(q, kbar, block_size=block_size, top_k=top_k, gate=gate, interpret=interpret,
+                                 dot_dtype="bfloat16")
 
 
 def main(argv=None) -> dict:

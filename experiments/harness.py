@@ -41,10 +41,7 @@ if str(ROOT) not in sys.path:
 
 PEAK_BF16_FLOPS = 989e12  # dense bf16 of the H100 and the H200 (SXM): the MFU denominator
 
-try:  # the experiment API (load_config, run_id, config_record)
-    from hybrid_lm.experiment import load_config  # noqa: F401
-except ImportError:  # before hybrid_lm/experiment.py exists
-    from hybrid_lm.config import load_config  # noqa: F401
+from hybrid_lm.experiment import load_config  # noqa: E402,F401  (the bench scripts' config loader)
 
 
 # ----------------------------------------------------------------------------- device

@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 from gpu_util import GPU
 
-from hybrid_lm.config import load_config
+from hybrid_lm.experiment import load_config
 from hybrid_lm.model.registry import MixerContext
 from hybrid_lm.model.transformer import HybridLM
 

@@ -5,7 +5,6 @@ against the reference selection ``ops.select_blocks``. Interpret-mode twins on t
 
 from __future__ import annotations
 
-import inspect
 import math
 
 import jax
@@ -68,8 +67,7 @@ def _kernel_selection(q, k, bs, top_k, gate):
     """The selection kernels as the model's pallas path runs them for the ssa gate (bf16 operands)."""
     from hybrid_lm_kernels import select_blocks_split
 
-    kw = {"dot_dtype": "bfloat16"} if "dot_dtype" in inspect.signature(select_blocks_split).parameters else {}
-    return select_blocks_split(q, ops.block_means(k, bs), block_size=bs, top_k=top_k, gate=gate, **kw)
+    return select_blocks_split(q, ops.block_means(k, bs), block_size=bs, top_k=top_k, gate=gate, dot_dtype="bfloat16")
 
 
 def _quantised(key, shape, lo, hi, div=1.0):
