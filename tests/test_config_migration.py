@@ -34,7 +34,7 @@ def test_old_run_dir_is_migrated_once(tmp_path, caplog):
     (tmp_path / "config.json").write_text(old_text)
     with caplog.at_level(logging.WARNING, logger="hybrid_lm.train.rundir"):
         prepare_run_dir(new, tmp_path)  # no "different experiment" error
-    lines = [r.getMessage() for r in caplog.records]
+    lines = [r.getMessage() for r in caplog.records if r.name == "hybrid_lm.train.rundir"]
     assert len(lines) == 1 and "model.efficient.window reset" in lines[0] and "train.eval_batches dropped" in lines[0]
     assert f"run id {OLD_ID} -> {run_id(new)}" in lines[0]
     assert (tmp_path / "config.json.bak").read_text() == old_text

@@ -17,7 +17,7 @@ from hybrid_lm.train import loop
 from hybrid_lm.train.checkpoint import params_fingerprint
 from hybrid_lm.train.metrics import read_metrics
 from hybrid_lm.train.optim import wsd_schedule
-from hybrid_lm.train.rundir import resolve_init_source
+from hybrid_lm.train.continued import resolve_init_source
 
 pytestmark = pytest.mark.slow  # every test starts from a trained source run
 

@@ -16,7 +16,7 @@ import pytest
 from conftest import TINY
 from hybrid_lm.cli import main
 from hybrid_lm.experiment import load_config
-from hybrid_lm.train import loop
+from hybrid_lm.train import loop, nonfinite
 from hybrid_lm.train import step as step_mod
 from hybrid_lm.train.metrics import read_metrics
 from resume_check import compare_runs, final_state
@@ -61,7 +61,7 @@ def _inject(monkeypatch, bad: dict[int, str]) -> None:
         return train_step
 
     monkeypatch.setattr(DataStreams, "batch", batch)
-    monkeypatch.setattr(loop, "make_train_step", make)
+    monkeypatch.setattr(nonfinite, "make_train_step", make)
 
 
 def _cli(workdir, params, capsys):
@@ -92,7 +92,7 @@ def test_the_message_names_the_step_and_what_was_not_finite(tmp_path):
     skip = load_config([], TINY + ["TrainConfig.nan_policy = 'skip'", "TrainConfig.max_consecutive_skips = 3"]).train
 
     def msg(tc, stats, done=7, streak=1):
-        return loop._Halt(done, streak, {"loss": 1.0, "objective": 1.0, "grad_norm": 1.0, **stats}).message(
+        return nonfinite.Halt(done, streak, {"loss": 1.0, "objective": 1.0, "grad_norm": 1.0, **stats}).message(
             tc, done - 1, True, tmp_path, 2)
 
     both = msg(stop, {"loss": float("nan"), "objective": float("nan"), "grad_norm": float("nan")})

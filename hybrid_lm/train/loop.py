@@ -1,29 +1,21 @@
 """The training loop: any number of local devices or processes, one mesh, exact resume.
 
-Order per step (Kauldron's rule): dispatch step s, fetch the *previous* step's metrics (so the host
-never blocks dispatch), then evaluate / save "after step s" before pulling batch s+1; a step's
-metrics are fetched before the state after it is evaluated or saved. SIGTERM saves and exits
-cleanly; SIGUSR1 (SLURM ``--signal``) saves, requeues and exits; either one arriving after the last
-step is noted and the run finishes its epilogue (final checkpoint, loss curve) instead of dying.
+:func:`train` prepares the run (continued pretraining's source, the workdir lock, the run dir, the
+mesh, the data and the jitted program, the newest checkpoint) and runs :func:`_run_steps`. Each step,
+in this order: **batch** (a pure function of the step) -> **step** (dispatched, not awaited) ->
+**log** the *previous* step's metrics (fetched one step late, so the host never blocks dispatch; the
+NaN policy's halt is seen here, ``train/nonfinite.py``) -> **eval** -> **checkpoint** -> **signals**
+(SIGTERM saves and exits cleanly; SIGUSR1, SLURM's ``--signal``, saves, requeues and exits; either
+one arriving after the last step lets the run finish its epilogue: final checkpoint, loss curve).
+A step's metrics are fetched before the state after it is evaluated or saved.
 
-NaN policy (``TrainConfig.nan_policy``): a step whose loss, gradient or update is not finite never changes
-the parameters (``train/step.py``). A guard on the device counts such steps in a row and halts the
-run at the first one under 'stop', at the ``max_consecutive_skips``-th under 'skip'. The halting
-step and every step dispatched after it return their input state unchanged, so when the host sees
-the halt (one step late) it still holds the state before the halting step: that is saved, and the
-run stops with :class:`NonFiniteError` (one line in the CLI, exit 2).
-
-Continued pretraining (``init_from``, ``hybrid-lm train --init-from RUN_DIR[@STEP]``; its identity is
-explained in ``train/rundir.py``): the source checkpoint's parameters are restored straight into this
-run's layout, with a fresh optimizer state and the schedule from step 0. Once the run has
-checkpoints of its own, it resumes from those and never reads the source again.
+Continued pretraining (``--init-from``) is ``train/continued.py``; the run dir and its identity
+check ``train/rundir.py``; checkpoints ``train/checkpoint.py``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import math
 import signal
 import time
 from dataclasses import dataclass
@@ -34,26 +26,24 @@ import jax.numpy as jnp
 import numpy as np
 
 from hybrid_lm.backends import recorded_backends
-from hybrid_lm.config import Config, TrainConfig
-from hybrid_lm.experiment import config_record, diff_experiments, run_id
+from hybrid_lm.config import Config
+from hybrid_lm.experiment import run_id
 from hybrid_lm.data.pipeline import DataStreams
-from hybrid_lm.errors import ConfigError, WorkdirError
+from hybrid_lm.errors import WorkdirError
 from hybrid_lm.eval.loss import evaluate
 from hybrid_lm.train import distributed
 from hybrid_lm.train import sharding as shd
-from hybrid_lm.train.checkpoint import Checkpointer, abstract_with_shardings, params_fingerprint, saved_steps
+from hybrid_lm.train import continued, nonfinite
+from hybrid_lm.train.checkpoint import Checkpointer, abstract_with_shardings, params_fingerprint
+from hybrid_lm.train.continued import InitSource
 from hybrid_lm.train.lock import workdir_lock
 from hybrid_lm.train.logger import StepLogger, check_extras, startup_summary
+from hybrid_lm.train.nonfinite import NonFiniteError  # noqa: F401  (raised by train(); part of its API)
 from hybrid_lm.train.optim import optimizer_for_bounds, wsd_bounds
-from hybrid_lm.train.rundir import (InitSource, accepted_run_ids, archive_run, prepare_run_dir,
-                                    record_init_fingerprint, recorded_init_source, resolve_init_source)
-from hybrid_lm.train.step import ModelFns, StateInit, make_eval_step, make_train_step
+from hybrid_lm.train.rundir import accepted_run_ids, archive_run, prepare_run_dir, record_init_fingerprint
+from hybrid_lm.train.step import ModelFns, StateInit, make_eval_step
 
 log = logging.getLogger(__name__)
-
-
-class NonFiniteError(FloatingPointError):
-    """The NaN policy stopped the run; the state before the halting step was saved first."""
 
 
 @dataclass
@@ -78,7 +68,7 @@ class Program:
     fns: ModelFns
     init: object  # seed -> state, sharded
     start: object  # params -> state with those parameters, a fresh optimizer state, step 0 (init_from)
-    step: object  # (state, batch, bounds, guard) -> (state, stats, guard); see _with_nan_guard
+    step: object  # (state, batch, bounds, guard) -> (state, stats, guard); see nonfinite.with_nan_guard
     eval: object  # (params, batch) -> mean CE
     state_shard: dict
     batch_shard: object
@@ -111,49 +101,11 @@ def build_program(cfg: Config, mesh) -> Program:
     return Program(
         fns=fns, init=StateInit(fns, tx, state_shard),
         start=jax.jit(fresh_state, in_shardings=(p_shard,), out_shardings=state_shard, donate_argnums=0),
-        step=jax.jit(_with_nan_guard(fns, optimizer_for, cfg.train),
+        step=jax.jit(nonfinite.with_nan_guard(fns, optimizer_for, cfg.train),
                      in_shardings=(state_shard, batch_shard, repl, repl), out_shardings=(state_shard, repl, repl),
                      donate_argnums=0),
         eval=jax.jit(make_eval_step(fns), in_shardings=(p_shard, batch_shard), out_shardings=repl),
         state_shard=state_shard, batch_shard=batch_shard, n_batch_shards=n_batch, bounds=bounds)
-
-
-def _with_nan_guard(fns: ModelFns, optimizer_for, tc: TrainConfig):
-    """The train step with the NaN policy's device side: ``(state, batch, bounds, guard) -> (state,
-    stats, guard)``. ``guard`` (int32[2]) holds the non-finite steps in a row and whether the run has
-    halted; the run halts when that count reaches 1 ('stop') or ``max_consecutive_skips`` ('skip').
-    A halting step, and every step after it, returns its input state, step counter included. The
-    stats gain ``halted`` and ``nonfinite_streak``.
-
-    The state is held by ``train/step.py``'s own non-finite guard: a halting step is non-finite, and
-    a step after it gets a NaN objective (:class:`_HeldLoss`). A second select over the whole state
-    here would cost XLA temporaries the size of the parameters and optimizer state."""
-    limit = 1 if tc.nan_policy == "stop" else tc.max_consecutive_skips
-
-    def step(state, batch, bounds, guard):
-        new, stats = make_train_step(_HeldLoss(fns, guard[1] > 0), optimizer_for)(state, batch, bounds)
-        streak = jnp.where(stats["finite"], 0, guard[0] + 1).astype(jnp.int32)
-        halted = (guard[1] > 0) | (streak >= limit)
-        new = {**new, "step": jnp.where(halted, state["step"], new["step"])}
-        return (new, {**stats, "halted": halted, "nonfinite_streak": streak},
-                jnp.stack([streak, halted.astype(jnp.int32)]))
-
-    return step
-
-
-class _HeldLoss:
-    """``fns`` whose objective is NaN while ``held`` (a traced bool): the train step then keeps the
-    state as for any non-finite step. The gradient is not touched (the NaN is a constant term)."""
-
-    def __init__(self, fns: ModelFns, held):
-        self._fns, self._held = fns, held
-
-    def __getattr__(self, name):
-        return getattr(self._fns, name)
-
-    def loss(self, *args, **kwargs):
-        obj, aux = self._fns.loss(*args, **kwargs)
-        return obj + jnp.where(self._held, jnp.nan, 0.0).astype(obj.dtype), aux
 
 
 def init_or_restore(cfg: Config, prog: Program, ckpt: Checkpointer, source: InitSource | None = None):
@@ -168,66 +120,12 @@ def init_or_restore(cfg: Config, prog: Program, ckpt: Checkpointer, source: Init
     if restored is None:
         _refuse_a_silent_restart(ckpt)
         if cfg.train.init_from:
-            return prog.start(_source_params(source, prog)), None
+            return prog.start(continued.source_params(source, prog.fns.abstract_params, prog.state_shard["params"])), None
         return prog.init(seed), None
     state, meta = restored
     if meta.get("run_id") not in {run_id(cfg), *accepted_run_ids(ckpt.directory.parent)}:
         log.warning("resuming a checkpoint of run %s under run id %s (forced)", meta.get("run_id"), run_id(cfg))
     return state, int(meta["step"])
-
-
-def _source_params(source: InitSource | None, prog: Program):
-    """The parameters of the continued run's source checkpoint, in this run's sharded layout."""
-    if source is None or source.cfg is None:
-        raise WorkdirError(f"{source.spec if source else 'TrainConfig.init_from'}: the source run is not there "
-                           "and this run has no checkpoint of its own to resume")
-    ckpt = Checkpointer(source.workdir / "checkpoints", source.cfg.checkpoint, read_only=True)
-    abstract = abstract_with_shardings(prog.fns.abstract_params, prog.state_shard["params"])
-    try:
-        params, _ = ckpt.restore_params(abstract, source.step)
-    except Exception as e:  # a torn or corrupt source checkpoint: its step is part of the identity, no fallback
-        cause = f"{type(e).__name__}: {e}".splitlines()[0][:300]
-        raise WorkdirError(f"--init-from {source.spec}: the checkpoint at step {source.step} in {source.workdir} "
-                           f"does not restore ({cause}); name another step with @STEP (saved: "
-                           f"{list(source.saved)})") from e
-    finally:
-        ckpt.close()
-    return params
-
-
-def check_init_shapes(source: InitSource, cfg: Config) -> None:
-    """``ConfigError`` naming the first parameter whose shape or dtype differs between the source's
-    model and ``cfg``'s: a continued run may change anything but the parameters (seq_len, the data,
-    RoPE theta, windows...). Builds abstract models only (allocates nothing)."""
-    if source.cfg is None:
-        return
-    theirs, ours = _param_specs(source.cfg), _param_specs(cfg)
-    for name in [*ours, *(n for n in theirs if n not in ours)]:
-        if theirs.get(name) != ours.get(name):
-            changed = [f for f in diff_experiments(config_record(source.cfg), config_record(cfg)) if f.startswith("model.")]
-            raise ConfigError(
-                f"--init-from {source.spec}: parameter {name} is {theirs.get(name) or 'absent'} in the source "
-                f"and {ours.get(name) or 'absent'} in this config"
-                + (f" (model fields changed: {', '.join(changed)})" if changed else "")
-                + "; a continued run keeps every parameter's shape and dtype")
-
-
-def _param_specs(cfg: Config) -> dict[str, str]:
-    """``"embed/table" -> "float32[256, 32]"`` for each parameter of ``cfg``'s model, in tree order."""
-    leaves = jax.tree_util.tree_leaves_with_path(ModelFns(cfg).abstract_params)
-    return {"/".join(str(getattr(k, "key", k)) for k in path): f"{x.dtype}{list(x.shape)}" for path, x in leaves}
-
-
-def _refuse_foreign_checkpoints(cfg: Config, workdir: Path, source: InitSource) -> None:
-    """A continued run starts from the source only in a workdir without checkpoints of another run."""
-    steps = saved_steps(workdir / "checkpoints")
-    if not steps or run_id(cfg) in accepted_run_ids(workdir):
-        return
-    rec = recorded_init_source(workdir)
-    whose = f"a run initialised from {rec['identity']}" if rec else "a run not initialised from it"
-    raise WorkdirError(f"{workdir} holds checkpoints of its own (steps {steps}, {whose}), so --init-from "
-                       f"{source.spec} ({source.identity}) cannot start there: use another --workdir, or "
-                       "--restart to archive them first")
 
 
 def _refuse_a_silent_restart(ckpt: Checkpointer) -> None:
@@ -262,18 +160,10 @@ def train(cfg: Config, workdir: Path | str | None = None, *, force: bool = False
     check_extras(cfg.train)  # a missing [tb] / [wandb] extra fails before the run dir exists
     distributed.maybe_initialize()
     main = jax.process_index() == 0
-    source = None
-    spec = init_from if init_from is not None else cfg.train.init_from
-    if spec is not None:
-        source = resolve_init_source(str(spec), workdir)
-        if init_from is not None and cfg.train.init_from not in (None, str(init_from), source.identity):
-            raise ConfigError(f"TrainConfig.init_from={cfg.train.init_from!r} and --init-from {init_from} disagree; "
-                              "set one of them")
-        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, init_from=source.identity))
-        check_init_shapes(source, cfg)
+    cfg, source = continued.resolve(cfg, init_from, workdir)  # checked before the run dir is touched
     workdir = Path(workdir) if workdir else Path("runs") / run_id(cfg)
     if source is not None and not restart:
-        _refuse_foreign_checkpoints(cfg, workdir, source)
+        continued.refuse_foreign_checkpoints(cfg, workdir, source)
     with workdir_lock(workdir, enabled=main):
         return _train(cfg, workdir, force, restart, devices, main, t_start, source)
 
@@ -316,44 +206,13 @@ def _train(cfg: Config, workdir: Path, force: bool, restart: bool, devices, main
             if flag.signal and out.preempted is None and out.halt is None:
                 out.late_signal = signal.Signals(flag.signal).name
     if out.halt is not None:
-        raise NonFiniteError(out.halt.message(tc, out.step, out.saved_last_good, ckpt.directory, logger.skipped))
+        raise nonfinite.NonFiniteError(out.halt.message(tc, out.step, out.saved_last_good, ckpt.directory, logger.skipped))
     if out.preempted == "SIGUSR1":
         distributed.requeue_if_slurm()
     return TrainResult(workdir=workdir, step=out.step, final_eval=out.final_eval,
                        wall_seconds=time.time() - t_start, resumed_from=resumed_from, preempted=out.preempted,
                        skipped_steps=logger.skipped, compile_seconds=logger.compile_seconds,
                        init_from=tc.init_from, late_signal=out.late_signal)
-
-
-class _Halt(Exception):
-    """The device guard halted the run at step ``done`` (raised by :func:`_finish_step`)."""
-
-    def __init__(self, done: int, streak: int, stats: dict):
-        super().__init__(done)
-        self.done, self.streak, self.stats = done, streak, stats
-
-    def message(self, tc: TrainConfig, last_good: int, saved_now: bool, ckpt_dir: Path, skipped: int) -> str:
-        """The one-line error: the step(s), which of loss / gradient was not finite, where the last
-        good state is and what to do."""
-        loss, obj, gnorm = (float(self.stats[k]) for k in ("loss", "objective", "grad_norm"))
-        bad_loss, bad_grad = not (math.isfinite(loss) and math.isfinite(obj)), not math.isfinite(gnorm)
-        if not bad_loss and not bad_grad:  # the update overflowed (its norm is not finite)
-            what = (f"the update is not finite (loss={loss}, grad_norm={gnorm}, "
-                    f"update_norm={float(self.stats.get('update_norm', float('nan')))})")
-        else:
-            what = ("the loss and the gradient are" if bad_loss and bad_grad else
-                    "the loss is" if bad_loss else "the gradient is") + f" not finite (loss={loss}, grad_norm={gnorm})"
-        if tc.nan_policy == "stop":
-            head = f"non-finite loss or gradient at step {self.done}: {what}"
-            fix = "lower OptimConfig.lr (or set TrainConfig.nan_policy='skip')"
-        else:
-            head = (f"non-finite loss or gradient at {self.streak} steps in a row, steps {self.done - self.streak + 1}"
-                    f"-{self.done} (TrainConfig.max_consecutive_skips={tc.max_consecutive_skips}); at step "
-                    f"{self.done} {what}; {skipped} steps skipped in this run")
-            fix = "lower OptimConfig.lr (or raise TrainConfig.max_consecutive_skips)"
-        where = "saved now" if saved_now else "already saved"
-        return (f"{head}. The state before step {self.done} (step {last_good}) is {where} in {ckpt_dir}: {fix} "
-                "and rerun to resume from it")
 
 
 @dataclass
@@ -363,18 +222,20 @@ class _Outcome:
     final_eval: dict | None = None
     preempted: str | None = None
     late_signal: str | None = None
-    halt: _Halt | None = None
+    halt: nonfinite.Halt | None = None
     saved_last_good: bool = False  # halted: the state before the halting step was saved by this run now
 
 
 def _run_steps(cfg: Config, prog: Program, data: DataStreams, ckpt: Checkpointer, logger: StepLogger,
                profile: _Profiler, flag: distributed.PreemptionFlag, state, start: int) -> _Outcome:
-    """Steps ``start .. steps`` with evals and saves; stops early on a signal or a NaN-policy halt."""
+    """Steps ``start .. steps`` (batch -> step -> log -> eval -> checkpoint -> signals); stops early on
+    a signal or a NaN-policy halt."""
     tc = cfg.train
     final_eval, preempted, pending, last_saved = None, None, None, None
     guard = jax.device_put(np.zeros(2, np.int32), prog.state_shard["step"])
     batch_shape = (tc.global_batch, cfg.data.seq_len + 1)
     rows = shd.local_rows(prog.batch_shard, batch_shape)  # this process reads only its rows of each batch
+    finish = nonfinite.finish_step  # a step's row, then the NaN policy (raises Halt); returns None
     try:
         if start < tc.steps:
             logger.compiling()
@@ -382,28 +243,28 @@ def _run_steps(cfg: Config, prog: Program, data: DataStreams, ckpt: Checkpointer
             _eval(logger, prog, data, state, 0)  # the curve starts at the untrained model
         for step in range(start, tc.steps):
             profile.before(step)
-            batch = shd.put_local_batch(data.batch(step, rows), prog.batch_shard, batch_shape)
-            state, stats, guard = prog.step(state, batch, prog.bounds, guard)
+            batch = shd.put_local_batch(data.batch(step, rows), prog.batch_shard, batch_shape)  # batch
+            state, stats, guard = prog.step(state, batch, prog.bounds, guard)  # step (dispatched)
             if step == start:
                 logger.compiled(step)  # jit compiled synchronously inside that first call
             done = step + 1
-            pending = _finish_step(logger, pending)  # the previous step's
+            pending = finish(logger, pending)  # log: the previous step's row
             pending = (done, stats)
             profile.after(done, state)
-            if done % tc.eval_every == 0 or done == tc.steps:
-                pending = _finish_step(logger, pending)
+            if done % tc.eval_every == 0 or done == tc.steps:  # eval
+                pending = finish(logger, pending)
                 final_eval = _eval(logger, prog, data, state, done)
-            stop = _any_process(flag.requested)
-            if stop or ckpt.should_save(done) or done == tc.steps:
-                pending = _finish_step(logger, pending)  # never save a step the NaN policy halted at
+            stop = _any_process(flag.requested)  # signals, agreed by every process
+            if stop or ckpt.should_save(done) or done == tc.steps:  # checkpoint
+                pending = finish(logger, pending)  # never save a step the NaN policy halted at
                 ckpt.save(done, state, _ckpt_meta(cfg, done), force=stop)
                 last_saved = done
             logger.advance()
             if stop and done < tc.steps:
                 preempted = signal.Signals(flag.signal).name if flag.signal else "signal"
                 break
-        _finish_step(logger, pending)
-    except _Halt as halt:
+        finish(logger, pending)
+    except nonfinite.Halt as halt:
         last_good = int(jax.device_get(state["step"]))  # held by the guard: the state before the halting step
         fresh = last_good != last_saved and last_good not in ckpt.all_steps()
         if fresh:
@@ -425,21 +286,6 @@ def _eval(logger: StepLogger, prog: Program, data: DataStreams, state, step: int
                       global_batch=logger.cfg.train.global_batch, n_batch_shards=prog.n_batch_shards,
                       bytes_per_token=data.bytes_per_token)
     return logger.eval_row(step, result, data.meta.get("val_order0_entropy_bits"))
-
-
-def _finish_step(logger: StepLogger, pending: tuple[int, dict] | None) -> None:
-    """Host-side bookkeeping of a finished step ``(done, stats)`` (called one step late): its row, then
-    the NaN policy (raises :class:`_Halt` when the device guard halted the run at that step). Returns
-    None, the new ``pending``."""
-    if pending is None:
-        return None
-    done, stats = pending
-    stats = jax.device_get(stats)
-    halted, streak = bool(stats.pop("halted")), int(stats.pop("nonfinite_streak"))
-    logger.train_row(done, stats, halted=halted)
-    if halted:
-        raise _Halt(done, streak, stats)
-    return None
 
 
 class _Profiler:

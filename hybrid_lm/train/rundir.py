@@ -1,16 +1,6 @@
-"""Run directories: resolved config, operative gin, provenance, and the resume identity check.
-
-A continued run (``hybrid-lm train --init-from RUN_DIR[@STEP]``) starts from another run's parameters
-(:class:`InitSource`, :func:`resolve_init_source`). Its identity, ``TrainConfig.init_from``, is
-``"<source run id>@<step>"``: the source's run id (the experiment that made the parameters, itself
-including its own ``init_from`` when it was continued) and a concrete step ('latest' is resolved to a
-number at start). The path is left out on purpose: moving or copying the source directory does not
-change what the parameters are, so it must not change the new run's id (and a rerun with the moved
-path resumes the same run). The path, the step as asked and a fingerprint of the restored
-parameters are in ``provenance.json`` under ``init_from``. The fingerprint also tells apart two
-sources of one run id (runs of different lengths share it, ``TrainConfig.steps`` not being part of
-it), which the id alone cannot.
-"""
+"""Run directories: resolved config, operative gin, provenance, the resume identity check and the
+migration of config.json files written by earlier versions (``train/continued.py`` records a continued
+run's source in the provenance)."""
 
 from __future__ import annotations
 
@@ -20,7 +10,6 @@ import os
 import platform
 import subprocess
 import sys
-from dataclasses import dataclass
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
@@ -165,86 +154,7 @@ def archive_run(workdir: Path) -> Path | None:
     return dest
 
 
-# ----------------------------------------------------------------------------- continued pretraining
-
-@dataclass(frozen=True)
-class InitSource:
-    """The parameters a continued run starts from: checkpoint ``step`` of the run in ``workdir``.
-
-    ``cfg`` is the source's config; it is None only when the source is no longer there and the new
-    run's own workdir, which recorded it, resumes from its own checkpoints (the source is not needed).
-    """
-
-    workdir: Path  # absolute
-    run_id: str
-    step: int
-    spec: str  # as given: RUN_DIR[@STEP]
-    cfg: Config | None = None
-    saved: tuple[int, ...] = ()  # the source's checkpoint steps at start
-
-    @property
-    def identity(self) -> str:
-        """``TrainConfig.init_from`` of the continued run (see the module docstring)."""
-        return f"{self.run_id}@{self.step}"
-
-    def record(self) -> dict:
-        """The ``init_from`` entry of the new run's provenance.json (the fingerprint is added once the
-        parameters are restored, :func:`record_init_fingerprint`)."""
-        return {"identity": self.identity, "source_dir": str(self.workdir), "source_run_id": self.run_id,
-                "step": self.step, "requested": self.spec, "source_steps": list(self.saved)}
-
-
-def parse_init_spec(spec: str) -> tuple[Path, int | None]:
-    """``(run dir, step or None for the newest)`` of ``RUN_DIR[@STEP]`` (STEP: an integer or 'latest')."""
-    head, sep, tail = str(spec).rpartition("@")
-    if sep and (tail.isdigit() or tail == "latest"):
-        return Path(head), None if tail == "latest" else int(tail)
-    return Path(spec), None
-
-
-def resolve_init_source(spec: str, workdir: Path | None = None) -> InitSource:
-    """The source of ``--init-from spec``, its step resolved to a number; reads, writes nothing.
-
-    ``workdir``: the new run's directory when given. If it already holds checkpoints of a continued
-    run whose recorded source matches ``spec`` (the same directory, or the same source run id), that
-    run's step is kept when ``spec`` names none, so a rerun of the same command resumes the run even
-    after the source saved newer checkpoints, or was deleted. Raises :class:`WorkdirError` (one
-    line) for a missing source, a directory without config.json or checkpoints, or a step that was
-    not saved (listing the saved ones).
-    """
-    from hybrid_lm.eval.restore import load_run_config  # the one reader of a run's config.json
-    from hybrid_lm.train.checkpoint import saved_steps
-
-    path, step = parse_init_spec(spec)
-    src = path.expanduser().resolve()
-    kept = recorded_init_source(workdir) if workdir is not None and saved_steps(Path(workdir) / "checkpoints") else None
-    if kept and step in (None, kept["step"]) and not src.exists() and (
-            kept["source_dir"] == str(src) or kept["identity"] == str(spec)):
-        log.warning("--init-from %s: the source is gone; %s resumes from its own checkpoints (initialised "
-                    "from %s)", spec, workdir, kept["identity"])
-        return InitSource(Path(kept["source_dir"]), kept["source_run_id"], int(kept["step"]), str(spec))
-    if not src.is_dir():
-        raise WorkdirError(f"--init-from {spec}: no run directory {src}")
-    try:
-        cfg = load_run_config(src)
-    except FileNotFoundError as e:
-        raise WorkdirError(f"--init-from {spec}: {e}") from None
-    src_id = run_id(cfg)
-    saved = tuple(saved_steps(src / "checkpoints"))
-    if step is None and kept and kept["source_run_id"] == src_id:
-        step = int(kept["step"])
-        if saved and saved[-1] != step:
-            log.warning("--init-from %s: %s was initialised from step %d and keeps it (the source's newest "
-                        "checkpoint is now step %d)", spec, workdir, step, saved[-1])
-    elif step is None:
-        if not saved:
-            raise WorkdirError(f"--init-from {spec}: {src / 'checkpoints'} holds no checkpoint")
-        step = saved[-1]
-    if step not in saved and not (kept and kept["identity"] == f"{src_id}@{step}"):
-        raise WorkdirError(f"--init-from {spec}: {src} has no checkpoint at step {step}; saved steps: "
-                           f"{list(saved) or 'none'}")
-    return InitSource(src, src_id, step, str(spec), cfg, saved)
-
+# ----------------------------------------------------------------------------- a continued run's source
 
 def recorded_init_source(workdir: Path | None) -> dict | None:
     """The ``init_from`` entry of ``workdir``'s provenance.json (a continued run), else None."""
