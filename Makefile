@@ -12,7 +12,7 @@ $(or $(PYTHON),$(shell \
     if [ -x "$$p" ] && "$$p" -c 'import sys' >/dev/null 2>&1; then echo "$$p"; break; fi; done; fi))
 endef
 
-.PHONY: install train train-bpe test test-fast data info clean
+.PHONY: install train train-bpe test test-fast test-integration data info clean
 install: $(STAMP)
 
 $(STAMP): pyproject.toml
@@ -36,18 +36,23 @@ train-bpe: $(STAMP)
 	$(VENV)/bin/hybrid-lm train configs/quickstart_bpe.gin --workdir runs/quickstart_bpe
 
 # pytest-xdist workers: one per core (at most 8), plus one when 4 GiB per worker is available (the workers
-# wait on subprocesses, file locks and disk at times; on 2 cores a third worker ran the suite 0.94x as
-# long, with 7.7 GB in use at its peak, docs/ROADMAP.md "Test suite time"). TEST_WORKERS=N overrides.
+# wait on subprocesses, file locks and disk at times: on 2 cores a third worker ran the suite 0.94x as
+# long, with 7.7 GB in use at its peak). TEST_WORKERS=N overrides.
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 8 ] && n=8; \
   m=$$(awk '/^MemAvailable/ {print int($$2 / 1048576)}' /proc/meminfo 2>/dev/null || echo 0); \
   if [ "$${m:-0}" -ge $$(( 4 * (n + 1) )) ]; then echo $$(( n + 1 )); else echo $$n; fi)
 
+# Tiers (tests/conftest.py): unit (tests/*.py), integration (tests/integration/ and tests marked
+# `integration`: the trainer, the command line, sweeps, whole models), gpu (tests/gpu/, on a GPU
+# machine: `bash experiments/gpu.sh test`). `make test` runs every CPU test.
 test: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --timeout 900 --durations=12
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --timeout 900 --durations=12 -m "not gpu"
 
-# the suite without the long training / subprocess tests (marked slow) and the GPU ones
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --timeout 900 --durations=12 -m "not slow and not gpu"
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --timeout 900 --durations=12 -m "not integration and not gpu"
+
+test-integration: $(STAMP)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --timeout 900 --durations=12 -m "integration and not gpu"
 
 data: $(STAMP)
 	$(VENV)/bin/hybrid-lm data prepare

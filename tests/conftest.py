@@ -199,10 +199,18 @@ def tiny_sweep(tmp_path_factory, worker_id):
 # Modules whose tests take a minute or more each start the run (in this order, each module's own order
 # kept): near the end of a run such a test leaves the other xdist worker idle. The two end-to-end sweep
 # tests sit next to each other, so one worker runs both on the sweep it launched (tiny_sweep).
-_RUN_FIRST = ("test_wide_vocab.py", "test_sharding.py", "test_experiments_smoke.py", "test_scaling_collect.py",
+_RUN_FIRST = ("test_wide_vocab.py", "test_sharding.py", "test_benchmarks.py", "test_scaling_collect.py",
               "test_scaling_sweep.py")
+_TIERS = {"integration": pytest.mark.integration, "gpu": pytest.mark.gpu}
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
 def pytest_collection_modifyitems(config, items):
+    """The tiers: tests under tests/integration/ and tests/gpu/ carry their folder's marker; the rest of
+    tests/ is the unit tier unless a test is marked ``integration`` itself (``make test-fast`` runs
+    ``-m "not integration and not gpu"``). Then the long modules first (_RUN_FIRST)."""
+    for item in items:
+        if item.path.parent.name in _TIERS:
+            item.add_marker(_TIERS[item.path.parent.name])
     first = {name: i for i, name in enumerate(_RUN_FIRST)}
     items.sort(key=lambda item: first.get(item.path.name, len(first)))  # stable: the rest keep their order

@@ -27,7 +27,7 @@ def _masked_full_reference(q, k, v, w):
     return np.einsum("bhqk,bkhd->bqhd", p, v)
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 @pytest.mark.parametrize("T,H,K,w", [(37, 4, 2, 1), (37, 4, 2, 7), (37, 2, 1, 37), (50, 2, 2, 7), (19, 3, 1, 19)])
 def test_windowed_equals_masked_full_forward_and_grad(T, H, K, w):
     key = jax.random.key(T * 131 + w)
@@ -61,7 +61,7 @@ def _perm(key, B, T):
     return jax.vmap(lambda kk: jax.random.permutation(kk, T))(jax.random.split(key, B)).astype(jnp.int32)
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 @pytest.mark.parametrize("T,H,K,w,wr", [(37, 4, 2, 7, 6), (37, 2, 1, 3, 20), (29, 3, 1, 40, 39)])
 def test_windowed_window_right_matches_oracles_forward_and_grad(T, H, K, w, wr):
     """Two-sided band in a random order (SA window_mode='symmetric' is wr = w - 1), T not a multiple
@@ -81,7 +81,7 @@ def test_windowed_window_right_matches_oracles_forward_and_grad(T, H, K, w, wr):
         np.testing.assert_allclose(g1, g2, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_symmetric_window_covering_T_is_causal_attention_for_any_order():
     """The issue's "SA with w >= T equals causal full attention", at op level, for the symmetric band:
     gather q/k/v by a random permutation, attend with positions = the permutation and
@@ -112,7 +112,7 @@ def test_symmetric_window_covering_T_is_causal_attention_for_any_order():
     assert np.abs(np.asarray(one_sided - ref)).max() > 1e-2  # the one-sided default is not causal attention
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_windowed_full_window_equals_causal():
     q, k, v = _inputs(jax.random.key(3), 2, 45, 4, 2, 16)
     np.testing.assert_allclose(windowed_attention(q, k, v, 45), causal_attention(q, k, v), rtol=1e-5, atol=1e-5)
@@ -151,7 +151,7 @@ def test_rope_is_relative_and_nope_is_position_free():
     np.testing.assert_allclose(jnp.linalg.norm(apply_rope(q, jnp.array([[77]]))), jnp.linalg.norm(q), rtol=1e-5)
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_dispatch_pallas_matches_xla_in_interpret_mode(monkeypatch):
     """attention_impl='pallas' routes SWA and permuted attention to our kernel (interpreted on CPU)."""
     import functools

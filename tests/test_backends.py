@@ -274,6 +274,7 @@ def test_describe_layers_reports_an_impossible_choice():
     assert err and all("ConfigError" in r["reason"] and "stochastic" in r["reason"] for r in err)
 
 
+@pytest.mark.integration
 def test_cli_info_backends(capsys):
     from hybrid_lm.cli import main
     qs = str(ROOT / "configs" / "quickstart.gin")

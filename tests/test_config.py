@@ -108,6 +108,7 @@ def test_optional_import_names_the_extra(monkeypatch):
         optional_import("tensorboardX")
 
 
+@pytest.mark.integration
 def test_importing_config_pulls_in_no_jax():
     import subprocess
     import sys
@@ -250,6 +251,7 @@ def test_warnings_are_logged_once_at_validation(caplog, monkeypatch):
         "OptimConfig.warmup_steps=50 exceeds TrainConfig.steps=10: the learning rate never reaches OptimConfig.lr"]
 
 
+@pytest.mark.integration
 def test_an_eval_does_not_repeat_the_training_setup_warnings(caplog, monkeypatch, tmp_path):
     """warmup > steps and the vocabulary note are warned about where a run is configured to train
     (load_config: train, sweep), not each time `hybrid-lm eval` loads a run's config."""
@@ -274,6 +276,7 @@ def test_an_eval_does_not_repeat_the_training_setup_warnings(caplog, monkeypatch
     assert len(caplog.records) == 2
 
 
+@pytest.mark.integration
 def test_info_states_the_vocabulary_note_as_a_line_not_a_warning(caplog, capsys, monkeypatch):
     """`hybrid-lm info` of a scale preset (vocab 73,448 on the byte tokenizer) prints the note once in
     its report instead of logging a warning; warmup > steps stays a warning; training still warns."""

@@ -69,7 +69,7 @@ def test_a_current_run_dir_is_not_migrated(tmp_path):
     assert accepted_run_ids(tmp_path / "missing") == set()
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_checkpoint_of_an_old_run_resumes_without_force(tiny_params, tmp_path, caplog):
     from hybrid_lm.train.loop import train
     params = tiny_params + ["efficient/MixerConfig.kind = 'moba'", "efficient/MixerConfig.options = "

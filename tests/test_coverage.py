@@ -46,7 +46,7 @@ def test_full_attention_covers_in_one_layer_and_the_horizon_constraint_is_the_op
     assert 1 < len(cov) - 1 < C.swa_depth(n, 8)  # faster than SWA alone, not in one layer
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_one_sa_layer_reaches_exactly_what_the_model_op_attends_to():
     """The simulator's SA edges are the keys hybrid_lm/ops/attention.py gives nonzero weight, under the
     model's permutation draw (ops/permutation.py)."""
@@ -131,7 +131,7 @@ def test_adjacent_edge_probability_is_exact():
     assert C.sa_adjacent_edge_prob(n, w, two_sided=True) == pytest.approx(hits[1] / total, abs=1e-15)
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_driver_writes_json_and_png(tmp_path, capsys):
     js, png = tmp_path / "c.json", tmp_path / "c.png"
     assert C.main(["--n", "64", "128", "--w", "8", "--patterns", "swa", "sa", "fullH+sa", "--depth", "40",

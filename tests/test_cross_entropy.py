@@ -22,7 +22,7 @@ def _inputs(N, d, V, dtype, seed=0):
     (64, 8, 77, 1000, 0.0),      # one chunk larger than N
     (129, 24, 256, 1, 1e-2),     # one token per chunk
 ])
-@pytest.mark.slow
+@pytest.mark.integration
 def test_chunked_matches_reference_fp32(N, d, V, chunk, z):
     h, w, t = _inputs(N, d, V, jnp.float32, seed=N)
 
@@ -42,7 +42,7 @@ def test_chunked_matches_reference_fp32(N, d, V, chunk, z):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5 * scale, rtol=1e-5)
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_chunked_matches_reference_bf16():
     h, w, t = _inputs(512, 64, 1024, jnp.bfloat16, seed=3)
     lr = cross_entropy(head_logits(h, w), t)[0]
@@ -70,7 +70,7 @@ def test_chunked_never_materialises_whole_logits():
     assert temp_chk < whole / 8
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_train_loss_chunked_equals_full():
     """The train step's loss and gradients with loss_impl='chunked' equal loss_impl='full' (tiny model,
     z-loss on), and auto picks by the size of the whole logits."""

@@ -68,6 +68,7 @@ def test_resume_refuses_other_data_under_the_same_path(tmp_path):
         prepare_run_dir(cfg("DataConfig.source='tokens'", f"DataConfig.path='{a}'"), tmp_path / "run")
 
 
+@pytest.mark.integration
 def test_a_sweep_relaunched_on_other_data_refuses_and_keeps_its_manifest(tmp_path):
     """Issue 16: a sweep whose runs now resolve to other data refuses to mark the old runs done and
     leaves sweep.json describing what it launched."""

@@ -94,7 +94,7 @@ def test_windowed_attention_with_segments_matches_dense(B, T, H, K, D, window, b
         np.testing.assert_allclose(a, b, **TOL)
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_windowed_attention_with_segments_in_a_permuted_order():
     """The mask is written for any given order: segment ids travel with their tokens."""
     B, T = 2, 33
@@ -149,14 +149,14 @@ def _masked_logits(model, tokens, seg):
     return _masked(model, tokens, jnp.asarray(seg, jnp.int32))
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_one_document_per_row_gives_the_unmasked_logits(tiny_params):
     _, model = _model(tiny_params)
     tokens = jax.random.randint(jax.random.key(0), (2, 40), 0, 256)
     np.testing.assert_allclose(_masked_logits(model, tokens, jnp.zeros((2, 40))), _logits(model, tokens), **TOL)
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 @pytest.mark.parametrize("extra", [
     [],  # full + swa (window 8, shorter than the documents)
     ["full/MixerConfig.kind = 'attention_sink'", "full/MixerConfig.options = {'horizon': 6}"],
@@ -190,7 +190,7 @@ def _step(cfg):
     return fns, StateInit(fns, build(bounds)[0])(0), jax.jit(make_train_step(fns, build)), bounds
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 @pytest.mark.parametrize("micro", [1, 2])
 def test_train_step_takes_the_dict_batch(tiny_params, micro):
     cfg = load_config([], tiny_params + ["DataConfig.document_mask = True", f"TrainConfig.microbatches = {micro}"])
@@ -206,7 +206,7 @@ def test_train_step_takes_the_dict_batch(tiny_params, micro):
     assert np.isfinite(float(ce))
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_document_mask_off_is_unchanged(tiny_params):
     """Off: the dict ``{"tokens"}`` and the plain array give bitwise the same step and eval."""
     cfg = load_config([], tiny_params)
@@ -220,7 +220,7 @@ def test_document_mask_off_is_unchanged(tiny_params):
     assert float(ev(s1["params"], tokens)) == float(ev(s1["params"], {"tokens": tokens}))
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_evaluate_and_put_batch_take_the_dict_windows(tiny_params):
     from hybrid_lm.config import MeshConfig
     from hybrid_lm.eval.loss import evaluate, window_count

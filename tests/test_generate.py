@@ -60,7 +60,7 @@ def _tokens(seed: int, B: int = 2, n: int = T):
 
 @pytest.mark.parametrize("kind,rope_full", [(k, r) for k in sorted(EFFICIENT) for r in (True, False)]
                          + [(k, True) for k in sorted(SSA)])  # SSA sits in the full slot
-@pytest.mark.slow
+@pytest.mark.integration
 def test_prefill_then_steps_equal_the_forward_pass(kind, rope_full):
     if kind in SSA:
         model = _model(kind)
@@ -76,7 +76,7 @@ def test_prefill_then_steps_equal_the_forward_pass(kind, rope_full):
         np.testing.assert_allclose(got, want[:, t], rtol=1e-4, atol=1e-4, err_msg=f"position {t}")
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_generate_greedy_equals_argmax_of_the_forward_pass():
     model = _model("swa")
     prompt = _tokens(5, n=PROMPT)
@@ -88,7 +88,7 @@ def test_generate_greedy_equals_argmax_of_the_forward_pass():
     assert got.dtype == jnp.int32 and got.shape == (2, 6)
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_sampling():
     model = _model("gdn")
     prompt = _tokens(6, n=PROMPT)
@@ -103,7 +103,7 @@ def test_sampling():
                                   generate(model, prompt, 5))
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_ids_beyond_the_tokenizer_vocabulary_are_never_picked():
     """A model vocabulary padded beyond the tokenizer's (here 97 > 40): generation keeps to the ids
     the tokenizer can decode, greedy and sampled."""
@@ -116,7 +116,7 @@ def test_ids_beyond_the_tokenizer_vocabulary_are_never_picked():
     assert int(free.max()) >= 40  # the limit mattered: unrestricted sampling picks ids past 40
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_bad_requests_say_what_is_wrong():
     model = _model("swa")
     prompt = _tokens(7, n=PROMPT)
@@ -135,6 +135,7 @@ def test_bad_requests_say_what_is_wrong():
         generate(HybridLM(cfg, rngs=nnx.Rngs(0)), prompt, 2)
 
 
+@pytest.mark.integration
 def test_generate_help_names_the_mixers_with_a_decode_path(capsys):
     """`hybrid-lm generate --help` lists every registered mixer on the side of its decode path."""
     import re

@@ -80,7 +80,7 @@ def _check(B, T, H, K, D, block_size, top_k, Hs, per_token, dtype=jnp.float32, b
 TINY = SparseBlockSizes(block_q=16, block_k=16)
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 @pytest.mark.parametrize("per_token", [True, False], ids=["per_token", "per_block"])
 @pytest.mark.parametrize("heads", ["moba", "ssa"])
 def test_fp32_against_reference(per_token, heads):
@@ -89,26 +89,26 @@ def test_fp32_against_reference(per_token, heads):
     _check(1, 200, H, K, 32, block_size=32, top_k=3, Hs=Hs, per_token=per_token, blocks=TINY)
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_per_token_tiles_wider_than_block():
     # query tiles of 64 span two blocks of 32: the own zone mixes own-block and selected rows
     _check(2, 150, 2, 1, 16, block_size=32, top_k=2, Hs=2, per_token=True,
            blocks=SparseBlockSizes(block_q=64, block_k=32), seed=1)
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_per_block_rectangular_tiles_and_odd_head_dim():
     _check(1, 300, 3, 1, 40, block_size=64, top_k=3, Hs=3, per_token=False,
            blocks=SparseBlockSizes(block_q=32, block_k=16), seed=2)
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_bf16_default_tiles():
     _check(1, 256, 2, 1, 64, block_size=64, top_k=2, Hs=1, per_token=False, dtype=jnp.bfloat16,
            tol=2e-2, seed=3)
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_top_k_covering_all_blocks_is_causal_attention():
     B, T, H, K, D, bs = 1, 160, 2, 1, 32, 32
     q, k, v, do, idx, _ = _inputs(4, B, T, H, K, D, jnp.float32, bs, 99, K, True)
@@ -167,7 +167,7 @@ def test_triton_lowering_for_cuda(per_token):
     assert triton_calls_for_cuda(jax.jit(jax.grad(loss, argnums=(0, 1, 2))), q, kv, kv, idx) == 3  # fwd, dq, dkv
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 @pytest.mark.parametrize("selection,gate", [("token", "moba"), ("block", "ssa")])
 def test_kernel_runs_the_reference_selection_end_to_end(selection, gate):
     """ops.select_blocks -> kernel equals ops.moba_attention (the model's xla path), fwd and grads."""

@@ -46,6 +46,7 @@ MIXERS = {
 }
 
 
+@pytest.mark.integration  # a whole model across the mixers
 @pytest.mark.parametrize("name", list(MIXERS))
 def test_kernel_decode_equals_reference_decode_and_the_forward(name, monkeypatch):
     """A mixer's prefill + decode steps with ``moba_read`` on the kernels vs on the reference (step

@@ -81,7 +81,7 @@ def test_selection_backend_rules():
             selection_backend(removed, "token")
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 @pytest.mark.parametrize("gate,H,K,sel", [("ssa", 4, 2, "auto"), ("ssa", 4, 2, "xla"), ("moba", 2, 1, "auto")])
 def test_moba_attend_kernel_selection_end_to_end(gate, H, K, sel):
     """moba_attend's pallas path with each selection equals the reference moba_attention (the xla

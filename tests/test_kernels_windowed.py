@@ -82,19 +82,19 @@ def _check(B, T, H, K, D, w, dtype, permuted, blocks=SMALL, tol=None, seed=0, wi
 
 @pytest.mark.parametrize("w,permuted", [(1, False), (64, True), (128, False), (1000, True)],
                          ids=["w1-swa", "w64-sa", "w128-swa", "w1000-sa"])
-@pytest.mark.slow
+@pytest.mark.integration
 def test_fp32_gqa_against_dense(w, permuted):
     # T=150: not a multiple of 16 or 32; H=4 over K=2 (GQA groups of 2); w=1000 > T is causal.
     _check(B=2, T=150, H=4, K=2, D=32, w=w, dtype=jnp.float32, permuted=permuted)
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 @pytest.mark.parametrize("w,permuted", [(64, False), (1000, True)], ids=["w64-swa", "w1000-sa"])
 def test_bf16_against_fp32_reference(w, permuted):
     _check(B=1, T=200, H=4, K=1, D=32, w=w, dtype=jnp.bfloat16, permuted=permuted, seed=1)
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_bf16_w128_gqa3_default_blocks():
     # Default (64-row) tiles, T=300 padded to 320, three query heads on one KV head (G=3, not a
     # power of two), w=128 spanning three key blocks.
@@ -102,20 +102,20 @@ def test_bf16_w128_gqa3_default_blocks():
            blocks=BlockSizes(), seed=2)
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_fp32_fused_backward_atomics():
     # the single-kernel backward (dq partials added with atomics), GQA groups of 3
     _check(B=1, T=120, H=6, K=2, D=16, w=64, dtype=jnp.float32, permuted=True,
            blocks=dataclasses.replace(SMALL, fused_bwd=True), seed=6)
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_fp32_odd_head_dim_and_window_one_block():
     # D=24 is padded to 32 inside; w=16 equals a block, T=97 prime.
     _check(B=1, T=97, H=2, K=2, D=24, w=16, dtype=jnp.float32, permuted=False, seed=3)
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_against_blocked_reference_and_identity_positions():
     """Positions = identity must equal the position-free SWA path and the blocked reference."""
     B, T, H, K, D, w = 2, 130, 4, 4, 16, 40
@@ -153,7 +153,7 @@ def test_rejects_bad_shapes():
                                            # the right band of the last queries) must stay hidden
     (1000, 999, None),                     # symmetric band covering T: causal attention by position
 ], ids=["sym-w24", "asym-5-40-bigpos", "sym-w1000"])
-@pytest.mark.slow
+@pytest.mark.integration
 def test_fp32_gqa_window_right_against_dense(w, wr, pos_map):
     # T=150: not a multiple of 16 or 32 (padded to 160); H=4 over K=2; random permutation.
     _check(B=2, T=150, H=4, K=2, D=32, w=w, dtype=jnp.float32, permuted=True, window_right=wr,
@@ -165,7 +165,7 @@ def test_fp32_window_right_fused_backward_gqa3():
            blocks=dataclasses.replace(SMALL, fused_bwd=True), seed=8)
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_symmetric_band_with_identity_positions_is_swa():
     """window_right = w - 1 with identity positions equals the position-free SWA path (every key
     right of the query is in the future), forward and gradients. (The one-sided default,

@@ -151,7 +151,7 @@ SIMPLE_GLA_CASES = {
 }
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 @needs_jla
 @pytest.mark.parametrize("case", list(SIMPLE_GLA_CASES))
 def test_simple_gla_conversion_matches_reference(case):
@@ -178,7 +178,7 @@ def test_simple_gla_conversion_matches_reference(case):
         assert _rel(a, b) < 1e-4, (case, i, _rel(a, b))
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 @needs_jla
 def test_gated_delta_rule_conversion_matches_reference():
     q, k, v, g, _, beta, S0 = _inputs(3, T=70, unit_qk=True)
@@ -196,7 +196,7 @@ def test_gated_delta_rule_conversion_matches_reference():
         assert _rel(a, b) < 1e-4, (i, _rel(a, b))
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 @needs_jla
 @pytest.mark.parametrize("op", ["simple_gla", "gated_delta_rule"])
 def test_zero_padded_head_widths_are_exact(op):
@@ -310,7 +310,7 @@ def test_layer_jla_on_cpu_raises():
         _build("lightning", "jla").forward(x)
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 @needs_jla
 @pytest.mark.parametrize("kind", ["lightning", "mamba2", "gdn"])
 def test_layers_through_the_jla_conversion(kind, monkeypatch):

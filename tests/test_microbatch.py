@@ -153,6 +153,7 @@ def test_the_runs_remat_policy_picks_its_entry(tmp_path):
     assert json.loads(mb.TABLE.read_text())["remat"] == "dots_attn"
 
 
+@pytest.mark.integration
 def test_info_says_who_applies_the_rule(capsys):
     """`hybrid-lm info` states the measured micro-batches, that the sweep launcher applies them, and the
     gin line a plain `hybrid-lm train` needs to take them."""
@@ -215,6 +216,7 @@ def test_fit_to_memory(per, peak, limit_gib, fixed, measured_gib, want, may_not_
     assert ("may not fit either" in note) == may_not_fit
 
 
+@pytest.mark.integration
 def test_rule_fits_the_entry_to_a_smaller_device(tmp_path, monkeypatch):
     """An entry measured on a large device (S4 at 16 x 16K: ~100 GiB) is scaled to a device with less memory:
     it ran out of memory on an H100 as measured (docs/BENCHMARKS.md, session 22). The sweep launcher reads

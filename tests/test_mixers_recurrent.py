@@ -265,7 +265,7 @@ def _decode_and_chunked(m, prefix, x, cot):
     return out
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 @pytest.mark.parametrize("name", ["lightning", "mamba2", "gdn"])
 def test_decode_steps_equal_chunked_forward_values_states_and_gradients(name):
     """T decode steps from the zero state over [prefix | x] equal a chunked pass over the prefix and a
@@ -458,7 +458,7 @@ def test_flops_formula_counts_the_executed_matmuls(kind, opts):
     assert executed == pytest.approx(f["matmul"] + scan_flops, rel=1e-12)
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 @pytest.mark.parametrize("kind", ["lightning", "mamba2", "gdn"])
 def test_info_counts_match_the_real_parameter_arrays(kind, capsys):
     from hybrid_lm.cli import main
@@ -510,7 +510,7 @@ def test_s1_parameter_counts_per_layer():
     ("mamba2", "{'chunk_size': 16, 'd_state': 16, 'head_dim': 16}"),
     ("gdn", "{'chunk_size': 16}"),
 ])
-@pytest.mark.slow
+@pytest.mark.integration
 def test_tiny_hybrid_trains(kind, opts, tiny_params, tmp_path):
     from hybrid_lm.train.loop import train
     cfg = load_config([], tiny_params + [f"efficient/MixerConfig.kind = '{kind}'", "efficient/MixerConfig.window = None",

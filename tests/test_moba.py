@@ -101,7 +101,7 @@ CASES = [  # (T, block, top_k): partial last blocks, k below and at the block co
 ]
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 @pytest.mark.parametrize("gate", ["moba", "ssa"])
 @pytest.mark.parametrize("t,block,top_k", CASES)
 def test_moba_matches_dense_oracle_forward_and_gradients(t, block, top_k, gate):
@@ -144,7 +144,7 @@ def test_large_blocks_and_chunked_queries():
                   _moba_vjp(q, k, v, cot, block_size=4, top_k=3, gate="ssa"))
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 @pytest.mark.parametrize("t,block,gate", [(37, 4, "moba"), (37, 16, "ssa"), (40, 64, "moba")])
 def test_top_k_covering_all_blocks_is_causal_full_attention(t, block, gate):
     q, k, v = _qkv(t + block, 2, t, 4, 2, 8)
@@ -186,7 +186,7 @@ def test_options_are_validated(tiny_params):
                                            f"efficient/MixerConfig.options = {opts}"])
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 @pytest.mark.parametrize("selection", ["token", "block"])
 def test_moba_mixer_with_all_blocks_equals_full_attention_mixer(selection):
     cfg = ModelConfig(d_model=32, n_heads=4, n_kv_heads=2, head_dim=8, n_layers=2, compute_dtype="float32")
@@ -199,7 +199,7 @@ def test_moba_mixer_with_all_blocks_equals_full_attention_mixer(selection):
                                rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_tiny_hybrid_with_moba_trains(tiny_params, tmp_path):
     cfg = load_config([], tiny_params + ["efficient/MixerConfig.kind = 'moba'", "TrainConfig.steps = 25",
                                          "efficient/MixerConfig.options = {'block_size': 4, 'top_k': 3}",
@@ -210,7 +210,7 @@ def test_tiny_hybrid_with_moba_trains(tiny_params, tmp_path):
     assert np.isfinite(res.final_eval["loss"]) and res.final_eval["loss"] < rows[0]["loss"]
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_block_selection_ranks_by_the_previous_blocks_mean_query_and_shares_lists():
     """selection='block': one list per query block, ranked by the preceding block's mean query
     . mean(k_c) (moba gate), own block forced; moba_attention with it equals the given-blocks
@@ -297,7 +297,7 @@ def test_top_k_method_auto_follows_the_measured_rule(monkeypatch):
     assert used == [(1024, 16)]
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 @pytest.mark.parametrize("selection", ["token", "block"])
 @pytest.mark.parametrize("gate", ["moba", "ssa"])
 def test_moba_is_causal(selection, gate):

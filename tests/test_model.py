@@ -45,7 +45,7 @@ def test_every_parameter_has_logical_axes(tiny_params):
             assert axes is not None and len(axes) == var.get_value().ndim, path
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_nope_full_layers_ignore_absolute_position(tiny_params):
     """NoPE on full layers: a full-attention-only NoPE model's output does not depend on position offsets;
     with RoPE it does not either (relative), but NoPE also ignores the *order-free* positions entirely."""
@@ -75,7 +75,7 @@ def test_attention_flops_terms_are_exact():
     assert f["train"] == 3 * f["forward"]
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_causality_future_tokens_do_not_change_past_logits(tiny_params):
     cfg = load_config([], tiny_params)
     model = HybridLM(cfg.model, rngs=nnx.Rngs(0))
@@ -101,7 +101,7 @@ EVERY_EFFICIENT_MIXER = {  # tiny options; the full slot stays full attention
 }
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 @pytest.mark.parametrize("name", sorted(EVERY_EFFICIENT_MIXER))
 @pytest.mark.parametrize("train", [True, False])
 def test_every_mixer_is_causal(name, train):

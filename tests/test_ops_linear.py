@@ -153,7 +153,7 @@ def _check_chunk_vs_naive(op, T, chunk, x, fwd_tol, grad_tol, check_f64):
         assert _rel(g32[n], ref_g[n]) < grad_tol, n
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 @pytest.mark.parametrize("op,T,chunk,g_mode,h0,check_f64", CASES)
 def test_chunk_matches_naive(op, T, chunk, g_mode, h0, check_f64):
     x = _inputs(op, T, seed=T + chunk, h0=h0, g_mode=g_mode)
@@ -161,7 +161,7 @@ def test_chunk_matches_naive(op, T, chunk, g_mode, h0, check_f64):
         _check_chunk_vs_naive(op, T, chunk, x, fwd_tol=1e-5, grad_tol=1e-4, check_f64=check_f64)
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 @pytest.mark.parametrize("op", ["gla", "delta"])
 def test_strong_decay_is_stable(op):
     """Log decays of -30 per token and -50 spikes: cumulated over a 64-token chunk these reach ~ -2e3.
@@ -196,7 +196,7 @@ def test_carry_state(op):
     assert _rel(o_two, o_one) < 1e-5 and _rel(s_two, s_one) < 1e-5
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 @pytest.mark.parametrize("op,strong", [("gla", True), ("delta", False)])
 def test_bf16_stays_finite(op, strong):
     T = 130

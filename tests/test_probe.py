@@ -113,6 +113,7 @@ def test_residual_stream_is_the_models_forward_pass(run):
     np.testing.assert_allclose(last[:, 1], after_0[:, -1], rtol=1e-6)
 
 
+@pytest.mark.integration  # a whole model across the mixers
 def test_evaluate_probe_end_to_end(run, tmp_path):
     (row,) = P.evaluate_probe(run, samples=48, seq_len=384, progress=False, batch_size=16)
     json.dumps(row)

@@ -252,7 +252,7 @@ def _one_line_error(capsys, *argv) -> str:
     return lines[0]
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_hybrid_lm_ruler_end_to_end(run_dir, tmp_path, capsys):
     from hybrid_lm.cli import main
     from hybrid_lm.eval.restore import read_eval_rows
@@ -303,7 +303,7 @@ def test_hybrid_lm_ruler_end_to_end(run_dir, tmp_path, capsys):
     assert rc == 2 and "niah_single" in out.out and "could not be appended to" in out.err and "--no-record" in out.err
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_scores_are_computed_on_the_right_tokens(run_dir, monkeypatch):
     """Generation returning the gold answer scores 1, anything else 0; the answer NLL is the full
     forward pass's NLL of the answer tokens (batch padding and the logits span are right)."""
@@ -338,7 +338,7 @@ def test_scores_are_computed_on_the_right_tokens(run_dir, monkeypatch):
     np.testing.assert_allclose(row["per_item"]["nll"], want, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_mixers_without_a_decode_path_get_log_likelihood_scores_only(run_dir):
     from hybrid_lm.eval.restore import RestoredRun
     from hybrid_lm.eval.swap import swapped_config
@@ -356,7 +356,7 @@ def test_mixers_without_a_decode_path_get_log_likelihood_scores_only(run_dir):
     assert "—" in R.format_table([row])
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_sa_layers_are_scored_by_generation_too(run_dir):
     """SA decodes (docs/STOCHASTIC_ATTENTION.md §9): exact match as well as the log-likelihood scores."""
     from hybrid_lm.eval.restore import RestoredRun
@@ -416,7 +416,7 @@ class _NeedleOracle:
         return nll
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 @pytest.mark.parametrize("horizon", [None, 48])
 def test_niah_oracle_scores_one_when_it_sees_the_needle_and_chance_when_it_cannot(run_dir, monkeypatch, horizon):
     """Acceptance oracles: a model that sees the needle scores 1 on NIAH (exact match and gold beats

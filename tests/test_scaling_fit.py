@@ -38,7 +38,7 @@ def _chinchilla_points():
     return N, C / (6 * N), L  # D = FLOP / (6 N), Epoch's cell 3
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_chinchilla_acceptance():
     """Epoch AI's procedure on their data reproduces their refit (one test: the fit is shared, and pytest-xdist
     would otherwise repeat it on every worker)."""
@@ -126,7 +126,7 @@ def test_noisy_synthetic_parameters_inside_bootstrap_cis():
     assert e["holdout"]["skipped"]
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_holdout_metrics_measure_a_shifted_largest_size():
     N, D, L = _synthetic(TRUE)
     big = N == N.max()
@@ -159,6 +159,7 @@ def test_bounds_are_honoured_and_reported():
     assert F.parse_bound_args(["alpha=0.2:0.3", "beta=0:"]) == {"alpha": (0.2, 0.3), "beta": (0.0, None)}
 
 
+@pytest.mark.integration  # a whole model across the mixers
 def test_vectorised_multistart_agrees_with_lbfgsb_from_every_start():
     N, D, L = _synthetic(TRUE, noise=0.003, seed=5, sizes=(3e7, 1e8, 4e8, 1.2e9), ratios=(5, 20, 80))
     grid = {"a": (5, 15), "b": (5, 15), "e": (0, 1), "alpha": (0.2, 1.0), "beta": (0.2, 1.0)}
@@ -214,6 +215,7 @@ def test_compute_optimal_matches_numerical_minimum():
     assert F.compute_optimal({**TRUE, "beta": -0.1}, 1e20)["valid"] is False
 
 
+@pytest.mark.integration
 def test_no_jax_in_fitting_code():
     code = ("import sys; import hybrid_lm.scaling.fit, hybrid_lm.scaling.table, hybrid_lm.scaling.report; "
             "bad = [m for m in sys.modules if m == 'jax' or m.startswith('jax.') or m == 'flax']; "
@@ -237,7 +239,7 @@ def _write_two_arch_table(path: Path):
     write_table(rows, path)
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_fit_cli_writes_schema_figures_and_report(tmp_path):
     table = tmp_path / "table.csv"
     _write_two_arch_table(table)

@@ -73,7 +73,7 @@ def test_pattern_period():
     assert pattern_period(list("FEEF")) == 4
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 @pytest.mark.parametrize("arch", sorted(ARCHS))
 def test_scanned_stack_equals_unrolled(tiny_params, arch):
     cfg_u, cfg_s = _cfgs(tiny_params, arch)
@@ -113,7 +113,7 @@ def test_scanned_stack_equals_unrolled(tiny_params, arch):
     _assert_trees_close(g_u, g_s, rtol=1e-5, atol=1e-8)
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_scan_with_remat(tiny_params):
     cfg_u, cfg_s = _cfgs(tiny_params, "sa", "ModelConfig.remat = 'full'")
     fns_u, fns_s = ModelFns(cfg_u), ModelFns(cfg_s)
@@ -140,6 +140,7 @@ def _n_eqns(jaxpr) -> int:
     return sum(1 + sum(_n_eqns(sub) for sub in jax.extend.core.jaxprs_in_params(e.params)) for e in jaxpr.eqns)
 
 
+@pytest.mark.integration  # a whole model across the mixers
 def test_traced_program_is_smaller_under_scan(tiny_params):
     """The compile-time claim in a CPU-checkable form: the gradient of a 6-layer '1:1' loss traces to
     one scanned (F, E) group, well under half the unrolled program, and lowers to less text (JAX
@@ -157,7 +158,7 @@ def test_traced_program_is_smaller_under_scan(tiny_params):
     assert sizes["scan"][1] < 0.9 * sizes["unrolled"][1], sizes
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_unrolled_checkpoint_restores_and_trains_scanned(tiny_params, tmp_path):
     cfg_u, cfg_s = _cfgs(tiny_params, "sa", "TrainConfig.steps = 5")
     train(cfg_u, tmp_path)  # checkpoint at step 5 (every_steps = 5), written unrolled

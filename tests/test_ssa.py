@@ -47,7 +47,7 @@ def _layer_and_inputs():
     return layer, x, pos
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_chosen_stream_feeds_the_output_and_the_other_only_the_alignment():
     layer, x, pos = _layer_and_inputs()
     graphdef, params = nnx.split(layer)
@@ -71,7 +71,7 @@ def test_chosen_stream_feeds_the_output_and_the_other_only_the_alignment():
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_ssa_trains_and_logs_ce_align_and_stream(tiny_params, tmp_path):
     cfg = load_config(["arch/ssa.gin"], tiny_params + ["full/MixerConfig.options = {'block_size': 4, 'top_k': 2}",
                                                        "TrainConfig.steps = 24", "TrainConfig.log_every = 6"])

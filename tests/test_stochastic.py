@@ -138,7 +138,7 @@ def test_permutations_are_keyed_by_seed_step_layer_and_global_example_id():
 
 # ----------------------------------------------------------------------------- SA against the dense oracle
 
-@pytest.mark.slow
+@pytest.mark.integration
 @pytest.mark.parametrize("window,mode", [(1, "causal"), (4, "causal"), (3 * T, "causal"), (4, "symmetric")])
 def test_sa_mixer_matches_dense_oracle_forward_and_gradients(window, mode):
     """Permute x -> project with RoPE at permuted original positions -> attend -> un-permute equals
@@ -159,7 +159,7 @@ def test_sa_mixer_matches_dense_oracle_forward_and_gradients(window, mode):
     _assert_same(_value_and_grads(sa, m, x, cot), _value_and_grads(oracle, m, x, cot), 2e-5, 1e-4)
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 @pytest.mark.parametrize("mode", ["causal", "symmetric"])
 def test_sa_gradients_reach_exactly_the_visible_keys(mode):
     """d out_i / d v_j != 0 iff j is visible to i; d out_i / d k_j != 0 iff visible and i sees >= 2 keys."""
@@ -188,7 +188,7 @@ def test_sa_gradients_reach_exactly_the_visible_keys(mode):
     assert (~mask[np.tril_indices(t)]).any()  # and misses some causal keys inside it
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_sa_identity_permutation_is_swa_and_full_window_identity_is_causal_attention():
     x, pos, cot = _x(4), _pos(), _x(5)
     ident = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
@@ -223,7 +223,7 @@ def _jit_value_and_grads(f, module, x, cot):
     return run(state, x)
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_sa_symmetric_window_covering_the_sequence_equals_causal_full_attention():
     """The issue's "SA with w >= T equals causal full attention" holds for window_mode='symmetric'
     (|i - j| < w in permuted order, causal by position), for a random permutation: forward and the
@@ -252,7 +252,7 @@ def test_sa_symmetric_identity_permutation_is_swa():
 
 # ----------------------------------------------------------------------------- randomness through the mixer
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_sa_mixer_randomness_is_per_step_layer_and_global_example():
     m = _mixer(StochasticAttention, 4)
     x = _x(7, b=3)
@@ -331,7 +331,7 @@ def test_mean_visible_keys_two_sided_band_matches_all_permutations(w, wr):
 
 @pytest.mark.parametrize("gate,shared,mode", [("head", True, "causal"), ("channel", True, "causal"),
                                               ("head", False, "causal"), ("head", True, "symmetric")])
-@pytest.mark.slow
+@pytest.mark.integration
 def test_sa_swa_matches_manual_gated_combination(gate, shared, mode):
     w = 4
     m = _mixer(GatedSASWA, w, gate=gate, shared_qkv=shared, window_mode=mode)
@@ -418,7 +418,7 @@ def test_options_are_validated(tiny_params):
 
 # ----------------------------------------------------------------------------- training
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_tiny_hybrid_with_sa_and_sa_swa_trains(tiny_params, tmp_path):
     """Both mixers in one tiny hybrid (sa_swa in the full slot, sa in the efficient slot): one compile."""
     cfg = load_config([], tiny_params + ["full/MixerConfig.kind = 'sa_swa'", "full/MixerConfig.window = 8",

@@ -143,7 +143,7 @@ def test_uint32_for_large_vocabularies():
     assert st.dtype_for_vocab(65537) == np.uint32 and st.dtype_for_vocab(73448) == np.uint32
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_a_killed_prepare_resumes_to_the_same_store(tmp_path):
     write_jsonl(tmp_path / "a.jsonl", 20000, max_words=40)
     cmd = [sys.executable, "-m", "hybrid_lm.cli", "data", "prepare", "--source", "text", "--path",
@@ -188,7 +188,7 @@ def test_every_source_kind_prepares(tmp_path):
     assert r.stats["documents"] == 12
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_prepare_memory_does_not_grow_with_the_corpus(tmp_path):
     """Peak RSS of a prepare of 60 MB of JSONL is within 40 MB of that of 6 MB (the old prepare
     held about 11x its input)."""

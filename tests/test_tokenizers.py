@@ -199,6 +199,7 @@ def train_sentencepiece(**kwargs) -> bytes:
     return buf.getvalue()
 
 
+@pytest.mark.integration
 def test_sentencepiece_model_round_trip_and_token_bytes(tmp_path):
     path = tmp_path / "sp.model"
     path.write_bytes(train_sentencepiece())
@@ -220,6 +221,7 @@ def test_sentencepiece_model_round_trip_and_token_bytes(tmp_path):
     assert all(np.array_equal(b, tok.encode(s)) for b, s in zip(tok.encode_batch(SAMPLES), SAMPLES))
 
 
+@pytest.mark.integration
 def test_sentencepiece_without_eos_is_refused(tmp_path):
     path = tmp_path / "noeos.model"
     path.write_bytes(train_sentencepiece(eos_id=-1))

@@ -11,7 +11,7 @@ from hybrid_lm.train.step import ModelFns, StateInit, make_train_step
 from resume_check import final_state  # test tooling in tests/
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_gradient_accumulation_equals_the_large_batch(tiny_params):
     cfg1 = load_config([], tiny_params + ["TrainConfig.global_batch = 8"])
     cfg4 = load_config([], tiny_params + ["TrainConfig.global_batch = 8", "TrainConfig.microbatches = 4"])
@@ -33,7 +33,7 @@ def test_gradient_accumulation_equals_the_large_batch(tiny_params):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-5)  # Adam amplifies fp rounding
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_muon_routes_by_logical_axes_and_trains(tiny_params, tmp_path):
     cfg = load_config([], tiny_params + ["OptimConfig.name = 'muon'", "ModelConfig.tie_embeddings = False",
                                          "TrainConfig.steps = 25", "OptimConfig.lr = 0.01"])
@@ -51,7 +51,7 @@ def test_muon_routes_by_logical_axes_and_trains(tiny_params, tmp_path):
     assert rows[-1]["loss"] < rows[0]["loss"] - 0.5
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 @pytest.mark.parametrize("policy", ["stop", "skip"])
 def test_non_finite_loss_policy(tiny_params, tmp_path, policy):
     cfg = load_config([], tiny_params + ["OptimConfig.lr = 1e30", "OptimConfig.grad_clip = 0.0",
@@ -68,7 +68,7 @@ def test_non_finite_loss_policy(tiny_params, tmp_path, policy):
     assert all(np.all(np.isfinite(v)) for v in state.values() if v.dtype.kind == "f")
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_retention_keeps_newest_and_permanent(tiny_params, tmp_path):
     cfg = load_config([], tiny_params + ["TrainConfig.steps = 24", "CheckpointConfig.every_steps = 2",
                                          "CheckpointConfig.keep = 2", "CheckpointConfig.permanent_every = 10"])
@@ -77,7 +77,7 @@ def test_retention_keeps_newest_and_permanent(tiny_params, tmp_path):
     assert steps == [10, 20, 22, 24], steps
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_remat_gives_the_same_loss_and_gradients(tiny_params):
     losses = []
     for remat in ("none", "full", "dots", "dots_attn"):
@@ -150,7 +150,7 @@ def test_dots_attn_saves_the_sparse_selection():
         assert len(kept) == 1 and "i32[1,64,1,2]" in kept[0], kept
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_profiler_traces_a_window(tiny_params, tmp_path):
     cfg = load_config([], tiny_params + ["TrainConfig.steps = 6", "TrainConfig.profile_start = 2",
                                          "TrainConfig.profile_steps = 2"])
@@ -158,7 +158,7 @@ def test_profiler_traces_a_window(tiny_params, tmp_path):
     assert any((tmp_path / "profile").rglob("*.xplane.pb"))
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_time_interval_saves_temporary_checkpoints(tiny_params, tmp_path):
     cfg = load_config([], tiny_params + ["TrainConfig.steps = 6", "CheckpointConfig.every_steps = 1000",
                                          "CheckpointConfig.interval_minutes = 1e-6", "CheckpointConfig.keep = 10"])
@@ -167,7 +167,7 @@ def test_time_interval_saves_temporary_checkpoints(tiny_params, tmp_path):
     assert steps == [1, 2, 3, 4, 5, 6], steps  # the step cadence alone would save only the final step
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_z_loss_joins_the_objective_but_not_the_logged_loss(tiny_params):
     base = load_config([], tiny_params)
     zl = load_config([], tiny_params + ["OptimConfig.z_loss = 1e-2"])
@@ -182,7 +182,7 @@ def test_z_loss_joins_the_objective_but_not_the_logged_loss(tiny_params):
     assert float(o1) == pytest.approx(float(a1["ce"]) + 1e-2 * float(jax.numpy.mean(lse ** 2)), rel=1e-5)
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
 def test_run_length_is_a_runtime_input_of_the_step(tiny_params, optimizer):
     """One compiled step serves every run length (WSD bounds passed at run time) and equals the
@@ -211,7 +211,7 @@ def test_run_length_is_a_runtime_input_of_the_step(tiny_params, optimizer):
     assert runtime_step._cache_size() == 1  # and one compiled step served both
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_model_on_the_loss_kernel_equals_xla(monkeypatch):
     """ModelFns.loss and its gradients with the chunked loss's softmax pass on the Pallas kernel
     (interpreted on the CPU; what ``auto`` runs on one GPU) equal the XLA pass (fp32, 2 layers,

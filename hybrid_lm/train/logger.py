@@ -82,8 +82,9 @@ class StepLogger:
     step-time window: the first window starts when the train step has compiled (:meth:`compiled`)."""
 
     def __init__(self, cfg: Config, workdir: Path, *, main: bool, start: int, n_devices: int,
-                 every_step: bool = False, stream=None):
+                 every_step: bool = False, stream=None, clock=time.time):
         self.cfg, self.workdir, self.main = cfg, Path(workdir), main
+        self.clock = clock  # seconds; tests inject their own
         self.every_step = every_step  # a mixer asked for its stats every step (ModelFns.step_stats)
         self.tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
         self.train_flops = flops_per_token(cfg.model, cfg.data.seq_len)["train"]
@@ -101,8 +102,8 @@ class StepLogger:
             self.sinks.append(TensorBoardSink(self.workdir / "tb"))
         if main and cfg.train.wandb:
             self.sinks.append(WandbSink(cfg, self.workdir))
-        self._window = (time.time(), start)
-        self._t_compile = time.time()
+        self._window = (self.clock(), start)
+        self._t_compile = self.clock()
         self._title = f"{self.workdir.name}: {count_params(cfg.model)['non_embedding']:,} non-embedding params"
         self.compile_seconds: float | None = None
         self._unplotted = False  # rows written since loss_curve.png was drawn
@@ -120,11 +121,11 @@ class StepLogger:
 
     def compiling(self) -> None:
         self.say("compiling…")
-        self._t_compile = time.time()
+        self._t_compile = self.clock()
 
     def compiled(self, step: int) -> None:
         """The first train step has been dispatched (jit compiles synchronously): start the window."""
-        now = time.time()
+        now = self.clock()
         self.compile_seconds = now - self._t_compile
         self.say(f"compiled in {self.compile_seconds:.1f} s")
         self._window = (now, step)
@@ -150,7 +151,7 @@ class StepLogger:
         due = done % tc.log_every == 0 or done == tc.steps
         if not (due or not finite or halted or self.every_step):
             return
-        now = time.time()
+        now = self.clock()
         t0, s0 = self._window
         step_time = (now - t0) / max(done - s0, 1)
         tps = self.tokens_per_step / max(step_time, 1e-9)

@@ -14,7 +14,6 @@ from hybrid_lm.eval.restore import RestoredRun
 STEPS = 10  # checkpoints at 5 and 10 (TINY: every_steps = 5)
 
 
-pytestmark = pytest.mark.slow  # trains runs or runs subprocesses
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from hybrid_lm.scaling.collect import (arch_label, arch_spec, collect, eval_colu
 from hybrid_lm.scaling.table import read_table
 from hybrid_lm.experiment import config_record, run_id
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "sweeps" / "tiny_cpu.toml"
 
 # a law for synthetic runs: log LongPPL = A / N^alpha + B / D^beta (the no-E form, thunlp's)
@@ -323,7 +323,6 @@ def _cli(args, env, timeout=900):
                           cwd=REPO, env=env, timeout=timeout)
 
 
-@pytest.mark.slow
 def test_tiny_sweep_longppl_collect_fit_and_the_printed_next_steps(tmp_path, tiny_sweep):
     import shutil
 

@@ -19,7 +19,6 @@ from hybrid_lm.train.metrics import read_metrics
 from hybrid_lm.train.optim import wsd_schedule
 from hybrid_lm.train.continued import resolve_init_source
 
-pytestmark = pytest.mark.slow  # every test starts from a trained source run
 
 SOURCE = TINY + ["DataConfig.seq_len = 128", "TrainConfig.steps = 4", "CheckpointConfig.every_steps = 2"]
 # the continued run: 4x the context and another RoPE theta (no parameter changes shape)

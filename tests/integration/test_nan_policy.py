@@ -77,7 +77,6 @@ def _ckpt_steps(workdir):
     return sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
 
 
-@pytest.mark.slow
 def test_an_update_without_a_finite_norm_stops_at_its_own_step(tmp_path, capsys):
     # lr 1e30: step 1's update is finite element-wise but its norm overflows, so the step is not
     # applied and the saved state is the initial one (no parameters at ~1e30)
@@ -108,7 +107,6 @@ def test_the_message_names_the_step_and_what_was_not_finite(tmp_path):
     assert "2 steps skipped in this run" in many and "(step 8)" in many
 
 
-@pytest.mark.slow
 def test_stop_saves_the_state_before_the_bad_step_and_resumes_exactly(tmp_path, monkeypatch, capsys, xla_optimized):
     # xla_optimized: the stopped run's step program wraps the straight run's (the fault injection); under
     # the suite's unoptimised CPU compiles the two programs' losses differ in the last bits
@@ -136,7 +134,6 @@ def test_stop_saves_the_state_before_the_bad_step_and_resumes_exactly(tmp_path, 
     assert cmp["steps"] == 8 and cmp["loss_equal"] and cmp["state_equal"], cmp
 
 
-@pytest.mark.slow
 def test_skip_stops_after_max_consecutive_skips(tmp_path, monkeypatch, capsys):
     params = TINY + ["TrainConfig.steps = 8", "TrainConfig.nan_policy = 'skip'", "TrainConfig.max_consecutive_skips = 3",
                      "CheckpointConfig.every_steps = 2"]
@@ -170,7 +167,6 @@ def final_state_at(workdir, step):
     return {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(restored.state)}
 
 
-@pytest.mark.slow
 def test_skipped_steps_are_counted_in_the_summary_across_a_resume(tmp_path, monkeypatch, capsys):
     params = TINY + ["TrainConfig.nan_policy = 'skip'", "TrainConfig.max_consecutive_skips = 2"]
     _inject(monkeypatch, {2: "loss", 4: "grad", 6: "loss"})
@@ -184,7 +180,6 @@ def test_skipped_steps_are_counted_in_the_summary_across_a_resume(tmp_path, monk
     assert [s for s, r in rows.items() if r["skipped"]] == [2, 4, 6] and rows[7]["skipped_total"] == 3
 
 
-@pytest.mark.slow
 def test_an_exploding_learning_rate_stops_with_a_finite_last_good_state(tmp_path, capsys):
     # step 1 moves the parameters to ~1e15 (finite, with a finite update norm); step 2's loss overflows
     params = TINY + ["OptimConfig.lr = 1e15", "OptimConfig.warmup_steps = 1", "TrainConfig.steps = 6"]
@@ -210,7 +205,6 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-@pytest.mark.slow
 def test_a_sigterm_after_the_last_step_lets_the_run_finish(tmp_path):
     args = [sys.executable, "-c", SIGTERM_IN_THE_EPILOGUE, "train", "base.gin", "--workdir", str(tmp_path)]
     for p in TINY + ["TrainConfig.steps = 4", "CheckpointConfig.async_save = True", "CheckpointConfig.every_steps = 2"]:
@@ -225,7 +219,6 @@ def test_a_sigterm_after_the_last_step_lets_the_run_finish(tmp_path):
     assert summary["status"] == "finished" and summary["step"] == 4
 
 
-@pytest.mark.slow
 def test_the_device_guard_costs_no_memory():
     """The halting guard holds the state through train/step.py's own non-finite select: the compiled
     step needs no more temporary memory than the bare step (a second select over the state would add

@@ -10,7 +10,6 @@ from hybrid_lm.cli import main
 from hybrid_lm.experiment import config_record
 from resume_check import make_unwritable
 
-pytestmark = pytest.mark.slow  # trains a run
 
 
 @pytest.fixture(scope="module")

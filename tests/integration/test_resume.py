@@ -21,7 +21,6 @@ def straight(tmp_path_factory):
     return gin, d
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("sig,kill_at", [(signal.SIGKILL, 8), (signal.SIGTERM, 11)])
 def test_killed_and_resumed_run_is_bitwise_equal(straight, sig, kill_at):
     gin, d = straight

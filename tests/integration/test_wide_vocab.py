@@ -27,7 +27,6 @@ def pseudo_word_corpus(path, n_words=120_000, n_docs=700, seed=0):
             f.write(json.dumps({"text": " ".join(rng.choice(words, 400))}) + "\n")
 
 
-@pytest.mark.slow
 def test_s5_vocabulary_prepares_a_uint32_store_and_trains(tmp_path, capsys):
     corpus = tmp_path / "words.jsonl"
     pseudo_word_corpus(corpus)

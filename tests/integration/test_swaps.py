@@ -29,7 +29,6 @@ from hybrid_lm.ops.attention import causal_attention, windowed_attention
 from hybrid_lm.ops.sink_attention import dense_sink_attention, mean_keys_per_query, sink_attention, sink_mask
 
 
-pytestmark = pytest.mark.slow  # trains runs or runs subprocesses
 
 
 def _qkv(seed, B, T, H, K, D, Dv=None):
@@ -313,7 +312,6 @@ def test_cli_generate(trained, capsys):
     assert main(["generate", str(wd / "nowhere"), "--prompt", "x"]) == 2
 
 
-@pytest.mark.slow
 def test_longppl_on_the_trained_run(trained, capsys):
     """Thresholds that make every token past K key turn LongPPL into the perplexity of those tokens
     (checked against the model's own forward pass); a fixed evaluator marks keys that score the

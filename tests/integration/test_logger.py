@@ -90,7 +90,6 @@ def test_wandb_sink_offline(tiny_params, tmp_path, monkeypatch):
     assert len(read_metrics(tmp_path / "metrics.jsonl")) == 2  # the JSONL stays the record
 
 
-@pytest.mark.slow
 def test_startup_summary_compile_time_and_first_row_speed(tiny_params, tmp_path, capsys):
     cfg = load_config([], tiny_params + ["TrainConfig.steps = 4", "TrainConfig.log_every = 2",
                                          "TrainConfig.progress = True"])
@@ -101,10 +100,8 @@ def test_startup_summary_compile_time_and_first_row_speed(tiny_params, tmp_path,
     assert out.index("mesh ") < out.index("compiling…") < out.index("compiled in") < out.index("step 2/4")
     assert "\r" not in out  # captured stdout is not a TTY: plain lines
     rows = read_metrics(tmp_path / "metrics.jsonl", "train")
-    assert res.compile_seconds and res.compile_seconds > 0
-    # the first window (steps 1-2) starts after the compile: its step time is far below the compile's
-    assert 0 < rows[0]["step_time"] < res.compile_seconds / 2
-    assert (tmp_path / "loss_curve.png").exists()
+    assert res.compile_seconds and res.compile_seconds > 0 and rows[0]["step_time"] > 0
+    assert (tmp_path / "loss_curve.png").exists()  # the window's arithmetic: tests/test_step_window.py
 
 
 def test_order0_comparison_is_honest_about_worse_than_unigram():

@@ -14,7 +14,7 @@ import pytest
 
 from conftest import TINY
 
-TESTS = str(Path(__file__).resolve().parent)  # the subprocesses import resume_check from here
+TESTS = str(Path(__file__).resolve().parents[1])  # the subprocesses import resume_check from here
 PARAMS = TINY + ["TrainConfig.steps = 4", "TrainConfig.log_every = 1", "TrainConfig.global_batch = 8",
                  "ModelConfig.tie_embeddings = False", "ModelConfig.n_heads = 4", "ModelConfig.n_kv_heads = 2"]
 
@@ -82,7 +82,6 @@ def _result(out):
     return json.loads(line[len("RESULT "):])
 
 
-@pytest.mark.slow
 def test_data_fsdp_tensor_parallel_match_one_device_and_restore_across_topologies(tmp_path):
     out = subprocess.run([sys.executable, "-c", MESHES_SCRIPT, json.dumps(PARAMS), str(tmp_path), TESTS],
                          env=_env(8), capture_output=True, text=True, timeout=900)
@@ -122,7 +121,6 @@ def _free_port():
         return s.getsockname()[1]
 
 
-@pytest.mark.slow
 def test_two_processes_train_together_like_one(tmp_path):
     one = _result(subprocess.run([sys.executable, "-c", PROCESS_SCRIPT, json.dumps(PARAMS), str(tmp_path / "one")],
                                  env=_env(2), capture_output=True, text=True, timeout=600))

@@ -18,7 +18,6 @@ def _cfg(tiny_params, *extra):
     return load_config([], tiny_params + list(extra))
 
 
-@pytest.mark.slow
 def test_loss_decreases_and_run_dir_is_complete(tiny_params, tmp_path):
     cfg = _cfg(tiny_params, "TrainConfig.steps = 40", "TrainConfig.log_every = 5", "TrainConfig.eval_every = 20")
     res = train(cfg, tmp_path)
@@ -38,7 +37,6 @@ def test_loss_decreases_and_run_dir_is_complete(tiny_params, tmp_path):
     assert res.step == 40 and res.final_eval["step"] == 40
 
 
-@pytest.mark.slow
 def test_resume_continues_and_a_finished_run_ends_at_once(tiny_params, tmp_path):
     cfg = _cfg(tiny_params, "TrainConfig.steps = 10")
     train(cfg, tmp_path)
@@ -69,7 +67,6 @@ def _stop_after(steps: int):
         PreemptionFlag.requested = orig
 
 
-@pytest.mark.slow
 def test_save_restore_round_trip_and_a_stopped_run_resume_bitwise(tiny_params, tmp_path):
     cfg = _cfg(tiny_params, "TrainConfig.steps = 7")
     train(cfg, tmp_path)
@@ -106,7 +103,6 @@ def test_save_restore_round_trip_and_a_stopped_run_resume_bitwise(tiny_params, t
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-@pytest.mark.slow
 def test_corrupt_latest_checkpoint_falls_back(tiny_params, tmp_path, caplog):
     cfg = _cfg(tiny_params, "TrainConfig.steps = 10")
     train(cfg, tmp_path)

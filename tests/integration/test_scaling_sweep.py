@@ -25,7 +25,7 @@ from hybrid_lm.scaling.sweep import (
     spec_from_dict,
 )
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "sweeps" / "tiny_cpu.toml"
 RETHINKING = REPO / "configs" / "sweeps" / "rethinking.toml"
 RELEASED_N = {"S1": 14_999_424, "S2": 31_470_080, "S3": 64_901_760, "S4": 104_427_264}
@@ -70,7 +70,6 @@ def test_expansion_is_deterministic_and_budgets_are_exact():
         L.select_jobs(a.jobs, "nothing-like-this")
 
 
-@pytest.mark.slow
 def test_rethinking_dry_run_numbers():
     plan = expand(load_spec(RETHINKING), root="/tmp/rethinking")
     jobs = plan.jobs
@@ -114,7 +113,6 @@ def test_dry_run_cli():
         assert j.name in r.stdout
 
 
-@pytest.mark.slow
 def test_parameter_matching_equalises_N():
     raw = _spec_dict(RETHINKING)
     raw["scales"] = {k: raw["scales"][k] for k in ("S1", "S2")}
@@ -374,7 +372,6 @@ def _snapshot(root: Path) -> dict:
     return {str(p): p.stat().st_mtime_ns for p in root.rglob("*") if p.is_file() and "slurm" not in p.parts}
 
 
-@pytest.mark.slow
 def test_tiny_sweep_end_to_end(tmp_path, tiny_sweep):
     import shutil
 
