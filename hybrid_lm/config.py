@@ -23,6 +23,7 @@ resume is allowed; other experiment-defining changes need ``--force``.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import hashlib
 import json
 import logging
@@ -277,13 +278,30 @@ def expand_pattern(pattern: str, n_layers: int) -> list[str]:
             raise ConfigError(f"layer_pattern {pattern!r}: a ratio must look like '1:1' or '1:3'") from None
         if a < 0 or b < 0 or a + b == 0:
             raise ConfigError(f"layer_pattern {pattern!r}: ratio parts must be >= 0 and not both 0")
+        if n_layers % (a + b):
+            raise ConfigError(
+                f"layer_pattern {pattern!r}: a ratio a:b repeats a group of a full then b efficient layers, and "
+                f"a + b = {a + b} does not divide n_layers={n_layers}; ratios that fit {n_layers} layers: "
+                f"{', '.join(repr(r) for r in _ratios_for(n_layers)) or 'none (use a tiled string)'}")
         p = "F" * a + "E" * b
     if not p or set(p) - {"F", "E"}:
         raise ConfigError(f"layer_pattern {pattern!r}: use letters F (full) and E (efficient), or a ratio 'a:b'")
     if n_layers % len(p):
         raise ConfigError(
-            f"layer_pattern {pattern!r} has length {len(p)}, which does not divide n_layers={n_layers}")
+            f"layer_pattern {pattern!r} has length {len(p)}, which does not divide n_layers={n_layers}: a tiled "
+            f"string's length must divide n_layers (or give a ratio such as "
+            f"{' or '.join(repr(r) for r in _ratios_for(n_layers)[:2]) or '1:1'})")
     return list(p * (n_layers // len(p)))
+
+
+def _ratios_for(n_layers: int, most: int = 6) -> list[str]:
+    """Ratios 'a:b' (a, b >= 1, in lowest terms) whose group of a + b layers divides ``n_layers``, fewest
+    layers per group first."""
+    import math
+
+    out = [f"{a}:{n - a}" for n in range(2, n_layers + 1) if n_layers % n == 0
+           for a in range(1, n) if math.gcd(a, n - a) == 1]
+    return out[:most]
 
 
 # ----------------------------------------------------------------------------- gin loading
@@ -308,12 +326,84 @@ def parse_config(gin_files: list[str] | tuple[str, ...] = (), gin_params: list[s
     try:
         gin.parse_config_files_and_bindings(files, list(gin_params), finalize_config=False)
     except (ValueError, ImportError, SyntaxError, OSError, tokenize.TokenError) as e:
-        raise ConfigError(f"bad gin binding: {_gin_error(e)}") from None
+        raise _binding_error(e, list(gin_params)) from None
     finally:
         root.setLevel(level)
     return Config(model=ModelConfig(full=_slot_mixer("full"), efficient=_slot_mixer("efficient")),
                   data=DataConfig(), optim=OptimConfig(), train=TrainConfig(), checkpoint=CheckpointConfig(),
                   mesh=MeshConfig())
+
+
+_NO_PARAMETER = re.compile(r"Configurable '([\w.]+)' doesn't have a parameter named '(\w+)'")
+_NO_CONFIGURABLE = re.compile(r"No configurable matching '([\w./]+)'")
+_GIN_WHERE = re.compile(r'In (?:bindings string line (\d+)|file "(.*?)", line (\d+))\s*(.*)$')
+
+
+def _did_you_mean(word: str, choices) -> str | None:
+    """The choice closest to ``word`` (case aside), or None when none is close (difflib's 0.6 ratio)."""
+    by_lower = {c.lower(): c for c in choices}
+    close = difflib.get_close_matches(word.lower(), list(by_lower), n=1, cutoff=0.6)
+    return by_lower[close[0]] if close else None
+
+
+def _binding_index(bindings: list[str], line: int) -> int | None:
+    """The index in ``bindings`` of line ``line`` (1-based) of gin's bindings string (the bindings joined by
+    newlines)."""
+    end = 0
+    for i, b in enumerate(bindings):
+        end += b.count("\n") + 1
+        if line <= end:
+            return i
+    return None
+
+
+def _unknown_name(text: str) -> str | None:
+    """A misspelt field or configurable in gin's message, said with the closest name ("did you mean")
+    or the names there are."""
+    m = _NO_PARAMETER.search(text)
+    if m:
+        cls = {c.__name__: c for c in _CONFIGURABLES}.get(m.group(1).split(".")[-1])
+        if cls is None:
+            return None
+        names = [f.name for f in dataclasses.fields(cls)]
+        near = _did_you_mean(m.group(2), names)
+        return (f"{cls.__name__} has no field {m.group(2)!r}; "
+                + (f"did you mean {near!r}?" if near else f"its fields: {', '.join(names)}"))
+    m = _NO_CONFIGURABLE.search(text)
+    if m:
+        names = [c.__name__ for c in _CONFIGURABLES]
+        near = _did_you_mean(m.group(1).split("/")[-1], names)
+        return (f"no configurable named {m.group(1)!r}; "
+                + (f"did you mean {near!r}?" if near else f"the configurables: {', '.join(names)}"))
+    return None
+
+
+def _binding_error(e: Exception, bindings: list[str]) -> ConfigError:
+    """gin's parse error as one line. A misspelt name gets "did you mean"; the error carries
+    ``binding`` (the index in ``bindings`` of the binding at fault, None when a gin file holds it),
+    ``binding_text`` and ``reason`` (the message without the binding), so that a caller that merged
+    bindings from several places (a sweep spec) can name where the bad one came from."""
+    text = " ".join(str(e).split())
+    where = _GIN_WHERE.search(text)
+    unknown = _unknown_name(text)
+    index = None
+    if where and where.group(1):
+        index = _binding_index(bindings, int(where.group(1)))
+    elif isinstance(e, SyntaxError) and not getattr(e, "filename", None) and getattr(e, "lineno", None):
+        index = _binding_index(bindings, int(e.lineno))
+    if unknown and where:
+        binding = where.group(4).strip()
+        place = f"binding {index + 1}" if index is not None else f"{where.group(2)}, line {where.group(3)}"
+        err = ConfigError(f"bad gin binding {binding!r} ({place}): {unknown}")
+        err.reason, err.binding_text = unknown, binding
+    else:
+        said = _gin_error(e)
+        err = ConfigError(f"bad gin binding: {said}")
+        if index is not None:  # the binding is named by the caller: drop gin's quote of it and its line
+            said = re.sub(r"\s*\(line \d+\)$", "", re.sub(r"^'.*?' \(line \d+\): ", "", said))
+        err.reason, err.binding_text = said, (bindings[index] if index is not None else None)
+    err.binding = index
+    return err
 
 
 def _gin_error(e: Exception) -> str:

@@ -17,8 +17,8 @@ def test_expand_pattern(pattern, n, expected):
 
 
 @pytest.mark.parametrize("params,match", [
-    (["ModelConfig.no_such_field = 3"], "doesn't have a parameter named 'no_such_field'"),
-    (["NoSuchConfig.x = 3"], "No configurable matching 'NoSuchConfig'"),
+    (["ModelConfig.no_such_field = 3"], "ModelConfig has no field 'no_such_field'"),
+    (["NoSuchConfig.x = 3"], "no configurable named 'NoSuchConfig'"),
     (["efficient/MixerConfig.window = 0"], "window must be >= 1"),
     (["full/MixerConfig.window = -4"], "window must be >= 1"),
     (["ModelConfig.d_model = 100", "ModelConfig.n_heads = 3"], "does not divide d_model"),

@@ -327,6 +327,8 @@ def expand(spec: Spec, root: str | Path | None = None, extra_params: list[str] |
             cfg = load_config(files, params)
             counts = count_params(cfg.model)  # builds the abstract model: mixers check their sizes here
         except ConfigError as e:
+            if getattr(e, "binding", None) is not None:
+                raise SweepError(_binding_place(spec, s, a, len(extra), e)) from None
             raise SweepError(f"sweep {spec.name}: scale {s!r} x arch {a!r}: {e}") from None
         resolved[(s, a)] = {"files": files, "params": params, "cfg": cfg, "counts": counts}
 
@@ -417,6 +419,19 @@ def expand(spec: Spec, root: str | Path | None = None, extra_params: list[str] |
     plan = Plan(spec=spec, root=root, jobs=jobs, extra_params=extra, summary={})
     plan.summary = summarize(plan)
     return plan
+
+
+def _binding_place(spec: Spec, scale: str, arch: str, n_extra: int, e: ConfigError) -> str:
+    """A bad binding named by where it was written: the spec file and its key (``params``,
+    ``scales.<s>.params``, ``archs.<a>.params``), or ``--gin_param``, in the order expand merges them."""
+    keys = ([("params", i) for i in range(len(spec.params))]
+            + [(f"scales.{scale}.params", i) for i in range(len(spec.scales[scale]["params"]))]
+            + [(f"archs.{arch}.params", i) for i in range(len(spec.archs[arch]["params"]))]
+            + [("--gin_param", i) for i in range(n_extra)])
+    key, i = keys[e.binding]
+    where = (f"--gin_param {e.binding_text!r}" if key == "--gin_param"
+             else f"{spec.path or 'the spec'}, {key}, item {i + 1} {e.binding_text!r}")
+    return f"sweep {spec.name}: {where}: {e.reason}"
 
 
 def _config_id(files, params) -> str:

@@ -122,7 +122,7 @@ def check_run_length(workdir: Path, old_steps: int | None, cfg: Config) -> None:
     if at > steps:
         raise WorkdirError(f"{workdir} has trained to step {at} (its newest checkpoint), past TrainConfig.steps={steps}: "
                            f"its record would say {steps}. Evaluate an earlier step with `hybrid-lm eval {workdir} "
-                           "@STEP`, or train in another --workdir")
+                           "--step STEP`, or train in another --workdir")
     if old_steps and at >= 1 and steps > old_steps:
         last = float(wsd_schedule(cfg.optim, old_steps)(at - 1))  # the LR of the last trained step
         nxt = float(wsd_schedule(cfg.optim, steps)(at))
