@@ -31,7 +31,8 @@ def cmd_prepare(args) -> int:
     print("\n".join(format_stats(res.stats)))
     source = "embedded" if spec.kind == "embedded" else "tokens"
     print(f"\ntrain on it with:  --gin_param \"DataConfig.source='{source}'\" --gin_param \"DataConfig.path='{out}'\""
-          f" --gin_param \"DataConfig.tokenizer='{args.tokenizer}'\"")
+          f" --gin_param \"DataConfig.tokenizer='{args.tokenizer}'\""
+          f" --gin_param \"ModelConfig.vocab_size={res.stats['tokenizer']['vocab_size']}\"")
     return 0
 
 

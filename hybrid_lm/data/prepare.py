@@ -172,13 +172,15 @@ class _Builder:
     def _new_writer(self, split: str) -> _ShardWriter:
         return _ShardWriter(self.tmp, split, len(self.shards[split]), self.dtype)
 
-    def checkpoint(self) -> None:
-        """Close the open shards of both splits and record the resume point."""
+    def checkpoint(self, last: bool = False) -> None:
+        """Close the open shards of both splits and record the resume point; unless ``last``, open the
+        next shards (the last checkpoint opens none, so no empty shard file is left behind)."""
         for s in st.SPLITS:
             rec = self.writers[s].close()
             if rec:
                 self.shards[s].append(rec)
-            self.writers[s] = self._new_writer(s)
+            if not last:
+                self.writers[s] = self._new_writer(s)
         atomic_write_json(self.tmp / "progress.json", {
             "settings_hash": self.settings_hash, "docs_consumed": self.docs_consumed,
             "no_tokens": self.no_tokens, "shards": self.shards})
@@ -236,7 +238,11 @@ def prepare(source_spec, out: str | Path, settings: PrepareSettings = PrepareSet
     lock_dir = out.parent / f".{out.name}.lock"
     try:
         lock = WorkdirLock(lock_dir).acquire()
+    except OSError as e:
+        raise _unwritable(out, e) from None
     except WorkdirError as e:
+        if isinstance(e.__cause__, OSError):  # the lock beside --out cannot be written: --out cannot either
+            raise _unwritable(out, e.__cause__) from None
         raise DataError(f"another `data prepare` is writing {out}: {e}") from None
     try:
         return _prepare(source_spec, out, settings, workers=workers, overwrite=overwrite, progress=progress)
@@ -244,6 +250,12 @@ def prepare(source_spec, out: str | Path, settings: PrepareSettings = PrepareSet
         lock.release()
         with contextlib.suppress(OSError):
             lock_dir.rmdir()
+
+
+def _unwritable(out: Path, e: OSError) -> DataError:
+    """--out cannot be written: the path given and the cause, not the hidden lock or partial dir beside it."""
+    return DataError(f"cannot write --out {out}: {e.strerror or type(e).__name__} (in {out.parent}); choose "
+                     "another --out")
 
 
 def _prepare(source_spec, out: Path, settings: PrepareSettings, *, workers: int, overwrite: bool,
@@ -299,7 +311,7 @@ def _prepare(source_spec, out: Path, settings: PrepareSettings, *, workers: int,
             bar.set_postfix(tokens=f"{tokens:,}")
     bar.close()
     _place_held(b, pending, settings.val_every, sep)
-    b.checkpoint()
+    b.checkpoint(last=True)
     n_docs = sum(r["documents"] for recs in b.shards.values() for r in recs)
     if not n_docs:
         raise DataError(f"the source yielded no usable documents ({_skip_summary(source.stats, b.no_tokens)}); "

@@ -38,16 +38,16 @@ def write_stats(store: st.TokenStore, tok, source_stats, no_tokens: int, seconds
     vocab = int(store.tokenizer["vocab_size"])
     token_bytes = np.asarray(tok.token_bytes, dtype=np.int64)
     splits, all_lengths = {}, []
-    for name in st.SPLITS:
-        view = store.split(name)
-        recs = store.manifest["splits"][name]["shards"]
+    for split in st.SPLITS:
+        view = store.split(split)
+        recs = store.manifest["splits"][split]["shards"]
         text_bytes = sum(r["text_bytes"] for r in recs)
         lengths = view.doc_lengths
         all_lengths.append(lengths)
         counts = _split_counts(view, vocab)
         h0 = _entropy(counts)
         decoded_bytes = int(counts @ token_bytes[: counts.size])
-        splits[name] = {
+        splits[split] = {
             "documents": view.n_docs, "tokens": view.n_tokens, "text_bytes": text_bytes,
             "bytes_per_token": text_bytes / max(view.n_tokens, 1),
             "order0_entropy_bits_per_token": h0,
