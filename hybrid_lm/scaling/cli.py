@@ -150,22 +150,8 @@ def cmd_fit(args) -> int:
         print(f"{doc['undecayed_rows_used']} rows from before a WSD decay (never decayed) are in the fit, as "
               f"--rows {args.rows} asks; they bias L(N, D) upwards")
     print(f"\n{form} fit of log({args.metric}); {args.bootstrap} bootstrap resamples; results in {out}/fit.json")
-    print(f"{'arch':<16}{'pts':>5}{'E':>10}{'A':>11}{'B':>11}{'alpha':>14}{'beta':>14}{'a=N* exp':>10}"
-          f"{'hold-out RMSE':>15}")
-
-    def pm(ci, name):
-        c = ci.get(name)
-        return f"±{c['se']:.3f}" if c else ""
-
-    for a, e in doc["fits"].items():
-        p, ci = e["params"], (e.get("ci") or {}).get("params", {})
-        ho = e["holdout"]
-        hr = f"{ho['holdout']['rmse_log']:.4f}" if "holdout" in ho else "skipped"
-        E = "–" if p["E"] is None else f"{p['E']:.4g}"
-        co = e["compute_optimal"]
-        print(f"{a:<16}{e['n_points']:>5}{E:>10}{p['A']:>11.4g}{p['B']:>11.4g}"
-              f"{p['alpha']:>8.4f}{pm(ci, 'alpha'):>6}{p['beta']:>8.4f}{pm(ci, 'beta'):>6}"
-              f"{co.get('N_opt_exponent', float('nan')):>10.3f}{hr:>15}")
+    for line in fit_table_lines(doc["fits"]):
+        print(line)
     for a, e in doc["fits"].items():
         g = e["guardrails"]
         if g["reasons"]:
@@ -175,6 +161,27 @@ def cmd_fit(args) -> int:
         for w in g["warnings"]:
             print(f"{a}: warning: {w}")
     return 0
+
+
+def fit_table_lines(fits: dict) -> list[str]:
+    """The fits as a table whose columns are as wide as their widest cell and two spaces apart, so that
+    no two values run together whatever their size or sign (alpha and beta with their bootstrap SE)."""
+    def pm(value, ci, name):
+        c = ci.get(name)
+        return f"{value:.4f}" + (f" ±{c['se']:.3g}" if c else "")
+
+    head = ["arch", "pts", "E", "A", "B", "alpha", "beta", "a=N* exp", "hold-out RMSE"]
+    rows = []
+    for a, e in fits.items():
+        p, ci = e["params"], (e.get("ci") or {}).get("params", {})
+        ho = e["holdout"]
+        rows.append([a, str(e["n_points"]), "–" if p["E"] is None else f"{p['E']:.4g}", f"{p['A']:.4g}",
+                     f"{p['B']:.4g}", pm(p["alpha"], ci, "alpha"), pm(p["beta"], ci, "beta"),
+                     f"{e['compute_optimal'].get('N_opt_exponent', float('nan')):.3f}",
+                     f"{ho['holdout']['rmse_log']:.4f}" if "holdout" in ho else "skipped"])
+    widths = [max(len(r[i]) for r in [head] + rows) for i in range(len(head))]
+    return ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+            for r in [head] + rows]
 
 
 def cmd_report(args) -> int:
