@@ -546,11 +546,8 @@ def bootstrap(obj: HuberLogObjective, point: PointFit, clusters, lo, hi, n_boot:
                 fout[sl][better] = f[better]
                 conv_all[sl][better] = conv[better]
             bar.update(len(Wc))
-    # resamples that cannot determine the parameters: fewer distinct (N, D) points drawn than free ones
-    _, point_id = np.unique(np.stack([obj.lnN, obj.lnD], 1), axis=0, return_inverse=True)
-    drawn = W @ np.eye(point_id.max() + 1)[point_id.ravel()]  # [n_boot, distinct points]: draws of each
     n_free = int(np.sum(~(np.isfinite(lo) & np.isfinite(hi) & (lo == hi))))
-    n_unidentified = int(np.sum((drawn > 0).sum(1) < n_free))
+    n_unidentified = unidentified_resamples(W, obj.lnN, obj.lnD, n_free)
     fallback = np.nonzero(~conv_all)[0]
     for i in fallback:
         r = minimize(obj.scipy_fun(W[i]), out[i], jac=True, method="L-BFGS-B", bounds=bounds,
@@ -560,6 +557,15 @@ def bootstrap(obj: HuberLogObjective, point: PointFit, clusters, lo, hi, n_boot:
     return {"theta": out, "objective": fout, "n_fallback": int(len(fallback)), "n_unidentified": n_unidentified,
             "seed": seed,
             "n_clusters": int(len(np.unique(clusters))), "n_boot": n_boot}
+
+
+def unidentified_resamples(W: np.ndarray, N, D, n_free: int) -> int:
+    """Resamples (rows of the weights ``W``) that cannot determine the parameters: they draw fewer
+    distinct (N, D) points than the ``n_free`` free parameters."""
+    _, point_id = np.unique(np.stack([np.asarray(N, np.float64), np.asarray(D, np.float64)], 1), axis=0,
+                            return_inverse=True)
+    drawn = W @ np.eye(point_id.max() + 1)[point_id.ravel()]  # [n_boot, distinct points]: draws of each
+    return int(np.sum((drawn > 0).sum(1) < n_free))
 
 
 def summarize_samples(samples: dict[str, np.ndarray], level: float = 0.95) -> dict:
@@ -677,9 +683,7 @@ def check_fit(form: Form, params: dict, at_bound: list[str], y, lo, hi, ci: dict
         p = ci["params"]
         n = ci["n_boot"]
         if n_unidentified > MAX_UNIDENTIFIED * n:
-            reasons.append(f"{n_unidentified} of {n} bootstrap resamples ({n_unidentified / n:.0%}) drew fewer "
-                           f"distinct (N, D) points than the {len(free)} free parameters (only {ci['n_clusters']} "
-                           "runs to resample): the CIs are not meaningful")
+            reasons.append(_unidentified_reason(n_unidentified, n, len(free), ci["n_clusters"]))
         for name, internal in (("E", "e"), ("A", "a"), ("B", "b"), ("alpha", "alpha"), ("beta", "beta")):
             c = p.get(name)
             if internal not in free or not c:
@@ -694,6 +698,40 @@ def check_fit(form: Form, params: dict, at_bound: list[str], y, lo, hi, ci: dict
                 reasons.append(f"the 95% CI of {name} [{c['lo']:.3g}, {c['hi']:.3g}] is wider than "
                                f"{CI_MAX_EXPONENT_WIDTH:g}")
     return reasons
+
+
+def _unidentified_reason(k: int, n: int, n_free: int, n_runs: int) -> str:
+    return (f"{k} of {n} bootstrap resamples ({k / n:.0%}) drew fewer distinct (N, D) points than the {n_free} "
+            f"free parameters (only {n_runs} runs to resample): the CIs are not meaningful")
+
+
+def design_verdict(N, D, clusters, form: str, n_boot: int = 1000, seed: int = 0) -> list[str] | None:
+    """What ``fit`` (no bounds, ``n_boot`` resamples with ``seed``: its defaults) will say of a design
+    before any loss is known: None if it refuses ``form`` on these points, else the reasons it will mark
+    the fit not valid whatever the losses (empty: none). The laws it fits can add reasons of their own."""
+    f = get_form(form)
+    N, D = np.asarray(N, np.float64), np.asarray(D, np.float64)
+    lo, hi, _ = parse_bounds(None, f)
+    try:
+        reasons, _ = check_design(N, D, f, lo, hi)
+    except FitError:
+        return None
+    if n_boot and n_boot > 1:
+        n_free = len(free_parameters(f, lo, hi))
+        k = unidentified_resamples(cluster_weights(np.asarray(clusters), n_boot, seed), N, D, n_free)
+        if k > MAX_UNIDENTIFIED * n_boot:
+            reasons.append(_unidentified_reason(k, n_boot, n_free, len(np.unique(clusters))))
+    return reasons
+
+
+def runs_for_bootstrap(form: str, n_boot: int = 1000, seed: int = 0) -> int:
+    """The fewest runs, each at its own (N, D), whose run bootstrap ``fit`` does not flag for ``form``."""
+    n_free = len(get_form(form).theta)
+    n = n_free + 1
+    while unidentified_resamples(cluster_weights(np.arange(n), n_boot, seed), np.arange(n), np.ones(n),
+                                 n_free) > MAX_UNIDENTIFIED * n_boot:
+        n += 1
+    return n
 
 
 def at_bounds(form: Form, theta, lo, hi) -> list[str]:

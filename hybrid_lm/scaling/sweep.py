@@ -603,26 +603,56 @@ def format_passes(jobs: list) -> list[str]:
 
 def next_steps(plan: Plan, jobs: list | None = None) -> list[str]:
     """The commands that turn the finished ``jobs`` (default: the plan's) into a table, fits and a
-    report, with the fit form the design can identify: with-E (5 parameters) needs more than 5
-    distinct (N, D) points per arch, no-E (4) at least 4 (with exactly 4 no degree of freedom is
-    left, and ``fit`` marks it not valid). Returns shell lines; a line starting with '#' explains instead of running."""
-    from hybrid_lm.scaling.fit import FORMS
+    report, with a fit form the design can identify, judged as ``fit`` will judge it before seeing a loss
+    (:func:`hybrid_lm.scaling.fit.design_verdict`): with-E (5 parameters) where the design leaves it a
+    degree of freedom and a run bootstrap that determines it (about 9 runs at distinct (N, D)), else no-E
+    (4; about 7 runs), else no-E without the bootstrap (``--bootstrap 0``: too few runs to resample, no
+    CIs); with exactly 4 points no-E is fitted but marked not valid. Returns shell lines; a line starting
+    with '#' explains instead of running."""
+    from hybrid_lm.scaling.fit import FORMS, design_verdict, runs_for_bootstrap
 
     root = plan.root
     jobs = [j for j in (jobs if jobs is not None else plan.jobs) if j.kind != "stable"]
-    points: dict[str, set] = {}
+    by_arch: dict[str, list] = {}
     for j in jobs:
-        points.setdefault(j.arch, set()).add((j.N, j.D))
-    fewest = min((len(p) for p in points.values()), default=0)
+        by_arch.setdefault(j.arch, []).append(j)
+
+    def verdict(form: str, n_boot: int = 1000) -> list[str] | None:
+        """fit's design reasons over every arch (None: some arch cannot be fitted in this form)."""
+        out: list[str] = []
+        for js in by_arch.values():
+            v = design_verdict([j.N for j in js], [j.D for j in js], [j.name for j in js], form, n_boot=n_boot)
+            if v is None:
+                return None
+            out += [r for r in v if r not in out]
+        return out
+
+    fewest = min((len({(j.N, j.D) for j in js}) for js in by_arch.values()), default=0)
+    runs = min((len(js) for js in by_arch.values()), default=0)
     lines = [f"hybrid-lm collect {root}"]
     with_e, no_e = len(FORMS["with-E"].theta), len(FORMS["no-E"].theta)
-    if fewest > with_e:
+    v_with, v_no = (verdict("with-E"), verdict("no-E")) if by_arch else (None, None)
+    if v_with == []:
         form = ""
-    elif fewest >= no_e:
+    elif v_no == []:
+        form = " --form no-E"
+        why = v_with[0] if v_with else f"too few for its {with_e} parameters"
+        lines.append(f"# {fewest} distinct (N, D) points from {runs} runs per arch: with-E would not be valid "
+                     f"({why}), so no-E")
+    elif v_no is not None and verdict("no-E", n_boot=0) == []:
+        form = " --form no-E --bootstrap 0"
+        lines.append(f"# no-E without a bootstrap (no CIs): a bootstrap over {runs} runs per arch marks every form not "
+                     f"valid ({v_no[0]}). About {runs_for_bootstrap('no-E')} runs per arch at distinct (N, D) give "
+                     f"no-E CIs, {runs_for_bootstrap('with-E')} with-E")
+    elif v_no is not None:
         form = " --form no-E"
         lines.append(f"# {fewest} distinct (N, D) points per arch: too few for with-E ({with_e} parameters), so no-E"
                      + ("; with exactly 4 no degree of freedom is left and the fit is marked not valid"
                         if fewest == no_e else ""))
+    elif fewest >= no_e:  # enough points, but all at one model size or one token count
+        one = "model size" if any(len({j.N for j in js}) < 2 for js in by_arch.values()) else "token count"
+        return lines + [f"# {fewest} distinct (N, D) points per arch, but at one {one}: no L(N, D) form can be "
+                        f"fitted; add {'scales' if one == 'model size' else 'budgets'} to the spec"]
     else:
         return lines + [f"# {fewest} distinct (N, D) points per arch: too few for any L(N, D) form (no-E needs "
                         f"{no_e}); add budgets or scales to the spec"]

@@ -307,8 +307,25 @@ def test_next_steps_pick_a_form_the_design_can_identify(tmp_path):
         "of freedom is left and the fit is marked not valid",
         f"hybrid-lm fit {tmp_path / 'table.csv'} --form no-E --out {tmp_path / 'fit'}",
         f"hybrid-lm report {tmp_path / 'fit'} --sweep {tmp_path}"]
-    three = expand(dataclasses.replace(spec, budgets=[0.25, 0.5, 0.75]), root=tmp_path)  # 6 points: with-E
-    assert next_steps(three)[1] == f"hybrid-lm fit {tmp_path / 'table.csv'} --out {tmp_path / 'fit'}"
+    # 6 runs: every form has degrees of freedom left, but fit's run bootstrap marks them not valid (too few
+    # runs to resample), so no-E without the bootstrap
+    three = expand(dataclasses.replace(spec, budgets=[0.25, 0.5, 0.75]), root=tmp_path)
+    lines = next_steps(three)
+    assert lines[1].startswith("# no-E without a bootstrap (no CIs): a bootstrap over 6 runs per arch marks every "
+                               "form not valid (236 of 1000 bootstrap resamples (24%) drew fewer distinct")
+    assert lines[1].endswith("About 7 runs per arch at distinct (N, D) give no-E CIs, 9 with-E")
+    assert lines[2] == f"hybrid-lm fit {tmp_path / 'table.csv'} --form no-E --bootstrap 0 --out {tmp_path / 'fit'}"
+    four = expand(dataclasses.replace(spec, budgets=[0.25, 0.5, 0.75, 1.0]), root=tmp_path)  # 8 runs: no-E
+    lines = next_steps(four)
+    assert lines[1].startswith("# 8 distinct (N, D) points from 8 runs per arch: with-E would not be valid (163 of "
+                               "1000 bootstrap resamples") and lines[1].endswith(", so no-E")
+    assert lines[2] == f"hybrid-lm fit {tmp_path / 'table.csv'} --form no-E --out {tmp_path / 'fit'}"
+    five = expand(dataclasses.replace(spec, budgets=[0.25, 0.5, 0.75, 1.0, 1.25]), root=tmp_path)  # 10: with-E
+    assert next_steps(five)[1] == f"hybrid-lm fit {tmp_path / 'table.csv'} --out {tmp_path / 'fit'}"
+    one_size = dataclasses.replace(spec, budgets=[0.25, 0.5, 0.75, 1.0, 1.25], scales={"t1": spec.scales["t1"]})
+    assert next_steps(expand(one_size, root=tmp_path))[1] == (
+        "# 5 distinct (N, D) points per arch, but at one model size: no L(N, D) form can be fitted; add scales to "
+        "the spec")
     one = dataclasses.replace(spec, budgets=[0.25])
     lines = next_steps(expand(one, root=tmp_path))
     assert len(lines) == 2 and lines[1].startswith("# 2 distinct (N, D) points per arch: too few for any")
