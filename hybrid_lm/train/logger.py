@@ -41,7 +41,7 @@ def check_extras(tc: TrainConfig) -> None:
 
 
 def _scalars(row: dict):
-    return {k: v for k, v in row.items() if isinstance(v, (int, float)) and k != "step"}
+    return {k: v for k, v in row.items() if isinstance(v, (int, float)) and k not in ("step", "resumed_from")}
 
 
 class TensorBoardSink:
@@ -107,6 +107,8 @@ class StepLogger:
         self._title = f"{self.workdir.name}: {count_params(cfg.model)['non_embedding']:,} non-embedding params"
         self.compile_seconds: float | None = None
         self._unplotted = False  # rows written since loss_curve.png was drawn
+        # the first train row of a session that restored a checkpoint says from which step (loss_curve.png marks it)
+        self._resumed_from = start if start > 0 else None
 
     # -- text
 
@@ -166,6 +168,8 @@ class StepLogger:
         row.update({k: float(v) for k, v in stats.items() if k not in row and k != "finite"})
         if halted:
             row["halted"] = True
+        if self._resumed_from is not None:
+            row["resumed_from"], self._resumed_from = self._resumed_from, None
         if self.peak is not None:
             row["mfu"] = tps * self.train_flops / self.peak
         self._write(row)

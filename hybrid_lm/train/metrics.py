@@ -101,30 +101,79 @@ def read_metrics(path: Path, kind: str | None = None) -> list[dict]:
     return [rows[k] for k in sorted(rows, key=lambda k: (str(k[0]), k[1]))]
 
 
-def plot_loss_curve(metrics_path: Path, out_png: Path, title: str = "") -> Path:
+def loss_curve_series(metrics_path: Path) -> dict:
+    """What ``loss_curve.png`` plots, each series with its unit (the function the figure is drawn from).
+
+    One unit for the curves: bits per token, train (``loss`` / ln 2) and val (its ``loss`` / ln 2) alike,
+    and the val set's order-0 entropy converted to it. ``bytes_per_token`` is the val set's (val
+    ``loss`` / ln 2 / ``bpb``: exact for the val curve), which the figure's right axis uses to read the
+    val curve in bits per byte; ``None`` without an eval row. ``resumes``: the steps and tokens at which
+    a session restored a checkpoint (train rows' ``resumed_from``)."""
+    train = read_metrics(metrics_path, "train")
+    ev = read_metrics(metrics_path, "eval")
+    ln2 = math.log(2)
+    ratios = [r["loss"] / ln2 / r["bpb"] for r in ev
+              if _finite(r.get("loss")) and _finite(r.get("bpb")) and r["bpb"] > 0]
+    bpt = ratios[-1] if ratios else None
+    h0 = ev[-1].get("order0_entropy_bits") if ev else None
+    per_step = next((r["tokens"] / r["step"] for r in train + ev if r.get("step")), 0.0)
+    resumes = sorted({int(r["resumed_from"]) for r in train if r.get("resumed_from")})
+    return {
+        "unit": "bits/token",
+        "train": {"tokens": [r["tokens"] for r in train], "bits_per_token": [_num(r.get("loss")) / ln2 for r in train]},
+        "val": {"tokens": [r["tokens"] for r in ev], "bits_per_token": [_num(r.get("loss")) / ln2 for r in ev],
+                "bits_per_byte": [_num(r.get("bpb")) for r in ev]},
+        "bytes_per_token": bpt,
+        "order0_bits_per_token": h0 * bpt if h0 is not None and bpt is not None else None,
+        "resumes": [{"step": s, "tokens": s * per_step} for s in resumes],
+    }
+
+
+def loss_curve_figure(metrics_path: Path, title: str = ""):
+    """The loss curve as a matplotlib figure: train and val in bits per token on the left axis, the same
+    val curve in bits per byte on the right (where a token is not one byte), resume points as dotted lines."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    train = read_metrics(metrics_path, "train")
-    ev = read_metrics(metrics_path, "eval")
+    s = loss_curve_series(metrics_path)
+    bpt = s["bytes_per_token"]
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    if train:  # a null (non-finite) value is a gap in the curve
-        ax.plot([r["tokens"] for r in train], [_num(r.get("loss")) / math.log(2) for r in train], lw=1.2,
-                label="train (bits/token)")
-    if ev:
-        ax.plot([r["tokens"] for r in ev], [_num(r.get("bpb")) for r in ev], "o-", label="val bits/byte")
-        if ev[-1].get("order0_entropy_bits") is not None:
-            ax.axhline(ev[-1]["order0_entropy_bits"], color="gray", ls="--", lw=1, label="val order-0 entropy")
+    if s["train"]["tokens"]:  # a null (non-finite) value is a gap in the curve
+        ax.plot(s["train"]["tokens"], s["train"]["bits_per_token"], lw=1.2, label="train")
+    if s["val"]["tokens"]:
+        last = s["val"]["bits_per_byte"][-1]
+        ax.plot(s["val"]["tokens"], s["val"]["bits_per_token"], "o-",
+                label="val" + (f" (last: {last:.3f} bits/byte)" if math.isfinite(last) else ""))
+    if s["order0_bits_per_token"] is not None:
+        ax.axhline(s["order0_bits_per_token"], color="gray", ls="--", lw=1, label="val order-0 entropy")
+    for i, r in enumerate(s["resumes"]):
+        ax.axvline(r["tokens"], color="tab:red", ls=":", lw=1, label="resumed from a checkpoint" if i == 0 else None)
     ax.set_xlabel("tokens seen")
-    ax.set_ylabel("bits")
+    if bpt is not None and abs(bpt - 1.0) > 1e-6:
+        ax.set_ylabel("bits per token")
+        right = ax.secondary_yaxis("right", functions=(lambda y, k=bpt: y / k, lambda y, k=bpt: y * k))
+        right.set_ylabel(f"val bits per byte ({bpt:.3g} bytes per token)")
+    else:
+        ax.set_ylabel("bits per token" + (" = bits per byte (1 byte per token)" if bpt is not None else ""))
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
+    return fig
+
+
+def plot_loss_curve(metrics_path: Path, out_png: Path, title: str = "") -> Path:
+    import matplotlib.pyplot as plt
+
+    fig = loss_curve_figure(metrics_path, title)
     fig.savefig(out_png, dpi=120)
     plt.close(fig)
     return out_png
+
+
+def _finite(v) -> bool:
+    return isinstance(v, (int, float)) and math.isfinite(v)
 
 
 def _num(v) -> float:
