@@ -14,6 +14,7 @@ Warnings depend on the purpose: a config loaded to train (``train``, ``sweep``) 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import logging
 from pathlib import Path
@@ -23,6 +24,7 @@ from hybrid_lm.config import REMOVED_FIELDS, RUN_CONFIG_SECTIONS, Config, MixerC
 from hybrid_lm.data.identity import data_identity
 from hybrid_lm.data.tokenizer import VOCAB_MULTIPLE, check_tokenizer, load_tokenizer, padded_vocab
 from hybrid_lm.errors import ConfigError
+from hybrid_lm.model.registry import get_mixer
 from hybrid_lm.validate import PURPOSES, model_warnings, validate_model
 
 log = logging.getLogger(__name__)
@@ -87,8 +89,27 @@ def run_id(cfg: Config) -> str:
 
 def config_record(cfg: Config) -> dict:
     """What ``config.json`` holds: the fields, plus ``data_identity`` (what the data contributes to the
-    run id, resolved from the store and tokenizer files now), so that resume compares contents."""
-    return {**cfg.fields_dict(), "data_identity": data_identity(cfg.data)}
+    run id, resolved from the store and tokenizer files now), so that resume compares contents, and
+    ``mixer_modules`` when a layer's mixer comes from outside the package (imported again on read)."""
+    record = {**cfg.fields_dict(), "data_identity": data_identity(cfg.data)}
+    modules = mixer_modules(cfg)
+    return {**record, "mixer_modules": modules} if modules else record
+
+
+def mixer_modules(cfg: Config) -> list[str]:
+    """The modules outside ``hybrid_lm`` that register the mixers ``cfg``'s layers use."""
+    used = {cfg.model.mixer(t).kind for t in cfg.model.layer_types()}
+    return sorted({m for m in (get_mixer(k).cls.__module__ for k in used) if not m.startswith("hybrid_lm.")})
+
+
+def import_mixer_modules(modules, where: str) -> None:
+    """Import the mixer modules a run recorded (their ``@register_mixer`` runs); one line if one is gone."""
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ImportError as e:
+            raise ConfigError(f"{where} uses mixers from module {name!r}, which does not import ({e}): put it "
+                              "on PYTHONPATH (docs/MIXERS.md, 'Adding a mixer')") from None
 
 
 def _fields(cfg: Config, recorded: dict | None) -> dict:
@@ -122,6 +143,7 @@ def read_run_config(path: str | Path) -> tuple[dict, Config]:
     if missing:
         raise ConfigError(f"{path}: missing section{'s' * (len(missing) > 1)} {', '.join(map(repr, missing))}: "
                           "not a run config as `hybrid-lm train` writes it")
+    import_mixer_modules(d.get("mixer_modules", []), str(path))
     types = get_type_hints(Config)
     tables = [(sec, d[sec], types[sec]) for sec in RUN_CONFIG_SECTIONS]
     tables += [(f"model.{slot}", d["model"][slot], MixerConfig) for slot in ("full", "efficient")

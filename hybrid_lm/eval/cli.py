@@ -210,6 +210,38 @@ def cmd_ruler(args) -> int:
     return 0
 
 
+_GENERATE_HELP = ("Tokenise PROMPT with the run's tokenizer, run it through WORKDIR's checkpoint in eval mode "
+                  "(prefill), then decode one token at a time from each layer's cache. Prints the prompt "
+                  "followed by the decoded continuation.")
+
+
+def _generate_description() -> str:
+    """``generate``'s description, each registered mixer on the side of its decode path."""
+    from hybrid_lm.model.registry import registered_mixers
+
+    mixers = registered_mixers().values()
+    decodes = "; ".join(f"{m.name}: {m.decode or 'its decode state'}" for m in mixers if m.decodes)
+    refused = ", ".join(m.name for m in mixers if not m.decodes)
+    text = (f"Tokenise PROMPT with the run's tokenizer, run it through WORKDIR's checkpoint in eval mode "
+            f"(prefill), then decode one token at a time from each layer's cache ({decodes}).")
+    if refused:
+        text += (f" {refused} layers have no decode path: a model with such a layer is refused (score it with "
+                 "`hybrid-lm eval`).")
+    return text + " Prints the prompt followed by the decoded continuation."
+
+
+def _fill_from_registry(parser, describe) -> None:
+    """Build ``parser``'s description with ``describe()`` only when its help is shown: the registry
+    imports every mixer (JAX, Flax), which the other commands' start-up need not pay for."""
+    shown = parser.format_help
+
+    def format_help():
+        parser.description = describe()
+        return shown()
+
+    parser.format_help = format_help
+
+
 def add_eval_commands(sub) -> None:
     """Add ``eval``, ``generate`` and ``longppl`` to the ``hybrid-lm`` subparsers."""
     p = sub.add_parser(
@@ -294,14 +326,8 @@ def add_eval_commands(sub) -> None:
 
     p = sub.add_parser(
         "generate", help="continue a prompt with a run's checkpoint (greedy or sampled)",
-        description="Tokenise PROMPT with the run's tokenizer, run it through WORKDIR's checkpoint in eval mode "
-                    "(prefill), then decode one token at a time from each layer's cache: a KV cache for "
-                    "attention, moba and ssa (its eval stream), a ring buffer of `window` slots for swa, a KV "
-                    "cache plus the eval permutations of every position for sa and sa_swa (option decode: "
-                    "'permutation', the default, decodes exactly as their eval forward; 'swa' runs SA on the "
-                    "prompt, then a ring buffer as swa), the recurrent state for lightning, mamba2 and gdn. "
-                    "attention_sink layers have no decode path: a model with such a layer is refused (score it "
-                    "with `hybrid-lm eval`). Prints the prompt followed by the decoded continuation.")
+        description=_GENERATE_HELP)
+    _fill_from_registry(p, _generate_description)  # the mixers' decode states: from the registry, when shown
     p.add_argument("workdir", help="run directory (config.json + checkpoints/)")
     p.add_argument("--prompt", required=True, help="text to continue (at least one token)")
     p.add_argument("--max-new", "--max_new", dest="max_new", type=int, default=200, help="tokens to generate (default 200)")

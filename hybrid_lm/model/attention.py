@@ -218,14 +218,16 @@ class AttentionDecode:
 
 
 @register_mixer("attention", flops=_attention_flops(lambda mc: None), reads=("rope", "rope_theta"),
-                description="full causal softmax attention (GQA), RoPE or NoPE", document_mask=True)
+                description="full causal softmax attention (GQA), RoPE or NoPE", document_mask=True,
+                decode="a KV cache")
 class FullAttention(AttentionDecode, Attention):
     def __init__(self, cfg: ModelConfig, mc: MixerConfig, layer_idx: int, *, rngs: nnx.Rngs):
         super().__init__(cfg, mc, layer_idx, rngs=rngs, window=None)
 
 
 @register_mixer("swa", flops=_attention_flops(lambda mc: mc.window), reads=("window", "rope", "rope_theta"),
-                description="causal sliding-window attention, window w counts the query itself", document_mask=True)
+                description="causal sliding-window attention, window w counts the query itself", document_mask=True,
+                decode="a ring buffer of `window` keys")
 class SlidingWindowAttention(AttentionDecode, Attention):
     def __init__(self, cfg: ModelConfig, mc: MixerConfig, layer_idx: int, *, rngs: nnx.Rngs):
         super().__init__(cfg, mc, layer_idx, rngs=rngs, window=mc.window)

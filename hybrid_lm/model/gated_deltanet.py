@@ -122,7 +122,8 @@ class _RMSNorm(nnx.Module):
 
 @register_mixer("gdn", flops=gdn_flops, reads=("options",), options=GDNOptions,
                 description="Gated DeltaNet: short convs, L2-normed q/k, gated delta rule (chunked), "
-                            "gated RMSNorm output", document_mask=RECURRENT_DOCUMENT_MASK)
+                            "gated RMSNorm output", document_mask=RECURRENT_DOCUMENT_MASK,
+                decode="the recurrent state and the convs' last inputs")
 class GatedDeltaNet(nnx.Module):
     def __init__(self, cfg: ModelConfig, mc: MixerConfig, layer_idx: int, *, rngs: nnx.Rngs):
         o = GDNOptions(**mc.options)

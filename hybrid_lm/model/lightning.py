@@ -129,7 +129,7 @@ def lightning_flops(cfg: ModelConfig, mc: MixerConfig, seq_len: int) -> dict:
 @register_mixer("lightning", flops=lightning_flops, reads=("options",), options=LightningOptions,
                 description="Lightning attention: SiLU linear attention with a constant per-head decay "
                             "(ALiBi slopes x layer factor, or fla's), output norm and sigmoid gate",
-                document_mask=RECURRENT_DOCUMENT_MASK)
+                document_mask=RECURRENT_DOCUMENT_MASK, decode="the recurrent state")
 class LightningAttention(nnx.Module):
     def __init__(self, cfg: ModelConfig, mc: MixerConfig, layer_idx: int, *, rngs: nnx.Rngs):
         o = LightningOptions(**mc.options)

@@ -107,7 +107,8 @@ def mamba2_flops(cfg: ModelConfig, mc: MixerConfig, seq_len: int) -> dict:
 
 @register_mixer("mamba2", flops=mamba2_flops, reads=("options",), options=Mamba2Options,
                 description="Mamba-2 (SSD): in-projection, short causal conv, selective scalar-decay scan "
-                            "(chunked), D skip, gated RMSNorm", document_mask=RECURRENT_DOCUMENT_MASK)
+                            "(chunked), D skip, gated RMSNorm", document_mask=RECURRENT_DOCUMENT_MASK,
+                decode="the recurrent state and the conv's last inputs")
 class Mamba2(nnx.Module):
     def __init__(self, cfg: ModelConfig, mc: MixerConfig, layer_idx: int, *, rngs: nnx.Rngs):
         o = Mamba2Options(**mc.options)

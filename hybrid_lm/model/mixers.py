@@ -1,6 +1,6 @@
 """Imports every mixer family so that its ``@register_mixer`` entries exist.
 
-A new family is one file in ``hybrid_lm/model/`` plus one import line here.
+Adding a mixer: docs/MIXERS.md, "Adding a mixer" (one file; shipped with hybrid_lm, it is imported here).
 """
 
 from hybrid_lm.model import attention  # noqa: F401  (attention, swa)

@@ -198,7 +198,7 @@ MOBA_DOCUMENT_MASK = ("its gate would pick key blocks of other documents (then m
 @register_mixer("moba", flops=moba_flops, reads=("rope", "rope_theta", "options"), options=MobaOptions,
                 description="MoBA block-sparse causal attention: top-k key blocks per query (own block "
                             "included), official per-head gate or SSA/NSA group gate",
-                document_mask=MOBA_DOCUMENT_MASK)
+                document_mask=MOBA_DOCUMENT_MASK, decode="a KV cache with running block sums for its gate")
 class MobaAttention(AttentionDecode, Attention):
     def __init__(self, cfg: ModelConfig, mc: MixerConfig, layer_idx: int, *, rngs: nnx.Rngs):
         super().__init__(cfg, mc, layer_idx, rngs=rngs, window=None)

@@ -2,8 +2,9 @@
 
 A mixer is an ``nnx.Module`` built as ``cls(model_cfg, mixer_cfg, layer_idx, rngs=rngs)`` and called
 as ``mixer(x, ctx)`` with ``x: [B, T, d_model]`` in the compute dtype and a :class:`MixerContext`.
-Adding a mixer is one file with ``@register_mixer("name", ...)`` plus one config line
-(``efficient/MixerConfig.kind = 'name'``).
+Adding a mixer: docs/MIXERS.md, "Adding a mixer" (a template of one file, in your own package or in
+``hybrid_lm/model/``; a gin file selects it with ``import your_module`` and
+``efficient/MixerConfig.kind = 'name'``).
 
 Document masking (``DataConfig.document_mask``): a mixer that honours ``MixerContext.segment_ids``
 says so with ``register_mixer(..., document_mask=True)``; otherwise it is refused with that flag on
@@ -63,6 +64,12 @@ class MixerSpec:
     options: type | None = None  # dataclass of mixer-specific options (MixerConfig.options keys)
     description: str = ""
     document_mask: DocumentMask = False
+    decode: str = ""  # the decode state, for help texts (e.g. "a KV cache"); decoding needs prefill + step
+
+    @property
+    def decodes(self) -> bool:
+        """Whether the mixer has a decode path (``prefill`` and ``step``: ``hybrid-lm generate``, RULER)."""
+        return callable(getattr(self.cls, "prefill", None)) and callable(getattr(self.cls, "step", None))
 
     def document_mask_refusal(self, mc: MixerConfig, seq_len: int) -> str | None:
         """Why this mixer cannot run with ``DataConfig.document_mask`` at ``seq_len``; None if it can."""
@@ -105,10 +112,10 @@ _REGISTRY: dict[str, MixerSpec] = {}
 
 
 def register_mixer(name: str, *, flops: FlopsFn, reads: tuple[str, ...], options: type | None = None,
-                   description: str = "", document_mask: DocumentMask = False):
+                   description: str = "", document_mask: DocumentMask = False, decode: str = ""):
     """Register a mixer class; ``reads`` names the ``MixerConfig`` fields it uses ("options" iff it has
     an ``options`` dataclass); ``document_mask``: whether it honours ``MixerContext.segment_ids``
-    (module docstring)."""
+    (module docstring); ``decode``: its decode state in words, for the help texts."""
     if set(reads) - set(MIXER_FIELDS) or ("options" in reads) != (options is not None):
         raise ValueError(f"mixer {name!r}: reads={reads} must be drawn from {MIXER_FIELDS} and name "
                          "'options' exactly when an options dataclass is given")
@@ -116,7 +123,7 @@ def register_mixer(name: str, *, flops: FlopsFn, reads: tuple[str, ...], options
     def deco(cls):
         if name in _REGISTRY:
             raise ValueError(f"mixer {name!r} registered twice")
-        _REGISTRY[name] = MixerSpec(name, cls, flops, tuple(reads), options, description, document_mask)
+        _REGISTRY[name] = MixerSpec(name, cls, flops, tuple(reads), options, description, document_mask, decode)
         return cls
     return deco
 
@@ -129,7 +136,8 @@ def _load_builtin_mixers() -> None:
 def get_mixer(name: str | None) -> MixerSpec:
     _load_builtin_mixers()
     if name not in _REGISTRY:
-        raise ConfigError(f"unknown mixer kind {name!r}; registered: {sorted(_REGISTRY)}")
+        raise ConfigError(f"unknown mixer kind {name!r}; registered: {sorted(_REGISTRY)} (a mixer of your own: "
+                          "`import your_module` in the gin file, docs/MIXERS.md 'Adding a mixer')")
     return _REGISTRY[name]
 
 

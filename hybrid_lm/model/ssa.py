@@ -80,7 +80,8 @@ def _ssa_flops(cfg: ModelConfig, mc: MixerConfig, seq_len: int) -> dict:
 
 @register_mixer("ssa", flops=_ssa_flops, reads=("rope", "rope_theta", "options"), options=SSAOptions,
                 description="SSA: full + block-sparse streams, coin per micro-batch, alignment loss",
-                document_mask="its sparse stream is MoBA's: " + MOBA_DOCUMENT_MASK)
+                document_mask="its sparse stream is MoBA's: " + MOBA_DOCUMENT_MASK,
+                decode="the cache of its eval stream")
 class SSAAttention(AttentionDecode, Attention):
     step_stats = ("ssa_sparse",)  # sown stats the trainer logs every step (the stream each step used)
 

@@ -328,7 +328,9 @@ SA_DOCUMENT_MASK = ("its random order spans the whole window, and the band is ca
 
 @register_mixer("sa", flops=sa_flops, reads=("window", "rope", "rope_theta", "options"), options=SAOptions,
                 description="stochastic attention: windowed attention in a random token order, causal by "
-                            "original position, RoPE at original positions", document_mask=SA_DOCUMENT_MASK)
+                            "original position, RoPE at original positions", document_mask=SA_DOCUMENT_MASK,
+                decode="a KV cache and each position's slot in the eval permutation, or with option decode='swa' "
+                       "SA on the prompt, then a ring buffer")
 class StochasticAttention(SADecode, Attention):
     def __init__(self, cfg: ModelConfig, mc: MixerConfig, layer_idx: int, *, rngs: nnx.Rngs):
         super().__init__(cfg, mc, layer_idx, rngs=rngs, window=mc.window)
@@ -384,7 +386,7 @@ class QKVProjection(nnx.Module):
 @register_mixer("sa_swa", flops=sa_swa_flops, reads=("window", "rope", "rope_theta", "options"),
                 options=SASWAOptions,
                 description="gated SA + SWA: sigmoid(x W_sa) * Y_sa + sigmoid(x W_swa) * Y_swa per head",
-                document_mask="its SA branch: " + SA_DOCUMENT_MASK)
+                document_mask="its SA branch: " + SA_DOCUMENT_MASK, decode="as sa, for both branches")
 class GatedSASWA(SADecode, Attention):
     """``Y = Wo[sigmoid(x W_sa) ⊙ O_sa + sigmoid(x W_swa) ⊙ O_swa]`` on the per-head outputs O.
 
