@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Random faults against a short CPU training run (issue 15's acceptance run).
+"""Random faults against a short CPU training run (the fault harness).
 
     .venv/bin/python experiments/fault_stress.py --faults 56 --out runs/fault_stress.json
 

@@ -9,7 +9,7 @@ The chunked loss (``hybrid_lm.ops.cross_entropy``) computes this between the hea
 chunk of tokens. XLA does it in three passes over a chunk's ``[chunk, V]`` logits (a max, a sum of
 exponentials, then the gradient), each a separate kernel, and its row reductions over 73,448 columns
 run well below memory bandwidth (H200, S1 at 8 x 16K: 1.85 ms per 8,192-token chunk, 14% of the
-step; ``docs/BENCHMARKS.md``, session 13). Here one program takes ``block_rows`` rows: a first loop
+step). Here one program takes ``block_rows`` rows: a first loop
 over column tiles keeps the online (max, sum of exponentials) and picks the target's logit, a second
 loop re-reads the tiles and writes the gradient. Bytes moved: the logits twice, the gradient once.
 
@@ -31,7 +31,7 @@ from jax.experimental.pallas import triton as pltriton
 from .tiles import MASK_VALUE, cdiv as _cdiv, next_pow2 as _next_pow2
 
 # Default launch: rows per program, columns per tile, warps. H200, one 8,192 x 73,448 bf16 chunk
-# (session 13, `bench_loss.py`): 1:2048:4 1.139 ms, 1:4096:4 1.166, 1:4096:8 1.175, 1:1024:4 1.234,
+# (`experiments/bench_kernels.py`): 1:2048:4 1.139 ms, 1:4096:4 1.166, 1:4096:8 1.175, 1:1024:4 1.234,
 # 1:8192:8 1.241, 2:2048:8 1.358, 4:1024:8 1.389, 2:4096:8 1.420; XLA's passes 1.735 ms.
 XENT_BLOCK_ROWS = 1
 XENT_BLOCK_COLS = 2048

@@ -350,8 +350,8 @@ def gather_sparse_attention(q, k, v, block_idx, *, block_size: int, scale: float
       dkv_chunk: most tokens one dK/dV program visits (a key block listed by more is split).
       num_warps, num_stages: Triton launch parameters of the forward; ``*_bwd``: of the backward.
         Defaults: one warp, three stages, dK/dV chunks of 128 (H200, T = 16K, B = 2, block 16,
-        top-16, G = 10, session 10: fwd+bwd 2.507 ms against 2.850 with two stages and chunks of
-        256; one warp was 0.62x the four-warp time in session 8; docs/BENCHMARKS.md).
+        top-16, G = 10: fwd+bwd 2.507 ms against 2.850 with two stages and chunks of 256; one warp
+        took 0.62x the four-warp time).
     Returns:
       ``[B, T, H, D]`` in q's dtype; no gradient flows to ``block_idx``.
     """

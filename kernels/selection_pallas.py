@@ -221,7 +221,7 @@ def _top_k_kernel(x_ref, o_ref, *, k):
 
 # fp32 entries of x one top-k program holds (rows x padded row length), and per thread: the default
 # launch takes as many warps as give each thread TOPK_THREAD_ELEMENTS (H200, S5 importance rows of
-# 1,024 blocks, session 10: 2 rows and 1 warp 0.393 ms, 8 rows and 4 warps 0.467, 8 rows and 8 warps
+# 1,024 blocks: 2 rows and 1 warp 0.393 ms, 8 rows and 4 warps 0.467, 8 rows and 8 warps
 # 0.603; a decode row of 8,192 blocks: 1 row, 4 warps)
 TOPK_PROGRAM_ELEMENTS = 2048
 TOPK_THREAD_ELEMENTS = 64
@@ -289,9 +289,9 @@ def _importance_kernel(q_ref, kbar_ref, o_ref, *, bq, bc, block_size, seq_len, g
 
 
 DOT_DTYPES = ("float32", "bfloat16")
-# The gate kernel's default tiles with bf16 dots (H200, S5: T = 16K, B = 2, G = 10, session 10's
-# sweep of 16 launches: 16 rows x 128-block chunks, 4 warps, 2 stages 0.847 ms; 16 x 64 1.030;
-# 32 x 64 0.886; docs/BENCHMARKS.md). fp32 / tf32 dots keep SelectionBlockSizes()' tiles.
+# The gate kernel's default tiles with bf16 dots (H200, S5: T = 16K, B = 2, G = 10, a sweep of 16
+# launches: 16 rows x 128-block chunks, 4 warps, 2 stages 0.847 ms; 16 x 64 1.030;
+# 32 x 64 0.886). fp32 / tf32 dots keep SelectionBlockSizes()' tiles.
 BF16_GATE_BLOCKS = SelectionBlockSizes(block_q=16, block_c=128)
 
 

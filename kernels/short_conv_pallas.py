@@ -10,7 +10,7 @@ The conv (``hybrid_lm.model.recurrent_common.short_conv``, Mamba-2's ``conv1d`` 
 
 Why: XLA ran it as a fusion writing ``g`` in fp32 and a multi-output column reduction reading ``g`` and
 ``x`` for ``dx`` and the weight sums, ~1 GB per GDN conv at ~1 TB/s (H200, S5 GDN: 81.9 ms per step for 45
-convs; ``docs/BENCHMARKS.md``, session 15). Here a program reads each row of ``x`` and ``dy`` once and
+convs). Here a program reads each row of ``x`` and ``dy`` once and
 writes ``dx`` once; ``pre`` is recomputed from ``x``.
 
 A program owns one batch row, one channel tile of ``block_c`` and a contiguous segment of time. It walks
@@ -24,11 +24,11 @@ Partial ``dw`` and ``db`` stay in registers and are written once per program (su
 addresses (the interpreter reads a negative slice start wrongly); rows before the segment are masked out
 of the stores and sums. Channel indices are clipped only when interpreting (on the GPU masked lanes never
 load). This module does not import ``hybrid_lm``; ``interpret=True`` runs the kernel on the CPU. The
-reference is the custom VJP in ``hybrid_lm.model.recurrent_common`` (``_short_conv_bwd``). Session 16's
-first version re-read ``2K - 1`` shifted row blocks per block through masked gathers and ran at 0.5–0.76
-TB/s on the H200, slower than XLA. This design (session 17, H200): 1.6–2.2 TB/s, 0.49–0.63x the jnp
-backward alone and train steps 0.978–0.984x (S3/S5 Mamba-2 / GDN), so ``ModelConfig.conv_kernel='auto'``
-takes it on one GPU (docs/BENCHMARKS.md).
+reference is the custom VJP in ``hybrid_lm.model.recurrent_common`` (``_short_conv_bwd``). Re-reading
+``2K - 1`` shifted row blocks per block through masked gathers instead ran at 0.5–0.76 TB/s on the H200,
+slower than XLA. This design (H200): 1.6–2.2 TB/s, 0.49–0.63x the jnp
+backward alone and train steps 0.978–0.984x (S3/S5 Mamba-2 / GDN), so the dispatch takes it on one GPU
+(``hybrid_lm.backends.conv_kernel_backend``; docs/KERNELS.md).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from jax.experimental.pallas import triton as pltriton
 from .tiles import interpret_default as _interpret
 
 # Default launch: rows per step, channels per program, warps, programs over time per batch row
-# (the fastest of 6 on an H200 at C = 2816, within 0.6% of the best at 1920; docs/BENCHMARKS.md, session 17).
+# (the fastest of 6 on an H200 at C = 2816, within 0.6% of the best at 1920).
 CONV_BLOCK_T = 16
 CONV_BLOCK_C = 256
 CONV_NUM_WARPS = 4

@@ -9,7 +9,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HYBRID_LM_COMPILATION_CACHE", "off")  # never the user's ~/.cache/hybrid_lm/jax
 # XLA's CPU backend without its expensive optimisation passes (JAX's documented switch): the tests'
 # tiny programs spend far longer compiling than running, and this cut the suite from ~1600 to ~1030 s
-# (session 16). Every tolerance still holds; the library's own runs are not affected. The few tests
+# on 2 cores. Every tolerance still holds; the library's own runs are not affected. The few tests
 # that run large programs, or compare two different programs bitwise, take the `xla_optimized` fixture.
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 

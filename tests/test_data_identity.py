@@ -1,4 +1,4 @@
-"""The run id covers the data by content (issue 16 item 1): store fingerprints and the tokenizer's
+"""The run id covers the data by content : store fingerprints and the tokenizer's
 hash, never the path; resume refuses a workdir whose data changed under the same path."""
 
 import shutil
@@ -70,7 +70,7 @@ def test_resume_refuses_other_data_under_the_same_path(tmp_path):
 
 @pytest.mark.integration
 def test_a_sweep_relaunched_on_other_data_refuses_and_keeps_its_manifest(tmp_path):
-    """Issue 16: a sweep whose runs now resolve to other data refuses to mark the old runs done and
+    """A sweep whose runs now resolve to other data refuses to mark the old runs done and
     leaves sweep.json describing what it launched."""
     from hybrid_lm.scaling.sweep import SweepError, expand, load_spec, write_manifest
 

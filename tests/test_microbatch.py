@@ -219,7 +219,7 @@ def test_fit_to_memory(per, peak, limit_gib, fixed, measured_gib, want, may_not_
 @pytest.mark.integration
 def test_rule_fits_the_entry_to_a_smaller_device(tmp_path, monkeypatch):
     """An entry measured on a large device (S4 at 16 x 16K: ~100 GiB) is scaled to a device with less memory:
-    it ran out of memory on an H100 as measured (docs/BENCHMARKS.md, session 22). The sweep launcher reads
+    it ran out of memory on an H100 as measured (docs/PERFORMANCE.md, "Memory"). The sweep launcher reads
     each device's limit and takes the smallest; the CPU reports none, so nothing changes there."""
     table = tmp_path / "mb.json"
     table.write_text(json.dumps({"device": "NVIDIA H200", "memory_limit_gib": 132.8, "remat": "none",

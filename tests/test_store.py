@@ -1,5 +1,5 @@
 """Token stores and ``data prepare``: layout, split rule, idempotence, atomic re-prepare, resume
-after a kill, and the bad-input cases of issue 14."""
+after a kill, and the bad inputs."""
 
 import json
 import os

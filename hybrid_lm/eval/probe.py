@@ -1,16 +1,22 @@
-"""Layerwise probing (issue 19 item 4; the Rethinking-hybrids paper, section 4.2 and Fig. 4): how
-linearly decodable the hidden magic number is from the last token's residual stream after each layer.
+"""Layerwise probing (the Rethinking-hybrids paper, section 4.2 and Fig. 4; thunlp/rethinking-hybrid-attention
+at feaad08, ``src/probing/``): how linearly decodable the hidden magic number is from the last
+token's residual stream after each layer.
 
-Data: :func:`hybrid_lm.eval.introspect.needle_items`, 8 classes (the number ``31415920 + c`` hidden
-at 25-75% depth of an essays / corpus / noise haystack, the prompt ending with the question for it),
-``samples`` prompts of exactly ``seq_len`` tokens, classes balanced (item i is class ``i % 8``).
-Features: the last prompt token's residual stream after the embedding (layer ``emb``) and after each
-block ``L0 .. L{n-1}`` (``introspect.last_token_states``, eval mode, jitted and batched). Classifier
-(:func:`probe_accuracy`): per layer, standardised features, scikit-learn
-``LogisticRegression(C=0.1)`` trained on a stratified, seeded 80% of the items and scored on the other
-20%; chance is 1/8.
+Data (``01_prepare_data.py``, the README's ``--haystack_type repeat --num_samples 10000 --seq_len
+16000 --num_classes 8 --difficulty hard``): :func:`hybrid_lm.eval.introspect.needle_items`, 8
+classes (the number ``31415920 + c``), item i of class ``i % 8``. ``prompt="official"`` (default):
+the official recipe at the nominal ``seq_len`` (noise: ``max(100, seq_len // 100)`` lines, the
+needle at a random line of the middle half; essays / corpus: ``max(1000, seq_len // 4)`` words, the
+needle at a sentence depth of 0-99%), so the prompt's length in tokens depends on the tokenizer;
+``prompt="exact"``: prompts of exactly ``seq_len`` tokens, the needle at 25-75% depth of the haystack.
+Features (``02_extract_hiddenstate.py``, ``residual``): the last prompt token's hidden state after
+each block ``L0 .. L{n-1}``, the last one through the final norm (``introspect.hidden_states``; eval
+mode, jitted and batched, prompts right-padded). Classifier (``03_train_probing.py``,
+:func:`probe_accuracy`): per layer, a stratified 80/20 split (``random_state=42``), features
+standardised on the train part, scikit-learn ``LogisticRegression(C=0.1, solver="liblinear",
+max_iter=1000, random_state=42)`` one-vs-rest; the test accuracy per layer; chance is 1/8.
 
-Python: ``rows = evaluate_probe(RestoredRun(wd), samples=256)``; ``format_probe(rows)``;
+Python: ``rows = evaluate_probe(RestoredRun(wd), samples=10000)``; ``format_probe(rows)``;
 ``plot_probe(rows_of_several_checkpoints, out_dir)``.
 """
 
@@ -32,8 +38,12 @@ log = logging.getLogger(__name__)
 
 HEADLINE = "best_accuracy"
 CHANCE = 1.0 / I.N_CLASSES
-C_REG = 0.1  # LogisticRegression's inverse regularisation
+C_REG = 0.1  # 03_train_probing.py create_classifier("logistic"): C, max_iter, solver, random_state
+MAX_ITER = 1000
+SOLVER = "liblinear"
+RANDOM_STATE = 42  # the split's and the classifier's (03_train_probing.py)
 TEST_FRACTION = 0.2
+SAMPLES = 10000  # the probing README's --num_samples
 MIN_SAMPLES = 5 * I.N_CLASSES  # the 20% test split must hold every class at least once
 
 
@@ -44,15 +54,30 @@ def check_samples(samples) -> None:
                           f"({I.N_CLASSES} classes, {TEST_FRACTION:.0%} held out, each class in the test split)")
 
 
-def probe_accuracy(features: np.ndarray, labels, seed: int = 0, *, C: float = C_REG) -> np.ndarray:
+def official_classifier(C: float = C_REG):
+    """03_train_probing.py create_classifier("logistic"): ``LogisticRegression(random_state=42,
+    max_iter=1000, solver="liblinear", C=0.1, multi_class="ovr")``. scikit-learn 1.7 dropped
+    ``multi_class``; liblinear's multiclass was one-vs-rest, which ``OneVsRestClassifier`` of the same
+    binary liblinear problems is (predicting the class of the largest decision value)."""
+    import inspect
+
+    from sklearn.linear_model import LogisticRegression
+
+    kw = dict(random_state=RANDOM_STATE, max_iter=MAX_ITER, solver=SOLVER, C=C)
+    if "multi_class" in inspect.signature(LogisticRegression).parameters:
+        return LogisticRegression(**kw, multi_class="ovr")
+    from sklearn.multiclass import OneVsRestClassifier
+    return OneVsRestClassifier(LogisticRegression(**kw))
+
+
+def probe_accuracy(features: np.ndarray, labels, seed: int = RANDOM_STATE, *, C: float = C_REG) -> np.ndarray:
     """``[L]`` test accuracy of a linear probe per layer: ``features [N, L, d]``, ``labels [N]``;
-    one stratified 80/20 split (seeded) shared by all layers, features standardised on the train
-    part, ``LogisticRegression(C=C)``."""
+    one stratified 80/20 split (``random_state=seed``, 42 as the official script) shared by all layers,
+    features standardised on the train part, :func:`official_classifier`."""
     from hybrid_lm.optional import optional_import
 
     optional_import("sklearn")  # one-line install hint when scikit-learn is missing
     from sklearn.exceptions import ConvergenceWarning
-    from sklearn.linear_model import LogisticRegression
     from sklearn.model_selection import train_test_split
     from sklearn.preprocessing import StandardScaler
 
@@ -60,12 +85,12 @@ def probe_accuracy(features: np.ndarray, labels, seed: int = 0, *, C: float = C_
     labels = np.asarray(labels)
     if features.ndim != 3 or len(features) != len(labels):
         raise ValueError(f"features must be [N, L, d] with N = len(labels), got {features.shape} and {labels.shape}")
-    train, test = train_test_split(np.arange(len(labels)), test_size=TEST_FRACTION, stratify=labels,
-                                            random_state=seed)
+    train, test = train_test_split(np.arange(len(labels)), test_size=TEST_FRACTION, random_state=seed,
+                                   stratify=labels if len(np.unique(labels)) > 1 else None)
     out = np.zeros(features.shape[1])
     for layer in range(features.shape[1]):
         scaler = StandardScaler().fit(features[train, layer])
-        clf = LogisticRegression(C=C, max_iter=2000)
+        clf = official_classifier(C)
         with warnings.catch_warnings():  # a probe near chance may stop at max_iter: its accuracy stands
             warnings.simplefilter("ignore", ConvergenceWarning)
             clf.fit(scaler.transform(features[train, layer]), labels[train])
@@ -74,14 +99,15 @@ def probe_accuracy(features: np.ndarray, labels, seed: int = 0, *, C: float = C_
 
 
 def _features_fn(fns, cfg):
-    def features(params, tokens):
+    def features(params, tokens, last):
         B, T = tokens.shape
-        return I.last_token_states(fns.model(params), tokens, I.eval_context(cfg, B, T))
+        return I.hidden_states(fns.model(params), tokens, I.eval_context(cfg, B, T), last)
     return features
 
 
 def probe_features(run, cfg, items, *, batch_size: int | None = None, progress: bool = True) -> np.ndarray:
-    """``[N, n_layers + 1, d]`` fp32 last-token states of ``items`` (embedding first)."""
+    """``[N, n_layers, d]`` fp32 hidden states of ``items`` at their last prompt token (the prompts
+    right-padded to the longest: a causal model's states at a position do not see what follows)."""
     import jax
     from tqdm import tqdm
 
@@ -89,46 +115,62 @@ def probe_features(run, cfg, items, *, batch_size: int | None = None, progress: 
     from hybrid_lm.progress import bar_disabled
     from hybrid_lm.train.sharding import put_batch
 
-    tokens = np.stack([it.ids for it in items]).astype(np.int32)
+    T = max(len(it.ids) for it in items)
+    tokens = np.zeros((len(items), T), np.int32)
+    for r, it in enumerate(items):
+        tokens[r, :len(it.ids)] = it.ids
+    last = np.array([len(it.ids) - 1 for it in items], np.int32)
     fn = I.jitted("probe_features", run, cfg, _features_fn)
-    per = R.batch_rows(run, tokens.shape[1], len(tokens), batch_size)
+    per = R.batch_rows(run, T, len(tokens), batch_size)
     out = []
     with jax.set_mesh(run.mesh), tqdm(total=-(-len(tokens) // per), desc="probe features", unit="batch",
                                       disable=bar_disabled(progress), leave=False) as bar:
-        for part, n in R._batches(tokens, per):
-            out.append(np.asarray(fn(run.params, put_batch(part, run.batch_shard)))[:n])
+        for (part, n), (lp, _) in zip(R._batches(tokens, per), R._batches(last, per)):
+            out.append(np.asarray(fn(run.params, put_batch(part, run.batch_shard), put_batch(lp, run.batch_shard)))[:n])
             bar.update()
     return np.concatenate(out)
 
 
-def evaluate_probe(run, cfg=None, *, samples: int = 256, seq_len: int | None = None, seed: int = 0,
-                   progress: bool = True, batch_size: int | None = None, haystack: str = "essays") -> list[dict]:
+def evaluate_probe(run, cfg=None, *, samples: int = SAMPLES, seq_len: int | None = None, seed: int = 0,
+                   progress: bool = True, batch_size: int | None = None, haystack: str | None = None,
+                   prompt: str = "official") -> list[dict]:
     """One row (``task: probe``) for ``run``'s checkpoint with the model of ``cfg`` (default the
-    run's): the probe's test accuracy per layer (``emb``, ``L0`` ...), its best layer, chance 1/8.
-    Prompts are ``seq_len`` tokens (default the config's); nothing is recorded."""
+    run's): the probe's test accuracy per layer (``L0`` ...), its best layer, chance 1/8. ``seq_len``
+    (default the config's) is the official recipe's nominal length (``prompt="official"``) or the
+    prompts' exact length (``"exact"``); ``haystack`` default ``noise`` (the official ``repeat``).
+    Nothing is recorded."""
     from hybrid_lm.eval import ruler as R
     from hybrid_lm.eval.swap import describe
 
     t0 = time.time()
     cfg = cfg or run.cfg
     check_samples(samples)
-    seq_len = I.check_length(cfg, seq_len, "probe")
+    if prompt not in I.PROMPTS:
+        raise ConfigError(f"probe: prompt={prompt!r}; choose one of {', '.join(I.PROMPTS)}")
+    seq_len = I.check_length(cfg, seq_len, "probe") if prompt == "exact" else int(seq_len or cfg.data.seq_len)
     tok = run.tokenizer
-    hay = R.haystack_for(haystack, tok, run)
-    items = I.needle_items(tok, seq_len, samples, seed, hay, what="probe")
+    hay = R.haystack_for(haystack or "noise", tok, run)
+    items = I.needle_items(tok, seq_len, samples, seed, hay, what="probe", prompt=prompt)
+    lengths = np.array([len(it.ids) for it in items])
+    if lengths.max() > run.cfg.data.seq_len:
+        log.warning("probe: prompts of up to %d tokens, beyond the trained seq_len %d", lengths.max(),
+                    run.cfg.data.seq_len)
     labels = np.array([I.item_label(it) for it in items])
     run.model(cfg)  # builds (and so validates) the model of cfg on the run's parameters
     feats = probe_features(run, cfg, items, batch_size=batch_size, progress=progress)
-    acc = probe_accuracy(feats, labels, seed)
-    layers = ["emb"] + [f"L{i}" for i in range(feats.shape[1] - 1)]
+    acc = probe_accuracy(feats, labels)
+    layers = [f"L{i}" for i in range(feats.shape[1])]
     best = int(np.argmax(acc))
     n_test = math.ceil(TEST_FRACTION * samples)  # as train_test_split rounds
     return [{"kind": "probe", "task": "probe", "step": run.step, "checkpoint_step": run.step,
              "tokens_seen": R.tokens_seen(run), "run_id": run_id(run.cfg), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-             "samples": samples, "seq_len": seq_len, "trained_seq_len": run.cfg.data.seq_len, "seed": seed,
-             "haystack": hay.name, "classes": I.N_CLASSES, "depth_range": list(I.DEPTH_RANGE),
-             "depths": [round(it.depths[0], 4) for it in items],
-             "test_samples": n_test, "C": C_REG,
+             "samples": samples, "seq_len": seq_len, "prompt": prompt,
+             "prompt_tokens": [int(lengths.min()), int(lengths.max())],
+             "trained_seq_len": run.cfg.data.seq_len, "seed": seed,
+             "haystack": hay.name, "classes": I.N_CLASSES,
+             "depths": [None if not it.depths else round(it.depths[0], 4) for it in items],
+             "test_samples": n_test, "C": C_REG, "classifier": f"{SOLVER} one-vs-rest, max_iter {MAX_ITER}",
+             "features": "hidden state after each block at the last prompt token, the last after the final norm",
              "layers": layers, "layer_types": "".join(cfg.model.layer_types()),
              "accuracy": [float(a) for a in acc], "best_layer": layers[best], "best_accuracy": float(acc[best]),
              "chance": CHANCE, "mixers": describe(cfg.model), "attention_impl": cfg.model.attention_impl,
@@ -139,7 +181,11 @@ def format_probe(rows: list[dict]) -> str:
     """Checkpoints x layers: the probe's test accuracy, the best layer and chance."""
     if not rows:
         return "no probe results"
-    lines = [f"probe  {rows[0]['samples']} samples  seq_len {rows[0]['seq_len']}  haystack {rows[0]['haystack']}  "
+    r0 = rows[0]
+    shape = (f"prompts {r0['prompt_tokens'][0]}-{r0['prompt_tokens'][1]} tokens" if "prompt_tokens" in r0 and
+             r0["prompt_tokens"][0] != r0["prompt_tokens"][1] else f"prompts {r0['seq_len']} tokens")
+    lines = [f"probe  {r0['samples']} samples  seq_len {r0['seq_len']} ({r0.get('prompt', 'exact')}, {shape})  "
+             f"haystack {r0['haystack']}  "
              f"chance {rows[0]['chance']:.3f}  (accuracy of a linear probe on the last token, per layer)"]
     layers = max((r["layers"] for r in rows), key=len)
     types = rows[0]["layer_types"]
@@ -197,5 +243,5 @@ def plot_probe(rows: list[dict], out_dir: Path) -> list[Path]:
     return [heat, curve]
 
 
-__all__ = ["CHANCE", "HEADLINE", "check_samples", "evaluate_probe", "format_probe", "plot_probe", "probe_accuracy",
-           "probe_features"]
+__all__ = ["CHANCE", "HEADLINE", "SAMPLES", "check_samples", "evaluate_probe", "format_probe", "official_classifier",
+           "plot_probe", "probe_accuracy", "probe_features"]

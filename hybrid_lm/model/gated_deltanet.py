@@ -43,7 +43,7 @@ from hybrid_lm.ops.delta_rule import gated_delta_rule_step
 from hybrid_lm.ops.linear_attention_gpu import gated_delta_rule
 
 # The jla path hands o back at the kernel's padded width and dtype, read in place by the output norm
-# (gated_delta_rule(padded_output=True)); off: sliced and cast to q's dtype (fp32) first, as before session 18.
+# (gated_delta_rule(padded_output=True)); off: sliced and cast to q's dtype (fp32) first.
 GDN_PADDED_OUTPUT = True
 
 

@@ -25,22 +25,18 @@ from hybrid_lm.ops.attention import default_positions
 log = logging.getLogger(__name__)
 
 # outputs of these primitives are attention kernels' forward results (output + softmax statistics,
-# the residuals their backward reads): cuDNN fused attention and every Pallas kernel but those below
+# the residuals their backward reads): cuDNN fused attention and our Pallas kernels
 _ATTENTION_KERNELS = ("dot_product_attention_fwd", "dot_product_attention_fwd_wrapper", "pallas_call")
-# Pallas kernels whose outputs are recomputed like the XLA ops they replace: RMSNorm's forward (saving
-# its output cost 0.31 GiB per norm at S5 and gained no step time; docs/BENCHMARKS.md, session 14)
-_RECOMPUTED_KERNELS = ("rms_norm_fwd",)
 # values tagged with ``jax.ad_checkpoint.checkpoint_name`` that 'dots_attn' keeps: the sparse
 # selection (int32, B x T x K x S), else recomputed in the backward pass with all its gate scores
 SAVED_NAMES = ("sparse_selection",)
 
 
 def _dots_and_attention_saveable(prim, *args, **params) -> bool:
-    """``dots`` plus the attention kernels' forward outputs (not ``_RECOMPUTED_KERNELS``') and the sparse
-    selection: the backward pass then reuses the kernel's output and statistics, and the selected
+    """``dots`` plus the attention kernels' forward outputs and the sparse selection: the backward pass then reuses the kernel's output and statistics, and the selected
     blocks, instead of running the attention forward and the selection a second time."""
     if prim.name in _ATTENTION_KERNELS:
-        return str(params.get("name", "")) not in _RECOMPUTED_KERNELS
+        return True
     if prim.name == "name" and params.get("name") in SAVED_NAMES:
         return True
     return jax.checkpoint_policies.dots_with_no_batch_dims_saveable(prim, *args, **params)

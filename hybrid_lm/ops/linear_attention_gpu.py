@@ -70,9 +70,8 @@ from hybrid_lm.ops.linear_attention import _check_qkv, _check_state, chunk_simpl
 JLA_SHARD_RULES = {"batch": ("data", "fsdp"), "heads": ("tensor",)}
 
 # Hand grouped q, k (fewer heads than v) to jla's simple-GLA kernel as they are. Off: they are repeated to
-# v's heads first (the path measured through session 14). On since session 15: the GPU test
-# (`pytest -m gpu tests/test_linear_gpu_path.py`) passed on the H200 and Mamba-2 steps got faster
-# (S5 1878 -> 1813 ms, S3 468 -> 455 ms; `bash experiments/gpu_s5_train.sh grp17`, docs/BENCHMARKS.md).
+# v's heads first. On: the GPU test (tests/gpu/test_gpu_linear.py) passes on the H200 and Mamba-2 steps are
+# faster than with repeated keys (H200: S5 1878 -> 1813 ms, S3 468 -> 455 ms).
 JLA_GROUPED_KEYS = True
 
 

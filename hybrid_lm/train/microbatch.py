@@ -8,11 +8,10 @@ measured number of sequences on each device. Unmeasured configs keep ``TrainConf
 Remat changes what fits, so the table names the policy its plain keys were measured under
 (``"remat"``, e.g. ``dots_attn``); a sweep under another policy adds keys ending in ``@POLICY``
 (``s1/full/16384@none``), which a run under that policy reads first. A run whose policy has no entry
-of its own gets the plain key, and its reason says under which policy it was measured. Session 16
-checked that every plain S1–S4 entry also fits without remat (the presets' ``ModelConfig.remat =
-'none'``: at most 101 GiB of an H200 at 16 x 16K, docs/BENCHMARKS.md). At S5 the plain entries (8) do
-not fit without remat for Mamba-2 / GDN, so S5 has ``@none`` entries of its own (4). Since session 18
-every S1–S5 arch of the table has an ``@none`` entry (measured without remat); session 19 added MoBA / SSA at S1–S4.
+of its own gets the plain key, and its reason says under which policy it was measured. Every plain
+S1–S4 entry also fits without remat (the presets' ``ModelConfig.remat = 'none'``: at most 101 GiB of an
+H200 at 16 x 16K). Every S1–S5 arch of the table, and MoBA / SSA at S1–S4, has an ``@none`` entry
+(measured without remat); at S5 the plain entries (8) do not fit without remat for Mamba-2 / GDN.
 :func:`apply_rule` returns the config with that ``M`` set; the sweep launcher
 (``hybrid_lm/scaling/launch.py``) applies it to every run, and ``hybrid-lm info`` states it.
 
@@ -21,7 +20,7 @@ memory limit it was measured under (``memory_limit_gib``: an H200 with ``XLA_PYT
 On a device whose limit is smaller (an H100's 80 GB, or an H200 at JAX's default fraction of 0.75), an entry
 whose peak exceeds :data:`MEMORY_MARGIN` of the limit gets the most sequences whose estimated peak fits
 (:func:`fit_to_memory`): the presets' S4 entries (remat none, 16 x 16K but Mamba-2's 8) need 78-127 GiB; the six
-at 16 ran out of memory on an H100 (docs/BENCHMARKS.md, session 22).
+at 16 ran out of memory on an H100 (docs/PERFORMANCE.md, "Memory").
 """
 
 from __future__ import annotations
