@@ -11,6 +11,7 @@ import sys
 from hybrid_lm.experiment import load_config, run_id
 from hybrid_lm.errors import ConfigError, DataError, WorkdirError
 from hybrid_lm.train.compile_cache import enable_compilation_cache
+from hybrid_lm.train.distributed import ClusterError
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -28,18 +29,33 @@ def order0_comparison(bpb: float, h0: float) -> str:
 
 
 def cmd_train(args) -> int:
-    from hybrid_lm.train.loop import NonFiniteError, train
+    from hybrid_lm.train import signals
 
-    cfg = load_config(args.config, args.gin_param)
-    try:
-        res = train(cfg, args.workdir, force=args.force, restart=args.restart, init_from=args.init_from)
-    except NonFiniteError as e:  # the NaN policy stopped the run (the last good state is saved)
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    # SIGTERM, SIGUSR1 and Ctrl-C are caught from here to the end: one during start-up stops the run
+    # cleanly rather than killing it (train/signals.py)
+    with signals.catching():
+        from hybrid_lm.train.loop import NonFiniteError, train
+
+        cfg = load_config(args.config, args.gin_param)
+        try:
+            res = train(cfg, args.workdir, force=args.force, restart=args.restart, init_from=args.init_from)
+        except NonFiniteError as e:  # the NaN policy stopped the run (the last good state is saved)
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        return _report_train(res)
+
+
+def _report_train(res) -> int:
     skipped = f"   skipped steps {res.skipped_steps}"
     if res.preempted:
-        print(f"\n{res.preempted}: saved a checkpoint at step {res.step} in {res.workdir} and stopped; "
-              f"run the same command to resume ({skipped.strip()})")
+        requeued = f"; {res.requeued}" if res.requeued else ""
+        if res.before_training:
+            newest = f"its newest checkpoint is step {res.step}" if res.step else "it has no checkpoint yet"
+            print(f"\n{res.preempted} before training started: nothing new to save ({newest}); run the same "
+                  f"command to resume{requeued}")
+        else:
+            print(f"\n{res.preempted}: saved a checkpoint at step {res.step} in {res.workdir} and stopped; "
+                  f"run the same command to resume ({skipped.strip()}){requeued}")
         return 0
     ev = res.final_eval or {}
     print(f"\nrun dir: {res.workdir}   step {res.step}   wall {res.wall_seconds:.1f} s{skipped}"
@@ -125,14 +141,21 @@ def main(argv=None) -> int:
     """The ``hybrid-lm`` command. A reader that leaves early (``hybrid-lm info ... --json | head``) ends it
     quietly with status 141, the 128 + SIGPIPE of any Unix filter whose reader left: ``set -o pipefail``
     scripts see what they see from ``cat``, and the output is known to be cut short (0 would hide that)."""
+    from hybrid_lm.train import distributed
+
     try:
         try:
-            return _main(argv)
+            rc = _main(argv)
+            distributed.leave_if_failing(rc)  # a failed multi-process run ends without JAX's shutdown barrier
+            return rc
         finally:
             sys.stdout.flush()  # buffered output meets the closed pipe here, not at the interpreter's exit
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's own flush writes nowhere
         return 141
+    except KeyboardInterrupt:  # Ctrl-C outside a run (a run catches it: train/signals.py)
+        print("\ninterrupted", file=sys.stderr)
+        return 130
 
 
 def _main(argv=None) -> int:
@@ -175,7 +198,7 @@ def _main(argv=None) -> int:
         return args.fn(args)
     except BrokenPipeError:
         raise  # main(): the reader of stdout left, nothing to report
-    except (ConfigError, WorkdirError, DataError, ImportError, OSError) as e:
+    except (ConfigError, WorkdirError, DataError, ImportError, OSError, ClusterError) as e:
         if debug:
             raise
         print(f"{_label(e)}: {_one_line(e)}", file=sys.stderr)

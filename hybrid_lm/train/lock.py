@@ -1,6 +1,15 @@
 """One trainer per workdir: ``<workdir>/.lock``, created atomically (``O_CREAT | O_EXCL``), records the
-holder's host, pid and start time. A lock whose pid is dead on this host, or older than
-``HYBRID_LM_LOCK_STALE_HOURS`` (default 24), is stale and taken over with a warning."""
+holder's host, pid and start time, and under SLURM its job (``<array job>_<task>`` or the job id) and
+restart count. A lock is stale, and taken over with a warning, when:
+
+- its pid is not running on this host;
+- it was taken by an earlier run of this same SLURM job (a lower ``SLURM_RESTART_COUNT``, or a start
+  before this run's ``SLURM_JOB_START_TIME``): SLURM ended that run before requeueing the job, so a
+  requeue (or a node failure) that lands the job on another node resumes instead of refusing;
+- it is older than ``HYBRID_LM_LOCK_STALE_HOURS`` (default 24).
+
+The host is ``socket.gethostname()``, or ``HYBRID_LM_HOSTNAME`` where set. A lock held by this process
+is released also when the process ends abruptly (a second Ctrl-C, a failed peer process)."""
 
 from __future__ import annotations
 
@@ -15,6 +24,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from hybrid_lm.errors import WorkdirError
+from hybrid_lm.train import signals
 
 log = logging.getLogger(__name__)
 
@@ -23,6 +33,20 @@ LOCK_NAME = ".lock"
 
 def _stale_seconds() -> float:
     return 3600.0 * float(os.environ.get("HYBRID_LM_LOCK_STALE_HOURS", "24"))
+
+
+def hostname() -> str:
+    return os.environ.get("HYBRID_LM_HOSTNAME") or socket.gethostname()
+
+
+def _slurm_restart() -> int:
+    raw = os.environ.get("SLURM_RESTART_COUNT", "").strip()
+    return int(raw) if raw.isdigit() else 0
+
+
+def _slurm_record() -> dict:
+    job = signals.slurm_job()
+    return {"slurm_job": job, "slurm_restart": _slurm_restart()} if job else {}
 
 
 def _pid_alive(pid: int) -> bool:
@@ -45,15 +69,25 @@ def _read(path: Path) -> dict | None:
 
 
 def _describe(holder: dict) -> str:
-    return (f"host {holder.get('host', '?')} pid {holder.get('pid', '?')} since "
+    job = f", SLURM job {holder['slurm_job']}" if holder.get("slurm_job") else ""
+    return (f"host {holder.get('host', '?')} pid {holder.get('pid', '?')}{job} since "
             f"{holder.get('started_utc', '?')}")
 
 
 def _why_stale(path: Path, holder: dict) -> str | None:
     """Why the lock ``holder`` read from ``path`` is stale, or None while it is live."""
-    if holder.get("host") == socket.gethostname() and isinstance(holder.get("pid"), int) \
+    if holder.get("host") == hostname() and isinstance(holder.get("pid"), int) \
             and not _pid_alive(holder["pid"]):
         return f"its pid {holder['pid']} is not running on this host"
+    job = signals.slurm_job()
+    if job and holder.get("slurm_job") == job:
+        theirs, ours = holder.get("slurm_restart"), _slurm_restart()
+        if isinstance(theirs, int) and theirs < ours:
+            return (f"it was taken by run {theirs} of SLURM job {job}, which SLURM ended before this run "
+                    f"(SLURM_RESTART_COUNT={ours}) started")
+        start = os.environ.get("SLURM_JOB_START_TIME", "").strip()
+        if start.isdigit() and isinstance(holder.get("started"), (int, float)) and holder["started"] < int(start) - 1:
+            return f"it was taken before SLURM started this run of job {job} (SLURM_JOB_START_TIME={start})"
     try:
         age = time.time() - float(holder.get("started", path.stat().st_mtime))
     except (OSError, ValueError, TypeError):
@@ -66,9 +100,9 @@ def _why_stale(path: Path, holder: dict) -> str | None:
 class WorkdirLock:
     def __init__(self, workdir: Path):
         self.path = Path(workdir) / LOCK_NAME
-        self.record = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time(),
+        self.record = {"host": hostname(), "pid": os.getpid(), "started": time.time(),
                        "started_utc": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-                       "token": uuid.uuid4().hex}
+                       "token": uuid.uuid4().hex, **_slurm_record()}
         self.held = False
 
     def acquire(self) -> WorkdirLock:
@@ -77,6 +111,7 @@ class WorkdirLock:
             for _ in range(3):
                 if self._create():
                     self.held = True
+                    signals.on_abrupt_exit(self.release)
                     return self
                 holder = _read(self.path)
                 if holder is None:  # released meanwhile
@@ -121,6 +156,7 @@ class WorkdirLock:
         if self.held and _read(self.path) == self.record:
             self.path.unlink(missing_ok=True)
         self.held = False
+        signals.drop_abrupt_exit(self.release)
 
 
 @contextlib.contextmanager

@@ -5,9 +5,13 @@ mesh, the data and the jitted program, the newest checkpoint) and runs :func:`_r
 in this order: **batch** (a pure function of the step) -> **step** (dispatched, not awaited) ->
 **log** the *previous* step's metrics (fetched one step late, so the host never blocks dispatch; the
 NaN policy's halt is seen here, ``train/nonfinite.py``) -> **eval** -> **checkpoint** -> **signals**
-(SIGTERM saves and exits cleanly; SIGUSR1, SLURM's ``--signal``, saves, requeues and exits; either
-one arriving after the last step lets the run finish its epilogue: final checkpoint, loss curve).
-A step's metrics are fetched before the state after it is evaluated or saved.
+(``train/signals.py``, caught from the start of :func:`train`: SIGTERM and a first Ctrl-C save and exit
+cleanly; SIGUSR1, SLURM's ``--signal``, saves, requeues and exits; one that arrives during start-up
+stops the run before its first step, one after the last step lets the run finish its epilogue: final
+checkpoint, loss curve). A step's metrics are fetched before the state after it is evaluated or saved.
+
+Nothing is written to the workdir before the config and the data are checked (mesh, data streams,
+program); a multi-process run tells its other processes when one fails (``train/distributed.py``).
 
 Continued pretraining (``--init-from``) is ``train/continued.py``; the run dir and its identity
 check ``train/rundir.py``; checkpoints ``train/checkpoint.py``.
@@ -33,14 +37,15 @@ from hybrid_lm.errors import WorkdirError
 from hybrid_lm.eval.loss import evaluate
 from hybrid_lm.train import distributed
 from hybrid_lm.train import sharding as shd
-from hybrid_lm.train import continued, nonfinite
-from hybrid_lm.train.checkpoint import Checkpointer, abstract_with_shardings, params_fingerprint
+from hybrid_lm.train import continued, nonfinite, signals
+from hybrid_lm.train.checkpoint import Checkpointer, abstract_with_shardings, params_fingerprint, saved_steps
 from hybrid_lm.train.continued import InitSource
 from hybrid_lm.train.lock import workdir_lock
 from hybrid_lm.train.logger import StepLogger, check_extras, startup_summary
 from hybrid_lm.train.nonfinite import NonFiniteError  # noqa: F401  (raised by train(); part of its API)
 from hybrid_lm.train.optim import optimizer_for_bounds, wsd_bounds
-from hybrid_lm.train.rundir import accepted_run_ids, archive_run, prepare_run_dir, record_init_fingerprint
+from hybrid_lm.train.rundir import (RECORDS_BESIDE_CHECKPOINTS, accepted_run_ids, archive_run, prepare_run_dir,
+                                    record_init_fingerprint)
 from hybrid_lm.train.step import ModelFns, StateInit, make_eval_step
 
 log = logging.getLogger(__name__)
@@ -53,11 +58,13 @@ class TrainResult:
     final_eval: dict | None
     wall_seconds: float
     resumed_from: int | None
-    preempted: str | None = None  # "SIGTERM" / "SIGUSR1" when stopped by a signal
+    preempted: str | None = None  # "SIGTERM" / "SIGUSR1" / "SIGINT" when stopped by a signal
     skipped_steps: int = 0  # non-finite steps skipped in the whole run (earlier sessions included)
     compile_seconds: float | None = None  # the train step's trace + compile (None: no step was run)
     init_from: str | None = None  # TrainConfig.init_from: "<source run id>@<step>" of a continued run
     late_signal: str | None = None  # a SIGTERM / SIGUSR1 that arrived after the last step (run finished)
+    before_training: bool = False  # stopped by a signal during start-up: nothing trained, nothing saved
+    requeued: str | None = None  # SIGUSR1: what `scontrol requeue` did, in one line (process 0)
 
 
 @dataclass
@@ -108,17 +115,20 @@ def build_program(cfg: Config, mesh) -> Program:
         state_shard=state_shard, batch_shard=batch_shard, n_batch_shards=n_batch, bounds=bounds)
 
 
-def init_or_restore(cfg: Config, prog: Program, ckpt: Checkpointer, source: InitSource | None = None):
+def init_or_restore(cfg: Config, prog: Program, ckpt: Checkpointer, source: InitSource | None = None,
+                    main: bool = True):
     """``(state, resumed_from)``: the newest checkpoint that restores, else a fresh init (from a
     traced seed: with a constant key XLA constant-folds the whole random init at compile time), or,
     for a continued run, the parameters of ``source`` with a fresh optimizer state.
-    Checkpoints that do not restore are moved aside; a workdir with metrics or checkpoints of which
-    none restores is refused (``WorkdirError``) rather than silently trained from step 0."""
+    Checkpoints that do not restore are moved aside; a workdir with checkpoints of which none restores
+    is refused (``WorkdirError``) rather than silently trained from step 0. A workdir with metrics rows
+    but no checkpoint ever committed (a run killed before its first save) has its rows archived, with
+    a warning, and trains from step 0 (on process 0: ``main``)."""
     seed = jnp.asarray(cfg.train.seed, jnp.uint32)
     abstract = abstract_with_shardings(jax.eval_shape(prog.init, seed), prog.state_shard)
     restored = ckpt.restore_latest(abstract, move_corrupt=True)
     if restored is None:
-        _refuse_a_silent_restart(ckpt)
+        _nothing_restored(ckpt, main)
         if cfg.train.init_from:
             return prog.start(continued.source_params(source, prog.fns.abstract_params, prog.state_shard["params"])), None
         return prog.init(seed), None
@@ -128,18 +138,29 @@ def init_or_restore(cfg: Config, prog: Program, ckpt: Checkpointer, source: Init
     return state, int(meta["step"])
 
 
-def _refuse_a_silent_restart(ckpt: Checkpointer) -> None:
+def _nothing_restored(ckpt: Checkpointer, main: bool) -> None:
+    """No checkpoint restored. Checkpoints exist (or were moved aside) and none restores: refuse. None
+    was ever committed but metrics rows exist (killed before the first save): nothing can be lost, so
+    archive the rows (as ``--restart`` does) and train from step 0."""
     workdir = ckpt.directory.parent
     metrics = workdir / "metrics.jsonl"
     has_rows = metrics.exists() and metrics.stat().st_size > 0
-    if not (has_rows or ckpt.restore_failures):
-        return
+    corrupt = ckpt.directory / "corrupt"
+    moved = sorted(p.name for p in corrupt.iterdir()) if corrupt.is_dir() else []
     if ckpt.restore_failures:
         what = "; ".join(f"step {s}: {why}" for s, why in ckpt.restore_failures)
-        moved = f" (moved to {ckpt.directory / 'corrupt'})" if ckpt.moved_aside else ""
-        found = f"no checkpoint restores{moved}: {what}"
+        where = f" (moved to {corrupt})" if ckpt.moved_aside else ""
+        found = f"no checkpoint restores{where}: {what}"
+    elif moved:
+        found = (f"{metrics if has_rows else workdir} holds {'rows' if has_rows else 'a run'} but {ckpt.directory} "
+                 f"holds no checkpoint that restores (those that did not are in {corrupt}: {', '.join(moved)})")
     else:
-        found = f"{metrics} holds rows but {ckpt.directory} holds no checkpoint"
+        if has_rows:
+            if main:
+                archive_run(workdir, RECORDS_BESIDE_CHECKPOINTS,
+                            why=f"no checkpoint was committed before the run in {workdir} stopped")
+            _sync("records of a run without checkpoints archived")
+        return
     raise WorkdirError(f"{workdir}: {found}. Not starting over silently: rerun with --restart to archive "
                        "the old metrics and checkpoints and train from step 0, or use another --workdir")
 
@@ -155,60 +176,108 @@ def train(cfg: Config, workdir: Path | str | None = None, *, force: bool = False
     ``"<source run id>@<step>"``. A bad source, a step that was not saved, parameter shapes that
     differ or a workdir holding another run's checkpoints fail in one line (``WorkdirError`` /
     ``ConfigError``) before the run dir is touched. Raises :class:`NonFiniteError` when the NaN
-    policy stopped the run."""
+    policy stopped the run.
+
+    SIGTERM, SIGUSR1 and SIGINT are caught from the start (``train/signals.py``); one that arrives
+    before the first step returns a result with ``before_training`` set. SIGUSR1 requeues the SLURM
+    job (``requeued``)."""
     t_start = time.time()
-    check_extras(cfg.train)  # a missing [tb] / [wandb] extra fails before the run dir exists
-    distributed.maybe_initialize()
-    main = jax.process_index() == 0
-    cfg, source = continued.resolve(cfg, init_from, workdir)  # checked before the run dir is touched
-    workdir = Path(workdir) if workdir else Path("runs") / run_id(cfg)
-    if source is not None and not restart:
-        continued.refuse_foreign_checkpoints(cfg, workdir, source)
-    with workdir_lock(workdir, enabled=main):
-        return _train(cfg, workdir, force, restart, devices, main, t_start, source)
+    with signals.catching() as flag:
+        check_extras(cfg.train)  # a missing [tb] / [wandb] extra fails before the run dir exists
+        distributed.maybe_initialize(flag)
+        main = jax.process_index() == 0
+        try:
+            cfg, source = continued.resolve(cfg, init_from, workdir)  # checked before the run dir is touched
+            workdir = Path(workdir) if workdir else Path("runs") / run_id(cfg)
+            if source is not None and not restart:
+                continued.refuse_foreign_checkpoints(cfg, workdir, source)
+            try:
+                res = _train(cfg, workdir, force, restart, devices, main, t_start, source, flag)
+            except _Stopped as stop:
+                saved = saved_steps(workdir / "checkpoints")
+                res = TrainResult(workdir=workdir, step=saved[-1] if saved else 0, final_eval=None,
+                                  wall_seconds=time.time() - t_start, resumed_from=None, preempted=stop.name,
+                                  before_training=True)
+        except BaseException as e:
+            err = distributed.failed(e, f" from {workdir}'s newest checkpoint" if isinstance(workdir, Path) else "")
+            if err is e:
+                raise
+            raise err from e
+        if res.preempted == "SIGUSR1" and main:
+            res.requeued = signals.requeue()  # SLURM then ends this job (SIGTERM, caught) and starts it again
+        return res
+
+
+class _Stopped(Exception):
+    """A stop signal agreed by every process before the first step."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.name = signal.Signals(signum).name
+
+
+def _stop_point(flag: signals.PreemptionFlag) -> None:
+    sig = _agreed_signal(flag.signal)
+    if sig is not None:
+        raise _Stopped(sig)
 
 
 def _train(cfg: Config, workdir: Path, force: bool, restart: bool, devices, main: bool,
-           t_start: float, source: InitSource | None) -> TrainResult:
-    if main:
-        if restart:
-            archive_run(workdir)
-        prepare_run_dir(cfg, workdir, force=force, init_record=source.record() if source else None)
-    _sync("run dir ready")
+           t_start: float, source: InitSource | None, flag: signals.PreemptionFlag) -> TrainResult:
+    _stop_point(flag)  # a signal during start-up
+    # the config and the data are checked before anything is written to the workdir (a failed start leaves
+    # nothing behind); process 0 prepares the embedded corpus on first use, the others then open it
     mesh = shd.make_mesh(cfg.mesh, devices)
-    data, prog, tc = DataStreams(cfg), build_program(cfg, mesh), cfg.train
-    with jax.set_mesh(mesh):
-        ckpt = Checkpointer(workdir / "checkpoints", cfg.checkpoint)
-        state, resumed_from = init_or_restore(cfg, prog, ckpt, source)
-        start = resumed_from or 0
-        logger = StepLogger(cfg, workdir, main=main, start=start, n_devices=mesh.devices.size,
-                            every_step=bool(prog.fns.step_stats))
+    data = distributed.main_first(lambda: DataStreams(cfg), "data ready")
+    prog, tc = build_program(cfg, mesh), cfg.train
+    with workdir_lock(workdir, enabled=main):
         if main:
-            logger.summary(startup_summary(cfg, data, mesh))
-        if tc.init_from and resumed_from is None:
-            fingerprint = params_fingerprint(state["params"])
-            if main:
-                record_init_fingerprint(workdir, fingerprint)
-            logger.say(f"init     parameters of {source.workdir} at step {source.step} (run {source.run_id}, "
-                       f"fingerprint {fingerprint}); fresh optimizer state, schedule from step 0")
-        recorded_backends(clear=True)  # the first trace of the step fills it (attention_backends)
-        profile = _Profiler(tc, workdir, main)
-        # signals are caught up to the end of the epilogue: one after the last step never kills the run
-        with distributed.PreemptionFlag() as flag:
+            if restart:
+                archive_run(workdir)
+            prepare_run_dir(cfg, workdir, force=force, init_record=source.record() if source else None)
+        _sync("run dir ready")
+        with jax.set_mesh(mesh):
+            ckpt = Checkpointer(workdir / "checkpoints", cfg.checkpoint)
             try:
-                out = _run_steps(cfg, prog, data, ckpt, logger, profile, flag, state, start)
-                status = "stopped: non-finite" if out.halt else "preempted" if out.preempted else "finished"
-                logger.closing_row(out.step, status)
-            finally:
-                profile.close()
-                logger.close()
+                state, resumed_from = init_or_restore(cfg, prog, ckpt, source, main)
+                _stop_point(flag)  # before the first step (and its compile)
+            except BaseException:
                 ckpt.close()
-            if flag.signal and out.preempted is None and out.halt is None:
-                out.late_signal = signal.Signals(flag.signal).name
+                raise
+            return _train_steps(cfg, workdir, main, t_start, source, flag, mesh, data, prog, ckpt, state,
+                                resumed_from)
+
+
+def _train_steps(cfg: Config, workdir: Path, main: bool, t_start: float, source: InitSource | None,
+                 flag: signals.PreemptionFlag, mesh, data: DataStreams, prog: Program, ckpt: Checkpointer, state,
+                 resumed_from: int | None) -> TrainResult:
+    tc = cfg.train
+    start = resumed_from or 0
+    logger = StepLogger(cfg, workdir, main=main, start=start, n_devices=mesh.devices.size,
+                        every_step=bool(prog.fns.step_stats))
+    if main:
+        logger.summary(startup_summary(cfg, data, mesh))
+    if tc.init_from and resumed_from is None:
+        fingerprint = params_fingerprint(state["params"])
+        if main:
+            record_init_fingerprint(workdir, fingerprint)
+        logger.say(f"init     parameters of {source.workdir} at step {source.step} (run {source.run_id}, "
+                   f"fingerprint {fingerprint}); fresh optimizer state, schedule from step 0")
+    recorded_backends(clear=True)  # the first trace of the step fills it (attention_backends)
+    profile = _Profiler(tc, workdir, main)
+    # signals are caught up to the end of the epilogue: one after the last step never kills the run
+    try:
+        out = _run_steps(cfg, prog, data, ckpt, logger, profile, flag, state, start)
+        status = "stopped: non-finite" if out.halt else "preempted" if out.preempted else "finished"
+        logger.closing_row(out.step, status)
+    finally:
+        profile.close()
+        logger.close()
+        ckpt.close()
+    if flag.signal and out.preempted is None and out.halt is None:
+        out.late_signal = signal.Signals(flag.signal).name
     if out.halt is not None:
         raise nonfinite.NonFiniteError(out.halt.message(tc, out.step, out.saved_last_good, ckpt.directory, logger.skipped))
-    if out.preempted == "SIGUSR1":
-        distributed.requeue_if_slurm()
     return TrainResult(workdir=workdir, step=out.step, final_eval=out.final_eval,
                        wall_seconds=time.time() - t_start, resumed_from=resumed_from, preempted=out.preempted,
                        skipped_steps=logger.skipped, compile_seconds=logger.compile_seconds,
@@ -227,7 +296,7 @@ class _Outcome:
 
 
 def _run_steps(cfg: Config, prog: Program, data: DataStreams, ckpt: Checkpointer, logger: StepLogger,
-               profile: _Profiler, flag: distributed.PreemptionFlag, state, start: int) -> _Outcome:
+               profile: _Profiler, flag: signals.PreemptionFlag, state, start: int) -> _Outcome:
     """Steps ``start .. steps`` (batch -> step -> log -> eval -> checkpoint -> signals); stops early on
     a signal or a NaN-policy halt."""
     tc = cfg.train
@@ -254,14 +323,15 @@ def _run_steps(cfg: Config, prog: Program, data: DataStreams, ckpt: Checkpointer
             if done % tc.eval_every == 0 or done == tc.steps:  # eval
                 pending = finish(logger, pending)
                 final_eval = _eval(logger, prog, data, state, done)
-            stop = _any_process(flag.requested)  # signals, agreed by every process
+            agreed = _agreed_signal(flag.signal if flag.requested else None)  # signals, agreed by every process
+            stop = agreed is not None
             if stop or ckpt.should_save(done) or done == tc.steps:  # checkpoint
                 pending = finish(logger, pending)  # never save a step the NaN policy halted at
                 ckpt.save(done, state, _ckpt_meta(cfg, done), force=stop)
                 last_saved = done
             logger.advance()
             if stop and done < tc.steps:
-                preempted = signal.Signals(flag.signal).name if flag.signal else "signal"
+                preempted = signal.Signals(agreed).name
                 break
         finish(logger, pending)
     except nonfinite.Halt as halt:
@@ -316,8 +386,10 @@ def _sync(name: str) -> None:
         multihost_utils.sync_global_devices(name)
 
 
-def _any_process(flag: bool) -> bool:
+def _agreed_signal(sig: int | None) -> int | None:
+    """The stop signal every process acts on: the most urgent one any process received (SIGUSR1, then
+    SIGTERM, then SIGINT), or None."""
     if jax.process_count() == 1:
-        return flag
+        return sig
     from jax.experimental import multihost_utils
-    return bool(np.any(multihost_utils.process_allgather(np.asarray(flag))))
+    return signals.most_urgent(np.ravel(multihost_utils.process_allgather(np.asarray(sig or 0, np.int32))))

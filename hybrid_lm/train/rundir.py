@@ -91,6 +91,10 @@ def prepare_run_dir(cfg: Config, workdir: Path, force: bool = False, init_record
         old = migrate_run_config(workdir)
         previous = old.get("previous_run_ids", [])
         changed = diff_experiments(old, new)
+        if changed and not force and not has_trained(workdir):  # a start that failed: nothing to protect
+            log.warning("%s: replacing the config of a run that never trained (no checkpoint, no metrics row); "
+                        "differing fields: %s", workdir, ", ".join(changed))
+            changed, previous = [], []
         if changed and not force:
             raise ConfigError(
                 f"{workdir} holds a different experiment; differing fields: {', '.join(changed)}. "
@@ -106,6 +110,18 @@ def prepare_run_dir(cfg: Config, workdir: Path, force: bool = False, init_record
     atomic_write_text(workdir / "operative.gin", operative_gin())
     atomic_write_json(workdir / "provenance.json", prov, indent=2)
     return workdir
+
+
+def has_trained(workdir: Path) -> bool:
+    """Whether ``workdir`` holds a record of training: a metrics row or a checkpoint (finished, or moved
+    aside as corrupt)."""
+    from hybrid_lm.train.checkpoint import saved_steps
+
+    workdir = Path(workdir)
+    metrics = workdir / "metrics.jsonl"
+    corrupt = workdir / "checkpoints" / "corrupt"
+    return ((metrics.exists() and metrics.stat().st_size > 0) or bool(saved_steps(workdir / "checkpoints"))
+            or (corrupt.is_dir() and any(corrupt.iterdir())))
 
 
 def check_run_length(workdir: Path, old_steps: int | None, cfg: Config) -> None:
@@ -133,13 +149,15 @@ def check_run_length(workdir: Path, old_steps: int | None, cfg: Config) -> None:
 
 
 _RUN_RECORDS = ("metrics.jsonl", "checkpoints", "loss_curve.png", "eval.jsonl", "tb", "wandb_id", "profile")
+RECORDS_BESIDE_CHECKPOINTS = tuple(n for n in _RUN_RECORDS if n != "checkpoints")  # a run that never saved
 
 
-def archive_run(workdir: Path) -> Path | None:
-    """Move ``workdir``'s metrics, checkpoints and what was derived from them to
-    ``workdir/archive/<UTC time>/`` (nothing is deleted); the archive dir, or None if nothing was there."""
+def archive_run(workdir: Path, names=_RUN_RECORDS, why: str = "--restart") -> Path | None:
+    """Move ``workdir``'s metrics, checkpoints and what was derived from them (``names``) to
+    ``workdir/archive/<UTC time>/`` (nothing is deleted); the archive dir, or None if nothing was there.
+    ``why`` starts the warning line."""
     workdir = Path(workdir)
-    present = [n for n in _RUN_RECORDS if (workdir / n).exists()]
+    present = [n for n in names if (workdir / n).exists()]
     if not present:
         return None
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
@@ -150,7 +168,7 @@ def archive_run(workdir: Path) -> Path | None:
     dest.mkdir(parents=True)
     for name in present:
         os.rename(workdir / name, dest / name)
-    log.warning("--restart: moved %s of %s to %s; training from step 0", ", ".join(present), workdir, dest)
+    log.warning("%s: moved %s of %s to %s; training from step 0", why, ", ".join(present), workdir, dest)
     return dest
 
 

@@ -191,15 +191,25 @@ def test_all_checkpoints_corrupt_refuses_listing_each(done_run, tmp_path):
         train(_cfg(), wd)  # the next attempt: metrics, and only the moved-aside checkpoints
 
 
-def test_metrics_but_no_checkpoints_refuses(done_run, tmp_path):
+def test_metrics_but_no_checkpoint_ever_committed_archives_and_trains_from_zero(done_run, tmp_path, caplog):
+    """A run killed before its first save left rows and no checkpoint: nothing can be lost, so the rerun
+    archives the rows (one warning line) and trains from step 0, to the same losses."""
     import shutil
     from hybrid_lm.train.loop import train
+    from hybrid_lm.train.metrics import read_metrics
 
     wd = _copy(done_run, tmp_path)
+    rows = (wd / "metrics.jsonl").read_text()
     shutil.rmtree(wd / "checkpoints")
     (wd / "checkpoints").mkdir()
-    with pytest.raises(WorkdirError, match=r"metrics.jsonl holds rows but .* holds no checkpoint.*--restart"):
-        train(_cfg(), wd)
+    res = train(_cfg(), wd)
+    assert res.resumed_from is None and res.step == STEPS
+    (archive,) = (wd / "archive").iterdir()
+    assert (archive / "metrics.jsonl").read_text() == rows and not (archive / "checkpoints").exists()
+    said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len([m for m in said if "no checkpoint was committed before the run" in m]) == 1, said
+    again = [(r["step"], r["loss"]) for r in read_metrics(wd / "metrics.jsonl", "train")]
+    assert again == [(r["step"], r["loss"]) for r in read_metrics(archive / "metrics.jsonl", "train")]
 
 
 def test_restart_archives_and_trains_from_zero(done_run, tmp_path, tiny_params):
