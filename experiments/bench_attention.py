@@ -184,12 +184,8 @@ def main(argv=None) -> dict:
                                  harness.fmt(r["fwd_ms"]), harness.fmt(r["fwd_vs_anchor"], ".2f"),
                                  harness.fmt(r["fwd_bwd_ms"]), harness.fmt(r["fwd_bwd_vs_anchor"], ".2f"),
                                  harness.fmt(r.get("fwd_bwd_tflops"), ".0f")] for r in rows])
-    path = harness.write_result(BENCH, args.out, argv, rows, started=t_start,
-                                anchor={"windowed": f"{anchor} sliding window", "moba": f"{anchor} full causal"})
-    print(f"wrote {path}")
-    if left_running:
-        harness.exit_now(0)
-    return {"rows": rows}
+    return harness.finish(BENCH, args.out, argv, rows, started=t_start, left_running=left_running,
+                          anchor={"windowed": f"{anchor} sliding window", "moba": f"{anchor} full causal"})
 
 
 if __name__ == "__main__":

@@ -213,11 +213,8 @@ def main(argv=None) -> dict:
             print(f"{c.level:<6}{c.arch:<12}{c.context:>8}{c.batch:>4}  {row['status']}: {row.get('error')}", flush=True)
         rows.append(row)
         harness.write_result(BENCH, args.out, argv, rows, started=t_start, anchor="full attention, same context")
-    path = harness.write_result(BENCH, args.out, argv, rows, started=t_start, anchor="full attention, same context")
-    print(f"wrote {path}")
-    if left_running:
-        harness.exit_now(0)
-    return {"rows": rows}
+    return harness.finish(BENCH, args.out, argv, rows, started=t_start, left_running=left_running,
+                          anchor="full attention, same context")
 
 
 if __name__ == "__main__":

@@ -102,11 +102,8 @@ def main(argv=None) -> dict:
     harness.print_table(["part", "shape", "impl", "ms", "GB/s", "time / xla"],
                         [[r["part"], "x".join(map(str, r["shape"])), r["impl"], harness.fmt(r["ms"]),
                           harness.fmt(r["gb_per_s"], ".0f"), harness.fmt(r["vs_anchor"], ".2f")] for r in rows])
-    path = harness.write_result(BENCH, args.out, argv, rows, started=t_start, anchor="XLA (the same computation)")
-    print(f"wrote {path}")
-    if left_running:
-        harness.exit_now(0)
-    return {"rows": rows}
+    return harness.finish(BENCH, args.out, argv, rows, started=t_start, left_running=left_running,
+                          anchor="XLA (the same computation)")
 
 
 if __name__ == "__main__":

@@ -104,11 +104,8 @@ def main(argv=None) -> dict:
     harness.print_table(["arch", "mixer", "fwd ms", "fwd / full", "fwd+bwd ms", "fwd+bwd / full"],
                         [[r["arch"], r["mixer"], harness.fmt(r["fwd_ms"]), harness.fmt(r["fwd_vs_full"], ".2f"),
                           harness.fmt(r["fwd_bwd_ms"]), harness.fmt(r["fwd_bwd_vs_full"], ".2f")] for r in rows])
-    path = harness.write_result(BENCH, args.out, argv, rows, started=t_start, anchor="the full-attention layer")
-    print(f"wrote {path}")
-    if left_running:
-        harness.exit_now(0)
-    return {"rows": rows}
+    return harness.finish(BENCH, args.out, argv, rows, started=t_start, left_running=left_running,
+                          anchor="the full-attention layer")
 
 
 if __name__ == "__main__":

@@ -108,11 +108,8 @@ def main(argv=None) -> dict:
     harness.print_table(["T", "part", "impl", "fwd ms", "fwd / anchor", "fwd+bwd ms", "fwd+bwd / anchor"],
                         [[r["T"], r["part"], r["impl"], harness.fmt(r["fwd_ms"]), harness.fmt(r["fwd_vs_anchor"], ".2f"),
                           harness.fmt(r["fwd_bwd_ms"]), harness.fmt(r["fwd_bwd_vs_anchor"], ".2f")] for r in rows])
-    path = harness.write_result(BENCH, args.out, argv, rows, started=t_start, anchor=f"{anchor} full causal")
-    print(f"wrote {path}")
-    if left_running:
-        harness.exit_now(0)
-    return {"rows": rows}
+    return harness.finish(BENCH, args.out, argv, rows, started=t_start, left_running=left_running,
+                          anchor=f"{anchor} full causal")
 
 
 if __name__ == "__main__":

@@ -373,6 +373,16 @@ def command(bench: str, argv) -> str:
     return shlex.join(["python", f"experiments/bench_{bench}.py", *kept])
 
 
+def finish(bench: str, out: str | None, argv, rows: list, *, left_running: bool = False, **meta) -> dict:
+    """The scripts' common end: write the JSON (:func:`write_result`), say where, and leave at once if
+    compile threads are still running past the deadline. Returns ``{"rows": rows}``."""
+    path = write_result(bench, out, argv, rows, **meta)
+    print(f"wrote {path}")
+    if left_running:
+        exit_now(0)
+    return {"rows": rows}
+
+
 def write_result(bench: str, out: str | None, argv, rows: list, *, anchor: dict | None = None,
                  started: float | None = None, **extra) -> Path:
     """Write (overwrite) the bench's JSON, atomically; returns its path. Called after every finished row
