@@ -22,8 +22,10 @@ never O(T^2). The backward runs a dQ kernel (same traversal as the forward, also
 selected this key block), both deterministic (no atomics).
 
 Tiles: ``block_k`` (and ``block_q`` in per-block mode) must divide ``block_size``; they are capped
-at ``block_size``. Blocks of 16 or 32 work (16-wide tiles) but run far below the tensor cores'
-rate; the model routes those to the XLA reference under ``attention_impl='auto'``.
+at ``block_size``. Blocks of 16 or 32 work (16-wide tiles) but run below the tensor cores' rate;
+where the selection is per token and shared by a GQA group (SSA's gate) the model runs the per-token
+gather kernel instead (``gather_sparse_pallas.py``). ``attention_impl='auto'`` sends every
+power-of-two block of 16 or more to a kernel (``hybrid_lm.backends.moba_backend``).
 
 This module does not import ``hybrid_lm``. ``interpret=True`` runs the same kernels on the CPU.
 """
