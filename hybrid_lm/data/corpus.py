@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from pathlib import Path
 
 from hybrid_lm.errors import DataError
@@ -35,17 +36,29 @@ def embedded_dir(tokenizer: str) -> Path:
     return data_root() / f"embedded-{load_tokenizer(tokenizer).fingerprint[:12]}"
 
 
+PREPARE_WAIT_S = 600.0  # the longest a trainer waits for another process preparing the embedded corpus
+
+
 def ensure_store(source: str, path: str | None, tokenizer: str) -> Path:
-    """The store directory for a config, preparing the embedded corpus on first use."""
+    """The store directory for a config, preparing the embedded corpus on first use. Several trainers
+    starting at once (the processes of one run, or separate runs) prepare it once: the others wait for
+    the one holding the prepare lock, then open what it wrote."""
     from hybrid_lm.data.store import is_store
 
     if source == "embedded":
         directory = Path(path) if path else embedded_dir(tokenizer)
         if not is_store(directory):
-            from hybrid_lm.data.prepare import PrepareSettings, prepare
+            from hybrid_lm.data.prepare import PrepareBusy, PrepareSettings, prepare
             from hybrid_lm.data.sources import SourceSpec
-            prepare(SourceSpec(kind="embedded"), directory, PrepareSettings(tokenizer=tokenizer),
-                    overwrite=(directory / "meta.json").exists(), progress=False)
+            t0 = time.monotonic()
+            while not is_store(directory):
+                try:
+                    prepare(SourceSpec(kind="embedded"), directory, PrepareSettings(tokenizer=tokenizer),
+                            overwrite=(directory / "meta.json").exists(), progress=False)
+                except PrepareBusy as e:
+                    if time.monotonic() - t0 > PREPARE_WAIT_S:
+                        raise DataError(f"{e} (waited {PREPARE_WAIT_S:g} s)") from None
+                    time.sleep(0.5)
         return directory
     directory = Path(path) if path else default_dir(source)
     if not is_store(directory):

@@ -227,6 +227,10 @@ def _check_existing(out: Path, settings_hash: str, record: dict, overwrite: bool
                     "choose another --out, or pass --overwrite to replace it")
 
 
+class PrepareBusy(DataError):
+    """Another process holds the prepare lock of the same ``out`` (``corpus.ensure_store`` waits for it)."""
+
+
 def prepare(source_spec, out: str | Path, settings: PrepareSettings = PrepareSettings(), *, workers: int = 1,
             overwrite: bool = False, progress: bool = True) -> PrepareResult:
     """Build (or confirm) the token store at ``out`` from ``source_spec``; see the module docstring.
@@ -243,7 +247,7 @@ def prepare(source_spec, out: str | Path, settings: PrepareSettings = PrepareSet
     except WorkdirError as e:
         if isinstance(e.__cause__, OSError):  # the lock beside --out cannot be written: --out cannot either
             raise _unwritable(out, e.__cause__) from None
-        raise DataError(f"another `data prepare` is writing {out}: {e}") from None
+        raise PrepareBusy(f"another `data prepare` is writing {out}: {e}") from None
     try:
         return _prepare(source_spec, out, settings, workers=workers, overwrite=overwrite, progress=progress)
     finally:

@@ -12,13 +12,18 @@ Idempotent by construction:
   and the stable run's metrics rows up to ``s_b`` are copied into the branch's ``metrics.jsonl``
   (marked ``copied_from``). A branch runs once seeded; it only trains its decay phase.
 
-**SLURM.** ``--launch slurm`` writes ``<root>/slurm/phase1.sbatch`` (stable and independent runs) and
-``phase2.sbatch`` (branches), each a job array over a job list file, and ``submit.sh``, which submits
-phase 1 and then phase 2 with ``--dependency=afterany:<phase 1>``; each branch checks that it is
-seeded and fails with a clear message otherwise. Chosen over submitit: no extra dependency, the
-scripts are plain files that can be read, edited and resubmitted, and a resubmission lists only the
-unfinished jobs. ``--signal=B:USR1@<s>`` + ``--requeue`` let the trainer save and requeue itself
-before the time limit.
+**SLURM.** ``--launch slurm`` writes ``<root>/slurm/phase1.sbatch`` (stable and independent runs, a job
+array), one ``branches-<k>.sbatch`` array per stable run ``k`` of phase 1 holding its WSD branches, and
+``submit.sh``, which submits phase 1 and then each branch array with ``--dependency=afterany:<phase 1>_<k>``:
+a branch waits for its own stable run's task only, not for the whole phase (each branch also checks
+that it is seeded and fails with a clear message otherwise). Each script holds its run names itself
+(``phase1.txt`` only lists them for reading): SLURM keeps the script it was given, so regenerating
+the scripts never changes what an already submitted task runs. Logs go to
+``slurm/logs/<job name>-<array job>_<task>.out``, appended (``--open-mode=append``), so a requeued
+task's log keeps every segment. Chosen over submitit: no extra dependency, the scripts are plain
+files that can be read, edited and resubmitted, and a resubmission lists only the unfinished jobs.
+``--signal=B:USR1@<s>`` + ``--requeue`` let the trainer save and requeue its own array task
+(``<array job>_<task>``) before the time limit (``train/signals.py``).
 
 **Micro-batches.** Each run's ``TrainConfig.microbatches`` comes from the micro-batch rule
 (``hybrid_lm/train/microbatch.py``): the fewest gradient-accumulation steps that put at most the
@@ -29,6 +34,10 @@ seq_len) keep the configured one. The choice and its reason are written to ``swe
 Worker entry point (used by the local GPU pool and by the SLURM scripts)::
 
     python -m hybrid_lm.scaling.launch --root ROOT --job NAME
+
+It catches SIGTERM / SIGUSR1 / SIGINT for its whole life (a signal between two segments of a stable
+run stops the next segment before its first step, and SIGUSR1 then requeues), and reports a failed
+job in one line (exit 1).
 """
 
 from __future__ import annotations
@@ -45,11 +54,13 @@ import sys
 import threading
 import time
 import traceback
+import contextlib
 from contextlib import contextmanager
 from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from hybrid_lm.errors import ConfigError, DataError, WorkdirError
 from hybrid_lm.files import atomic_write_json
 from hybrid_lm.progress import JobLines, bar_disabled
 from hybrid_lm.scaling.sweep import Job, Plan, SweepError, manifest_jobs, read_manifest, write_manifest
@@ -256,7 +267,7 @@ def _run_job(root: Path, job: Job, jobs: dict[str, Job] | None) -> dict:
                 res = train(cfg, d)
                 segments.append({"to_step": sb, "resumed_from": res.resumed_from, "wall_seconds": res.wall_seconds})
                 if res.preempted:
-                    return {"status": "preempted", "job": job.name, "step": res.step, "signal": res.preempted}
+                    return _preempted(job, res)
             for b in targets:
                 if seed_branch(root, job, b):
                     seeded.append(b.name)
@@ -267,7 +278,7 @@ def _run_job(root: Path, job: Job, jobs: dict[str, Job] | None) -> dict:
     cfg = _load(job)
     res = train(cfg, d)
     if res.preempted:
-        return {"status": "preempted", "job": job.name, "step": res.step, "signal": res.preempted}
+        return _preempted(job, res)
     if res.step < job.steps:
         raise SweepError(f"job {job.name} stopped at step {res.step} of {job.steps}")
     (d / "sweep_error.txt").unlink(missing_ok=True)
@@ -275,6 +286,11 @@ def _run_job(root: Path, job: Job, jobs: dict[str, Job] | None) -> dict:
                             "final_eval": res.final_eval, "resumed_from": res.resumed_from,
                             "wall_seconds": res.wall_seconds, "skipped_steps": res.skipped_steps})
     return {"status": "done", "job": job.name, "resumed_from": res.resumed_from, "final_eval": res.final_eval}
+
+
+def _preempted(job: Job, res) -> dict:
+    return {"status": "preempted", "job": job.name, "step": res.step, "signal": res.preempted,
+            "before_training": res.before_training, "requeued": res.requeued}
 
 
 # ----------------------------------------------------------------------------- local launch
@@ -320,6 +336,13 @@ def launch_local(plan: Plan, gpus: list[str] | None = None, only: str | None = N
         return summary
     if gpus and len(gpus) > 1:
         return _gpu_pool(plan, todo, gpus, summary, progress)
+    from hybrid_lm.train import signals
+
+    with signals.catching():  # Ctrl-C / SIGTERM: the running job saves and stops, and so does the sweep
+        return _in_sequence(root, todo, by_name, summary, plan, progress)
+
+
+def _in_sequence(root: Path, todo: list[Job], by_name: dict, summary: dict, plan: Plan, progress: bool) -> dict:
     bar = tqdm(total=len(todo), desc=f"sweep {plan.spec.name}", disable=bar_disabled(progress), dynamic_ncols=True)
     lines = JobLines(len(todo), progress)  # the bar names the running job; a log file gets these lines instead
     try:
@@ -381,7 +404,18 @@ class _PrefixedLog:
 
 
 def _gpu_pool(plan: Plan, todo: list[Job], gpus: list[str], summary: dict, progress: bool) -> dict:
-    """One worker subprocess per GPU (CUDA_VISIBLE_DEVICES); branches start as soon as they are seeded."""
+    """One worker subprocess per GPU (CUDA_VISIBLE_DEVICES); branches start as soon as they are seeded.
+    A stop signal (Ctrl-C, SIGTERM) starts no new job and sends SIGTERM to the running workers, which
+    save and stop."""
+    from hybrid_lm.train import signals
+
+    with signals.catching() as flag:
+        return _pool(plan, todo, gpus, summary, progress, flag)
+
+
+def _pool(plan: Plan, todo: list[Job], gpus: list[str], summary: dict, progress: bool, flag) -> dict:
+    import signal
+
     root = plan.root
     logs = root / "logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -391,10 +425,19 @@ def _gpu_pool(plan: Plan, todo: list[Job], gpus: list[str], summary: dict, progr
     bar = tqdm(total=len(todo), desc=f"sweep {plan.spec.name} on GPUs {','.join(gpus)}",
                disable=bar_disabled(progress), dynamic_ncols=True)
     lines = JobLines(len(todo), progress)  # the bar names the running jobs; a log file gets these lines instead
+    stopping = False
     try:
         while pending or running:
+            if flag.requested and not stopping:  # SIGTERM (not the signal itself: a 2nd Ctrl-C exits at once)
+                stopping = True
+                for proc, _, _ in running.values():
+                    with contextlib.suppress(OSError):
+                        proc.send_signal(signal.SIGTERM)
+                summary["preempted"] = summary["preempted"] or {"signal": flag.name}
+            if stopping and not running:
+                break
             for g in gpus:
-                if g in running:
+                if g in running or stopping:
                     continue
                 ready = next((j for j in pending if is_ready(root, j)), None)
                 if ready is None:
@@ -461,30 +504,38 @@ def write_slurm(plan: Plan, only: str | None = None, submit: bool = True, python
     p2 = [j.name for j in jobs if j.kind == "branch"]
     sd = root / "slurm"
     (sd / "logs").mkdir(parents=True, exist_ok=True)
+    for old in [*sd.glob("branches-*.sbatch"), sd / "phase2.sbatch", sd / "phase1.sbatch"]:
+        old.unlink(missing_ok=True)  # a script of an earlier plan (submitted tasks keep their own copy)
     s = plan.spec.slurm
     py = python or s.get("python") or sys.executable
     out = {"dir": str(sd), "phase1": len(p1), "phase2": len(p2), "scripts": [], "submitted": None}
-    for phase, names in (("phase1", p1), ("phase2", p2)):
-        lst = sd / f"{phase}.txt"
-        lst.write_text("".join(n + "\n" for n in names))
-        if not names:
-            continue
-        path = sd / f"{phase}.sbatch"
-        path.write_text(_sbatch_script(plan, phase, len(names), lst, py, root))
+    (sd / "phase1.txt").write_text("".join(n + "\n" for n in p1))
+    (sd / "phase2.txt").write_text("".join(n + "\n" for n in p2))
+    # branches grouped by their stable run: each group waits for that run's phase-1 task only
+    groups: dict[str, list[str]] = {}
+    for n in p2:
+        groups.setdefault(by_name[n].branch_from["run"], []).append(n)
+    arrays = [("phase1", "phase1", p1, None)] if p1 else []
+    for k, (stable, names) in enumerate(groups.items()):
+        after = p1.index(stable) if stable in p1 else None  # None: the stable run is done already
+        arrays.append((f"branches-{k}", f"branches-{k}", names, after))
+    for file, phase, names, _ in arrays:
+        path = sd / f"{file}.sbatch"
+        path.write_text(_sbatch_script(plan, phase, names, py, root))
         path.chmod(0o755)
         out["scripts"].append(str(path))
     submit_sh = sd / "submit.sh"
     lines = ["#!/bin/bash", "# Generated by `hybrid-lm sweep --launch slurm`; safe to re-run after regenerating.",
+             "# Each branch array waits for its own stable run's phase-1 task (afterany:<phase 1>_<task>).",
              "set -euo pipefail", f"cd {shlex.quote(str(sd))}"]
-    if p1 and p2:
-        lines += ["P1=$(sbatch --parsable phase1.sbatch)", "P1=${P1%%;*}",
-                  "P2=$(sbatch --parsable --dependency=afterany:${P1} phase2.sbatch)",
-                  'echo "phase1 ${P1}  phase2 ${P2}"']
-    elif p1:
-        lines += ["P1=$(sbatch --parsable phase1.sbatch)", 'echo "phase1 ${P1}"']
-    elif p2:
-        lines += ["P2=$(sbatch --parsable phase2.sbatch)", 'echo "phase2 ${P2}"']
-    else:
+    if p1:
+        lines += ["P1=$(sbatch --parsable phase1.sbatch)", "P1=${P1%%;*}", 'echo "phase1 ${P1}"']
+    for file, _, names, after in arrays[1 if p1 else 0:]:
+        dep = f"--dependency=afterany:${{P1}}_{after} " if after is not None else ""
+        stable = by_name[names[0]].branch_from["run"]
+        lines += [f"B=$(sbatch --parsable {dep}{file}.sbatch)",
+                  f'echo "{file} ${{B%%;*}}: {len(names)} branch(es) of {stable}"']
+    if not arrays:
         lines += ['echo "nothing to submit: every job is done"']
     submit_sh.write_text("\n".join(lines) + "\n")
     submit_sh.chmod(0o755)
@@ -502,13 +553,13 @@ def write_slurm(plan: Plan, only: str | None = None, submit: bool = True, python
     return out
 
 
-def _sbatch_script(plan: Plan, phase: str, n: int, job_list: Path, python: str, root: Path) -> str:
+def _sbatch_script(plan: Plan, phase: str, names: list[str], python: str, root: Path) -> str:
     s = plan.spec.slurm
     name = f"{plan.spec.name}-{phase}"
     par = s.get("max_parallel")
-    arr = f"0-{n - 1}" + (f"%{par}" if par else "")
+    arr = f"0-{len(names) - 1}" + (f"%{par}" if par else "")
     hdr = [f"#SBATCH --job-name={name}", f"#SBATCH --array={arr}",
-           f"#SBATCH --output={root}/slurm/logs/%x-%A_%a.out",
+           f"#SBATCH --output={root}/slurm/logs/%x-%A_%a.out", "#SBATCH --open-mode=append",
            "#SBATCH --ntasks=1", f"#SBATCH --gpus-per-task={s.get('gpus_per_task', 1)}",
            f"#SBATCH --signal=B:USR1@{s.get('signal_seconds', 120)}", "#SBATCH --requeue"]
     for key, flag in (("cpus_per_task", "cpus-per-task"), ("time", "time"), ("mem", "mem"),
@@ -516,9 +567,12 @@ def _sbatch_script(plan: Plan, phase: str, n: int, job_list: Path, python: str, 
         if s.get(key) is not None:
             hdr.append(f"#SBATCH --{flag}={s[key]}")
     hdr += [f"#SBATCH {x}" for x in s.get("sbatch", [])]
+    listed = "\n".join(f"  {shlex.quote(n)}" for n in names)
     body = ["set -eo pipefail", f"cd {shlex.quote(str(REPO_ROOT))}", *s.get("setup", []),
-            f'NAME=$(sed -n "$((SLURM_ARRAY_TASK_ID + 1))p" {shlex.quote(str(job_list))})',
-            'echo "task ${SLURM_ARRAY_TASK_ID}: ${NAME} on $(hostname)"',
+            "# the runs of this array, by task id: held here, so a regenerated plan never changes a submitted task",
+            f"NAMES=(\n{listed}\n)", 'NAME=${NAMES[$SLURM_ARRAY_TASK_ID]}',
+            'echo "$(date -u +%FT%TZ) task ${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}: ${NAME} on $(hostname)'
+            ' (restart ${SLURM_RESTART_COUNT:-0})"',
             # exec: the trainer is the batch shell, so it receives USR1, saves and requeues itself
             f'exec {shlex.quote(python)} -m hybrid_lm.scaling.launch --root {shlex.quote(str(root))} --job "$NAME"']
     return "#!/bin/bash\n" + "\n".join(hdr) + "\n\n" + "\n".join(body) + "\n"
@@ -531,16 +585,28 @@ def main(argv=None) -> int:
     ap.add_argument("--root", required=True, help="sweep root (holds sweep.json)")
     ap.add_argument("--job", required=True, help="job name (run id) from sweep.json")
     args = ap.parse_args(argv)
+    from hybrid_lm.train import distributed, signals
+
+    with signals.catching():  # for the whole job: a signal between two segments is seen by the next one
+        try:
+            rc = _work(args)
+        except (SweepError, ConfigError, WorkdirError, DataError, ImportError, OSError,
+                distributed.ClusterError) as e:  # one line; a bug still shows its traceback
+            print(f"error: job {args.job}: {' '.join(str(e).split()) or type(e).__name__}", file=sys.stderr)
+            rc = 1
+    distributed.leave_if_failing(rc)
+    return rc
+
+
+def _work(args) -> int:
     read_manifest(args.root)
     jobs = {j.name: j for j in manifest_jobs(args.root)}
     if args.job not in jobs:
         print(f"error: no job {args.job!r} in {args.root}/sweep.json", file=sys.stderr)
         return 2
-    try:
-        r = run_job(Path(args.root), jobs[args.job], jobs)
-    except SweepError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    r = run_job(Path(args.root), jobs[args.job], jobs)
+    if r.get("requeued"):
+        print(r["requeued"], file=sys.stderr)
     print(json.dumps(r, default=str))
     return 3 if r["status"] == "preempted" else 0
 

@@ -229,6 +229,7 @@ class _State:
     launch: Launch | None = None
     watchdog: _Watchdog | None = None
     failing: bool = False  # this process failed or saw a peer fail: it leaves without JAX's shutdown barrier
+    dead: set = set()  # processes found dead: no acknowledgement to wait for
     exiting: bool = False
 
 
@@ -412,6 +413,7 @@ class _Watchdog(threading.Thread):
                 if beat_i != last:
                     seen[i] = (beat_i, now)
                 elif now - since > peer_timeout_s():
+                    _STATE.dead.add(i)
                     _leave_for_peer(self.launch, i, f"stopped responding {now - since:.0f} s ago (no pulse within "
                                                     "HYBRID_LM_PEER_TIMEOUT_S): killed, out of memory, or its host failed")
 
@@ -466,7 +468,7 @@ def _wait_for_acks(launch: Launch, limit: float = 5.0) -> None:
             st = _read_state(_client())
         except Exception:  # noqa: BLE001
             return
-        waiting = set(range(1, launch.num_processes)) - st["ack"] - set(st["failed"]) - st["done"]
+        waiting = set(range(1, launch.num_processes)) - st["ack"] - set(st["failed"]) - st["done"] - _STATE.dead
         if not waiting:
             return
         time.sleep(0.1)
@@ -484,7 +486,19 @@ def _publish_abrupt_exit() -> None:
     _wait_for_acks(launch, 3.0)
 
 
-_OWN_ERRORS = (ConfigError, DataError, WorkdirError, ImportError, OSError)
+_OWN_ERRORS = (ConfigError, DataError, WorkdirError, ImportError, OSError, KeyboardInterrupt, SystemExit)
+_TRANSPORT = re.compile(r"gloo|nccl|DEADLINE_EXCEEDED|UNAVAILABLE|connection (reset|closed|refused)|socket closed|"
+                        r"heartbeat|coordination service", re.IGNORECASE)
+
+
+def _own(e: BaseException) -> bool:
+    """A failure of this process itself (a mistake, a full disk), not a broken collective: a collective
+    whose peer died can surface wrapped in another error (a checkpoint save that gathers)."""
+    chain, seen = [], e
+    while seen is not None and len(chain) < 5:
+        chain.append(seen)
+        seen = seen.__cause__ or seen.__context__
+    return isinstance(e, _OWN_ERRORS) and not any(_TRANSPORT.search(str(x)) for x in chain)
 
 
 def failed(e: BaseException, resume: str = "") -> BaseException:
@@ -500,8 +514,7 @@ def failed(e: BaseException, resume: str = "") -> BaseException:
     if leaving:
         threading.Event().wait(30)
         return e
-    own = isinstance(e, (KeyboardInterrupt, SystemExit, *_OWN_ERRORS))
-    culprit = None if own else _find_culprit(launch)
+    culprit = None if _own(e) else _find_culprit(launch)
     if culprit is not None:
         peer, what = culprit
         with contextlib.suppress(Exception):
@@ -533,6 +546,7 @@ def _find_culprit(launch: Launch, window: float = 3.0):
         elif time.monotonic() - t0 >= window:
             dead = [i for i in range(launch.num_processes)
                     if i != me and i not in st["done"] and st["alive"].get(i) == first.get(i)]
+            _STATE.dead.update(dead)
             return (dead[0], "stopped without a message (killed, out of memory, or its host failed)") if dead else None
         time.sleep(0.1)
 

@@ -203,8 +203,10 @@ def train(cfg: Config, workdir: Path | str | None = None, *, force: bool = False
             if err is e:
                 raise
             raise err from e
-        if res.preempted == "SIGUSR1" and main:
-            res.requeued = signals.requeue()  # SLURM then ends this job (SIGTERM, caught) and starts it again
+        if res.preempted == "SIGUSR1":
+            signals.expect_requeue()
+            if main:  # once for the whole job; SLURM then ends it (SIGTERM, caught) and starts it again
+                res.requeued = signals.requeue()
         return res
 
 

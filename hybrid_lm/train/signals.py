@@ -106,6 +106,7 @@ class _Handlers:
         self._old_wakeup = -1
         self._pipe: tuple[int, int] | None = None
         self._thread: threading.Thread | None = None
+        self.requeued = False  # a requeue was asked for: SLURM's SIGTERM that ends this job is expected
 
     def install(self) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -125,7 +126,9 @@ class _Handlers:
             return
         signal.set_wakeup_fd(self._old_wakeup)
         for sig, old in self._old.items():
-            signal.signal(sig, old)
+            # after a requeue SLURM ends the job with SIGTERM: ignored for the rest of the process, so that
+            # no process of the job dies on it before all have passed JAX's shutdown barrier
+            signal.signal(sig, signal.SIG_IGN if self.requeued and sig == signal.SIGTERM else old)
         self._old.clear()
         r, w = self._pipe
         os.close(w)  # the watcher reads EOF and ends
@@ -183,6 +186,12 @@ def catching():
 
 def current_flag() -> PreemptionFlag:
     return _HANDLERS.flag
+
+
+def expect_requeue() -> None:
+    """The run stopped for a requeue (SIGUSR1 on any process): SLURM's SIGTERM that follows is ignored
+    once the handlers are uninstalled."""
+    _HANDLERS.requeued = True
 
 
 # ----------------------------------------------------------------------------- SLURM requeue
