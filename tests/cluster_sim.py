@@ -26,8 +26,8 @@ SCONTROL = """#!/bin/bash
 # stand-in for SLURM's scontrol: record the call, then act as a requeue of a running job does
 echo "$@" >> "$FAKE_SCONTROL_LOG"
 if [ "$1" = requeue ]; then
-  if [ -n "$FAKE_SLURM_PIDS" ] && [ -s "$FAKE_SLURM_PIDS" ]; then
-    for p in $(cat "$FAKE_SLURM_PIDS"); do kill -TERM "$p" 2>/dev/null || true; done
+  if [ -n "$FAKE_SLURM_PIDS" ]; then  # the job's processes, one pid a line (none: signal nobody)
+    for p in $(cat "$FAKE_SLURM_PIDS" 2>/dev/null); do kill -TERM "$p" 2>/dev/null || true; done
   else
     kill -TERM "$PPID" 2>/dev/null || true
   fi

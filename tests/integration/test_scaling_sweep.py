@@ -182,8 +182,10 @@ def test_slurm_scripts_and_submission(tmp_path, monkeypatch):
     names = (tmp_path / "root" / "slurm" / "phase1.txt").read_text().split()
     assert all("-stable-" in n for n in names)
     lines = calls.read_text().splitlines()
-    assert lines[0].endswith("phase1.sbatch") and "--dependency=afterany:" in lines[1]
-    assert lines[1].endswith("phase2.sbatch")
+    assert lines[0].endswith("phase1.sbatch")  # then one branch array per stable run, after that run's task
+    p1 = lines[1].split("afterany:")[1].split("_")[0]
+    assert [x.split("--parsable ")[1] for x in lines[1:]] == [
+        f"--dependency=afterany:{p1}_{k} branches-{k}.sbatch" for k in range(4)]
     assert json.loads((tmp_path / "root" / "sweep.json").read_text())["name"] == "tiny_cpu"
 
 
