@@ -36,6 +36,75 @@ exit 0
 """
 
 
+# A Python command line (``python -c HOOKED ARGS``, ARGS as for ``python -m hybrid_lm.cli`` or ``-m MODULE ...``
+# for a module with ``main(argv)``) that first installs a hook from the JSON in $HOOK: the process sends
+# itself the signals in "signals" (then sleeps "sleep" seconds) at one point of the run, "where":
+#   "row": after step "at"'s metrics row;  "save": entering the checkpoint save of step "at";
+#   "restore": right after the start-up restore;  "seed": when a stable run seeds its first branch.
+# So each case hits the moment it names, whatever the machine's speed. Without $HOOK: no hook.
+HOOKED = r"""
+import importlib, json, os, sys, time
+spec = json.loads(os.environ.get("HOOK") or "null")
+fired = []
+
+def fire():
+    if fired:
+        return
+    fired.append(1)
+    for s in spec["signals"]:
+        os.kill(os.getpid(), s)
+        time.sleep(0.3)
+    time.sleep(spec.get("sleep", 0))
+
+if spec:
+    from hybrid_lm.train import checkpoint, logger, loop
+    if spec["where"] == "row":
+        row = logger.StepLogger.train_row
+        def train_row(self, done, *a, **k):
+            row(self, done, *a, **k)
+            if done == spec["at"]:
+                fire()
+        logger.StepLogger.train_row = train_row
+    elif spec["where"] == "save":
+        save = checkpoint.Checkpointer.save
+        def hooked_save(self, step, *a, **k):
+            if step == spec["at"]:
+                fire()
+            return save(self, step, *a, **k)
+        checkpoint.Checkpointer.save = hooked_save
+    elif spec["where"] == "restore":
+        restore = loop.init_or_restore
+        def init_or_restore(*a, **k):
+            out = restore(*a, **k)
+            fire()
+            return out
+        loop.init_or_restore = init_or_restore
+    elif spec["where"] == "seed":
+        from hybrid_lm.scaling import launch
+        seed = launch.seed_branch
+        def seed_branch(*a, **k):
+            out = seed(*a, **k)
+            fire()
+            return out
+        launch.seed_branch = seed_branch
+args = sys.argv[1:]
+if args[:1] == ["-m"]:
+    sys.exit(importlib.import_module(args[1]).main(args[2:]))
+from hybrid_lm.cli import main
+sys.exit(main(args))
+"""
+
+
+def hooked_python(path: Path) -> Path:
+    """An executable that runs this Python with :data:`HOOKED` (for scripts that call ``PYTHON -m ...``)."""
+    import shlex
+
+    path = Path(path)
+    path.write_text(f"#!/bin/bash\nexec {shlex.quote(sys.executable)} -c {shlex.quote(HOOKED)} \"$@\"\n")
+    path.chmod(0o755)
+    return path
+
+
 def fake_slurm_bin(directory: Path) -> tuple[Path, Path]:
     """``(bin dir to put first on PATH, the log of scontrol calls)``."""
     directory = Path(directory)
@@ -88,10 +157,13 @@ def trainer(args: list[str], env: dict, out: Path, cwd: Path | None = None) -> s
                             stderr=subprocess.STDOUT, cwd=cwd)
 
 
-def script(code: str, args: list[str], env: dict, out: Path) -> subprocess.Popen:
-    """``python -c CODE ARGS`` (a wrapper that patches a hook, then runs the command line)."""
+def hooked(args: list[str], env: dict, out: Path, hook: dict | None = None) -> subprocess.Popen:
+    """``python -c HOOKED ARGS`` with ``hook`` (see :data:`HOOKED`), output to the file ``out``."""
+    import json
+
+    env = dict(env, HOOK=json.dumps(hook)) if hook else {k: v for k, v in env.items() if k != "HOOK"}
     fh = open(out, "w")
-    return subprocess.Popen([sys.executable, "-c", code, *args], env=env, stdout=fh, stderr=subprocess.STDOUT)
+    return subprocess.Popen([sys.executable, "-c", HOOKED, *args], env=env, stdout=fh, stderr=subprocess.STDOUT)
 
 
 def wait_all(procs, timeout: float) -> list[int]:

@@ -2,7 +2,8 @@
 ends in one line and a rerun of the same command finishes bitwise equal to an uninterrupted run.
 
 Signals are sent by the trainer to itself from a hook at an exact point (a step's row, a checkpoint
-save, the restore during start-up), so each case tests what it names whatever the machine's speed.
+save, the restore during start-up: ``cluster_sim.HOOKED``), so each case tests what it names whatever
+the machine's speed.
 """
 
 import json
@@ -13,7 +14,7 @@ import sys
 
 import pytest
 
-from cluster_sim import base_env, fake_slurm_bin, slurm_env
+from cluster_sim import HOOKED, base_env, fake_slurm_bin, slurm_env
 from conftest import TINY
 from resume_check import compare_runs, write_gin
 
@@ -21,51 +22,11 @@ STEPS = 8
 PARAMS = [p for p in TINY if "every_steps" not in p and "log_every" not in p] + [
     f"TrainConfig.steps = {STEPS}", "TrainConfig.log_every = 1", "CheckpointConfig.every_steps = 4"]
 
-# `hybrid-lm train` with a hook (HOOK, JSON) that sends signals to the trainer itself at one point:
-# {"where": "row" (after step AT's row) | "save" (entering the save of step AT) | "restore" (after the
-#  start-up restore), "at": AT, "signals": [...], "sleep": seconds after them}
-HOOKED_CLI = r"""
-import json, os, sys, time
-spec = json.loads(os.environ["HOOK"])
-from hybrid_lm.cli import main
-from hybrid_lm.train import checkpoint, logger, loop
-
-def fire():
-    for s in spec["signals"]:
-        os.kill(os.getpid(), s)
-        time.sleep(0.3)
-    time.sleep(spec.get("sleep", 0))
-
-if spec["where"] == "row":
-    row = logger.StepLogger.train_row
-    def train_row(self, done, *a, **k):
-        row(self, done, *a, **k)
-        if done == spec["at"]:
-            fire()
-    logger.StepLogger.train_row = train_row
-elif spec["where"] == "save":
-    save = checkpoint.Checkpointer.save
-    def hooked_save(self, step, *a, **k):
-        if step == spec["at"]:
-            fire()
-        return save(self, step, *a, **k)
-    checkpoint.Checkpointer.save = hooked_save
-elif spec["where"] == "restore":
-    restore = loop.init_or_restore
-    def init_or_restore(*a, **k):
-        out = restore(*a, **k)
-        fire()
-        return out
-    loop.init_or_restore = init_or_restore
-sys.exit(main(sys.argv[1:]))
-"""
-
-
 def _train(workdir, gin, hook=None, env=None, timeout=300):
     env = dict(env or base_env())
     if hook:
         env["HOOK"] = json.dumps(hook)
-    cmd = [sys.executable, "-c", HOOKED_CLI] if hook else [sys.executable, "-m", "hybrid_lm.cli"]
+    cmd = [sys.executable, "-c", HOOKED] if hook else [sys.executable, "-m", "hybrid_lm.cli"]
     r = subprocess.run([*cmd, "train", str(gin), "--workdir", str(workdir)], env=env, capture_output=True,
                        text=True, timeout=timeout)
     return r.returncode, r.stdout + r.stderr
