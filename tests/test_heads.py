@@ -1,8 +1,9 @@
 """Retrieval-head tracking (hybrid_lm/eval/heads.py, eval/introspect.py's attention weights): the
 recomputed attention reproduces the layer's own output (RoPE, NoPE, GQA, a horizon with sinks);
-hand-built oracles (zero queries: uniform attention, entropy 1, mass = span / (q + 1); a horizon
-that hides the needle: mass 0); d_QK (0 against itself, exact on a scaled head, GQA groups); and
-evaluate/format/plot end to end on a tiny run with two checkpoints."""
+hand-built oracles (zero queries: uniform attention, entropy 1, score = answer / (q + 1); a horizon
+that hides the answer: score 0); d_QK (0 against itself, exact on scaled heads, GQA groups); and
+evaluate/format/plot end to end on a tiny run with two checkpoints. tests/test_eval_fidelity.py checks
+the definitions against the official scripts."""
 
 import json
 
@@ -66,45 +67,54 @@ def test_attention_weights_reproduce_the_layers_output(case):
     assert np.all(p[:, :, 5, 6:] == 0)  # causal
 
 
-def _stats(cfg, fns, params, tokens, qpos, qvalid, spans):
-    def stats(params, tokens, qpos, qvalid, spans):
+def _stats(cfg, fns, params, tokens, lengths, needle):
+    def stats(params, tokens, lengths, needle):
         model = fns.model(params)
-        return I.retrieval_stats(model, tokens, I.eval_context(cfg, *tokens.shape), qpos, qvalid, spans,
+        return I.retrieval_stats(model, tokens, I.eval_context(cfg, *tokens.shape), lengths, needle,
                                  I.attention_layers(model))
-    return [np.asarray(a) for a in jax.jit(stats)(params, tokens, qpos, qvalid, spans)]
+    return [np.asarray(a) for a in jax.jit(stats)(params, tokens, lengths, needle)]
+
+
+def _mask(T, *spans):
+    m = np.zeros((len(spans), T), bool)
+    for r, (a, b) in enumerate(spans):
+        m[r, a:b] = True
+    return m
 
 
 def test_zero_queries_attend_uniformly():
-    """wq = 0: every score is 0, so each query spreads evenly over its q + 1 visible keys: entropy 1
-    and mass |span| / (q + 1) exactly; with a horizon of 8 (no sinks) the needle is out of sight."""
+    """wq = 0: every score is 0, so each query spreads evenly over its q + 1 visible keys: the score
+    (the query at len - 2) is |answer| / (q + 1) exactly and the entropy of the last 4 queries 1; with
+    a horizon of 8 (no sinks) the answer is out of sight and the entropy is log 8 / log(q + 1) (the
+    official normalisation counts every causal key)."""
     cfg, fns = _one_layer()
     params = fns.init(1)
     params["blocks"][0]["mixer"]["wq"] = jnp.zeros_like(params["blocks"][0]["mixer"]["wq"])
     tokens = np.random.default_rng(1).integers(0, 256, (2, 48)).astype(np.int32)
-    qpos = np.array([[30, 31, 32, 33], [40, 41, 42, 42]], np.int32)
-    qvalid = np.array([[1, 1, 1, 1], [1, 1, 1, 0]], np.int32)  # row 1: three real queries
-    spans = np.array([[5, 12], [0, 20]], np.int32)
-    mass, entropy, uniform = _stats(cfg, fns, params, tokens, qpos, qvalid, spans)
-    want = np.array([np.mean([7 / (q + 1) for q in (30, 31, 32, 33)]), np.mean([20 / (q + 1) for q in (40, 41, 42)])])
+    lengths = np.array([[34], [43]], np.int32)  # row 0 padded after 34 tokens, row 1 after 43
+    needle = _mask(48, (5, 12), (0, 20))
+    mass, entropy, uniform = _stats(cfg, fns, params, tokens, lengths, needle)
+    want = np.array([7 / 33, 20 / 42])  # queries 32 and 41
     assert mass.shape == entropy.shape == (2, 1, 4) and uniform.shape == (2, 1)
     np.testing.assert_allclose(mass[:, 0], np.repeat(want[:, None], 4, 1), rtol=1e-5)
     np.testing.assert_allclose(entropy, 1.0, rtol=1e-5)
     np.testing.assert_allclose(uniform[:, 0], want, rtol=1e-5)
     cfg8, fns8 = _constrained(cfg, 8, 0)
-    mass, entropy, uniform = _stats(cfg8, fns8, params, tokens, qpos, qvalid, spans)
+    mass, entropy, uniform = _stats(cfg8, fns8, params, tokens, lengths, needle)
     assert np.all(mass == 0) and np.all(uniform == 0)
-    np.testing.assert_allclose(entropy, 1.0, rtol=1e-5)  # uniform over the 8 keys it sees
-    cfg_s, fns_s = _constrained(cfg, 8, 4)  # 4 sinks: keys 0..3 of row 1's span [0, 20) are visible
-    mass, _, _ = _stats(cfg_s, fns_s, params, tokens, qpos, qvalid, spans)
+    tail = [np.mean([np.log(8) / np.log(q + 1) for q in range(n - 4, n)]) for n in (34, 43)]
+    np.testing.assert_allclose(entropy[:, 0], np.repeat(np.array(tail)[:, None], 4, 1), rtol=1e-4)
+    cfg_s, fns_s = _constrained(cfg, 8, 4)  # 4 sinks: keys 0..3 of row 1's answer [0, 20) are visible
+    mass, _, _ = _stats(cfg_s, fns_s, params, tokens, lengths, needle)
     np.testing.assert_allclose(mass[1, 0], 4 / 12, rtol=1e-5)
     assert np.all(mass[0] == 0)
 
 
-def test_a_head_locked_on_one_token_puts_its_mass_on_the_needle():
+def test_a_head_locked_on_one_token_puts_its_score_on_the_answer():
     """NoPE; token 255 alone has embedding direction e_0, and every head's q and k read only e_0:
-    the query (a 255, RMS-normed to sqrt(32) e_0) scores the 255 keys 32 c^2 / sqrt(head_dim 8) and
-    every other key 0, so with the needle span holding four 255s and the query's own key the fifth,
-    mass -> 4/5 and entropy -> log 5 / log(q + 1)."""
+    the query (a 255 at len - 2, RMS-normed to sqrt(32) e_0) scores the 255 keys 32 c^2 / sqrt(head_dim
+    8) and every other key 0, so with the answer holding four 255s and the query's own key the fifth,
+    the score -> 4/5."""
     cfg, fns = _one_layer("full/MixerConfig.rope = False")
     params = fns.init(2)
     table = np.asarray(params["embed"]["table"]).copy()
@@ -118,20 +128,21 @@ def test_a_head_locked_on_one_token_puts_its_mass_on_the_needle():
         w[0, :, 0] = 3.0  # c = 3: a score of 102, so the 255 keys take all but e^-100 of the mass
         mixer[name] = jnp.asarray(w)
     tokens = np.random.default_rng(2).integers(0, 200, (1, 40)).astype(np.int32)
-    tokens[0, 10:14] = tokens[0, 30] = 255
-    mass, entropy, _ = _stats(cfg, fns, params, tokens, np.array([[30]], np.int32), np.array([[1]], np.int32),
-                              np.array([[8, 16]], np.int32))
+    tokens[0, 10:14] = tokens[0, 38] = 255
+    mass, entropy, _ = _stats(cfg, fns, params, tokens, np.array([[40]], np.int32), _mask(40, (8, 16)))
     np.testing.assert_allclose(mass, 4 / 5, rtol=1e-5)
-    np.testing.assert_allclose(entropy, np.log(5) / np.log(31), rtol=1e-4)
+    # the last 4 queries: 36, 37, 39 hold no 255 (uniform, 1), 38 spreads over 5 keys (log 5 / log 39)
+    np.testing.assert_allclose(entropy, (3 + np.log(5) / np.log(39)) / 4, rtol=1e-4)
 
 
 def test_qk_distance():
     rng = np.random.default_rng(0)
     wq, wk = rng.normal(size=(16, 4, 8)), rng.normal(size=(16, 2, 8))
     np.testing.assert_array_equal(I.qk_distance(wq, wk, wq, wk), 0.0)
-    d = I.qk_distance(2 * wq, wk, wq, wk)  # the query part doubled: ||Wq_h|| / ||(Wq_h, Wk_g)||
-    nq, nk = np.sum(wq ** 2, axis=(0, 2)), np.sum(wk ** 2, axis=(0, 2))[[0, 0, 1, 1]]
-    np.testing.assert_allclose(d, np.sqrt(nq / (nq + nk)), rtol=1e-12)
+    d = I.qk_distance(2 * wq, wk, wq, wk)  # the query part doubled: rel(Q) = 1, rel(K) = 0
+    np.testing.assert_allclose(d, 1.0, rtol=1e-12)
+    d = I.qk_distance(2 * wq, 3 * wk, wq, wk)  # rel(Q) + rel(K), not the joint norm
+    np.testing.assert_allclose(d, 3.0, rtol=1e-12)
     moved = wk.copy()
     moved[:, 1] += 1.0  # kv head 1 serves query heads 2 and 3 (GQA groups of 2)
     d = I.qk_distance(wq, moved, wq, wk)
@@ -150,7 +161,7 @@ def test_evaluate_heads_end_to_end(run_dir, tmp_path):
     from hybrid_lm.eval.restore import RestoredRun
 
     early, last = RestoredRun(run_dir, step=5), RestoredRun(run_dir)
-    kw = dict(samples=6, seq_len=384, progress=False, batch_size=4)
+    kw = dict(samples=6, seq_len=512, progress=False, batch_size=4)
     (row,) = HD.evaluate_heads(early, **kw)
     json.dumps(row)
     assert row["task"] == "heads" and row["checkpoint_step"] == 5 and row["reference_step"] == 10
@@ -158,7 +169,8 @@ def test_evaluate_heads_end_to_end(run_dir, tmp_path):
     mass, ent, dqk = (np.asarray(row[k]) for k in ("mass", "entropy", "d_qk"))
     assert mass.shape == ent.shape == dqk.shape == (1, 2)
     assert np.all((0 <= mass) & (mass <= 1)) and np.all((0 <= ent) & (ent <= 1 + 1e-6)) and np.all(dqk > 0)
-    assert 0 < row["uniform_mass"][0] < 1 and row["answer_tokens"] == 9 and row["prompt_tokens"] == 384 - 9
+    assert 0 < row["uniform_mass"][0] < 1 and row["prompt_tokens"] == 512 and row["score_samples"] == 6
+    assert row["target_heads"] == [h["head"] for h in row["top_heads"][:4]]
     top = row["top_heads"]
     assert [h["mass"] for h in top] == sorted((h["mass"] for h in top), reverse=True)
     assert {h["head"] for h in top} == {"L0H0", "L0H1"} and row["top_head"] == top[0]["head"]

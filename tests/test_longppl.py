@@ -1,5 +1,6 @@
 """LongPPL: the short-context windows score every target with K .. K+W-1 tokens of context, key
-tokens follow the two thresholds, and the corpus value is the key-token-weighted mean."""
+tokens follow the two thresholds, and the corpus value is the key-token-weighted mean
+(tests/test_eval_fidelity.py checks them against PKU-ML/LongPPL's code)."""
 
 import math
 
@@ -56,7 +57,8 @@ def test_longppl_is_the_key_weighted_mean_and_reports_counts():
     nll = np.array([[np.nan, 1.0, 2.0, 3.0], [np.nan, 0.5, 4.0, 1.0]])
     key = np.array([[False, True, False, True], [False, False, True, False]])
     r = longppl(nll, key)
-    assert r["n_key"] == 3 and r["n_token"] == 6 and r["key_rate"] == 0.5
+    # perplexity.py's counts: n_token is every token of a document, the first (unscored) one included
+    assert r["n_key"] == 3 and r["n_token"] == 8 and r["n_scored"] == 6 and r["key_rate"] == 3 / 8
     assert r["longppl"] == pytest.approx(math.exp((1 + 3 + 4) / 3))
     assert r["ppl"] == pytest.approx(math.exp(11.5 / 6))
     assert longppl(nll, np.zeros_like(key))["longppl"] is None

@@ -1,7 +1,8 @@
 """Layerwise probing (hybrid_lm/eval/probe.py) and its items and features (eval/introspect.py): the
 classifier on oracle features (class-encoding: 1.0; noise: chance), the needle items (deterministic,
-balanced, the number where the span says, depth 25-75%), the residual stream equal to the model's own
-forward pass, and evaluate/format/plot end to end on a tiny trained run."""
+balanced, the number where the span says, depth 25-75% for exact prompts), the residual stream equal to
+the model's own forward pass, right padding that changes nothing, and evaluate/format/plot end to end
+on a tiny trained run. tests/test_eval_fidelity.py checks the definitions against the official code."""
 
 import json
 
@@ -71,19 +72,25 @@ def test_items_are_deterministic_balanced_and_hold_the_number():
         assert len(it.ids) == 512
         s, e = it.needle_spans[0]
         needle = BYTE.decode(it.ids[s:e])
-        assert needle.startswith(" One of the special magic numbers for ") and needle.endswith(f"is: {it.answers[0]}.")
+        assert needle.lstrip().startswith("One of the special magic numbers for ") and needle.endswith(f"is: {it.answers[0]}.")
         key = needle.split(" for ")[1].split(" is:")[0]
         text = BYTE.decode(it.ids)
-        assert text.endswith(f"The special magic number for {key} is:") and text.count(it.answers[0]) == 1
-        assert 31415920 <= int(it.answers[0]) <= 31415927
-    # the depth: 25-75% of the haystack, up to the nearest sentence boundary (short noise sentences)
+        assert text.endswith(f"The special magic number for {key} mentioned in the provided text is")
+        assert text.count(it.answers[0]) == 1 and 31415920 <= int(it.answers[0]) <= 31415927
+    # exact prompts: the needle at 25-75% of the haystack's units (noise lines)
     noise = R.haystack_for("noise", BYTE)
-    depths = [it.depths[0] for it in I.needle_items(BYTE, 4096, 16, 0, noise)]
+    depths = [it.depths[0] for it in I.needle_items(BYTE, 8192, 16, 0, noise)]
     assert min(depths) > 0.24 and max(depths) < 0.76 and max(depths) - min(depths) > 0.2
-    with_answer = I.needle_item(512, 7, 3, BYTE, hay, gen_tokens=I.answer_budget(BYTE))
+    with_answer = I.needle_item(512, 7, 3, BYTE, hay, gen_tokens=9)
     assert len(with_answer.ids) == 512 - 9 and with_answer.answers == items[3].answers
     with pytest.raises(ConfigError, match="too short"):
         I.needle_item(64, 0, 0, BYTE, hay)
+    # the official recipe (tests/test_eval_fidelity.py checks its text): a nominal length, balanced classes
+    official = I.needle_items(BYTE, 16000, 16, 0, noise, prompt="official")
+    assert [I.item_label(it) for it in official] == [i % 8 for i in range(16)]
+    sizes = [len(it.ids) for it in official]
+    assert max(sizes) - min(sizes) < 40  # the keys' lengths differ: the probe right-pads
+    assert 160 * 90 < len(official[0].ids) < 160 * 93  # 160 noise lines of 91 bytes, the needle, the template
 
 
 # ----------------------------------------------------------------------------- on a trained run
@@ -94,6 +101,22 @@ def run(tiny_run):
     from hybrid_lm.eval.restore import RestoredRun
 
     return RestoredRun(tiny_run(5))  # TINY, 5 steps (conftest.py)
+
+
+def test_features_of_right_padded_prompts_are_those_of_the_prompts_alone(run):
+    """Prompts of different lengths share a batch, right-padded: a causal model's state at the last real
+    token does not see the padding."""
+    import jax
+
+    tokens = np.random.default_rng(1).integers(0, 256, (2, 30)).astype(np.int32)
+    short = tokens[1, :17]
+
+    def feats(params, tokens, last):
+        model = run.fns.model(params)
+        return I.hidden_states(model, tokens, I.eval_context(run.cfg, *tokens.shape), last)
+    padded = np.asarray(jax.jit(feats)(run.params, tokens, np.array([[29], [16]], np.int32)))
+    alone = np.asarray(jax.jit(feats)(run.params, short[None], np.array([[16]], np.int32)))
+    np.testing.assert_allclose(padded[1], alone[0], rtol=1e-5, atol=1e-6)
 
 
 def test_residual_stream_is_the_models_forward_pass(run):
@@ -115,32 +138,33 @@ def test_residual_stream_is_the_models_forward_pass(run):
 
 @pytest.mark.integration  # a whole model across the mixers
 def test_evaluate_probe_end_to_end(run, tmp_path):
-    (row,) = P.evaluate_probe(run, samples=48, seq_len=384, progress=False, batch_size=16)
+    (row,) = P.evaluate_probe(run, samples=48, seq_len=512, prompt="exact", progress=False, batch_size=16)
     json.dumps(row)
     assert row["task"] == "probe" and row["checkpoint_step"] == run.step == 5
-    assert row["layers"] == ["emb", "L0", "L1"] and len(row["accuracy"]) == 3 and row["layer_types"] == "FE"
+    assert row["layers"] == ["L0", "L1"] and len(row["accuracy"]) == 2 and row["layer_types"] == "FE"
     assert all(0.0 <= a <= 1.0 for a in row["accuracy"]) and row["chance"] == 0.125
     assert row["best_accuracy"] == max(row["accuracy"]) == row[P.HEADLINE]
     assert row["accuracy"][row["layers"].index(row["best_layer"])] == row["best_accuracy"]
-    assert row["samples"] == 48 and row["seq_len"] == 384 and row["test_samples"] == 10
+    assert row["samples"] == 48 and row["seq_len"] == 512 and row["test_samples"] == 10
+    assert row["prompt"] == "exact" and row["prompt_tokens"] == [512, 512] and row["haystack"] == "noise"
     assert len(row["depths"]) == 48 and all(0.0 <= d <= 1.0 for d in row["depths"])
-    # the last token is the same ":" in every prompt: the embedding alone cannot tell the classes apart
-    assert row["accuracy"][0] <= 0.2
     # the same features again (jitted once per model config): identical accuracies
-    (again,) = P.evaluate_probe(run, samples=48, seq_len=384, progress=False)
+    (again,) = P.evaluate_probe(run, samples=48, seq_len=512, prompt="exact", progress=False)
     assert again["accuracy"] == row["accuracy"]
     text = P.format_probe([row, {**row, "checkpoint_step": 10}])
     assert "L0(F)" in text and "L1(E)" in text and "best" in text and text.count("\n") == 3
-    paths = P.plot_probe([row, {**row, "checkpoint_step": 10, "accuracy": [0.1, 0.5, 0.9]}], tmp_path / "plots")
+    paths = P.plot_probe([row, {**row, "checkpoint_step": 10, "accuracy": [0.5, 0.9]}], tmp_path / "plots")
     assert [p.name for p in paths] == ["probe_heatmap.png", "probe_accuracy.png"]
     assert all(p.read_bytes()[:4] == b"\x89PNG" for p in paths)
     with pytest.raises(ConfigError, match="at least 40"):
-        P.evaluate_probe(run, samples=16, seq_len=384, progress=False)
+        P.evaluate_probe(run, samples=16, seq_len=512, prompt="exact", progress=False)
     with pytest.raises(ConfigError, match="probe: magic_number needs at least .* too short: use a longer seq_len"):
-        P.evaluate_probe(run, samples=40, progress=False)  # the trained 32 tokens hold no needle prompt
+        P.evaluate_probe(run, samples=40, prompt="exact", progress=False)  # the trained 32 tokens hold no prompt
+    with pytest.raises(ConfigError, match="prompt='nominal'"):
+        P.evaluate_probe(run, samples=40, prompt="nominal", progress=False)
 
 
 def test_probe_runs_on_a_swapped_config(run):
     cfg = run.task_config(["efficient=sa:8"])
-    (row,) = P.evaluate_probe(run, cfg, samples=40, seq_len=384, progress=False)
-    assert row["mixers"]["efficient"]["kind"] == "sa" and len(row["accuracy"]) == 3
+    (row,) = P.evaluate_probe(run, cfg, samples=40, seq_len=512, prompt="exact", progress=False)
+    assert row["mixers"]["efficient"]["kind"] == "sa" and len(row["accuracy"]) == 2

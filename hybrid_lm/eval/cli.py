@@ -58,7 +58,8 @@ def cmd_longppl(args) -> int:
     try:
         row = evaluate_longppl(args.workdir, evaluator=args.evaluator, length=args.length, docs=args.docs,
                                rule=KeyTokenRule(args.trunc_len, args.window, args.alpha, args.beta),
-                               step=args.step, evaluator_step=args.evaluator_step, record=not args.no_record)
+                               step=args.step, evaluator_step=args.evaluator_step, record=not args.no_record,
+                               data=args.data, inputs=args.inputs, min_tokens=args.min_tokens)
     except (FileNotFoundError, ValueError) as e:
         import sys
         print(f"longppl error: {e}", file=sys.stderr)
@@ -67,12 +68,13 @@ def cmd_longppl(args) -> int:
         print(json.dumps(row, indent=2))
         return 0
     lp = "—" if row["longppl"] is None else f"{row['longppl']:.3f}"
-    print(f"step {row['checkpoint_step']}  {row['docs']} documents of {row['length']} tokens  evaluator "
-          f"{row['evaluator']}  LongPPL {lp}  PPL {row['ppl']:.3f}  key tokens {row['n_key']} of "
-          f"{row['n_token']} ({100 * row['key_rate']:.2f}%)")
+    print(f"step {row['checkpoint_step']}  {row['docs']} documents of up to {row['length']} tokens  evaluator "
+          f"{row['evaluator']} (step {row['evaluator_step']})  LongPPL {lp}  PPL {row['ppl']:.3f}  key tokens "
+          f"{row['n_key']} of {row['n_token']} ({100 * row['key_rate']:.2f}%)")
     if row["self_evaluator"]:
-        print("self-evaluated: key tokens have NLL < -beta, so LongPPL < e^-beta by construction; compare "
-              "checkpoints with a fixed --evaluator, and read the key-token rate")
+        print("this checkpoint is its own evaluator: key tokens have NLL < -beta, so LongPPL < e^-beta by "
+              "construction; earlier checkpoints are scored on its key tokens (the default evaluator is the run's "
+              "newest checkpoint), and a stronger run can be named with --evaluator")
     return 0
 
 
@@ -132,6 +134,8 @@ def _suite(args) -> int:
         seq_len=args.seq_len, eval_windows=args.eval_windows, attention_impl=args.attention_impl, data=args.data,
         samples=args.samples, seed=args.seed, batch_size=args.batch_size, evaluator=args.evaluator,
         evaluator_step=args.evaluator_step, longppl_length=args.longppl_length, longppl_docs=args.docs,
+        longppl_inputs=args.longppl_inputs, longppl_min_tokens=args.longppl_min_tokens,
+        probe_prompt=args.probe_prompt, influence_inputs=args.influence_inputs,
         trunc_len=args.trunc_len, window=args.window, ruler_tasks=_csv(args.ruler_tasks) or None,
         ruler_lengths=lengths, haystack=args.haystack, allow_longer=args.allow_longer,
         reference_step=args.reference_step, lm_eval_tasks=_csv(args.lm_eval_tasks), lm_eval_limit=args.lm_eval_limit,
@@ -281,25 +285,39 @@ def add_eval_commands(sub) -> None:
                    help="checkpoints to evaluate (default latest); plots over them go to WORKDIR/eval/")
     g.add_argument("--data", default=None, metavar="STORE",
                    help="a prepared token store (hybrid-lm data prepare, the run's tokenizer): loss and bits/byte "
-                        "on its val split, LongPPL on its val documents")
+                        "on its val split, LongPPL and G(d) on its val documents (default: the run's own store)")
     g.add_argument("--samples", type=int, default=None,
-                   help="items per task, one number for every task of --tasks (default: each task's own: ruler 8, "
-                        "probe 256 (at least 40), heads 32, influence 8)")
+                   help="items per task, one number for every task of --tasks (default: each task's own, the "
+                        "papers': ruler 8, probe 10000 (at least 40), heads 500, influence 1000)")
     g.add_argument("--seed", type=int, default=0, help="item seed (default 0)")
     g.add_argument("--batch-size", dest="batch_size", type=int, default=None, help="rows per forward pass")
     g.add_argument("--no-plots", dest="no_plots", action="store_true", help="do not draw WORKDIR/eval/*.png")
-    g.add_argument("--evaluator", default=None, help="longppl: run directory of the evaluator (default: the run)")
+    g.add_argument("--evaluator", default=None,
+                   help="longppl: who marks the key tokens: a run directory, 'newest' (default: the run's newest "
+                        "checkpoint, the same for every checkpoint) or 'self' (each checkpoint itself)")
     g.add_argument("--evaluator-step", dest="evaluator_step", type=int, default=None)
     g.add_argument("--longppl-length", dest="longppl_length", type=int, default=None,
-                   help="longppl: tokens per document (default: the run's seq_len + 1)")
-    g.add_argument("--docs", type=int, default=8, help="longppl: documents (default 8)")
+                   help="longppl: tokens a document is cut to (default: 32767, at most the run's seq_len + 1)")
+    g.add_argument("--longppl-min-tokens", dest="longppl_min_tokens", type=int, default=None,
+                   help="longppl: documents shorter than this are left out (default 16384, at most the length)")
+    g.add_argument("--longppl-inputs", dest="longppl_inputs", default="documents", choices=("documents", "windows"),
+                   help="longppl: whole val documents (default) or the run's eval windows, which cross documents")
+    g.add_argument("--docs", type=int, default=None,
+                   help="longppl: documents (default 50; 8 windows with --longppl-inputs windows)")
     g.add_argument("--trunc-len", dest="trunc_len", type=int, default=4096, help="longppl: K, the short context")
     g.add_argument("--window", type=int, default=1024, help="longppl: W, targets per short-context pass")
     g.add_argument("--ruler-tasks", dest="ruler_tasks", default=None, help="ruler: tasks (default all seven)")
     g.add_argument("--ruler-lengths", dest="ruler_lengths", default=None, metavar="L1,L2", help="ruler: lengths")
     from hybrid_lm.eval.ruler import HAYSTACKS
-    g.add_argument("--haystack", default="essays", choices=HAYSTACKS,
-                   help="ruler, probe, heads: filler text of the needle prompts (default essays)")
+    g.add_argument("--haystack", default=None, choices=HAYSTACKS,
+                   help="ruler, probe, heads: filler text of the needle prompts (default: each task's official one: "
+                        "RULER's per task (essays for niah, noise for vt), noise for the probe, essays for heads)")
+    g.add_argument("--probe-prompt", dest="probe_prompt", default="official", choices=("official", "exact"),
+                   help="probe: the official recipe at the nominal --seq-len (default), or prompts of exactly "
+                        "--seq-len tokens")
+    g.add_argument("--influence-inputs", dest="influence_inputs", default="documents",
+                   choices=("documents", "windows"),
+                   help="influence: whole val documents after a BOS (default) or the run's eval windows")
     g.add_argument("--allow-longer", dest="allow_longer", action="store_true",
                    help="ruler: lengths beyond the run's seq_len")
     g.add_argument("--reference-step", dest="reference_step", type=int, default=None,
@@ -351,11 +369,20 @@ def add_eval_commands(sub) -> None:
                     "lowers their NLL by more than alpha, and their full-context NLL is below -beta), then "
                     "report exp(mean NLL) of WORKDIR's checkpoint on them. Appends to WORKDIR/eval.jsonl.")
     p.add_argument("workdir", help="run directory of the evaluated checkpoint")
-    p.add_argument("--evaluator", default=None, help="run directory of the evaluator (default: the run itself)")
+    p.add_argument("--evaluator", default=None,
+                   help="run directory of the evaluator, 'newest' (default: the run's newest checkpoint) or 'self'")
     p.add_argument("--evaluator-step", dest="evaluator_step", type=int, default=None)
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest that restores)")
-    p.add_argument("--length", type=int, default=None, help="tokens per document (default: the run's seq_len + 1)")
-    p.add_argument("--docs", type=int, default=8, help="number of validation documents")
+    p.add_argument("--length", type=int, default=None,
+                   help="tokens a document is cut to (default: 32767, at most the run's seq_len + 1)")
+    p.add_argument("--min-tokens", dest="min_tokens", type=int, default=None,
+                   help="documents shorter than this are left out (default 16384, at most the length)")
+    p.add_argument("--data", default=None, metavar="STORE",
+                   help="a prepared token store whose val documents are read (default: the run's own)")
+    p.add_argument("--inputs", default="documents", choices=("documents", "windows"),
+                   help="whole val documents (default) or the run's eval windows, which cross documents")
+    p.add_argument("--docs", type=int, default=None,
+                   help="number of documents (default 50; 8 windows with --inputs windows)")
     p.add_argument("--trunc-len", dest="trunc_len", type=int, default=4096, help="K, the short context")
     p.add_argument("--window", type=int, default=1024, help="W, targets per short-context pass")
     p.add_argument("--alpha", type=float, default=2.0)
@@ -384,9 +411,9 @@ def add_eval_commands(sub) -> None:
     p.add_argument("--allow-longer", dest="allow_longer", action="store_true",
                    help="allow lengths beyond the run's seq_len")
     p.add_argument("--samples", type=int, default=8, help="items per (task, length) (default 8)")
-    p.add_argument("--haystack", default="essays", choices=HAYSTACKS,
+    p.add_argument("--haystack", default=None, choices=HAYSTACKS,
                    help="filler text of the needle tasks: the embedded essays, the run's corpus (val split), or "
-                        "repeated noise sentences (default essays)")
+                        "RULER's repeated noise line (default: RULER's per task: essays for niah, noise for vt)")
     p.add_argument("--seed", type=int, default=0, help="item seed (default 0)")
     p.add_argument("--batch-size", dest="batch_size", type=int, default=None,
                    help="rows per forward pass (default: the trainer's tokens per step at each length)")

@@ -1,29 +1,33 @@
-"""Retrieval-head tracking (issue 19 item 5; the Rethinking-hybrids paper, Fig. 5): which
-full-attention heads read the needle when the model answers, how focused they are, and how far their
-Q/K projections still are from the final checkpoint's.
+"""Retrieval-head tracking (the Rethinking-hybrids paper, Fig. 5; thunlp/rethinking-hybrid-attention at
+feaad08, ``src/tracing/``): which full-attention heads read the needle, how focused they are, and how
+far their Q/K projections still are from the reference checkpoint's.
 
-Data: :func:`hybrid_lm.eval.introspect.needle_items` (the probe's 8-class magic-number needle at
-25-75% depth), prompts of ``seq_len - answer tokens`` ids, the gold answer `` 3141592c`` (the number
-alone) teacher-forced after the prompt. The retrieval queries are the positions that predict the
-answer's tokens (the prompt's last token and the answer's tokens but the last one).
+Data: :func:`hybrid_lm.eval.introspect.needle_items`, the magic-number NIAH prompt (the probe's
+template) at exactly ``seq_len`` tokens (default 8,192, the official ``--max-input-tokens``, capped at
+the run's trained seq_len), the needle at 25-75% depth; ``samples`` prompts (default 500, the
+official attention-metrics ``--max-samples``).
 
 For every head of every layer whose mixer is ``attention`` (the full slot; other mixers are skipped)
 or ``attention_sink`` (the full slot under a receptive-field constraint, ``--horizon H --sinks S``:
-the constraint is applied, i.e. a query sees key j iff ``j <= i`` and ``i - H < j or j < S``), per
-item averaged over the retrieval queries, then over items:
+the constraint is applied, i.e. a query sees key j iff ``j <= i`` and ``i - H < j or j < S``):
 
-- ``mass``: the attention probability on the needle sentence's tokens (``Item.needle_spans[0]``);
-  ``uniform_mass`` is what uniform attention over the visible keys would give (chance);
-- ``entropy``: the attention's entropy divided by log(the query's number of visible keys), q + 1 for
-  causal attention at position q: 1 = uniform, 0 = all mass on one key;
-- ``d_qk``: ``||W_t - W_ref||_F / ||W_ref||_F``, W the concatenation of the head's query columns
-  ``wq[:, h, :]`` and its kv head's key columns ``wk[:, h // group, :]`` (GQA: heads of a group
-  share the key part), t this checkpoint, ref the reference: ``reference_params`` if given, else the
-  checkpoint at ``reference_step``, else the run's newest checkpoint that restores (0 there).
+- ``mass``, the retrieval score (``find_retrieval_heads.py``): the attention of the query at
+  ``len - 2`` summed over the positions of the answer's tokens (every occurrence of ``v``, `` v``,
+  ``v.``, `` v.``, ``: v``, ``: v.``), averaged over the first 200 items (``--max-samples``) in which
+  they occur; ``uniform_mass`` is what uniform attention over the visible keys would give (chance).
+  The heads ranked by it are ``top_heads``; the top 4 are the official target heads;
+- ``entropy`` (``compute_attention_metrics.py``): the attention entropy of the last 4 queries of the
+  prompt, normalised by log(q + 1) (1 = uniform over the causal keys), averaged over queries and items;
+- ``d_qk`` (``compute_weight_distance.py`` ``qk_rel_l2``): ``||Q_h - Q_h,ref||_F / ||Q_h,ref||_F +
+  ||K_g - K_g,ref||_F / ||K_g,ref||_F``, Q_h the head's query columns ``wq[:, h, :]``, K_g its kv
+  head's key columns ``wk[:, h // group, :]`` (GQA: heads of a group share the key part), ref the
+  reference: ``reference_params`` if given, else the checkpoint at ``reference_step``, else the run's
+  newest checkpoint that restores (0 there).
 
-The attention weights are recomputed in plain XLA from the layer's own ``project_qkv`` on its
-normed input (``introspect.head_attention``): no training kernel is involved. Rows name heads
-``L{layer}H{head}`` and rank them by mass (``top_heads``).
+The official scripts report entropy and d_QK for the final checkpoint's 4 target heads; rows hold
+every head, and :func:`plot_heads` draws the last checkpoint's top 4 over checkpoints. The attention
+weights are recomputed in plain XLA from the layer's own ``project_qkv`` on its normed input
+(``introspect.head_attention``): no training kernel is involved. Rows name heads ``L{layer}H{head}``.
 
 Python: ``rows = evaluate_heads(RestoredRun(wd, step=s))``; ``format_heads(rows)``;
 ``plot_heads(rows_of_several_checkpoints, out_dir)``.
@@ -42,7 +46,10 @@ from hybrid_lm.experiment import run_id
 
 HEADLINE = "top_head_mass"
 TOP = 8  # heads listed in ``top_heads``
-PLOTTED = 4  # top heads (at the last checkpoint) drawn over checkpoints
+PLOTTED = 4  # find_retrieval_heads.py --top-k: the target heads (the last checkpoint's) drawn over checkpoints
+CONTEXT = 8192  # the official --max-input-tokens: the prompts' length (capped at the run's trained seq_len)
+SAMPLES = 500  # compute_attention_metrics.py --max-samples
+SCORE_SAMPLES = 200  # find_retrieval_heads.py --max-samples: the items the retrieval score averages
 
 _REFERENCE: dict = {}  # (workdir, step, layers) -> the reference checkpoint's Q/K weights (host arrays)
 
@@ -54,9 +61,9 @@ def head_name(layer: int, head: int) -> str:
 def _stats_fn(fns, cfg, layers):
     layers = list(layers)
 
-    def stats(params, tokens, qpos, qvalid, spans):
+    def stats(params, tokens, lengths, needle):
         B, T = tokens.shape
-        return I.retrieval_stats(fns.model(params), tokens, I.eval_context(cfg, B, T), qpos, qvalid, spans, layers)
+        return I.retrieval_stats(fns.model(params), tokens, I.eval_context(cfg, B, T), lengths, needle, layers)
     return stats
 
 
@@ -105,20 +112,15 @@ def reference_qk(run, cfg, layers, reference_params=None, reference_step: int | 
 
 
 def _sequences(tok, items, length: int):
-    """Prompt + teacher-forced answer (zero-padded to ``length``), the query positions predicting the
-    answer's tokens ``[N, A]`` with their validity, and the needle spans ``[N, 2]``."""
-    A = max(len(I.answer_ids(tok, it)) for it in items)
+    """The prompts ``[N, length]`` (right-padded with 0), their lengths ``[N, 1]`` and the answer's
+    positions ``[N, length]`` (:func:`~hybrid_lm.eval.introspect.answer_positions`)."""
     seqs = np.zeros((len(items), length), np.int32)
-    qpos = np.zeros((len(items), A), np.int32)
-    qvalid = np.zeros((len(items), A), np.int32)
+    lengths = np.array([[len(it.ids)] for it in items], np.int32)  # [N, 1]: batch-sharded as rows
+    needle = np.zeros((len(items), length), bool)
     for r, it in enumerate(items):
-        ans = I.answer_ids(tok, it)
-        P = len(it.ids)
-        seqs[r, :P], seqs[r, P:P + len(ans)] = it.ids, ans
-        qpos[r] = P - 1 + np.minimum(np.arange(A), len(ans) - 1)
-        qvalid[r, :len(ans)] = 1
-    spans = np.array([it.needle_spans[0] for it in items], np.int32)
-    return seqs, qpos, qvalid, spans
+        seqs[r, :len(it.ids)] = it.ids
+        needle[r, I.answer_positions(tok, it.ids, it.answers)] = True
+    return seqs, lengths, needle
 
 
 def require_attention(cfg) -> None:
@@ -130,13 +132,14 @@ def require_attention(cfg) -> None:
                           "heads are tracked on full-attention layers only")
 
 
-def evaluate_heads(run, cfg=None, *, samples: int = 32, seq_len: int | None = None, seed: int = 0,
-                   progress: bool = True, batch_size: int | None = None, haystack: str = "essays",
+def evaluate_heads(run, cfg=None, *, samples: int = SAMPLES, seq_len: int | None = None, seed: int = 0,
+                   progress: bool = True, batch_size: int | None = None, haystack: str | None = "essays",
                    reference_params=None, reference_step: int | None = None) -> list[dict]:
     """One row (``task: heads``) for ``run``'s checkpoint with the model of ``cfg`` (default the
-    run's): per full-attention layer and head the needle mass, normalised entropy and d_QK against
-    the reference, and the heads ranked by mass. Nothing is recorded. Raises ConfigError when no
-    layer of ``cfg`` is full attention."""
+    run's): per full-attention layer and head the retrieval score (``mass``), normalised entropy and
+    d_QK against the reference, and the heads ranked by score. Prompts are ``seq_len`` tokens (default
+    :data:`CONTEXT` capped at the run's trained seq_len). Nothing is recorded. Raises ConfigError when
+    no layer of ``cfg`` is full attention."""
     import jax
     from tqdm import tqdm
 
@@ -149,21 +152,22 @@ def evaluate_heads(run, cfg=None, *, samples: int = 32, seq_len: int | None = No
     cfg = cfg or run.cfg
     if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
         raise ConfigError(f"heads: samples={samples!r} must be an int >= 1")
-    seq_len = I.check_length(cfg, seq_len, "heads")
+    seq_len = I.check_length(cfg, min(CONTEXT, run.cfg.data.seq_len) if seq_len is None else seq_len, "heads")
     require_attention(cfg)
     layers = I.attention_layers(run.model(cfg))
     tok = run.tokenizer
-    hay = R.haystack_for(haystack, tok, run)
-    budget = I.answer_budget(tok)
-    items = I.needle_items(tok, seq_len, samples, seed, hay, gen_tokens=budget, what="heads")
-    seqs, qpos, qvalid, spans = _sequences(tok, items, seq_len)
+    hay = R.haystack_for(haystack or "essays", tok, run)
+    items = I.needle_items(tok, seq_len, samples, seed, hay, what="heads")
+    seqs, lengths, needle = _sequences(tok, items, seq_len)
+    found = needle.any(1)
+    scored = found & (np.arange(samples) < SCORE_SAMPLES)  # the official script skips items without the answer
     idx = tuple(a.layer for a in layers)
     fn = I.jitted("heads_stats", run, cfg, _stats_fn, tuple(layers))
     per = R.batch_rows(run, seq_len, samples, batch_size)
     mass, entropy, uniform = [], [], []
     with jax.set_mesh(run.mesh), tqdm(total=-(-samples // per), desc="heads attention", unit="batch",
                                       disable=bar_disabled(progress), leave=False) as bar:
-        parts = [R._batches(a, per) for a in (seqs, qpos, qvalid, spans)]
+        parts = [R._batches(a, per) for a in (seqs, lengths, needle)]
         for batch in zip(*parts):
             n = batch[0][1]
             args = [put_batch(a, run.batch_shard) for a, _ in batch]
@@ -172,9 +176,13 @@ def evaluate_heads(run, cfg=None, *, samples: int = 32, seq_len: int | None = No
             entropy.append(e)
             uniform.append(u)
             bar.update()
-    mass = np.clip(np.concatenate(mass).mean(0), 0.0, 1.0)  # [La, H]; the clip only absorbs rounding
+    mass, uniform = np.concatenate(mass), np.concatenate(uniform)
+    if not scored.any():
+        raise ConfigError(f"heads: the answer's tokens occur in none of the {samples} prompts with the run's "
+                          "tokenizer (find_retrieval_heads.py skips such items)")
+    mass = np.clip(mass[scored].mean(0), 0.0, 1.0)  # [La, H]; the clip only absorbs rounding
+    uniform = uniform[scored].mean(0)  # [La]
     entropy = np.clip(np.concatenate(entropy).mean(0), 0.0, 1.0)
-    uniform = np.concatenate(uniform).mean(0)  # [La]
     current = qk_host(run, cfg, run.params, idx)
     ref, ref_step = reference_qk(run, cfg, idx, reference_params, reference_step)
     d_qk = np.stack([I.qk_distance(q, k, qr, kr) for (q, k), (qr, kr) in zip(current, ref)])
@@ -184,14 +192,17 @@ def evaluate_heads(run, cfg=None, *, samples: int = 32, seq_len: int | None = No
     ranked = sorted(heads, key=lambda x: -x["mass"])
     return [{"kind": "heads", "task": "heads", "step": run.step, "checkpoint_step": run.step,
              "tokens_seen": R.tokens_seen(run), "run_id": run_id(run.cfg), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-             "samples": samples, "seq_len": seq_len, "trained_seq_len": run.cfg.data.seq_len, "seed": seed,
-             "haystack": hay.name, "prompt_tokens": seq_len - budget, "answer_tokens": int(qvalid.sum(1).max()),
+             "samples": samples, "score_samples": int(scored.sum()), "answer_missing": int((~found).sum()),
+             "seq_len": seq_len, "trained_seq_len": run.cfg.data.seq_len, "seed": seed,
+             "haystack": hay.name, "prompt_tokens": seq_len, "score_query": f"len - {I.SCORE_QUERY_FROM_END}",
+             "entropy_queries": I.TAIL_QUERIES,
              "depth_range": list(I.DEPTH_RANGE), "depths": [round(it.depths[0], 4) for it in items], "layers": list(idx), "layer_kinds": [a.kind for a in layers],
              "constraints": [None if a.horizon is None else {"horizon": a.horizon, "sinks": a.sinks} for a in layers],
              "n_heads": int(mass.shape[1]), "n_kv_heads": int(cfg.model.n_kv_heads),
              "mass": mass.tolist(), "entropy": entropy.tolist(), "d_qk": d_qk.tolist(),
              "uniform_mass": [float(u) for u in uniform], "reference_step": ref_step,
-             "top_heads": ranked[:TOP], "top_head": ranked[0]["head"], "top_head_mass": ranked[0]["mass"],
+             "top_heads": ranked[:TOP], "target_heads": [h["head"] for h in ranked[:PLOTTED]],
+             "top_head": ranked[0]["head"], "top_head_mass": ranked[0]["mass"],
              "layer_types": "".join(cfg.model.layer_types()), "mixers": describe(cfg.model),
              "attention_impl": cfg.model.attention_impl, "wall_s": round(time.time() - t0, 3)}]
 
@@ -206,8 +217,9 @@ def format_heads(rows: list[dict]) -> str:
         chance = ", ".join(f"L{a} {u:.3f}" for a, u in zip(r["layers"], r["uniform_mass"]))
         lines.append(f"heads  step {r['checkpoint_step']}  {r['samples']} samples  seq_len {r['seq_len']}  "
                      f"haystack {r['haystack']}  d_QK against {ref}")
-        lines.append(f"  needle mass under uniform attention: {chance}")
-        lines.append(f"  {'head':<10}{'mass':>8}{'entropy':>9}{'d_QK':>8}")
+        lines.append(f"  score: attention of the query at len - 2 on the answer's tokens ({r.get('score_samples', '?')} "
+                     f"items); under uniform attention: {chance}")
+        lines.append(f"  {'head':<10}{'score':>8}{'entropy':>9}{'d_QK':>8}")
         for h in r["top_heads"]:
             lines.append(f"  {h['head']:<10}{h['mass']:>8.3f}{h['entropy']:>9.3f}{h['d_qk']:>8.3f}")
     return "\n".join(lines)
@@ -236,14 +248,14 @@ def plot_heads(rows: list[dict], out_dir: Path) -> list[Path]:
     for name in top:
         for ax, key in zip(axes, ("entropy", "d_qk")):
             ax.plot(steps, [_value(r, key, name) for r in rows], "o-", lw=1.2, ms=3, label=name)
-    axes[0].set_ylabel("normalised attention entropy H")
+    axes[0].set_ylabel("normalised attention entropy H (last 4 queries)")
     axes[1].set_ylabel("d_QK (relative to the reference)")
     for ax in axes:
         ax.set_xlabel("checkpoint step")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     axes[0].set_ylim(0, 1.02)
-    fig.suptitle(f"top retrieval heads by needle mass at step {last['checkpoint_step']}")
+    fig.suptitle(f"target heads: the top {PLOTTED} by retrieval score at step {last['checkpoint_step']}")
     fig.tight_layout()
     curves = out_dir / "heads_entropy_dqk.png"
     fig.savefig(curves, dpi=120)
@@ -260,8 +272,9 @@ def plot_heads(rows: list[dict], out_dir: Path) -> list[Path]:
                     color="black" if m > 0.6 * mass.max() else "white")
     ax.set_xlabel("head")
     ax.set_ylabel("full-attention layer")
-    ax.set_title(f"attention mass on the needle, step {last['checkpoint_step']}")
-    fig.colorbar(im, ax=ax, label="mass")
+    ax.set_title(f"retrieval score (attention of the query at len - 2 on the answer), step "
+                 f"{last['checkpoint_step']}", fontsize=9)
+    fig.colorbar(im, ax=ax, label="score")
     fig.tight_layout()
     heat = out_dir / "heads_mass.png"
     fig.savefig(heat, dpi=120)

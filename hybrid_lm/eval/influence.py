@@ -1,12 +1,23 @@
-"""Gradient influence G(d): how strongly the last outputs depend on the input ``d`` tokens back.
+"""Gradient influence G(d): how strongly the last outputs depend on the input ``d`` tokens back
+(the Rethinking-hybrids paper's Fig. 5; thunlp/rethinking-hybrid-attention
+``src/gradient/run_gradient_influence.py``).
 
-For a window of T input tokens, ``e = model.embed(tokens)`` ``[B, T, d_model]`` and
-``s = sum(model.logits(model.run_blocks(e, ctx))[:, T-last:, :])`` (the logits of the last ``last``
-positions, summed over those positions and the vocabulary), ``G(d) = E_windows ||ds/de_{T-1-d}||_2``:
-d = 0 is the last input token, d = T-1 the first. The model runs in eval mode
-(``MixerContext(train=False)``); the gradient is taken in fp32 with respect to the embeddings (cast
-to the compute dtype inside), so a position outside every output's receptive field gets exactly 0
-(masked attention weights are exactly zero, and so are their gradients).
+For an input of T tokens, ``e = model.embed(tokens)`` ``[B, T, d_model]`` and
+``s = sum_v mean_{t in the last 20 positions} logits[t, v]`` (the logits of the last ``last``
+positions averaged over those positions, then summed over the vocabulary: the official
+``logit_sum`` target), ``G(d) = E_documents ||ds/de_{T-1-d}||_2``: d = 0 is the last input token,
+d = T-1 the first. The model runs in eval mode (``MixerContext(train=False)``); the gradient is taken
+in fp32 with respect to the embeddings (cast to the compute dtype inside), so a position outside
+every output's receptive field gets exactly 0 (masked attention weights are exactly zero, and so are
+their gradients).
+
+Inputs (``inputs``): ``documents`` (default, as the official code): whole documents of the val split
+of ``data`` (a prepared token store) or of the run's own store, each one's first T tokens after a
+BOS (the tokenizer's separator, which precedes every document in the packed training stream; none
+under ``DataConfig.document_mask``, where a document starts at position 0), documents shorter than T
+left out; ``samples`` (default 1,000, the official ``--max-samples``) of them, T (default 8,192, the
+official ``--context-len``, capped at the run's trained seq_len). ``windows``: the run's fixed eval
+windows, which cross document boundaries (for a store without documents of T tokens).
 
 :func:`evaluate_influence` returns one row (``task: influence``) with ``g`` (G(d) for every d) and
 summaries: ``reach`` (the last distance with G(d) >= 1e-3 max G), ``mean_distance`` (the G-weighted
@@ -23,12 +34,16 @@ from pathlib import Path
 
 import numpy as np
 
-from hybrid_lm.errors import ConfigError
+from hybrid_lm.errors import ConfigError, DataError
 from hybrid_lm.experiment import run_id
 
 log = logging.getLogger(__name__)
 
 REACH_THRESHOLD = 1e-3  # reach: G(d) relative to max G below which a distance counts as out of reach
+CONTEXT = 8192  # the official --context-len: tokens per document (capped at the run's trained seq_len)
+SAMPLES = 1000  # the official --max-samples: documents averaged
+LAST = 20  # the official --target-last-n-tokens
+INPUTS = ("documents", "windows")
 
 # mean_distance is normalised by sum G, so it does not move with the overall logit scale (which grows
 # as training sharpens the logits); it is in tokens, has no threshold, and does not saturate at T-1 as
@@ -72,7 +87,9 @@ def summarize(g) -> dict:
 
 def _norms_fn(model, cfg, last: int):
     """Jitted ``(state, tokens [B, T], segment_ids or None) -> [B, T]``: ||ds/de|| per position, column
-    d = distance d from the last position. ``model`` gives the graph; its state is an argument."""
+    d = distance d from the last position, s the official ``logit_sum`` target: the last ``last``
+    positions' logits averaged over the positions, summed over the vocabulary (per row: rows do not
+    interact). ``model`` gives the graph; its state is an argument."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -94,7 +111,7 @@ def _norms_fn(model, cfg, last: int):
         def s_of(e):  # the module is merged inside the differentiated function (its own trace)
             m = nnx.merge(graphdef, state)
             h = m.run_blocks(e.astype(dtype), ctx)
-            return m.logits(h[:, T - last:]).sum()
+            return m.logits(h[:, T - last:]).mean(axis=1).sum()
 
         grad = jax.grad(s_of)(e)
         return jnp.sqrt(jnp.sum(jnp.square(grad), axis=-1))[:, ::-1]
@@ -110,17 +127,19 @@ def _pick(n_available: int, samples: int, seed: int) -> np.ndarray:
     return np.sort(np.random.default_rng(seed).choice(n_available, n, replace=False))
 
 
-def evaluate_influence(run, cfg=None, *, windows=None, samples: int = 8, seq_len: int | None = None,
-                       last: int = 20, seed: int = 0, progress: bool = True,
-                       batch_size: int | None = None) -> list[dict]:
+def evaluate_influence(run, cfg=None, *, windows=None, samples: int = SAMPLES, seq_len: int | None = None,
+                       last: int = LAST, seed: int = 0, progress: bool = True, batch_size: int | None = None,
+                       inputs: str = "documents", data=None) -> list[dict]:
     """G(d) of ``run`` (a :class:`~hybrid_lm.eval.restore.RestoredRun`) with the model of ``cfg``
     (default the run's; e.g. ``run.task_config(horizon=H)``): ``[row]``, nothing recorded.
 
-    ``windows``: token ids ``[N, T]`` (each row T input tokens); default the run's fixed eval windows
-    at ``seq_len`` (default ``cfg.data.seq_len``), their first T tokens, with their segment ids when
-    the run masks documents. ``samples`` windows are averaged: all when there are at most that many,
-    else ``samples`` drawn by ``seed``. ``last``: how many final positions' logits make s.
-    ``batch_size``: rows per gradient pass (default: the trainer's tokens per step at T).
+    ``inputs``: ``documents`` (whole val documents of the store ``data``, default the run's own, after
+    a BOS; the module doc) or ``windows`` (the run's fixed eval windows, their first T tokens, with
+    their segment ids when the run masks documents). ``windows``: token ids ``[N, T]`` given directly
+    (``inputs`` is then ``given``). T: ``seq_len``, default :data:`CONTEXT` capped at the run's trained
+    seq_len. ``samples`` inputs are averaged: all when there are at most that many, else ``samples``
+    drawn by ``seed``. ``last``: how many final positions' logits make s. ``batch_size``: rows per
+    gradient pass (default: the trainer's tokens per step at T).
     """
     import jax
     from flax import nnx
@@ -139,7 +158,9 @@ def evaluate_influence(run, cfg=None, *, windows=None, samples: int = 8, seq_len
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, remat="none"))
     if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
         raise ConfigError(f"influence: samples={samples!r} must be an int >= 1")
-    segments = None
+    if inputs not in INPUTS:
+        raise ConfigError(f"influence: inputs={inputs!r}; choose one of {', '.join(INPUTS)}")
+    segments, prefix, info = None, None, {}
     if windows is not None:
         tokens = np.asarray(windows)
         if tokens.ndim != 2 or not np.issubdtype(tokens.dtype, np.integer) or tokens.shape[1] < 1:
@@ -150,22 +171,40 @@ def evaluate_influence(run, cfg=None, *, windows=None, samples: int = 8, seq_len
         if tokens.min() < 0 or tokens.max() >= cfg.model.vocab_size:
             raise ConfigError(f"influence: token ids must lie in [0, {cfg.model.vocab_size}) (the model's vocab_size)")
         source = "given"
-    else:
+    elif inputs == "windows":
         if seq_len is not None and seq_len != cfg.data.seq_len:
             cfg = swapped_config(cfg, seq_len=seq_len)  # validated for this length; same parameters
         batch = run.streams(cfg).eval_batch
         tokens = (batch["tokens"] if isinstance(batch, dict) else batch)[:, :-1]
         if isinstance(batch, dict):
             segments = batch["segment_ids"][:, :-1]
-        source = "eval"
+        source = "windows"
+    else:
+        from hybrid_lm.eval.longppl import val_documents
+
+        T = seq_len if seq_len is not None else min(CONTEXT, run.cfg.data.seq_len)
+        if isinstance(T, bool) or not isinstance(T, (int, np.integer)) or T < 2:
+            raise ConfigError(f"influence: seq_len={seq_len!r} must be an int >= 2")
+        tok = run.tokenizer
+        prefix = [] if cfg.data.document_mask else [int(x) for x in tok.separator]
+        store = data if data is not None else run.streams().store.path
+        try:
+            docs, info = val_documents(store, tok, min_tokens=T - len(prefix), max_tokens=T - len(prefix),
+                                       count=samples, seed=seed, what="influence: the store" if data is None else "--data")
+        except DataError as e:
+            raise DataError(f"{e}: give a shorter --seq-len (G(d) reads whole documents of T tokens), or "
+                            "--influence-inputs windows") from None
+        tokens = np.stack([np.concatenate([np.asarray(prefix, np.int32), d]) for d in docs])
+        source = "documents"
     T = tokens.shape[1]
     if cfg.data.seq_len != T:
         cfg = swapped_config(cfg, seq_len=T)
     if isinstance(last, bool) or not isinstance(last, int) or not 1 <= last <= T:
         raise ConfigError(f"influence: last={last!r} must be an int in [1, T={T}]")
-    idx = _pick(len(tokens), samples, seed)
+    idx = _pick(len(tokens), samples, seed) if source != "documents" else np.arange(len(tokens))
     if len(idx) < samples:
-        log.warning("influence: %d windows asked, %d available; averaging over %d", samples, len(idx), len(idx))
+        log.warning("influence: %d %s asked, %d available; averaging over %d", samples,
+                    "documents of %d tokens" % T if source == "documents" else "windows", len(idx), len(idx))
     tokens = np.ascontiguousarray(tokens[idx], dtype=np.int32)
     segments = None if segments is None else np.ascontiguousarray(segments[idx], dtype=np.int32)
     n = len(tokens)
@@ -193,7 +232,9 @@ def evaluate_influence(run, cfg=None, *, windows=None, samples: int = 8, seq_len
     row = {"kind": "influence", "task": "influence", "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
            "step": run.step, "checkpoint_step": run.step, "run_id": run_id(run.cfg),
            "seq_len": T, "trained_seq_len": run.cfg.data.seq_len, "samples": n, "last": last, "seed": seed,
-           "windows": source, "document_mask": segments is not None,
+           "inputs": source, "bos": prefix, "data": info.get("store"),
+           "documents_available": info.get("available"), "target": "logit_sum, mean over the last positions",
+           "document_mask": segments is not None,
            "g": [float(x) for x in g], **summarize(g),
            "layer_types": "".join(cfg.model.layer_types()), "mixers": describe(cfg.model),
            "attention_impl": cfg.model.attention_impl, "attention_backends": recorded_backends(),
@@ -225,7 +266,8 @@ def format_influence(rows: list[dict]) -> str:
     for r in rows:
         reach = "—" if r["reach"] is None else f"{r['reach']}" + (" (saturated: = T-1)" if r["reach_saturated"] else "")
         md = "—" if r["mean_distance"] is None else f"{r['mean_distance']:.2f}"
-        lines.append(f"influence  {_label(r, rows)}  seq_len {r['seq_len']}  {r['samples']} windows  last {r['last']}  "
+        what = {"documents": "documents", "given": "inputs"}.get(r.get("inputs"), "windows")
+        lines.append(f"influence  {_label(r, rows)}  seq_len {r['seq_len']}  {r['samples']} {what}  last {r['last']}  "
                      f"reach {reach}  mean distance {md} tokens  max G {r['g_max']:.4g}")
     bins = max((r["bins"] for r in rows), key=len)
     heads = [f"{b['lo']}" if b["lo"] == b["hi"] else f"{b['lo']}-{b['hi']}" for b in bins]
@@ -261,7 +303,7 @@ def plot_influence(rows: list[dict], out_dir) -> list[Path]:
     ax.set_yscale("log")
     ax.set_xlabel("distance d from the last token (tokens)")
     ax.set_ylabel(r"$G(d) = \mathbb{E}\,\|\partial s / \partial e_{T-d}\|_2$")
-    ax.set_title(f"gradient influence (s: logits of the last {rows[0]['last']} positions)", fontsize=10)
+    ax.set_title(f"gradient influence (s: the last {rows[0]['last']} positions' mean logits, summed)", fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -271,5 +313,5 @@ def plot_influence(rows: list[dict], out_dir) -> list[Path]:
     return [path]
 
 
-__all__ = ["HEADLINE", "REACH_THRESHOLD", "evaluate_influence", "format_influence", "log2_bins", "plot_influence",
+__all__ = ["CONTEXT", "HEADLINE", "INPUTS", "LAST", "REACH_THRESHOLD", "SAMPLES", "evaluate_influence", "format_influence", "log2_bins", "plot_influence",
            "summarize"]

@@ -119,7 +119,7 @@ def probe_features(run, cfg, items, *, batch_size: int | None = None, progress: 
     tokens = np.zeros((len(items), T), np.int32)
     for r, it in enumerate(items):
         tokens[r, :len(it.ids)] = it.ids
-    last = np.array([len(it.ids) - 1 for it in items], np.int32)
+    last = np.array([[len(it.ids) - 1] for it in items], np.int32)  # [N, 1]: batch-sharded as rows
     fn = I.jitted("probe_features", run, cfg, _features_fn)
     per = R.batch_rows(run, T, len(tokens), batch_size)
     out = []
@@ -182,8 +182,8 @@ def format_probe(rows: list[dict]) -> str:
     if not rows:
         return "no probe results"
     r0 = rows[0]
-    shape = (f"prompts {r0['prompt_tokens'][0]}-{r0['prompt_tokens'][1]} tokens" if "prompt_tokens" in r0 and
-             r0["prompt_tokens"][0] != r0["prompt_tokens"][1] else f"prompts {r0['seq_len']} tokens")
+    lo, hi = r0.get("prompt_tokens") or (r0["seq_len"], r0["seq_len"])
+    shape = f"prompts {lo}-{hi} tokens" if lo != hi else f"prompts {lo} tokens"
     lines = [f"probe  {r0['samples']} samples  seq_len {r0['seq_len']} ({r0.get('prompt', 'exact')}, {shape})  "
              f"haystack {r0['haystack']}  "
              f"chance {rows[0]['chance']:.3f}  (accuracy of a linear probe on the last token, per layer)"]

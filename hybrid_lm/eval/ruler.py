@@ -1,46 +1,43 @@
-"""RULER-offline (Hsieh et al. 2024, NVIDIA/RULER): synthetic long-context tasks, generated here with
-no download, scored by greedy generation and by the answer's log-likelihood.
+"""RULER-offline (Hsieh et al. 2024, NVIDIA/RULER at c3f5e3b): synthetic long-context tasks, generated
+here with no download as RULER's generators build them, scored by greedy generation (RULER's
+``string_match_all``) and by the answer's log-likelihood.
 
-Tasks (``TASKS``; docs/EVAL.md has the templates and the scoring):
+Tasks (``TASKS``; docs/EVAL.md has the comparison with RULER line by line):
 
-- ``niah_single``: one needle "One of the special magic numbers for {key} is: {value}." in a
-  haystack; asked for the key's value.
-- ``niah_multikey``: four needles with different keys; asked for one key (the other three values
-  are the distractors).
-- ``niah_multivalue``: four needles with the same key and four values; all four must be returned.
-- ``niah_multiquery``: four keys with a value each; asked for all four at once.
-- ``vt``: variable tracking: two chains ``VAR A = 12345. VAR B = VAR A. ...`` (five variables each)
-  in a haystack; asked for every variable holding the first chain's value (the second chain is the
-  distractor).
-- ``cwe``: common-word extraction: a numbered list of words where a few words repeat much more
-  often than the rest; asked for the most common ones.
-- ``fwe``: frequent-word extraction: coded words drawn from a Zipf law (the most frequent is "...",
-  noise); asked for the three most frequent coded words.
+- ``niah_single`` / ``niah_multikey`` / ``niah_multivalue`` / ``niah_multiquery``: RULER's
+  niah_single_2, niah_multikey_1, niah_multivalue, niah_multiquery: needles "One of the special
+  magic numbers for {key} is: {value}." in the essays, at depths drawn from RULER's 40-point grid
+  (sentence index ``int(n * depth / 100)``), or at random lines of the noise haystack; RULER's
+  templates (``RULER_TEMPLATES``, the base model template with the answer prefix).
+- ``vt``: variable tracking, one chain of four hops (``VAR A = 12345`` then ``VAR B = VAR A`` ...)
+  at random lines of the noise haystack, after RULER's one-shot example (:func:`vt_example`).
+- ``cwe``: common-word extraction: a numbered list where a few words repeat much more often than
+  the rest, after a one-shot example; asked for the most common ones.
+- ``fwe``: frequent-word extraction: coded words drawn from a Zipf law (``int(n k^-2 / zeta(2))``;
+  the most frequent is "...", noise); asked for the three most frequent coded words.
 
-Haystacks for the needle tasks (``niah_*``, ``vt``): ``essays`` (the embedded Paul Graham essays),
-``corpus`` (the run's token store, val split, decoded) or ``noise`` (repeated sentences "The grass
-is green. ..."). ``cwe`` and ``fwe`` are their own haystack.
+Haystacks for the needle tasks: each task's RULER haystack by default (``RULER_HAYSTACK``: essays
+for the NIAH tasks, noise for vt), or one for all (``essays``, the embedded Paul Graham essays from
+their first sentence on; ``corpus``, the run's token store, val split, decoded; ``noise``, RULER's
+line "The grass is green. ..." repeated). ``cwe`` and ``fwe`` are their own haystack.
 
 Items. :func:`make_item` is a pure function of (task, length, seed, index, tokenizer, haystack):
-a prompt of exactly ``length - gen_tokens`` token ids of the run's tokenizer, so prompt plus answer
-(or generation) is ``length`` tokens and every item of a (task, length) has one shape (batched, one
-compile). The prompt is assembled from separately encoded pieces (template, haystack sentences,
-needles), the haystack cut at the token to fill the budget exactly; needles sit at sentence
-boundaries at controlled depths (one needle: depth van-der-Corput(index), so any number of samples
-spreads over [0, 1); several: distinct points of a 40-point grid, sorted, as RULER). ``gen_tokens``
-bounds the answer's tokens (its UTF-8 bytes + 2: no supported tokenizer needs more for ASCII); it is
-the same for every task at a length (the longest answer any task may need), so one compiled
-generation and one compiled forward pass serve all tasks of a length.
-:func:`load_items` caches items under ``data_cache/ruler/`` keyed by (generator version, task,
-length, seed, tokenizer fingerprint, haystack identity).
+a prompt of exactly ``length - gen_tokens`` token ids of the run's tokenizer (the haystack's last
+unit cut at its end to fill it), so prompt plus generation is ``length`` tokens and every item of
+a (task, length) has one shape (batched, one compile). ``gen_tokens`` (:func:`answer_budget`) is
+RULER's largest ``tokens_to_generate`` (128) or the bound of the longest answer if larger, the same
+for every task at a length, so one compiled generation and one compiled forward pass serve all tasks
+of a length. :func:`load_items` caches items under ``data_cache/ruler/`` keyed by (generator
+version, task, length, seed, tokenizer fingerprint, haystack identity).
 
-Scores (:func:`evaluate_ruler`): ``exact_match``, the fraction of the expected strings present in the
-greedy continuation (case-insensitive, RULER's ``string_match_all``), from ``eval/generate.py``'s
-cached decoding; ``answer_nll``, the mean NLL per token of the gold answer under teacher forcing
-(one forward pass, every mixer, SA included); ``ll_accuracy``, the fraction of items where the gold
-answer's log-likelihood beats every distractor's (tasks with distractors; chance 1 / (1 + count)).
-Mixers without a decode path (attention_sink) get the log-likelihood scores only; sa and sa_swa decode
-as their option ``decode`` says (docs/STOCHASTIC_ATTENTION.md §9).
+Scores (:func:`evaluate_ruler`): ``exact_match``, RULER's ``string_match_all`` on the greedy
+continuation cut at the task's ``tokens_to_generate`` (128 / 30 / 120 / 50) and at the first EOS
+(:func:`continuation`), from ``eval/generate.py``'s cached decoding; ``answer_nll``, the mean NLL per
+token of the gold answer under teacher forcing (one forward pass, every mixer, SA included);
+``ll_accuracy``, the fraction of items where the gold answer's log-likelihood beats every
+distractor's (tasks with distractors; chance 1 / (1 + count)). Mixers without a decode path
+(attention_sink) get the log-likelihood scores only; sa and sa_swa decode as their option ``decode``
+says (docs/STOCHASTIC_ATTENTION.md §9).
 
 Python: ``rows, skipped = evaluate_ruler(RestoredRun(wd), tasks=["niah_single"], lengths=[4096])``;
 CLI: ``hybrid-lm ruler RUN_DIR --tasks niah_single,vt --lengths 4K,8K --samples 16``.
@@ -53,7 +50,6 @@ import dataclasses
 import hashlib
 import json
 import logging
-import math
 import re
 import time
 import zlib
@@ -71,42 +67,76 @@ TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "
 HAYSTACK_TASKS = frozenset({"niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt"})
 HAYSTACKS = ("essays", "corpus", "noise")
 DEFAULT_LENGTHS = (4096, 8192, 16384, 32768)
-GENERATOR_VERSION = 1  # bump when an item for the same key would change (invalidates the cache)
+GENERATOR_VERSION = 2  # bump when an item for the same key would change (invalidates the cache)
 
+# The official sources transcribed below: NVIDIA/RULER at c3f5e3b (scripts/data/synthetic/*.py,
+# scripts/data/synthetic/constants.py, scripts/synthetic.yaml, scripts/eval/evaluate.py).
 MIN_HAYSTACK = 16  # tokens of haystack an item needs, at least
 CORPUS_TOKENS = 4_000_000  # the corpus haystack: the val split's first documents up to this many tokens
-MULTI_DEPTHS = np.linspace(0.0, 1.0, 40)  # RULER's depth grid for several needles
+# niah.py / variable_tracking.py: DEPTHS, the needle depths in percent of the haystack's sentences
+DEPTHS = tuple(int(x) for x in np.round(np.linspace(0, 100, num=40, endpoint=True)).astype(int))
+NOISE_LINE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 NOISE_SENTENCES = ("The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.",
                    "There and back again.")
+# synthetic.yaml: each task's haystack (niah_single_2, multikey_1, multivalue, multiquery: essays; vt: noise)
+RULER_HAYSTACK = {"niah_single": "essays", "niah_multikey": "essays", "niah_multivalue": "essays",
+                  "niah_multiquery": "essays", "vt": "noise"}
 
 # (keys, values per key, keys asked) of each NIAH task (RULER's niah_single_2, multikey_1, multivalue, multiquery)
 NIAH = {"niah_single": (1, 1, 1), "niah_multikey": (4, 1, 1), "niah_multivalue": (1, 4, 1),
         "niah_multiquery": (4, 1, 4)}
-VT_CHAINS, VT_HOPS = 2, 4  # two chains of five variables: one asked, one the distractor
+VT_CHAINS, VT_HOPS = 1, 4  # synthetic.yaml vt: num_chains 1, num_hops 4
+VT_ICL_TOKENS = 500  # variable_tracking.py main(): the one-shot example is built for max_seq_length=500
 FWE_ALPHA, FWE_WORD_LEN, FWE_ANSWERS = 2.0, 6, 3
 CWE_MAX_WORD = 10
 N_DISTRACTORS = 3  # cwe and fwe: alternative answers scored against the gold one
 
-TEMPLATES = {
-    "niah_prefix_one": "A special magic number is hidden in the text below. Memorize it.\n",
-    "niah_prefix_many": "Special magic numbers are hidden in the text below. Memorize them.\n",
-    "niah_needle": " One of the special magic numbers for {key} is: {value}.",
-    "niah_question_one": "\nWhat is the special magic number for {query}? The special magic number for {query} is:",
-    "niah_question_many": ("\nWhat are all the special magic numbers for {query}? The special magic numbers for "
-                           "{query} are:"),
-    "vt_prefix": "Memorize and track the chains of variable assignments hidden in the text below.\n",
-    "vt_question": ("\nQuestion: Find all variables that are assigned the value {value} in the text above. "
-                    "Answer: According to the chains of variable assignments in the text above, {n} variables "
-                    "are assigned the value {value}, they are:"),
-    "cwe_prefix": ("Below is a numbered list of words. Some words appear more often than others. Memorize the "
-                   "ones that appear most often.\n"),
-    "cwe_question": ("\nQuestion: What are the {n} most common words in the list above? Answer: The {n} most "
-                     "common words in the list are:"),
-    "fwe_prefix": ("Read the following coded text and track the frequency of each coded word. Find the three "
-                   "most frequently appeared coded words.\n"),
-    "fwe_question": ("\nQuestion: Ignore the dots '...'. What are the three most frequently appeared coded words "
-                     "in the text above? Answer: The three most frequently appeared coded words are:"),
+# constants.py: tokens_to_generate per task family; generation stops there or at EOS
+TOKENS_TO_GENERATE = {"niah": 128, "vt": 30, "cwe": 120, "fwe": 50}
+GEN_TOKENS = max(TOKENS_TO_GENERATE.values())
+
+# constants.py TASKS[...]["template"] + ["answer_prefix"] (the base model template: prepare.py appends the
+# answer prefix to the task template; the generators then format it)
+RULER_TEMPLATES = {
+    "niah": ("Some special magic {type_needle_v} are hidden within the following text. Make sure to memorize it. "
+             "I will quiz you about the {type_needle_v} afterwards.\n{context}\nWhat are all the special magic "
+             "{type_needle_v} for {query} mentioned in the provided text?"
+             " The special magic {type_needle_v} for {query} mentioned in the provided text are"),
+    "vt": ("Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n{context}\n"
+           "Question: Find all variables that are assigned the value {query} in the text above."
+           " Answer: According to the chain(s) of variable assignment in the text above, {num_v} variables are "
+           "assigned the value {query}, they are: "),
+    "cwe": ("Below is a numbered list of words. In these words, some appear more often than others. Memorize the "
+            "ones that appear most often.\n{context}\nQuestion: What are the 10 most common words in the above "
+            "list? Answer: The top 10 words that appear most often in the list are:"),
+    "fwe": ("Read the following coded text and track the frequency of each coded word. Find the three most "
+            "frequently appeared coded words. {context}\nQuestion: Do not provide any explanation. Please ignore "
+            "the dots '....'. What are the three most frequently appeared words in the above coded text?"
+            " Answer: According to the coded text above, the three most frequently appeared words are:"),
 }
+NEEDLE = "One of the special magic {type_needle_v} for {key} is: {value}."  # niah.py
+
+
+def niah_template(n_answers: int) -> tuple[str, str]:
+    """``(template, type_needle_v)`` of a NIAH prompt with ``n_answers`` = num_needle_q * num_needle_v
+    answers: niah.py's singular rewrite when there is one."""
+    template, type_needle_v = RULER_TEMPLATES["niah"], "numbers"
+    if n_answers == 1:
+        template = template.replace("Some", "A").replace("are all", "is").replace("are", "is")
+        template = template.replace("answers", "answer")
+        type_needle_v = type_needle_v[:-1]
+    return template, type_needle_v
+
+
+def split_template(template: str, **fields) -> tuple[str, str]:
+    """``template`` formatted with ``fields``, split at ``{context}``: (before, after)."""
+    before, after = template.format(context="\x00", **fields).split("\x00")
+    return before, after
+
+
+def family(task: str) -> str:
+    """The RULER task family of ``task`` (``niah``, ``vt``, ``cwe``, ``fwe``)."""
+    return "niah" if task.startswith("niah") else task
 
 
 class TooShort(ConfigError):
@@ -120,7 +150,7 @@ class TooShort(ConfigError):
 class Item:
     """One RULER prompt: ``ids`` (exactly ``length - gen_tokens`` token ids), the strings a correct
     answer contains (``answers``), the teacher-forced ``gold`` continuation and its ``distractors``,
-    the needles' depths (fraction of the haystack before each) and token spans ``[start, end)``."""
+    the needles' depths (fraction of the haystack's units before each) and token spans ``[start, end)``."""
 
     task: str
     length: int
@@ -152,29 +182,23 @@ def item_rng(task: str, length: int, seed: int, index: int) -> np.random.Generat
     return np.random.default_rng([seed, zlib.crc32(task.encode()), length, index])
 
 
-def single_depth(index: int) -> float:
-    """Depth of item ``index``'s one needle: the base-2 van der Corput sequence (0, 1/2, 1/4, 3/4,
-    1/8, ...), so the first N items of any N spread evenly over [0, 1)."""
-    out, scale = 0.0, 0.5
-    while index:
-        out += scale * (index & 1)
-        index >>= 1
-        scale /= 2
-    return out
-
-
 def _encode(tok, text: str) -> np.ndarray:
     return np.asarray(tok.encode(text), np.int32)
 
 
 def _gen_budget(longest_answer: str) -> int:
-    """Tokens reserved for the answer: its UTF-8 bytes + 2 bound its token count for the byte
+    """Tokens an answer may take: its UTF-8 bytes + 2 bound its token count for the byte
     tokenizer, byte-level BPE and SentencePiece (a dummy-prefix piece) on ASCII text."""
     return len(longest_answer.encode("utf-8")) + 2
 
 
 def _answer_text(words) -> str:
     return " " + ", ".join(words) + "."
+
+
+def _numbered(words) -> str:
+    """cwe's answer as its one-shot example gives it: `` 1. word 2. word ...``."""
+    return " " + " ".join(f"{i + 1}. {w}" for i, w in enumerate(words))
 
 
 def _distinct(rng: np.random.Generator, n: int, draw) -> list:
@@ -189,11 +213,15 @@ def _distinct(rng: np.random.Generator, n: int, draw) -> list:
 
 
 def _number(rng, digits: int) -> str:
+    """niah.py generate_random_number: uniform in [10^(digits-1), 10^digits - 1]."""
     return str(int(rng.integers(10 ** (digits - 1), 10 ** digits)))
 
 
 def _letters(rng, k: int, alphabet: str) -> str:
     return "".join(alphabet[i] for i in rng.integers(0, len(alphabet), k))
+
+
+UPPER = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
 
 # ----------------------------------------------------------------------------- words and haystacks
@@ -230,53 +258,71 @@ def split_sentences(text: str) -> list[str]:
 
 @dataclasses.dataclass(frozen=True)
 class Haystack:
-    """Sentences (each encoded with its leading space) that needle tasks fill their context with."""
+    """The filler text of the needle tasks as units joined by ``sep``: the essays' (or the corpus')
+    sentences joined by spaces, or RULER's noise lines joined by newlines. ``units`` holds each unit
+    encoded after its separator, ``bare`` encoded alone (the context's first piece), ``texts`` the text."""
 
     name: str
     identity: str  # what the items' cache key records
+    sep: str
+    texts: tuple[str, ...]
     units: tuple[np.ndarray, ...]
+    bare: tuple[np.ndarray, ...]
 
-    def fill(self, start: int, n_tokens: int) -> list[np.ndarray]:
-        """Sentences from ``start`` on (wrapping around) totalling exactly ``n_tokens`` ids: the first
-        one cut at its front, so the haystack starts mid-sentence and ends at a sentence end."""
-        out, total, k = [], 0, start
+    @property
+    def lines(self) -> bool:
+        """Needles go to random lines (RULER's noise haystack), not to a depth of the sentences."""
+        return self.sep == "\n"
+
+    def count(self, n_tokens: int, start: int = 0) -> int:
+        """How many units from ``start`` on (wrapping, the first bare) reach ``n_tokens`` tokens."""
+        total, k = 0, 0
         while total < n_tokens:
-            out.append(self.units[k % len(self.units)])
-            total += len(out[-1])
+            total += len((self.units if k else self.bare)[(start + k) % len(self.units)])
             k += 1
-        excess = total - n_tokens
-        while excess >= len(out[0]):  # the last sentence alone may be longer than the first
-            excess -= len(out.pop(0))
-        out[0] = out[0][excess:]
+        return k
+
+    def fill(self, n_tokens: int, start: int = 0) -> list[np.ndarray]:
+        """Units from ``start`` on (wrapping, the first bare) totalling exactly ``n_tokens`` ids: the last
+        one cut at its end (RULER's essay haystack, the first words of the essays, ends mid-sentence)."""
+        k = self.count(n_tokens, start)
+        out = [(self.units if i else self.bare)[(start + i) % len(self.units)] for i in range(k)]
+        excess = sum(map(len, out)) - n_tokens
+        if excess:
+            out[-1] = out[-1][:len(out[-1]) - excess]
         return out
 
 
 _HAYSTACKS: dict[tuple, Haystack] = {}
 
 
-def _haystack(name: str, identity: str, tok, sentences) -> Haystack:
+def _haystack(name: str, identity: str, tok, sep: str, texts) -> Haystack:
     key = (identity, tok.fingerprint)
     if key not in _HAYSTACKS:
-        sentences = list(sentences())
-        if not sentences:
+        texts = [t for t in texts() if t]
+        if not texts:
             raise ConfigError(f"the {name} haystack holds no text")
-        units = tuple(np.asarray(ids, np.int32) for ids in tok.encode_batch([" " + s for s in sentences]))
-        _HAYSTACKS[key] = Haystack(name, identity, tuple(u for u in units if len(u)))
+        units = [np.asarray(ids, np.int32) for ids in tok.encode_batch([sep + t for t in texts])]
+        bare = [np.asarray(ids, np.int32) for ids in tok.encode_batch(texts)]
+        keep = [i for i in range(len(texts)) if len(units[i]) and len(bare[i])]
+        _HAYSTACKS[key] = Haystack(name, identity, sep, tuple(texts[i] for i in keep), tuple(units[i] for i in keep),
+                                   tuple(bare[i] for i in keep))
     return _HAYSTACKS[key]
 
 
 def essays_haystack(tok) -> Haystack:
-    return _haystack("essays", essays_identity(), tok,
-                     lambda: (s for _, text in essay_texts() for s in split_sentences(text)))
+    return _haystack("essays", essays_identity(), tok, " ",
+                     lambda: [s for _, text in essay_texts() for s in split_sentences(text)])
 
 
 def noise_haystack(tok) -> Haystack:
-    return _haystack("noise", "noise", tok, lambda: NOISE_SENTENCES)
+    """RULER's noise: the line of five sentences, repeated, one per line."""
+    return _haystack("noise", "noise-lines", tok, "\n", lambda: [NOISE_LINE])
 
 
 def corpus_haystack(tok, store) -> Haystack:
     """The val split of ``store`` (a :class:`~hybrid_lm.data.store.TokenStore` of ``tok``), decoded
-    document by document (its first documents, up to ``CORPUS_TOKENS`` tokens)."""
+    document by document (its first documents, up to ``CORPUS_TOKENS`` tokens), in sentences."""
     if store.tokenizer.get("fingerprint") != tok.fingerprint:
         raise ConfigError(f"token store {store.path} was prepared with another tokenizer than the run's")
     view = store.split("val")
@@ -284,14 +330,15 @@ def corpus_haystack(tok, store) -> Haystack:
         raise ConfigError(f"token store {store.path} has no val documents: use --haystack essays or noise")
 
     def sentences():
-        starts, used = view.doc_starts, 0
+        starts, used, out = view.doc_starts, 0, []
         for d in range(view.n_docs):
             n = int(min(starts[d + 1] - starts[d], CORPUS_TOKENS - used))
-            yield from split_sentences(tok.decode(view.read(int(starts[d]), n)))
+            out += split_sentences(tok.decode(view.read(int(starts[d]), n)))
             used += n
             if used >= CORPUS_TOKENS:
-                return
-    return _haystack("corpus", f"corpus:{store.fingerprint[:16]}", tok, sentences)
+                break
+        return out
+    return _haystack("corpus", f"corpus:{store.fingerprint[:16]}", tok, " ", sentences)
 
 
 def haystack_for(name: str, tok, run=None) -> Haystack:
@@ -306,6 +353,13 @@ def haystack_for(name: str, tok, run=None) -> Haystack:
             raise ConfigError("the corpus haystack reads a run's token store: give the run")
         return corpus_haystack(tok, run.streams().store)
     raise ConfigError(f"--haystack {name!r}: choose one of {', '.join(HAYSTACKS)}")
+
+
+def task_haystack(task: str, haystack: str | None) -> str | None:
+    """The haystack ``task`` reads: ``haystack`` when given, else RULER's for the task (None for cwe, fwe)."""
+    if task not in HAYSTACK_TASKS:
+        return None
+    return haystack or RULER_HAYSTACK[task]
 
 
 _PIECES: dict[tuple, list[np.ndarray]] = {}
@@ -336,156 +390,284 @@ def _single_token(tok, char: str) -> int:
 # ----------------------------------------------------------------------------- generators
 
 
-def _place(prefix: np.ndarray, hay: list[np.ndarray], needles: list[np.ndarray], depths, question: np.ndarray):
-    """``prefix + haystack with needles + question``: needle i goes to the sentence boundary nearest to
-    ``depths[i]`` of the haystack's tokens (depths non-decreasing keep the needles' order). Returns
-    (ids, [(start, end)] of each needle, the depth of each as placed)."""
-    bounds = np.concatenate([[0], np.cumsum([len(u) for u in hay])])
-    total = int(bounds[-1])
-    at, last = [], 0
-    for d in depths:
-        last = max(last, int(np.argmin(np.abs(bounds - d * total))))
-        at.append(last)
-    pieces, spans, pos, k = [prefix], [], len(prefix), 0
-    for b in range(len(hay) + 1):
-        while k < len(needles) and at[k] == b:
-            pieces.append(needles[k])
-            spans.append((pos, pos + len(needles[k])))
-            pos += len(needles[k])
+def _assemble(haystack: Haystack, n_units: int, at, bare, pref, target: int):
+    """The context: ``n_units`` haystack units with needle k (``bare[k]`` / ``pref[k]``: encoded alone /
+    after the separator) before unit ``at[k]`` (``at`` non-decreasing; ``n_units``: after the last),
+    the first piece encoded alone, the rest after their separator, the last unit cut at its end so the
+    context is exactly ``target`` ids. Returns (ids, [(start, end)] of each needle within them), or
+    None when the pieces fall short of ``target`` (then one more unit is needed)."""
+    pieces, k = [], 0
+    for b in range(n_units + 1):
+        while k < len(at) and at[k] == b:
+            pieces.append(["needle", k, pref[k] if pieces else bare[k]])
             k += 1
-        if b < len(hay):
-            pieces.append(hay[b])
-            pos += len(hay[b])
-    pieces.append(question)
-    placed = tuple(float(bounds[b] / total) if total else 0.0 for b in at)
-    return np.concatenate(pieces).astype(np.int32), tuple(spans), placed
+        if b < n_units:
+            pieces.append(["unit", b, (haystack.units if pieces else haystack.bare)[b % len(haystack.units)]])
+    excess = sum(len(p[2]) for p in pieces) - target
+    if excess < 0:
+        return None
+    for p in reversed(pieces):  # cut the last unit(s) at their end
+        if excess == 0:
+            break
+        if p[0] == "unit":
+            cut = min(excess, len(p[2]))
+            p[2], excess = p[2][:len(p[2]) - cut], excess - cut
+    spans, pos = [], 0
+    for p in pieces:
+        if p[0] == "needle":
+            spans.append((pos, pos + len(p[2])))
+        pos += len(p[2])
+    return np.concatenate([p[2] for p in pieces] or [np.zeros(0, np.int32)]).astype(np.int32), spans
 
 
-def _needle_item(task, length, seed, index, tok, haystack: Haystack, rng, *, prefix, needles, depths, question,
+def _needle_item(task, length, seed, index, tok, haystack: Haystack, *, prefix, needles, place, question,
                  gen_tokens, **fields) -> Item:
-    """An item of a needle task: the haystack fills what template, needles and answer leave."""
+    """An item of a needle task: ``prefix``, the haystack with ``needles`` (texts, in text order) at the
+    unit boundaries ``place(n_units)`` returns, ``question``; the haystack fills exactly what the rest
+    and the answer leave."""
     prefix_ids, question_ids = _encode(tok, prefix), _encode(tok, question)
-    needle_ids = [_encode(tok, n) for n in needles]
-    fixed = len(prefix_ids) + len(question_ids) + sum(len(n) for n in needle_ids) + gen_tokens
-    n_hay = length - fixed
+    bare = [_encode(tok, n) for n in needles]
+    pref = [_encode(tok, haystack.sep + n) for n in needles]
+    target = length - gen_tokens - len(prefix_ids) - len(question_ids)
+    n_hay = target - sum(len(p) for p in pref)
     if n_hay < MIN_HAYSTACK:
-        raise TooShort(f"{task} needs at least {fixed + MIN_HAYSTACK} tokens with this tokenizer (template, "
-                       f"needles and answer take {fixed}); {length} is too short")
-    hay = haystack.fill(int(rng.integers(len(haystack.units))), n_hay)
-    ids, spans, placed = _place(prefix_ids, hay, needle_ids, depths, question_ids)
+        raise TooShort(f"{task} needs at least {length - n_hay + MIN_HAYSTACK} tokens with this tokenizer "
+                       f"(template, needles and answer take {length - n_hay}); {length} is too short")
+    n_units = haystack.count(n_hay)
+    at = [int(a) for a in place(n_units)]
+    built = None
+    while built is None:
+        built = _assemble(haystack, n_units, at, bare, pref, target)
+        n_units += built is None
+    context, spans = built
+    ids = np.concatenate([prefix_ids, context, question_ids]).astype(np.int32)
+    spans = tuple((len(prefix_ids) + a, len(prefix_ids) + b) for a, b in spans)
+    placed = tuple(a / max(1, n_units) for a in at)
     return Item(task, length, seed, index, haystack.name, ids, gen_tokens, depths=placed, needle_spans=spans,
                 **fields)
+
+
+def depth_places(rng, k: int, depths=None):
+    """``place`` for the sentence haystacks (niah.py, variable_tracking.py): the needles go before
+    sentence ``int(n * depth / 100)`` for ``k`` depths drawn without replacement from :data:`DEPTHS`,
+    sorted (or the given fractions ``depths``)."""
+    drawn = sorted(int(d) for d in rng.choice(DEPTHS, k, replace=False)) if depths is None else None
+    if depths is not None:
+        return lambda n: [int(n * d) for d in sorted(depths)]
+    return lambda n: [int(n * (d / 100)) for d in drawn]
+
+
+def line_places(rng, k: int, depths=None):
+    """``place`` for the noise haystack (niah.py, variable_tracking.py): ``k`` distinct random lines,
+    sorted (or the given fractions ``depths``)."""
+    if depths is not None:
+        return lambda n: [int(n * d) for d in sorted(depths)]
+    return lambda n: sorted(int(x) for x in rng.choice(n, min(k, n), replace=False)) + [n] * max(0, k - n)
 
 
 def _niah(task, length, seed, index, tok, haystack, depths=None) -> Item:
     n_keys, n_values, n_queries = NIAH[task]
     rng = item_rng(task, length, seed, index)
     vocab = words()
-    keys = _distinct(rng, n_keys, lambda r: f"{vocab[r.integers(len(vocab))]}-{vocab[r.integers(len(vocab))]}")
-    drawn = _distinct(rng, n_keys * n_values, lambda r: _number(r, 7))  # no value twice, across keys too
-    values = {k: drawn[i * n_values:(i + 1) * n_values] for i, k in enumerate(keys)}
-    needles = [(k, v) for k in keys for v in values[k]]
+    keys = [f"{vocab[rng.integers(len(vocab))]}-{vocab[rng.integers(len(vocab))]}" for _ in range(n_keys)]
+    values = [[_number(rng, 7) for _ in range(n_values)] for _ in range(n_keys)]
+    needles = [(k, v) for k, vs in zip(keys, values) for v in vs]
     needles = [needles[i] for i in rng.permutation(len(needles))]
-    if depths is None:
-        depths = ([single_depth(index)] if len(needles) == 1 else
-                  sorted(rng.choice(MULTI_DEPTHS, len(needles), replace=False).tolist()))
-    queries = [keys[i] for i in rng.permutation(n_keys)[:n_queries]]
-    if n_queries * n_values == 1:
-        prefix, question = TEMPLATES["niah_prefix_one"], TEMPLATES["niah_question_one"]
-    else:
-        prefix, question = TEMPLATES["niah_prefix_many"], TEMPLATES["niah_question_many"]
+    asked = [int(i) for i in rng.choice(n_keys, n_queries, replace=False)]
+    queries = [keys[i] for i in asked]
     query = queries[0] if len(queries) == 1 else ", ".join(queries[:-1]) + ", and " + queries[-1]
+    template, type_needle_v = niah_template(n_queries * n_values)
+    prefix, question = split_template(template, type_needle_v=type_needle_v, query=query)
+    if haystack.lines:
+        needles = needles[::-1]  # niah.py inserts them at descending line indexes: the last one first in the text
+        place = line_places(rng, len(needles), depths)
+    else:
+        place = depth_places(rng, len(needles), depths)
     if n_values > 1:  # one key: its values in the order they appear in the text
         answers = [v for _, v in needles]
     else:
-        answers = [values[q][0] for q in queries]
-    distractors = [_answer_text([values[k][0]]) for k in keys if k not in queries]
+        answers = [values[i][0] for i in asked]
+    distractors = [_answer_text([values[i][0]]) for i in range(n_keys) if i not in asked]
     return _needle_item(
-        task, length, seed, index, tok, haystack, rng,
-        prefix=prefix, question=question.format(query=query), depths=list(depths),
-        needles=[TEMPLATES["niah_needle"].format(key=k, value=v) for k, v in needles],
+        task, length, seed, index, tok, haystack, prefix=prefix, question=question, place=place,
+        needles=[NEEDLE.format(type_needle_v="numbers", key=k, value=v) for k, v in needles],
         gen_tokens=answer_budget(tok, length),
         answers=tuple(answers), gold=_answer_text(answers), distractors=tuple(distractors))
+
+
+def _vt_statements(chain: list[str], value: str, lines: bool) -> list[str]:
+    """variable_tracking.py generate_chains: ``VAR A = 12345`` then ``VAR B = VAR A `` ... (with the
+    trailing space), as lines of the noise haystack; sentences (stripped, a period added) in an essay."""
+    out = [f"VAR {chain[0]} = {value}"] + [f"VAR {chain[j + 1]} = VAR {chain[j]} " for j in range(len(chain) - 1)]
+    return out if lines else [s.strip() + "." for s in out]
+
+
+def _vt_context(haystack: Haystack, n: int, statements: list[str], rng) -> str:
+    """variable_tracking.py generate_input_output's context from ``n`` haystack units (from the first)."""
+    if haystack.lines:
+        lines = [haystack.texts[i % len(haystack.texts)] for i in range(n)]
+        positions = sorted(int(x) for x in rng.choice(len(lines), len(statements), replace=False))
+        for j, (p, s) in enumerate(zip(positions, statements)):
+            lines.insert(p + j, s)
+        return "\n".join(lines).replace(". \n", ".\n")
+    sents = [haystack.texts[i % len(haystack.texts)] for i in range(n)]
+    cuts = [0] + sorted(int(n * (d / 100)) for d in rng.choice(DEPTHS, len(statements), replace=False)) + [n]
+    parts = []
+    for i in range(1, len(cuts)):
+        parts.append(" ".join(sents[cuts[i - 1]:cuts[i]]))
+        if i - 1 < len(statements):
+            parts.append(statements[i - 1])
+    return " ".join(parts)
+
+
+_VT_EXAMPLES: dict[tuple, tuple[str, int]] = {}
+
+
+def vt_example(tok, haystack: Haystack, seed: int) -> str:
+    """The one-shot example variable_tracking.py main() puts before every prompt: a whole vt prompt
+    with a chain of 3-letter names holding 12345 in as many haystack units as keep it within
+    :data:`VT_ICL_TOKENS` tokens, followed by its answer (`` NAMES...`` after the prompt's ``they are: ``)
+    and a newline. Per seed and haystack (RULER: one per dataset); :func:`_randomize_example` renames
+    its variables and value for each item."""
+    key = (tok.fingerprint, haystack.identity, seed)
+    if key not in _VT_EXAMPLES:
+        rng = np.random.default_rng([seed, zlib.crc32(b"vt-icl")])
+        names = _distinct(rng, VT_HOPS + 1, lambda r: _letters(r, 3, UPPER))
+        statements = _vt_statements(names, "12345", haystack.lines)
+        before, after = split_template(RULER_TEMPLATES["vt"], query="12345", num_v=VT_HOPS + 1)
+        state = rng.bit_generator.state
+
+        def text(n):
+            rng.bit_generator.state = state  # the same draws for every n tried
+            return before + _vt_context(haystack, n, statements, rng) + after
+
+        lo = 5 if haystack.lines else 1  # variable_tracking.py: incremental 5 (noise) lines
+        best, hi = lo, 4 * VT_ICL_TOKENS
+        while lo <= hi:  # the most units within the budget (RULER's binary search)
+            mid = (lo + hi) // 2
+            if len(tok.encode(text(mid))) <= VT_ICL_TOKENS:
+                best, lo = mid, mid + 1
+            else:
+                hi = mid - 1
+        _VT_EXAMPLES[key] = text(best) + " " + " ".join(names) + "\n"
+    return _VT_EXAMPLES[key]
+
+
+def _randomize_example(example: str, rng) -> str:
+    """variable_tracking.py randomize_icl: the answer's names replaced by random capitals of their
+    length (everywhere in the example), 12345 by a random value in [10000, 99999)."""
+    for name in example.strip().split()[-(VT_HOPS + 1):]:
+        example = example.replace(name, _letters(rng, len(name), UPPER))
+    return example.replace("12345", str(int(rng.integers(10000, 99999))))
+
+
+def _shuffle_sublists(rng, chains: list[list[str]]) -> list[str]:
+    """variable_tracking.py shuffle_sublists_heap: the chains interleaved at random, each in order."""
+    order = rng.permutation(np.repeat(np.arange(len(chains)), [len(c) for c in chains]))
+    nxt = [0] * len(chains)
+    out = []
+    for c in order:
+        out.append(chains[c][nxt[c]])
+        nxt[c] += 1
+    return out
 
 
 def _vt(task, length, seed, index, tok, haystack, depths=None) -> Item:
     rng = item_rng(task, length, seed, index)
     n_vars = VT_HOPS + 1
-    names = _distinct(rng, VT_CHAINS * n_vars, lambda r: _letters(r, 5, "ABCDEFGHIJKLMNOPQRSTUVWXYZ"))
-    values = _distinct(rng, VT_CHAINS, lambda r: _number(r, 5))
+    names = _distinct(rng, VT_CHAINS * n_vars, lambda r: _letters(r, 5, UPPER))
     chains = [names[c * n_vars:(c + 1) * n_vars] for c in range(VT_CHAINS)]
-    statements = [[f" VAR {chain[0]} = {value}."] + [f" VAR {chain[j]} = VAR {chain[j - 1]}." for j in range(1, n_vars)]
-                  for chain, value in zip(chains, values)]
-    order = rng.permutation(np.repeat(np.arange(VT_CHAINS), n_vars))  # a random interleaving, each chain in order
-    nxt = [0] * VT_CHAINS
-    flat = []
-    for c in order:
-        flat.append(statements[c][nxt[c]])
-        nxt[c] += 1
-    if depths is None:
-        depths = sorted(rng.choice(MULTI_DEPTHS, len(flat), replace=False).tolist())
-    question = TEMPLATES["vt_question"].format(value=values[0], n=n_vars)
+    values = [str(int(rng.integers(10000, 99999))) for _ in chains]
+    statements = [_vt_statements(chain, value, haystack.lines) for chain, value in zip(chains, values)]
+    if haystack.lines:
+        flat = [s for chain in statements for s in chain]
+        place = line_places(rng, len(flat), depths)
+    else:
+        flat = _shuffle_sublists(rng, statements)
+        place = depth_places(rng, len(flat), depths)
+    example = _randomize_example(vt_example(tok, haystack, seed), rng)
+    before, after = split_template(RULER_TEMPLATES["vt"], query=values[0], num_v=n_vars)
     return _needle_item(
-        task, length, seed, index, tok, haystack, rng, prefix=TEMPLATES["vt_prefix"], needles=flat,
-        depths=list(depths), question=question, gen_tokens=answer_budget(tok, length),
-        answers=tuple(chains[0]), gold=_answer_text(chains[0]),
-        distractors=tuple(_answer_text(chain) for chain in chains[1:]))
+        task, length, seed, index, tok, haystack, prefix=example + "\n" + before, needles=flat, place=place,
+        question=after, gen_tokens=answer_budget(tok, length),
+        answers=tuple(chains[0]), gold=" " + " ".join(chains[0]),
+        distractors=tuple(" " + " ".join(chain) for chain in chains[1:]))
 
 
-CWE_SETTINGS = ((10, 30, 3), (10, 6, 1), (5, 4, 1))  # (common words, repeats of each, repeats of each other word)
+# (common words, repeats of each, repeats of each other word, one-shot example (words, repeats, repeats)):
+# RULER's common_words_extraction.py from 4K tokens on, its setting below 4K, and a smaller one of ours
+CWE_SETTINGS = ((10, 30, 3, (40, 10, 3)), (10, 6, 1, (20, 3, 1)), (5, 4, 1, (10, 2, 1)))
 
 
-def _cwe_budget(tok, length: int, n_common: int) -> tuple[np.ndarray, np.ndarray, int, int]:
-    """(prefix ids, question ids, answer tokens, tokens left for the list) of cwe with ``n_common`` words."""
-    prefix_ids = _encode(tok, TEMPLATES["cwe_prefix"])
-    question_ids = _encode(tok, TEMPLATES["cwe_question"].format(n=n_common))
-    gen_tokens = _gen_budget(_answer_text(["x" * CWE_MAX_WORD] * n_common))
-    return prefix_ids, question_ids, gen_tokens, length - len(prefix_ids) - len(question_ids) - gen_tokens
+def _cwe_example(rng, template: str, n_words: int, rep_common: int, rep_other: int, n_common: int) -> str:
+    """common_words_extraction.py get_example + generate_input_output's one-shot example: a list of
+    ``n_words`` words (the first ``n_common`` repeated ``rep_common`` times, the others ``rep_other``),
+    shuffled and numbered, in the template, followed by its answer as a numbered list."""
+    vocab = words()
+    drawn = [vocab[i] for i in rng.choice(len(vocab), n_words, replace=False)]
+    common, uncommon = drawn[:n_common], drawn[n_common:]
+    listed = common * rep_common + uncommon * rep_other
+    listed = [listed[i] for i in rng.permutation(len(listed))]
+    context = " ".join(f"{i + 1}. {w}" for i, w in enumerate(listed))
+    return template.format(context=context) + " " + " ".join(f"{i + 1}. {w}" for i, w in enumerate(common))
 
 
-def cwe_setting(tok, length: int) -> tuple[int, int, int]:
-    """The richest of ``CWE_SETTINGS`` whose common words' entries take at most half of the list's
-    tokens (entries costed at their mean over the word list): RULER's (10 x 30, others x 3) from 4K
-    tokens on, its short-context (10 x 6, x 1) below, (5 x 4, x 1) for the shortest lengths (or a
-    byte-level tokenizer's long entries). A function of (tokenizer, length): every item agrees."""
+def _cwe_template(n_common: int) -> str:
+    return RULER_TEMPLATES["cwe"].replace("10", str(n_common))
+
+
+def cwe_setting(tok, length: int) -> tuple:
+    """The richest of ``CWE_SETTINGS`` whose common words' entries take at most half of the tokens the
+    one-shot example and the templates leave (entries costed at their mean over the word list):
+    RULER's (10 x 30, others x 3) from 4K tokens on, its (10 x 6, x 1) below, (5 x 4, x 1) for the
+    shortest lengths (or a byte-level tokenizer's long entries). A function of (tokenizer, length):
+    every item agrees."""
     key = (tok.fingerprint, length)
     if key not in _CWE_SETTING:
         entry = (np.mean([len(x) for x in _pieces(tok, "words", 0)])
                  + np.mean([len(x) for x in _pieces(tok, "numbers", 1000)[:1000]]))
-        fits = [s for s in CWE_SETTINGS[0 if length >= 4096 else 1:]
-                if s[0] * s[1] * entry <= _cwe_budget(tok, length, s[0])[3] / 2]
+        fits = []
+        for s in CWE_SETTINGS[0 if length >= 4096 else 1:]:
+            n_c, rep_c, _, (ex_n, ex_rc, ex_ro) = s
+            template = len(tok.encode(_cwe_template(n_c)))
+            example = template + (ex_n * 1.0 + n_c * ex_rc + (ex_n - n_c) * ex_ro) * entry
+            room = length - answer_budget(tok, length) - template - example
+            if n_c * rep_c * entry <= room / 2:
+                fits.append(s)
         _CWE_SETTING[key] = fits[0] if fits else CWE_SETTINGS[-1]
     return _CWE_SETTING[key]
 
 
-_CWE_SETTING: dict[tuple, tuple[int, int, int]] = {}
+_CWE_SETTING: dict[tuple, tuple] = {}
 
 
 def answer_budget(tok, length: int) -> int:
-    """Tokens reserved after every prompt at ``length`` (``Item.gen_tokens``): the bound of the longest
-    answer any task may need there (cwe's), the same for every task, so that one compiled generation
-    and one compiled forward pass serve all tasks at a length."""
-    longest = [_answer_text(["0" * 7] * 4), _answer_text(["X" * 5] * (VT_HOPS + 1)),
-               _answer_text(["x" * FWE_WORD_LEN] * FWE_ANSWERS),
-               _answer_text(["x" * CWE_MAX_WORD] * cwe_setting(tok, length)[0])]
-    return max(_gen_budget(a) for a in longest)
+    """Tokens reserved after every prompt at ``length`` (``Item.gen_tokens``): RULER's largest
+    ``tokens_to_generate`` (128), or the bound of the longest answer any task may need (cwe's ten
+    numbered words) if larger; the same for every task, so that one compiled generation and one
+    compiled forward pass serve all tasks at a length."""
+    return max(GEN_TOKENS, _gen_budget(_numbered(["x" * CWE_MAX_WORD] * 10)))
 
 
 def _cwe(task, length, seed, index, tok, haystack=None, depths=None) -> Item:
     rng = item_rng(task, length, seed, index)
-    n_common, rep_common, rep_other = cwe_setting(tok, length)
+    n_common, rep_common, rep_other, (ex_n, ex_rc, ex_ro) = cwe_setting(tok, length)
+    template = _cwe_template(n_common)
+    example = _cwe_example(rng, template, ex_n, ex_rc, ex_ro, n_common)
+    before, after = split_template(template)
+    prefix_ids, question_ids = _encode(tok, example + "\n" + before), _encode(tok, after)
+    gen_tokens = answer_budget(tok, length)
+    budget = length - len(prefix_ids) - len(question_ids) - gen_tokens
     vocab = words()
     word_ids = _pieces(tok, "words", 0)
     order = rng.permutation(len(vocab))
     common, pool = order[:n_common], order[n_common:]
-    prefix_ids, question_ids, _, _ = _cwe_budget(tok, length, n_common)
-    gen_tokens = answer_budget(tok, length)
-    budget = length - len(prefix_ids) - len(question_ids) - gen_tokens
-    numbers = _pieces(tok, "numbers", max(budget, 1))
+    numbers = list(_pieces(tok, "numbers", max(budget, 1)))
+    numbers[0] = _encode(tok, "1.")  # the list starts its line: "1. word 2. word ..."
     num_cost = np.concatenate([[0], np.cumsum([len(x) for x in numbers])])
 
     def cost(entries: int, word_tokens: int) -> int:
-        return int(num_cost[entries]) + word_tokens
+        return int(num_cost[min(entries, len(numbers))]) + word_tokens
 
     word_tokens = rep_common * sum(len(word_ids[w]) for w in common)
     entries, n_other = n_common * rep_common, 0
@@ -496,47 +678,52 @@ def _cwe(task, length, seed, index, tok, haystack=None, depths=None) -> Item:
         word_tokens, entries, n_other = word_tokens + more, entries + rep_other, n_other + 1
     if n_other < n_common or cost(entries, word_tokens) > budget:
         raise TooShort(f"{task} at {length} tokens leaves room for {n_other} other words, fewer than the "
-                       f"{n_common} the distractors need (template and answer take {length - budget} tokens)")
-    if n_other == len(pool):
-        raise TooShort(f"{task}: {len(vocab):,} words are too few to fill {length} tokens")
+                       f"{n_common} the distractors need (template, example and answer take {length - budget} "
+                       "tokens)")
+    fill = n_other
+    while cost(entries, word_tokens) < budget:  # words listed once to reach the budget (cut at the end)
+        if fill >= len(pool) or entries >= len(numbers):
+            raise TooShort(f"{task}: {len(vocab):,} words are too few to fill {length} tokens")
+        word_tokens, entries, fill = word_tokens + len(word_ids[pool[fill]]), entries + 1, fill + 1
     others = pool[:n_other]
-    listed = rng.permutation(np.concatenate([np.repeat(common, rep_common), np.repeat(others, rep_other)]))
-    pieces = [prefix_ids]
+    listed = np.concatenate([np.repeat(common, rep_common), np.repeat(others, rep_other), pool[n_other:fill]])
+    listed = listed[rng.permutation(len(listed))]  # one shuffled list, as RULER's
+    pieces = []
     for i, w in enumerate(listed):
         pieces += [numbers[i], word_ids[w]]
-    gap = budget - cost(entries, word_tokens)
-    fresh = iter(pool[n_other:])
-    k = len(listed)  # entries so far
-    while gap > 0:  # words listed once (not counted in any answer), the last one cut to fit exactly
-        k += 1
-        number = numbers[k - 1] if k <= len(numbers) else _encode(tok, f" {k}.")
-        entry = np.concatenate([number, word_ids[next(fresh)]])[:gap]
-        pieces.append(entry)
-        gap -= len(entry)
-    pieces.append(question_ids)
+    body = np.concatenate(pieces)[:budget]
     first = {}
     for w in listed:
         first.setdefault(int(w), len(first))
     in_order = lambda ws: sorted((int(w) for w in ws), key=first.__getitem__)  # noqa: E731
     gold = [vocab[w] for w in in_order(common)]
-    distractors = [_answer_text([vocab[w] for w in in_order(rng.choice(others, n_common, replace=False))])
+    distractors = [_numbered([vocab[w] for w in in_order(rng.choice(others, n_common, replace=False))])
                    for _ in range(N_DISTRACTORS)]
-    return Item(task, length, seed, index, None, np.concatenate(pieces).astype(np.int32), gen_tokens,
-                answers=tuple(gold), gold=_answer_text(gold), distractors=tuple(distractors))
+    return Item(task, length, seed, index, None, np.concatenate([prefix_ids, body, question_ids]).astype(np.int32),
+                gen_tokens, answers=tuple(gold), gold=_numbered(gold), distractors=tuple(distractors))
+
+
+@lru_cache(maxsize=8)
+def _zeta(alpha: float) -> float:
+    from scipy.special import zeta
+    return float(zeta(alpha))
 
 
 def zipf_counts(n_words: int, vocab_size: int, alpha: float = FWE_ALPHA) -> np.ndarray:
-    """Occurrences of each of ``vocab_size`` ranked words among ~``n_words``: floor(n k^-alpha / Z)."""
-    w = np.arange(1, vocab_size + 1, dtype=np.float64) ** -alpha
-    return np.floor(n_words * w / w.sum()).astype(np.int64)
+    """freq_words_extraction.py gen_text: occurrences of each of ``vocab_size`` ranked words among
+    ``n_words``: ``int(n k^-alpha / zeta(alpha))`` (the Riemann zeta normaliser)."""
+    k = np.arange(1, vocab_size + 1, dtype=np.float64)
+    return (n_words * (k ** -alpha) / _zeta(alpha)).astype(np.int64)
 
 
 def _fwe(task, length, seed, index, tok, haystack=None, depths=None) -> Item:
     rng = item_rng(task, length, seed, index)
-    prefix_ids, question_ids = _encode(tok, TEMPLATES["fwe_prefix"]), _encode(tok, TEMPLATES["fwe_question"])
+    before, after = split_template(RULER_TEMPLATES["fwe"])
+    prefix_ids, question_ids = _encode(tok, before), _encode(tok, after)
     gen_tokens = answer_budget(tok, length)
     budget = length - len(prefix_ids) - len(question_ids) - gen_tokens
-    vocab_size = max(budget // 50, FWE_ANSWERS + 1 + N_DISTRACTORS + 1)  # RULER: max_seq_length // 50
+    # RULER: vocab_size = (max_seq_length - tokens_to_generate) // 50
+    vocab_size = max((length - gen_tokens) // 50, FWE_ANSWERS + 1 + N_DISTRACTORS + 1)
     coded = ["..."] + _distinct(rng, vocab_size - 1, lambda r: _letters(r, FWE_WORD_LEN, "abcdefghijklmnopqrstuvwxyz"))
     word_ids = [np.asarray(x, np.int32) for x in tok.encode_batch([" " + w for w in coded])]
     costs = np.array([len(x) for x in word_ids], np.int64)
@@ -552,7 +739,8 @@ def _fwe(task, length, seed, index, tok, haystack=None, depths=None) -> Item:
                        f"above the rest with {FWE_ANSWERS} rarer ones for distractors; use a longer length")
     listed = rng.permutation(np.repeat(np.arange(vocab_size), counts))
     pieces = [prefix_ids] + [word_ids[k] for k in listed]
-    gap = budget - int(counts @ costs)
+    pieces[1] = _encode(tok, coded[listed[0]])  # the text starts after the template's own space
+    gap = budget - sum(len(p) for p in pieces[1:])
     if gap:  # dots after the first "...", which the question says to ignore
         first = 1 + int(np.flatnonzero(listed == 0)[0])
         pieces.insert(first + 1, np.full(gap, _single_token(tok, "."), np.int32))
@@ -571,8 +759,8 @@ def make_item(task: str, length: int, seed: int, index: int, tok, haystack: Hays
               depths=None) -> Item:
     """Item ``index`` of ``task`` at ``length`` tokens of ``tok`` (a pure function of its arguments).
     ``haystack`` is needed by the needle tasks (``HAYSTACK_TASKS``); ``depths`` (one per needle, in
-    [0, 1], non-decreasing) overrides where the needles go. Raises :class:`TooShort` when ``length``
-    leaves no room for the task."""
+    [0, 1]) overrides where the needles go (before unit ``int(n_units * depth)``). Raises
+    :class:`TooShort` when ``length`` leaves no room for the task."""
     if task not in _GENERATORS:
         raise ConfigError(f"unknown RULER task {task!r}; tasks: {', '.join(TASKS)}")
     if task in HAYSTACK_TASKS and haystack is None:
@@ -648,6 +836,31 @@ def load_items(task: str, length: int, seed: int, samples: int, tok, haystack: H
 # ----------------------------------------------------------------------------- scoring (pure)
 
 
+def postprocess_pred(text: str) -> str:
+    """scripts/eval/evaluate.py postprocess_pred: stripped, control characters turned into newlines."""
+    text = text.strip()
+    return re.sub(r"[\x00-\x1f]", "\n", text).strip()
+
+
+def stop_ids(tok) -> tuple[int, ...]:
+    """Where generation stops: the tokenizer's document separator (its EOS; ``\n\n`` for bytes),
+    which ends every document the model was trained on (RULER: generation stops at EOS)."""
+    return tuple(int(x) for x in tok.separator)
+
+
+def continuation(tok, ids, task: str) -> str:
+    """The text RULER scores from greedy tokens ``ids``: the first ``TOKENS_TO_GENERATE`` of the
+    task's family, up to the first stop (:func:`stop_ids`), decoded and post-processed. Decoding a
+    fixed number of tokens and cutting there gives what stopping there gives (greedy is causal)."""
+    ids = [int(x) for x in np.asarray(ids).reshape(-1)[:TOKENS_TO_GENERATE[family(task)]]]
+    stop = list(stop_ids(tok))
+    for i in range(len(ids) - len(stop) + 1):
+        if stop and ids[i:i + len(stop)] == stop:
+            ids = ids[:i]
+            break
+    return postprocess_pred(tok.decode(ids))
+
+
 def string_match_all(continuation: str, answers) -> float:
     """Fraction of ``answers`` that occur in ``continuation``, case-insensitively (RULER's metric)."""
     text = continuation.lower()
@@ -694,7 +907,7 @@ def parse_lengths(text: str, flag: str = "--lengths") -> list[int]:
     return out
 
 
-def check_request(cfg, tasks=None, lengths=None, haystack: str = "essays", allow_longer: bool = False,
+def check_request(cfg, tasks=None, lengths=None, haystack: str | None = None, allow_longer: bool = False,
                   samples: int = 1, lengths_flag: str = "--lengths") -> tuple[list[str], list[int]]:
     """The tasks and lengths to run for the run config ``cfg``, checked before anything is restored:
     known tasks and haystack, lengths up to the run's seq_len unless ``allow_longer`` (default: RULER's
@@ -703,7 +916,7 @@ def check_request(cfg, tasks=None, lengths=None, haystack: str = "essays", allow
     unknown = [t for t in tasks if t not in TASKS]
     if unknown:
         raise ConfigError(f"unknown RULER task(s) {', '.join(map(repr, unknown))}; tasks: {', '.join(TASKS)}")
-    if haystack not in HAYSTACKS:
+    if haystack is not None and haystack not in HAYSTACKS:
         raise ConfigError(f"--haystack {haystack!r}: choose one of {', '.join(HAYSTACKS)}")
     if samples < 1:
         raise ConfigError(f"--samples {samples}: need at least 1")
@@ -778,7 +991,7 @@ def batch_rows(run, length: int, n_rows: int, batch_size: int | None = None) -> 
     return max(shards, -(-per // shards) * shards)
 
 
-def evaluate_ruler(run, *, tasks=None, lengths=None, samples: int = 8, haystack: str = "essays", seed: int = 0,
+def evaluate_ruler(run, *, tasks=None, lengths=None, samples: int = 8, haystack: str | None = None, seed: int = 0,
                    allow_longer: bool = False, batch_size: int | None = None, cfg=None, cache_root=None,
                    progress: bool = True, lengths_flag: str = "--lengths") -> tuple[list[dict], list[dict]]:
     """RULER on ``run`` (a :class:`~hybrid_lm.eval.restore.RestoredRun`) with the model of ``cfg``
@@ -800,14 +1013,15 @@ def evaluate_ruler(run, *, tasks=None, lengths=None, samples: int = 8, haystack:
     tasks, lengths = check_request(cfg, tasks, lengths, haystack, allow_longer, samples, lengths_flag)
     t_all = time.time()
     tok = run.tokenizer
-    hay = haystack_for(haystack, tok, run) if any(t in HAYSTACK_TASKS for t in tasks) else None
+    hays = {t: haystack_for(task_haystack(t, haystack), tok, run) for t in tasks if t in HAYSTACK_TASKS}
     fns = run.fns if cfg is run.cfg else ModelFns(cfg)
     model = fns.model(run.params)
     no_decode = decode_unavailable(model)
     impl = cfg.model.attention_impl
     common = {"kind": "ruler", "step": run.step, "checkpoint_step": run.step, "tokens_seen": tokens_seen(run),
               "run_id": run_id(run.cfg), "seed": seed, "samples": samples,
-              "trained_seq_len": run.cfg.data.seq_len, "generation": "greedy" if no_decode is None else
+              "trained_seq_len": run.cfg.data.seq_len,
+              "generation": "greedy, stopped at EOS or the task's budget" if no_decode is None else
               f"unavailable ({no_decode}): log-likelihood scores only",
               "layer_types": "".join(cfg.model.layer_types()), "mixers": describe(cfg.model),
               "attention_impl": impl, "devices": int(run.mesh.devices.size)}
@@ -817,7 +1031,7 @@ def evaluate_ruler(run, *, tasks=None, lengths=None, samples: int = 8, haystack:
         sets = {}
         for task in tasks:
             try:
-                sets[task] = load_items(task, length, seed, samples, tok, hay, cache_root)
+                sets[task] = load_items(task, length, seed, samples, tok, hays.get(task), cache_root)
             except TooShort as e:
                 skipped.append({"task": task, "length": length, "reason": str(e)})
         if not sets:
@@ -848,7 +1062,8 @@ def evaluate_ruler(run, *, tasks=None, lengths=None, samples: int = 8, haystack:
                     for part, n in _batches(prompts, per_gen):
                         out = np.asarray(generate(model, put_batch(part, run.batch_shard), G, attention_impl=impl))
                         base = len(exact)
-                        exact += [string_match_all(tok.decode(out[k]), items[base + k].answers) for k in range(n)]
+                        exact += [string_match_all(continuation(tok, out[k], task), items[base + k].answers)
+                                  for k in range(n)]
                         bar.update()
                 nll = []
                 for part, n in _batches(seqs, per_ll):
@@ -862,7 +1077,8 @@ def evaluate_ruler(run, *, tasks=None, lengths=None, samples: int = 8, haystack:
             scores = [answer_scores(p[0], p[1:]) for p in per_item]
             rows.append({**common, "task": f"ruler/{task}", "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
                          "length": length, "prompt_tokens": P, "gen_tokens": G,
-                         "haystack": hay.name if task in HAYSTACK_TASKS else None,
+                         "haystack": hays[task].name if task in hays else None,
+                         "max_new_tokens": TOKENS_TO_GENERATE[family(task)],
                          **summarize(items, exact, scores), "items_cache": str(path),
                          "wall_s": round(time.time() - t0, 3)})
     backends = recorded_backends()
@@ -870,6 +1086,12 @@ def evaluate_ruler(run, *, tasks=None, lengths=None, samples: int = 8, haystack:
         r["attention_backends"] = backends
     log.info("ruler: %d rows in %.1f s", len(rows), time.time() - t_all)
     return rows, skipped
+
+
+LL_LEGEND = ("gold beats distractors: the share of items whose gold answer has a higher log-likelihood than "
+             "each of the task's wrong answers of the same form (other keys' numbers, other listed words), in "
+             "brackets the rate of a model that cannot tell them apart, 1 / (1 + wrong answers); — where a task "
+             "has none")
 
 
 def format_table(rows: list[dict], skipped: list[dict] = ()) -> str:
@@ -896,9 +1118,15 @@ def format_table(rows: list[dict], skipped: list[dict] = ()) -> str:
     lines = []
     first = rows[0] if rows else {}
     if first:
-        hay = next((r["haystack"] for r in rows if r["haystack"]), None)
+        hays: dict = {}
+        for r in rows:
+            if r["haystack"]:
+                hays.setdefault(r["haystack"], []).append(r["task"][len("ruler/"):])
+        hay = ("  haystack " + next(iter(hays)) if len(hays) == 1 else
+               "  haystacks " + ", ".join(f"{h} ({', '.join(dict.fromkeys(ts))})" for h, ts in hays.items()) if hays
+               else "")
         lines.append(f"RULER  step {first['checkpoint_step']}  {first['samples']} samples  seed {first['seed']}"
-                     + (f"  haystack {hay}" if hay else "") + f"  generation: {first['generation']}")
+                     + hay + f"  generation: {first['generation']}")
     width = max(14, *(len(str(L)) for L in lengths))
     for title, what in (("exact match (greedy)", "exact_match"), ("answer NLL (nats/token)", "answer_nll"),
                         ("gold beats distractors (chance)", "ll")):
@@ -906,11 +1134,15 @@ def format_table(rows: list[dict], skipped: list[dict] = ()) -> str:
         lines.append(f"  {'task':<16}" + "".join(f"{L:>{width}}" for L in lengths))
         for t in tasks:
             lines.append(f"  {t:<16}" + "".join(f"{fmt(t, L, what):>{width}}" for L in lengths))
+    if any(r.get("ll_accuracy") is not None for r in rows):
+        lines.append(LL_LEGEND)
     for s in skipped:
         lines.append(f"short: {s['reason']}")
     return "\n".join(lines)
 
 
-__all__ = ["HAYSTACKS", "TASKS", "Haystack", "Item", "TooShort", "answer_scores", "check_request", "evaluate_ruler",
-           "format_table", "haystack_for", "load_items", "make_item", "parse_lengths", "string_match_all",
+__all__ = ["DEPTHS", "HAYSTACKS", "RULER_HAYSTACK", "RULER_TEMPLATES", "TASKS", "TOKENS_TO_GENERATE", "Haystack",
+           "Item", "TooShort", "answer_scores", "check_request", "continuation", "evaluate_ruler", "family",
+           "format_table", "haystack_for", "load_items", "make_item", "parse_lengths", "postprocess_pred",
+           "stop_ids", "string_match_all", "task_haystack", "vt_example",
            "summarize"]

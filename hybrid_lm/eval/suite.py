@@ -65,15 +65,17 @@ class EvalRequest:
     seq_len: int | None = None
     eval_windows: int | None = None
     attention_impl: str | None = None
-    data: str | None = None  # a prepared token store for loss / longppl (its val split)
-    samples: int | None = None  # items per task; None: each task's own default (probe 256, heads 32, ...)
+    data: str | None = None  # a prepared token store for loss / longppl / influence (its val split)
+    samples: int | None = None  # items per task; None: each task's own default (probe 10000, heads 500, ...)
     seed: int = 0
     batch_size: int | None = None
     # longppl
     evaluator: str | None = None
     evaluator_step: int | None = None
     longppl_length: int | None = None
-    longppl_docs: int = 8
+    longppl_docs: int | None = None  # None: 50 documents (inputs documents), 8 windows (inputs windows)
+    longppl_inputs: str = "documents"
+    longppl_min_tokens: int | None = None
     trunc_len: int = 4096
     window: int = 1024
     alpha: float = 2.0
@@ -81,10 +83,14 @@ class EvalRequest:
     # ruler
     ruler_tasks: tuple[str, ...] | None = None
     ruler_lengths: tuple[int, ...] | None = None
-    haystack: str = "essays"
+    haystack: str | None = None  # None: each task's official haystack (ruler: RULER's per task; probe noise; heads essays)
     allow_longer: bool = False
+    # probe
+    probe_prompt: str = "official"
     # heads
     reference_step: int | None = None
+    # influence
+    influence_inputs: str = "documents"
     # lm_eval
     lm_eval_tasks: tuple[str, ...] = ()
     lm_eval_limit: int | None = None
@@ -94,8 +100,15 @@ class EvalRequest:
 
     def check(self) -> None:
         check_tasks(self.tasks)
-        if self.data is not None and not {"loss", "longppl"} & set(self.tasks):
-            raise ConfigError("--data applies to the loss and longppl tasks: add one of them to --tasks")
+        if self.data is not None and not {"loss", "longppl", "influence"} & set(self.tasks):
+            raise ConfigError("--data applies to the loss, longppl and influence tasks: add one of them to --tasks")
+        from hybrid_lm.eval.introspect import PROMPTS
+        from hybrid_lm.eval.longppl import INPUTS
+        for flag, value, allowed in (("--longppl-inputs", self.longppl_inputs, INPUTS),
+                                     ("--influence-inputs", self.influence_inputs, ("documents", "windows")),
+                                     ("--probe-prompt", self.probe_prompt, PROMPTS)):
+            if value not in allowed:
+                raise ConfigError(f"{flag} {value}: choose one of {', '.join(allowed)}")
         if "lm_eval" in self.tasks and not self.lm_eval_tasks:
             raise ConfigError("--tasks lm_eval needs --lm-eval-tasks, e.g. --lm-eval-tasks hellaswag,arc_easy")
         if self.samples is not None and self.samples < 1:
@@ -118,11 +131,14 @@ class EvalRequest:
                           1 if self.samples is None else self.samples, lengths_flag="--ruler-lengths")
         if "longppl" in self.tasks:
             from hybrid_lm.eval.longppl import KeyTokenRule
+            from hybrid_lm.eval.longppl import MAX_TOKENS, MIN_TOKENS
+            n = self.longppl_length or (base.data.seq_len + 1 if self.longppl_inputs == "windows" else
+                                        min(MAX_TOKENS, base.data.seq_len + 1))
+            shortest = n if self.longppl_inputs == "windows" else (self.longppl_min_tokens or min(MIN_TOKENS, n))
             try:
-                KeyTokenRule(self.trunc_len, self.window, self.alpha, self.beta).validate(
-                    self.longppl_length or base.data.seq_len + 1)
+                KeyTokenRule(self.trunc_len, self.window, self.alpha, self.beta).validate(shortest)
             except ValueError as e:
-                raise ConfigError(f"longppl: {e} (--longppl-length, --trunc-len)") from None
+                raise ConfigError(f"longppl: {e} (--longppl-length, --longppl-min-tokens, --trunc-len)") from None
             if self.evaluator is not None:
                 from hybrid_lm.eval.longppl import check_evaluator_tokenizer
                 from hybrid_lm.eval.restore import load_run_config
@@ -143,18 +159,23 @@ class EvalRequest:
         if task == "loss":
             c.update(data=self.data, eval_windows=self.eval_windows)
         elif task == "longppl":
-            c.update(data=self.data, evaluator=self.evaluator, evaluator_step=self.evaluator_step,
-                     length=self.longppl_length, docs=self.longppl_docs, trunc_len=self.trunc_len,
+            c.update(data=self.data, evaluator=self.evaluator or "newest", evaluator_step=self.evaluator_step,
+                     length=self.longppl_length, docs=self.longppl_docs, inputs=self.longppl_inputs,
+                     min_tokens=self.longppl_min_tokens, trunc_len=self.trunc_len,
                      window=self.window, alpha=self.alpha, beta=self.beta)
         elif task == "ruler":
             c.update(tasks=list(self.ruler_tasks or ()), lengths=list(self.ruler_lengths or ()),
-                     haystack=self.haystack, samples=self.samples, seed=self.seed)
+                     haystack=self.haystack, samples=self.samples, seed=self.seed, generator=2)
         elif task in ("probe", "heads", "influence"):
-            c.update(samples=self.samples, seed=self.seed)
+            c.update(samples=self.samples, seed=self.seed, definition="official")
             if task in ("probe", "heads"):
                 c.update(haystack=self.haystack)
+            if task == "probe":
+                c.update(prompt=self.probe_prompt)
             if task == "heads":
                 c.update(reference_step=self.reference_step)
+            if task == "influence":
+                c.update(inputs=self.influence_inputs, data=self.data)
         elif task == "lm_eval":
             c.update(tasks=list(self.lm_eval_tasks), limit=self.lm_eval_limit, num_fewshot=self.lm_eval_fewshot,
                      include_path=self.lm_eval_include)
@@ -208,7 +229,7 @@ def _task_longppl(run, cfg, req: EvalRequest) -> list[dict]:
     rule = KeyTokenRule(req.trunc_len, req.window, req.alpha, req.beta)
     return [longppl_of_run(run, cfg, evaluator=req.evaluator, evaluator_step=req.evaluator_step,
                            length=req.longppl_length, docs=req.longppl_docs, rule=rule, data=req.data,
-                           progress=req.progress)]
+                           progress=req.progress, inputs=req.longppl_inputs, min_tokens=req.longppl_min_tokens)]
 
 
 def _samples(req: EvalRequest) -> dict:
@@ -241,7 +262,7 @@ def _task_module(name: str):
 def _task_probe(run, cfg, req: EvalRequest) -> list[dict]:
     return _task_module("probe").evaluate_probe(run, cfg, **_samples(req), seq_len=req.seq_len, seed=req.seed,
                                                 progress=req.progress, batch_size=req.batch_size,
-                                                haystack=req.haystack)
+                                                haystack=req.haystack, prompt=req.probe_prompt)
 
 
 def _task_heads(run, cfg, req: EvalRequest) -> list[dict]:
@@ -253,7 +274,8 @@ def _task_heads(run, cfg, req: EvalRequest) -> list[dict]:
 def _task_influence(run, cfg, req: EvalRequest) -> list[dict]:
     return _task_module("influence").evaluate_influence(run, cfg, **_samples(req), seq_len=req.seq_len,
                                                         seed=req.seed, progress=req.progress,
-                                                        batch_size=req.batch_size)
+                                                        batch_size=req.batch_size, inputs=req.influence_inputs,
+                                                        data=req.data)
 
 
 def _task_lm_eval(run, cfg, req: EvalRequest) -> list[dict]:
@@ -374,7 +396,8 @@ def plot_task(task: str, rows: list[dict], out_dir: Path) -> list[Path]:
     for r in rows:
         v = headline(r)
         if v is not None:
-            series.setdefault(str(r.get("task", task)), []).append((r["tokens_seen"], v))
+            name = "longppl (key tokens)" if task == "longppl" else str(r.get("task", task))
+            series.setdefault(name, []).append((r["tokens_seen"], v))
         if task == "longppl":  # PPL beside LongPPL (which is undefined while no token is key)
             series.setdefault("ppl (all tokens)", []).append((r["tokens_seen"], r["ppl"]))
     if not series:
@@ -390,10 +413,23 @@ def plot_task(task: str, rows: list[dict], out_dir: Path) -> list[Path]:
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
     ax.set_xlabel("tokens seen")
     ax.set_ylabel(f"{key} ({better} is better)")
+    title = f"{task} over training"
     if task == "longppl":
         ax.set_yscale("log")
-    ax.set_title(f"{task} over training")
-    if len(series) > 1:
+        has_key = any(name != "ppl (all tokens)" for name in series)
+        ax.set_ylabel("perplexity (lower is better)")
+        if not has_key:
+            title = "PPL on all tokens: the evaluator found no key tokens, so no LongPPL"
+        else:
+            title = "LongPPL (key tokens) and PPL (all tokens) over training"
+    if len({p[0] for pts in series.values() for p in pts}) == 1:  # one checkpoint: no 10% span around it
+        x = next(iter(series.values()))[0][0]
+        ax.set_xscale("log")
+        ax.set_xlim(x / 2, x * 2)
+        ax.set_xticks([x], [f"{x:,}"])
+        ax.minorticks_off()
+    ax.set_title(title, fontsize=10)
+    if len(series) > 1 or task == "longppl":
         ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
     path = out_dir / f"{task}.png"
@@ -404,31 +440,49 @@ def plot_task(task: str, rows: list[dict], out_dir: Path) -> list[Path]:
 
 
 def _plot_ruler(rows: list[dict], out_dir: Path) -> list[Path]:
-    """``ruler.png``: exact match (greedy) and the gold answer's NLL against tokens seen, one line per
-    RULER task and length (the NLL moves long before exact match leaves 0)."""
+    """``ruler.png``: exact match (greedy) and the gold answer's NLL, one line per RULER task: against
+    tokens seen (one line per task and length) over several checkpoints, against the context length
+    for one checkpoint. The legend sits beside the axes (the NLL moves long before exact match leaves 0)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    one = len({r["tokens_seen"] for r in rows}) == 1
     series: dict = {}
     for r in rows:
-        series.setdefault(f"{r['task'].split('/', 1)[-1]} @ {r['length']}", []).append(r)
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    for (name, rs), color in zip(sorted(series.items()), plt.get_cmap("tab20").colors * 4):
-        rs.sort(key=lambda r: r["tokens_seen"])
-        x = [r["tokens_seen"] for r in rs]
+        name = r["task"].split("/", 1)[-1]
+        series.setdefault(name if one else f"{name} @ {r['length']}", []).append(r)
+    fig, axes = plt.subplots(1, 2, figsize=(12.5, 4.4))
+    colors = plt.get_cmap("tab10" if one else "tab20").colors * 4
+    for (name, rs), color in zip(sorted(series.items()), colors):
+        rs.sort(key=lambda r: r["length"] if one else r["tokens_seen"])
+        x = [r["length"] if one else r["tokens_seen"] for r in rs]
         for ax, key in zip(axes, ("exact_match", "answer_nll")):
             y = [np.nan if r.get(key) is None else r[key] for r in rs]
-            ax.plot(x, y, "o-", ms=3, lw=1.2, color=color, label=name)
+            ax.plot(x, y, "o-", ms=4, lw=1.2, color=color, label=name)
     axes[0].set_ylabel("exact match, greedy (higher is better)")
     axes[0].set_ylim(-0.05, 1.05)
     axes[1].set_ylabel("answer NLL, nats/token (lower is better)")
+    lengths = sorted({r["length"] for r in rows})
     for ax in axes:
-        ax.set_xlabel("tokens seen")
         ax.grid(alpha=0.3)
-    axes[1].legend(fontsize=6, ncol=2)
-    fig.suptitle("RULER-offline over training")
-    fig.tight_layout()
+        if one:
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(lengths, [f"{n // 1024}K" if n % 1024 == 0 else str(n) for n in lengths])
+            ax.minorticks_off()
+            if len(lengths) == 1:
+                ax.set_xlim(lengths[0] / 1.5, lengths[0] * 1.5)
+            ax.set_xlabel("context length (tokens)")
+        else:
+            ax.set_xscale("log")
+            ax.set_xlabel("tokens seen")
+    handles, labels = axes[1].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="center left", bbox_to_anchor=(0.86, 0.5), fontsize=7, frameon=False,
+               ncol=1 if len(labels) <= 16 else 2)
+    r0 = rows[0]
+    fig.suptitle(f"RULER-offline at step {r0['checkpoint_step']} ({r0['tokens_seen']:,} tokens seen)" if one
+                 else "RULER-offline over training")
+    fig.tight_layout(rect=(0, 0, 0.86 if len(labels) <= 16 else 0.78, 1))
     path = out_dir / "ruler.png"
     fig.savefig(path, dpi=120)
     plt.close(fig)
