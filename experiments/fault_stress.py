@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Random faults against a short CPU training run (the fault harness).
+"""Random faults against a short CPU training run.
 
     .venv/bin/python experiments/fault_stress.py --faults 56 --out runs/fault_stress.json
 
@@ -9,17 +9,22 @@ Each fault runs the tiny test config (``tests/conftest.py`` TINY) in child proce
 - no silent restart (a run over existing checkpoints says "resumed from step", or refuses);
 - no mixed metrics (every step's train rows agree bitwise, the steps are 1..N without gaps);
 - where the fault allows a resume, the final state and loss curve are bitwise those of an
-  uninterrupted run; where it leaves no checkpoint that restores (a kill before the first save
-  committed), the rerun refuses in one line naming ``--restart``, and ``--restart`` (old records
-  archived) ends bitwise equal.
+  uninterrupted run. A kill before the first save committed leaves rows and no checkpoint: the rerun
+  archives the rows with one warning and trains from step 0 (bitwise equal); where checkpoints exist and
+  none restores, the rerun refuses in one line naming ``--restart``, and ``--restart`` ends bitwise equal.
 
-Kinds: ``sigkill`` / ``sigterm`` at a random step, ``kill_during_save`` (SIGKILL right after a save
-step is logged, while the async save is in flight), ``corrupt_newest`` (garbage written into the
-newest checkpoint: it is moved aside and the run resumes from the one before), ``corrupt_all`` (every
-checkpoint corrupt: train refuses in one line, metrics untouched), ``readonly_checkpoints`` (the
-save fails fast in one line; after the directory is writable again the run resumes),
-``second_trainer`` (a second ``train`` on the same workdir refuses, naming the holder) and ``nan``
-(an exploding learning rate: the run stops in one line with the last good state saved).
+Every fault happens at the moment it names whatever the machine's speed: the trainer sends the signal
+to itself from a hook at an exact point (``tests/cluster_sim.py`` HOOKED: after a step's row, as a
+checkpoint is committed) or pauses there.
+
+Kinds: ``sigkill`` / ``sigterm`` after a random step, ``kill_during_save`` (SIGKILL while a
+checkpoint is being committed: its files written, not yet renamed into place), ``corrupt_newest``
+(garbage written into the newest checkpoint: it is moved aside and the run resumes from the one
+before), ``corrupt_all`` (every checkpoint corrupt: train refuses in one line, metrics untouched),
+``readonly_checkpoints`` (the save fails fast in one line; after the directory is writable again the
+run resumes), ``second_trainer`` (a second ``train`` on the same workdir while the first is paused
+mid-run refuses naming the holder; the first then finishes) and ``nan`` (an exploding learning rate:
+the run stops in one line with the last good state saved).
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
+from cluster_sim import HOOKED  # noqa: E402  (test tooling: a trainer that signals itself at an exact point)
 from conftest import TINY  # noqa: E402  (the tiny CPU config the tests use)
 from resume_check import compare_runs, make_unwritable, train_subprocess, write_gin  # noqa: E402  (test tooling)
 
@@ -100,19 +106,34 @@ class Stress:
                                                           "OptimConfig.lr = 1e12", "OptimConfig.warmup_steps = 1"])
         self.straight = work / "straight"
 
-    def run(self, workdir, **kw):
-        return train_subprocess(kw.pop("gin", self.gin), workdir, timeout=self.timeout, **kw)
+    def run(self, workdir, hook: dict | None = None, **kw):
+        """``hybrid-lm train`` in a child; with ``hook``, the trainer signals itself (or pauses) at that point."""
+        gin = kw.pop("gin", self.gin)
+        if hook is None:
+            return train_subprocess(gin, workdir, timeout=self.timeout, **kw)
+        env = dict(os.environ, JAX_PLATFORMS="cpu", HOOK=json.dumps(hook))
+        cmd = [sys.executable, "-c", HOOKED, "train", str(gin), "--workdir", str(workdir), *kw.pop("extra_args", ())]
+        try:
+            r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=self.timeout)
+        except subprocess.TimeoutExpired as e:
+            raise RuntimeError(f"training subprocess timed out:\n{str(e.stdout or '')[-3000:]}") from None
+        return {"returncode": r.returncode, "output": r.stdout + r.stderr}
 
     def resume_equal(self, d: Path, row: dict, expect_resume: bool = True) -> None:
         """Rerun ``d``: it resumes and ends bitwise equal to the uninterrupted run. When the fault left
-        no checkpoint that restores (a kill before the first save committed, every checkpoint
-        corrupt), the rerun must refuse in one line naming --restart; ``--restart`` then archives the
-        old records and the run ends bitwise equal."""
+        rows and no checkpoint (a kill before the first save committed), the rerun archives the rows
+        with one warning and trains from step 0 (``row["expected"]`` records whether it said so); when
+        checkpoints exist and none restores (every checkpoint corrupt), it must refuse in one line naming
+        --restart; ``--restart`` then archives the old records and the run ends bitwise equal."""
         had = bool(ckpt_steps(d))
+        rows_only = not had and (d / "metrics.jsonl").exists() and not (d / "checkpoints" / "corrupt").exists()
         r = self.run(d)
         row["resumed_rc"] = r["returncode"]
         said = "resumed from step" in r["output"]
         row["silent_restart"] = expect_resume and had and not said and r["returncode"] == 0
+        if rows_only:
+            row["restarted_from_0"] = r["returncode"] == 0 and r["output"].count("no checkpoint was committed") == 1
+            row["expected"] = row.get("expected", True) and row["restarted_from_0"]
         if r["returncode"] == 2 and "--restart" in last_line(r["output"]):
             row["refused_nothing_restores"] = last_line(r["output"])[:160]
             r = self.run(d, extra_args=("--restart",))
@@ -141,9 +162,14 @@ class Stress:
         return row
 
     # ------------------------------------------------------------------ the faults
-    def _kill(self, d, row, at, sig):
-        r = self.run(d, kill_at=at, sig=sig)
-        row.update(kill_at=r["killed_at"], kill_rc=r["returncode"])
+    def _kill(self, d, row, at, sig, where="row"):
+        """Run ``d``; the trainer sends itself ``sig`` after step ``at``'s row (``where="row"``) or while
+        the checkpoint of step ``at`` is being committed (``where="commit"``)."""
+        r = self.run(d, hook={"where": where, "at": at, "signals": [sig]})
+        row.update(kill_at=at, kill_where=where, kill_rc=r["returncode"], checkpoints_at_kill=ckpt_steps(d))
+        if r["returncode"] == 0 and sig == signal.SIGKILL:
+            row["note"] = "the run ended before the kill"
+            row["expected"] = False
 
     def sigkill(self, d, row, rng):
         self._kill(d, row, rng.randint(1, self.steps - 2), signal.SIGKILL)
@@ -155,23 +181,29 @@ class Stress:
         self.resume_equal(d, row)
 
     def kill_during_save(self, d, row, rng):
-        self._kill(d, row, EVERY * rng.randint(1, (self.steps - 2) // EVERY), signal.SIGKILL)
+        at = EVERY * rng.randint(1, (self.steps - 2) // EVERY)
+        self._kill(d, row, at, signal.SIGKILL, where="commit")
+        row["expected"] = row.get("expected", True) and at not in row["checkpoints_at_kill"]  # not committed
         self.resume_equal(d, row)
 
     def corrupt_newest(self, d, row, rng):
-        self._kill(d, row, rng.randint(2 * EVERY + 1, self.steps - 2), signal.SIGKILL)
+        # killed while committing step 3 * EVERY: the saves of EVERY and 2 * EVERY had finished (each save
+        # waits for the one before), so two checkpoints are there
+        self._kill(d, row, 3 * EVERY, signal.SIGKILL, where="commit")
         steps = ckpt_steps(d)
         if len(steps) < 2:
             row["note"] = "fewer than 2 checkpoints at the kill"
+            row["expected"] = False
+            return
         corrupt(d / "checkpoints" / str(steps[-1]))
         row["corrupted"] = steps[-1]
         self.resume_equal(d, row)
         # moved aside to checkpoints/corrupt/<step> (after a --restart, that is under archive/<UTC>/)
         moved = [*d.glob(f"checkpoints/corrupt/{steps[-1]}"), *d.glob(f"archive/*/checkpoints/corrupt/{steps[-1]}")]
-        row["expected"] = bool(moved) and (row["resumed_rc"] == 0 or "refused_nothing_restores" in row)
+        row["expected"] = bool(moved) and row["resumed_rc"] == 0 and "refused_nothing_restores" not in row
 
     def corrupt_all(self, d, row, rng):
-        self._kill(d, row, rng.randint(EVERY + 1, self.steps - 2), signal.SIGKILL)
+        self._kill(d, row, EVERY * rng.randint(2, (self.steps - 2) // EVERY), signal.SIGKILL, where="commit")
         steps = ckpt_steps(d)
         for s in steps:
             corrupt(d / "checkpoints" / str(s))
@@ -179,12 +211,12 @@ class Stress:
         r = self.run(d)
         err = last_line(r["output"])
         row.update(corrupted=steps, rc=r["returncode"], error=err)
-        row["expected"] = (r["returncode"] == 2 and "--restart" in err
+        row["expected"] = (bool(steps) and r["returncode"] == 2 and "--restart" in err
                            and (d / "metrics.jsonl").read_bytes() == before)
         row["silent_restart"] = r["returncode"] == 0
 
     def readonly_checkpoints(self, d, row, rng):
-        self._kill(d, row, rng.randint(2 * EVERY + 1, self.steps - 2), signal.SIGKILL)
+        self._kill(d, row, 3 * EVERY, signal.SIGKILL, where="commit")
         undo = make_unwritable(d / "checkpoints")
         if undo is None:
             row["note"] = "cannot make a directory read-only here"
@@ -196,24 +228,31 @@ class Stress:
             row.update(rc=r["returncode"], error=last_line(r["output"]), fail_seconds=round(time.time() - t0, 1))
         finally:
             undo()
-        # the save fails fast in one line, or (no checkpoint had committed before the kill) the run
-        # refuses to start over; either way nothing is written
-        ok_fail = r["returncode"] == 2 and ("error: saving the checkpoint" in row["error"] or "--restart" in row["error"])
+        # the save fails fast in one line; nothing is written
+        ok_fail = r["returncode"] == 2 and "error: saving the checkpoint" in row["error"]
         self.resume_equal(d, row)
         row["expected"] = ok_fail
 
     def second_trainer(self, d, row, rng):
-        env = dict(os.environ, JAX_PLATFORMS="cpu")
-        cmd = [sys.executable, "-m", "hybrid_lm.cli", "train", str(self.gin), "--workdir", str(d)]
+        """The first trainer pauses after a random step's row (holding the lock, mid-run); a second
+        ``train`` on the workdir must refuse naming it; then the first finishes."""
+        d.mkdir(parents=True, exist_ok=True)
+        ready, go = d.parent / f"{d.name}.paused", d.parent / f"{d.name}.go"
+        hook = {"where": "row", "at": rng.randint(1, self.steps - 2), "ready": str(ready), "go": str(go)}
+        env = dict(os.environ, JAX_PLATFORMS="cpu", HOOK=json.dumps(hook))
+        cmd = [sys.executable, "-c", HOOKED, "train", str(self.gin), "--workdir", str(d)]
         first = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         deadline = time.time() + self.timeout
-        while time.time() < deadline and first.poll() is None and not (d / "metrics.jsonl").exists():
+        while time.time() < deadline and first.poll() is None and not ready.exists():
             time.sleep(0.05)
-        time.sleep(rng.random())
+        overlapped = first.poll() is None and ready.exists()
         second = self.run(d)
+        go.touch()
         out, _ = first.communicate(timeout=max(1.0, deadline - time.time()))
-        row.update(first_rc=first.returncode, second_rc=second["returncode"], error=last_line(second["output"]))
-        row["expected"] = first.returncode == 0 and second["returncode"] == 2 and "in use" in row["error"]
+        row.update(first_rc=first.returncode, second_rc=second["returncode"], error=last_line(second["output"]),
+                   paused_at=hook["at"], overlapped=overlapped)
+        row["expected"] = (overlapped and first.returncode == 0 and second["returncode"] == 2
+                           and "in use by another trainer" in row["error"])
         cmp = compare_runs(self.straight, d) if first.returncode == 0 else {}
         row["bitwise_equal"] = bool(cmp.get("loss_equal") and cmp.get("state_equal"))
 
@@ -247,7 +286,7 @@ def main() -> int:
         return 1
     rows = [stress.fault(k, i, rng) for i, k in enumerate(tqdm(plan, desc="faults"))]
     print(f"\n{'kind':<22}{'n':>4}{'ok':>5}{'hangs':>7}{'silent restarts':>17}{'mixed metrics':>15}{'not bitwise':>13}"
-          f"{'refused, --restart':>20}")
+          f"{'refused, --restart':>20}{'rows only, from 0':>19}")
     summary = {}
     for k in kinds:
         rs = [x for x in rows if x["kind"] == k]
@@ -255,10 +294,11 @@ def main() -> int:
              "silent_restarts": sum(bool(x.get("silent_restart")) for x in rs),
              "mixed_metrics": sum(x["mixed_metrics"] is not None for x in rs),
              "not_bitwise": sum(x.get("bitwise_equal") is False for x in rs),
-             "refused_then_restarted": sum("refused_nothing_restores" in x for x in rs)}
+             "refused_then_restarted": sum("refused_nothing_restores" in x for x in rs),
+             "rows_only_restarted": sum(bool(x.get("restarted_from_0")) for x in rs)}
         summary[k] = s
         print(f"{k:<22}{s['n']:>4}{s['ok']:>5}{s['hangs']:>7}{s['silent_restarts']:>17}{s['mixed_metrics']:>15}"
-              f"{s['not_bitwise']:>13}{s['refused_then_restarted']:>20}")
+              f"{s['not_bitwise']:>13}{s['refused_then_restarted']:>20}{s['rows_only_restarted']:>19}")
     bad = [x for x in rows if not x["ok"]]
     print(f"\n{len(rows) - len(bad)}/{len(rows)} faults handled as specified")
     for x in bad:

@@ -165,7 +165,10 @@ def _main(argv=None) -> int:
                     help="show the traceback of an error instead of one line (also HYBRID_LM_DEBUG=1)")
     sub = ap.add_subparsers(dest="cmd", required=True)
 
-    p = sub.add_parser("train", help="train (resumes from the latest checkpoint in --workdir)")
+    p = sub.add_parser("train", help="train (resumes from the latest checkpoint in --workdir)",
+                       epilog="Signals: SIGTERM or Ctrl-C saves a checkpoint after the current step and stops (a "
+                              "second Ctrl-C exits at once, keeping the newest checkpoint); SIGUSR1 (SLURM --signal) "
+                              "also requeues the job. Several processes, SLURM and requeue: docs/CLUSTERS.md")
     _add_config_args(p)
     p.add_argument("--workdir", default=None, help="run directory (default runs/<run id>)")
     p.add_argument("--force", action="store_true", help="resume even if the workdir holds a different experiment")

@@ -40,7 +40,9 @@ exit 0
 # for a module with ``main(argv)``) that first installs a hook from the JSON in $HOOK: the process sends
 # itself the signals in "signals" (then sleeps "sleep" seconds) at one point of the run, "where":
 #   "row": after step "at"'s metrics row;  "save": entering the checkpoint save of step "at";
-#   "restore": right after the start-up restore;  "seed": when a stable run seeds its first branch.
+#   "restore": right after the start-up restore;  "seed": when a stable run seeds its first branch;
+#   "commit": as the checkpoint of step "at" is about to be committed (its files written, not renamed).
+# With "ready" / "go" (paths) it then writes "ready" and waits for "go" to exist (a paused trainer).
 # So each case hits the moment it names, whatever the machine's speed. Without $HOOK: no hook.
 HOOKED = r"""
 import importlib, json, os, sys, time
@@ -51,10 +53,15 @@ def fire():
     if fired:
         return
     fired.append(1)
-    for s in spec["signals"]:
+    for s in spec.get("signals", []):
         os.kill(os.getpid(), s)
         time.sleep(0.3)
     time.sleep(spec.get("sleep", 0))
+    if spec.get("ready"):
+        open(spec["ready"], "w").close()
+        t0 = time.time()
+        while not os.path.exists(spec["go"]) and time.time() - t0 < 900:
+            time.sleep(0.05)
 
 if spec:
     from hybrid_lm.train import checkpoint, logger, loop
@@ -79,6 +86,14 @@ if spec:
             fire()
             return out
         loop.init_or_restore = init_or_restore
+    elif spec["where"] == "commit":
+        from orbax.checkpoint._src.path import atomicity
+        finalize = atomicity.AtomicRenameTemporaryPath.finalize
+        async def hooked_finalize(self, *a, **k):
+            if self.get_final().name == str(spec["at"]):
+                fire()
+            return await finalize(self, *a, **k)
+        atomicity.AtomicRenameTemporaryPath.finalize = hooked_finalize
     elif spec["where"] == "seed":
         from hybrid_lm.scaling import launch
         seed = launch.seed_branch
