@@ -152,7 +152,7 @@ def evaluate_heads(run, cfg=None, *, samples: int = SAMPLES, seq_len: int | None
     cfg = cfg or run.cfg
     if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
         raise ConfigError(f"heads: samples={samples!r} must be an int >= 1")
-    seq_len = I.check_length(cfg, min(CONTEXT, run.cfg.data.seq_len) if seq_len is None else seq_len, "heads")
+    seq_len = I.check_length(cfg, min(CONTEXT, cfg.data.seq_len) if seq_len is None else seq_len, "heads")
     require_attention(cfg)
     layers = I.attention_layers(run.model(cfg))
     tok = run.tokenizer

@@ -136,8 +136,8 @@ def evaluate_influence(run, cfg=None, *, windows=None, samples: int = SAMPLES, s
     ``inputs``: ``documents`` (whole val documents of the store ``data``, default the run's own, after
     a BOS; the module doc) or ``windows`` (the run's fixed eval windows, their first T tokens, with
     their segment ids when the run masks documents). ``windows``: token ids ``[N, T]`` given directly
-    (``inputs`` is then ``given``). T: ``seq_len``, default :data:`CONTEXT` capped at the run's trained
-    seq_len. ``samples`` inputs are averaged: all when there are at most that many, else ``samples``
+    (``inputs`` is then ``given``). T: ``seq_len``, default :data:`CONTEXT` capped at ``cfg``'s seq_len
+    (the run's trained one unless ``cfg`` says otherwise). ``samples`` inputs are averaged: all when there are at most that many, else ``samples``
     drawn by ``seed``. ``last``: how many final positions' logits make s. ``batch_size``: rows per
     gradient pass (default: the trainer's tokens per step at T).
     """
@@ -182,7 +182,7 @@ def evaluate_influence(run, cfg=None, *, windows=None, samples: int = SAMPLES, s
     else:
         from hybrid_lm.eval.longppl import val_documents
 
-        T = seq_len if seq_len is not None else min(CONTEXT, run.cfg.data.seq_len)
+        T = seq_len if seq_len is not None else min(CONTEXT, cfg.data.seq_len)
         if isinstance(T, bool) or not isinstance(T, (int, np.integer)) or T < 2:
             raise ConfigError(f"influence: seq_len={seq_len!r} must be an int >= 2")
         tok = run.tokenizer
@@ -192,8 +192,8 @@ def evaluate_influence(run, cfg=None, *, windows=None, samples: int = SAMPLES, s
             docs, info = val_documents(store, tok, min_tokens=T - len(prefix), max_tokens=T - len(prefix),
                                        count=samples, seed=seed, what="influence: the store" if data is None else "--data")
         except DataError as e:
-            raise DataError(f"{e}: give a shorter --seq-len (G(d) reads whole documents of T tokens), or "
-                            "--influence-inputs windows") from None
+            raise DataError(f"{e}: G(d) reads rows of T = {T} tokens, a BOS of {len(prefix)} and the start of one "
+                            f"document; give a shorter --seq-len, or --influence-inputs windows") from None
         tokens = np.stack([np.concatenate([np.asarray(prefix, np.int32), d]) for d in docs])
         source = "documents"
     T = tokens.shape[1]

@@ -71,21 +71,23 @@ def test_loss_and_longppl_over_every_checkpoint(capsys, run_dir):
 def test_every_task_through_the_cli_with_values_in_range(capsys, run_dir):
     """probe, heads, influence and ruler on both checkpoints (lm_eval: tests/test_lm_eval.py)."""
     rc, out, err = _eval(capsys, run_dir, "--tasks", "probe,heads,influence,ruler", "--steps", "all",
-                         "--seq-len", "384", "--samples", "40", "--allow-longer", "--ruler-tasks", "niah_single",
-                         "--ruler-lengths", "384")
+                         "--seq-len", "512", "--samples", "40", "--allow-longer", "--ruler-tasks", "niah_single",
+                         "--ruler-lengths", "1K", "--probe-prompt", "exact")
     assert rc == 0, err
     from hybrid_lm.eval.suite import current_rows, headline
     rows = {(r["task"], r["checkpoint_step"]): r for r in current_rows(run_dir)
-            if r.get("eval_config", {}).get("seq_len") == 384}
+            if r.get("eval_config", {}).get("seq_len") == 512}
     assert set(rows) == {(t, s) for t in ("probe", "heads", "influence", "ruler/niah_single") for s in (5, 10)}
     for r in rows.values():
         assert r["tokens_seen"] == 128 * r["checkpoint_step"] and r["attention_backends"]
     for s in (5, 10):
-        assert 0 <= headline(rows[("probe", s)]) <= 1 and len(rows[("probe", s)]["accuracy"]) == 3
+        assert 0 <= headline(rows[("probe", s)]) <= 1 and len(rows[("probe", s)]["accuracy"]) == 2
+        assert rows[("probe", s)]["eval_config"]["prompt"] == "exact" and rows[("heads", s)]["seq_len"] == 512
         assert 0 <= headline(rows[("heads", s)]) <= 1
         assert all(0 <= e <= 1 + 1e-6 for h in rows[("heads", s)]["entropy"] for e in h)
         g = np.asarray(rows[("influence", s)]["g"])
-        assert g.shape == (384,) and np.all(np.isfinite(g)) and np.all(g >= 0) and g.max() > 0
+        assert g.shape == (512,) and np.all(np.isfinite(g)) and np.all(g >= 0) and g.max() > 0
+        assert rows[("influence", s)]["inputs"] == "documents"
         assert 0 <= rows[("ruler/niah_single", s)]["exact_match"] <= 1
     assert rows[("heads", 10)]["d_qk"][0][0] == 0 and rows[("heads", 5)]["d_qk"][0][0] > 0  # vs the last
     for png in ("probe_heatmap.png", "heads_entropy_dqk.png", "influence.png", "ruler.png"):
@@ -184,7 +186,7 @@ def test_eval_report_refuses_an_unknown_task(capsys, tmp_path):
     (["--tasks", "loss,nope"], "unknown nope"),
     (["--steps", "7"], "no checkpoint at step 7"),
     (["--steps", "x"], "give latest, all"),
-    (["--tasks", "ruler", "--data", "/nonexistent"], "--data applies to the loss and longppl"),
+    (["--tasks", "ruler", "--data", "/nonexistent"], "--data applies to the loss, longppl and influence"),
     (["--tasks", "loss", "--data", "/nonexistent"], "no prepared token store"),
     (["--tasks", "lm_eval"], "needs --lm-eval-tasks"),
     (["--tasks", "ruler", "--ruler-lengths", "1K"], "use shorter --ruler-lengths, or --allow-longer"),

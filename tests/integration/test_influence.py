@@ -1,6 +1,7 @@
 """Gradient influence G(d) (hybrid_lm/eval/influence.py): summaries, the receptive-field oracle (zero
-beyond a horizon-constrained model's reach, nonzero at its edge), a finite-difference check, and the
-rows, table and plot on a tiny trained run."""
+beyond a horizon-constrained model's reach, nonzero at its edge), a finite-difference check of the
+official target (tests/test_eval_fidelity.py checks it against the official code), the whole-document
+inputs, and the rows, table and plot on a tiny trained run."""
 
 import json
 
@@ -75,7 +76,7 @@ def test_matches_finite_differences_and_batching(run):
     (whole,) = I.evaluate_influence(run, windows=windows, samples=n, last=last, progress=False)
     (padded,) = I.evaluate_influence(run, windows=windows, samples=n, last=last, batch_size=3, progress=False)
     np.testing.assert_allclose(padded["g"], whole["g"], rtol=1e-5)  # 2 passes, the second one padded
-    assert whole["windows"] == "given" and whole["samples"] == n
+    assert whole["inputs"] == "given" and whole["samples"] == n
 
     # central differences of s along every embedding coordinate at distance d, all windows in one batch
     model = run.model()
@@ -85,7 +86,7 @@ def test_matches_finite_differences_and_batching(run):
     @jax.jit
     def s_rows(e):  # s of each row of a batch of embeddings
         ctx = MixerContext(positions=default_positions(e.shape[0], T), train=False)
-        return model.logits(model.run_blocks(e, ctx))[:, T - last:].sum((1, 2))
+        return model.logits(model.run_blocks(e, ctx))[:, T - last:].mean(1).sum(-1)  # the official logit_sum
 
     for d in (0, 12):
         bump = np.zeros((2 * dm, T, dm), np.float32)
@@ -95,6 +96,31 @@ def test_matches_finite_differences_and_batching(run):
         values = values.reshape(n, 2, dm)
         grad = (values[:, 0] - values[:, 1]) / (2 * eps)  # [n, dm]
         assert whole["g"][d] == pytest.approx(np.linalg.norm(grad, axis=1).mean(), rel=3e-2)
+
+
+def test_documents_are_whole_val_documents_after_a_bos(run):
+    """The default inputs: the val split's documents of at least T tokens (less the BOS), each its
+    first T - 1 tokens after the separator, drawn by the seed; the same G(d) as those rows given."""
+    from hybrid_lm.data.store import TokenStore
+
+    T = run.cfg.data.seq_len
+    (row,) = I.evaluate_influence(run, samples=3, seed=2, progress=False)
+    sep = [int(x) for x in run.tokenizer.separator]
+    assert row["inputs"] == "documents" and row["bos"] == sep and row["seq_len"] == T and row["samples"] == 3
+    val = TokenStore(run.streams().store.path).split("val")
+    content = val.doc_lengths - len(sep)
+    ok = np.flatnonzero(content >= T - len(sep))
+    assert row["documents_available"] == len(ok) > 3
+    picked = np.sort(np.random.default_rng(2).choice(ok, 3, replace=False))
+    rows = np.stack([np.r_[sep, val.read(int(val.doc_starts[i]), T - len(sep))] for i in picked]).astype(np.int32)
+    (given,) = I.evaluate_influence(run, windows=rows, samples=3, progress=False)
+    np.testing.assert_allclose(row["g"], given["g"], rtol=1e-6)
+    (windows,) = I.evaluate_influence(run, samples=3, inputs="windows", progress=False)
+    assert windows["inputs"] == "windows" and windows["bos"] is None and windows["g"] != row["g"]
+    with pytest.raises(ConfigError, match="inputs='pages'"):
+        I.evaluate_influence(run, inputs="pages", progress=False)
+    with pytest.raises(ValueError, match="no val document has 99999 tokens.*T = 100001 tokens.*--influence-inputs windows"):
+        I.evaluate_influence(run, seq_len=100001, progress=False)
 
 
 def test_rows_table_plot(run, tmp_path):

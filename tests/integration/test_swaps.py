@@ -323,14 +323,25 @@ def test_longppl_on_the_trained_run(trained, capsys):
     from hybrid_lm.train.step import ModelFns
     wd, _, ev = trained
     everything = KeyTokenRule(trunc_len=16, window=8, alpha=-1e9, beta=-1e9)
-    row = evaluate_longppl(wd, length=48, docs=3, rule=everything, record=False, progress=False)
-    assert row["self_evaluator"] and row["n_token"] == 3 * 47 and row["n_key"] == 3 * 32
+    row = evaluate_longppl(wd, length=48, docs=3, rule=everything, record=False, progress=False, inputs="windows")
+    assert row["self_evaluator"] and row["n_token"] == 3 * 48 and row["n_scored"] == 3 * 47 and row["n_key"] == 3 * 32
     docs = jnp.asarray(ev.streams(swapped_config(ev.cfg, seq_len=47, eval_windows=3)).eval_batch)
     model = ModelFns(ev.cfg).model(ev.params)
     ctx = MixerContext(positions=jnp.broadcast_to(jnp.arange(47), (3, 47)), train=False)
     nll = np.asarray(nll_per_token(lambda x: model(x, ctx), docs))  # positions 1 .. 47
     assert row["longppl"] == pytest.approx(float(np.exp(nll[:, 15:].mean())), rel=1e-4)
     assert row["ppl"] == pytest.approx(float(np.exp(nll.mean())), rel=1e-4)
+    # the default inputs: whole val documents of the run's store, their first 48 tokens
+    from hybrid_lm.data.store import TokenStore
+    whole = evaluate_longppl(wd, length=48, docs=3, rule=everything, record=False, progress=False)
+    assert whole["documents"] == "store val documents" and whole["doc_lengths"] == [48] * 3
+    assert whole["evaluator"] == "newest" and whole["self_evaluator"]
+    val = TokenStore(whole["store"]).split("val")
+    first = np.flatnonzero(val.doc_lengths - len(ev.tokenizer.separator) >= 48)[:3]
+    rows = jnp.asarray(np.stack([val.read(int(val.doc_starts[i]), 48) for i in first]).astype(np.int32))
+    ctx = MixerContext(positions=jnp.broadcast_to(jnp.arange(47), (3, 47)), train=False)
+    nll = np.asarray(nll_per_token(lambda x: model(x, ctx), rows))
+    assert whole["longppl"] == pytest.approx(float(np.exp(nll[:, 15:].mean())), rel=1e-4)
     paper = evaluate_longppl(wd, length=48, docs=3, rule=KeyTokenRule(trunc_len=16, window=8),
                              record=False, progress=False)
     assert paper["longppl"] is None or paper["longppl"] < math.exp(2)  # self-LongPPL < e^2 by construction
