@@ -291,3 +291,23 @@ def test_an_array_task_killed_requeued_and_moved_resumes_bitwise(tmp_path):
     assert all(f"task 800_0: {stable} on " in out for out in outs)
     cmp = compare_runs(tmp_path / "straight" / stable, run)
     assert cmp["loss_equal"] and cmp["state_equal"], cmp
+
+
+def test_the_sweep_worker_reports_a_failed_job_in_one_line(tmp_path, capsys):
+    """(Before: the worker caught only SweepError; any other error printed a traceback.)"""
+    from hybrid_lm.config import CONFIGS_DIR
+    from hybrid_lm.scaling import launch as L
+    from hybrid_lm.scaling.sweep import expand, load_spec, write_manifest
+    from hybrid_lm.train.lock import WorkdirLock
+
+    plan = expand(load_spec(CONFIGS_DIR / "sweeps" / "tiny_cpu.toml"), root=tmp_path)
+    write_manifest(plan)
+    job = next(j for j in plan.jobs if j.kind == "stable")
+    lock = WorkdirLock(tmp_path / job.name).acquire()  # another trainer holds the run
+    try:
+        rc = L.main(["--root", str(tmp_path), "--job", job.name])
+    finally:
+        lock.release()
+    err = capsys.readouterr().err.strip()
+    assert rc == 1 and err.startswith(f"error: job {job.name}: ") and "in use by another trainer" in err, err
+    assert "\n" not in err
