@@ -272,8 +272,8 @@ def plot_heads(rows: list[dict], out_dir: Path) -> list[Path]:
                     color="black" if m > 0.6 * mass.max() else "white")
     ax.set_xlabel("head")
     ax.set_ylabel("full-attention layer")
-    ax.set_title(f"retrieval score (attention of the query at len - 2 on the answer), step "
-                 f"{last['checkpoint_step']}", fontsize=9)
+    ax.set_title(f"retrieval score, step {last['checkpoint_step']}\n(attention of the query at len - 2 on the "
+                 "answer)", fontsize=9)
     fig.colorbar(im, ax=ax, label="score")
     fig.tight_layout()
     heat = out_dir / "heads_mass.png"

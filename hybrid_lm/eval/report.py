@@ -52,9 +52,9 @@ def why_no_headline(row: dict) -> str:
                 "--tasks); rerun it with `hybrid-lm eval RUN_DIR --tasks ...`")
     if fam == "longppl" and row.get("n_key") == 0:
         return (f"LongPPL undefined: the evaluator found 0 key tokens (key 0/{row.get('n_token')}, documents of "
-                f"{row.get('length')} tokens, --trunc-len {row.get('trunc_len')}); only tokens past the short "
-                "context can be key: use longer documents (--longppl-length, default the run's seq_len + 1) or a "
-                "smaller --trunc-len")
+                f"up to {row.get('length')} tokens, --trunc-len {row.get('trunc_len')}); only tokens past the short "
+                "context can be key: use longer documents (--longppl-length, default 32767 capped at the run's "
+                "seq_len + 1; --data a store of long documents), a smaller --trunc-len, or a stronger --evaluator")
     if fam == "ruler" and str(row.get("generation", "")).startswith("unavailable"):
         return f"no exact match: generation {row['generation']}"
     if fam == "influence":

@@ -1135,7 +1135,8 @@ def format_table(rows: list[dict], skipped: list[dict] = ()) -> str:
         for t in tasks:
             lines.append(f"  {t:<16}" + "".join(f"{fmt(t, L, what):>{width}}" for L in lengths))
     if any(r.get("ll_accuracy") is not None for r in rows):
-        lines.append(LL_LEGEND)
+        import textwrap
+        lines += textwrap.wrap(LL_LEGEND, 110)
     for s in skipped:
         lines.append(f"short: {s['reason']}")
     return "\n".join(lines)

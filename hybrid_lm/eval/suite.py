@@ -334,12 +334,14 @@ def task_of(row: dict) -> str:
 
 
 def current_rows(workdir: Path | str) -> list[dict]:
-    """eval.jsonl with superseded rows dropped: the last row per (task, eval_key, checkpoint_step)."""
+    """eval.jsonl with superseded rows dropped: the last row per (task, eval_key, checkpoint_step), and
+    per length for RULER (one request writes a row per task and length)."""
     from hybrid_lm.eval.restore import read_eval_rows
 
     latest: dict = {}
     for r in read_eval_rows(workdir):
-        latest[(r.get("task") or task_of(r), r.get("eval_key"), r.get("checkpoint_step"))] = r
+        length = r.get("length") if task_of(r) == "ruler" else None
+        latest[(r.get("task") or task_of(r), r.get("eval_key"), r.get("checkpoint_step"), length)] = r
     return list(latest.values())
 
 
@@ -376,8 +378,9 @@ def format_rows(task: str, rows: list[dict]) -> str:
                          f"{r['bpb']:.4f} bits/byte" + (f"  data {r['data']}" if r.get("data") else ""))
         elif task == "longppl":
             lp = "—" if r["longppl"] is None else f"{r['longppl']:.3f}"
+            judge = r["evaluator"] + (f" (step {r['evaluator_step']})" if r["evaluator"] in ("newest", "self") else "")
             lines.append(f"longppl   step {r['checkpoint_step']:>7}  tokens {r['tokens_seen']:>14,}  {r['docs']} docs x "
-                         f"{r['length']}  evaluator {r['evaluator']}  LongPPL {lp}  PPL {r['ppl']:.3f}  key "
+                         f"<= {r['length']}  evaluator {judge}  LongPPL {lp}  PPL {r['ppl']:.3f}  key "
                          f"{r['n_key']}/{r['n_token']}")
         else:
             lines.append(json.dumps({k: r[k] for k in ("task", "checkpoint_step") if k in r}))
@@ -415,7 +418,10 @@ def plot_task(task: str, rows: list[dict], out_dir: Path) -> list[Path]:
     ax.set_ylabel(f"{key} ({better} is better)")
     title = f"{task} over training"
     if task == "longppl":
+        from matplotlib.ticker import FuncFormatter
         ax.set_yscale("log")
+        for axis in (ax.yaxis.set_major_formatter, ax.yaxis.set_minor_formatter):
+            axis(FuncFormatter(lambda v, _: f"{v:g}"))
         has_key = any(name != "ppl (all tokens)" for name in series)
         ax.set_ylabel("perplexity (lower is better)")
         if not has_key:
