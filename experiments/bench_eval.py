@@ -6,10 +6,11 @@ whole call's (restore, compiles and plots included).
     python experiments/bench_eval.py --quick                 # a tiny CPU run and small task settings
 
 Without ``--run`` a run is trained first into a temporary directory (``--scale``, ``--train-steps`` steps of
-``--global-batch`` x ``--seq-len`` tokens of the embedded corpus, a checkpoint at the end). Then every task of
-``--tasks`` runs on its latest checkpoint in one ``hybrid-lm eval`` call, as a user runs it; each task's wall
-time is the suite's own record (``task_wall_s`` in ``eval.jsonl``), and ``all`` is the whole call. No anchor:
-the numbers are seconds a user waits.
+``--global-batch`` x ``--seq-len`` tokens of the embedded corpus, a checkpoint at the end; ``--keep DIR`` trains
+into DIR and keeps it, with the suite's plots in ``DIR/eval/``). Then every task of ``--tasks`` runs on its
+latest checkpoint in one ``hybrid-lm eval`` call with the tasks' own defaults, the papers' (docs/EVAL.md), as a
+user runs it; each task's wall time is the suite's own record (``task_wall_s`` in ``eval.jsonl``), and ``all``
+is the whole call. No anchor: the numbers are seconds a user waits.
 """
 
 from __future__ import annotations
@@ -27,10 +28,11 @@ from harness import load_config  # noqa: E402
 
 BENCH = "eval"
 TASKS = "loss,longppl,ruler,probe,heads,influence"
-# the task settings of the GPU run (a 16K S1 checkpoint) and of --quick (a tiny CPU run at seq_len 32)
-EVAL_ARGS = "--eval-windows 2 --docs 2"
-QUICK_EVAL_ARGS = ("--seq-len 384 --allow-longer --samples 40 --ruler-tasks niah_single --ruler-lengths 384 "
-                   "--trunc-len 8 --window 8 --docs 2")
+# the task settings of the GPU run (a 16K S1 checkpoint: every task's default, the papers') and of --quick
+# (a tiny CPU run at seq_len 32: small samples, prompts of exactly 512 tokens, RULER at 1K)
+EVAL_ARGS = ""
+QUICK_EVAL_ARGS = ("--seq-len 512 --allow-longer --samples 40 --probe-prompt exact --ruler-tasks niah_single "
+                   "--ruler-lengths 1K --trunc-len 8 --window 8 --docs 2")
 QUICK_TRAIN = ["ModelConfig.d_model = 32", "ModelConfig.n_layers = 2", "ModelConfig.n_heads = 2",
                "ModelConfig.n_kv_heads = 1", "ModelConfig.d_ff = 64", "ModelConfig.compute_dtype = 'float32'",
                "efficient/swa/MixerConfig.window = 8", "DataConfig.seq_len = 32", "TrainConfig.global_batch = 4",
@@ -62,7 +64,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--eval-args", default=None, help=f"more hybrid-lm eval arguments (default {EVAL_ARGS!r}; "
                                                       f"--quick: {QUICK_EVAL_ARGS!r})")
     ap.add_argument("--scale", default="s1")
-    ap.add_argument("--train-steps", type=int, default=60)
+    ap.add_argument("--train-steps", type=int, default=30)
+    ap.add_argument("--keep", default=None, metavar="DIR", help="train into DIR and keep it (default: a temporary "
+                                                                "directory, removed at the end)")
     ap.add_argument("--seq-len", type=int, default=16384)
     ap.add_argument("--global-batch", type=int, default=8)
     args = ap.parse_args(argv)
@@ -77,8 +81,11 @@ def main(argv=None) -> dict:
     if args.run:
         run = Path(args.run)
     else:
-        tmp = tempfile.TemporaryDirectory(prefix="bench_eval_")
-        run = Path(tmp.name) / "run"
+        if args.keep:
+            run = Path(args.keep)
+        else:
+            tmp = tempfile.TemporaryDirectory(prefix="bench_eval_")
+            run = Path(tmp.name) / "run"
         steps = min(args.train_steps, 10) if args.quick else args.train_steps
         extra["train"] = dict(scale=None if args.quick else args.scale, steps=steps,
                               seconds=train_run(run, args.scale, steps, args.seq_len, args.global_batch, args.quick))

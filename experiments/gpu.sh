@@ -3,7 +3,8 @@
 #
 #   bash experiments/gpu.sh readme              # the README's table: S5 train step x 9 archs + the anchor GPT,
 #                                               # decoding at 128K; then docs/BENCHMARKS.md and the README block
-#   bash experiments/gpu.sh bench [NAMES...]    # the other benchmarks (default: all of them, as many as fit)
+#   bash experiments/gpu.sh bench [NAMES...]    # the other benchmarks (default: all of them, as many as fit);
+#                                               # eval: a 30-step S1 run at 16K, then the whole suite on it
 #   bash experiments/gpu.sh test                # pytest tests/gpu: the kernels' checks against their references
 #
 # NAMES: attention sparse mixers kernels decode eval data. Results: experiments/results/<device>/<bench>.json,
@@ -67,7 +68,11 @@ case "$MODE" in
         mixers) run mixers 120 ;;
         kernels) run kernels 90 ;;
         decode) run decode 240 --deadline 150 ;;
-        eval) run eval 330 ;;
+        eval)  # the run stays on the machine; its plots and rows come back in $OUT/eval_s1/
+          rm -rf /tmp/eval_s1
+          run eval 570 --keep /tmp/eval_s1
+          [ -n "${OUT:-}" ] && mkdir -p "$OUT/eval_s1" && cp /tmp/eval_s1/eval/*.png /tmp/eval_s1/eval.jsonl "$OUT/eval_s1/" 2>/dev/null
+          ;;
         data) run data 200 ;;
         *) echo "unknown benchmark $name: choose from attention sparse mixers kernels decode eval data"; exit 2 ;;
       esac
