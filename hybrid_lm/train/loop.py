@@ -231,7 +231,7 @@ def _train(cfg: Config, workdir: Path, force: bool, restart: bool, devices, main
     # nothing behind); process 0 prepares the embedded corpus on first use, the others then open it
     mesh = shd.make_mesh(cfg.mesh, devices)
     data = distributed.main_first(lambda: DataStreams(cfg), "data ready")
-    prog, tc = build_program(cfg, mesh), cfg.train
+    prog = build_program(cfg, mesh)
     with workdir_lock(workdir, enabled=main):
         if main:
             if restart:
