@@ -6,6 +6,8 @@ Parameters are fp32; compute happens in ``ModelConfig.compute_dtype`` (bf16 by d
 
 from __future__ import annotations
 
+import inspect
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -18,6 +20,20 @@ def param(rngs: nnx.Rngs, shape, axes, std: float, dtype=jnp.float32) -> nnx.Par
     """A normally-initialised parameter with logical axis names."""
     assert len(shape) == len(axes), (shape, axes)
     return nnx.Param(std * jax.random.normal(rngs.params(), shape, dtype), logical_axes=tuple(axes))
+
+
+# Flax 0.12.12 deprecates sow() outside nnx.capture() and offers capture_noop=True (a no-op there);
+# earlier 0.12 releases (the GPU image's) have no such argument and no deprecation.
+_SOW_TAKES_NOOP = "capture_noop" in inspect.signature(nnx.Module.sow).parameters
+
+
+def sow_intermediate(module: nnx.Module, name: str, value) -> None:
+    """``module.sow(nnx.Intermediate, name, value)`` into the enclosing ``nnx.capture`` (the train step's);
+    outside one (eval, generation) nothing is kept."""
+    if _SOW_TAKES_NOOP:
+        module.sow(nnx.Intermediate, name, value, capture_noop=True)
+    else:
+        module.sow(nnx.Intermediate, name, value)
 
 
 def ones_param(shape, axes, dtype=jnp.float32) -> nnx.Param:

@@ -30,7 +30,7 @@ from hybrid_lm.errors import ConfigError
 from hybrid_lm.model.accounting import attention_mixing_flops
 from hybrid_lm.model.attention import (Attention, AttentionDecode, attend, attention_projection_flops,
                                         mean_keys_per_query)
-from hybrid_lm.model.layers import param
+from hybrid_lm.model.layers import param, sow_intermediate
 from hybrid_lm.model.moba import (MOBA_DOCUMENT_MASK, MobaOptions, moba_attend, moba_extend_state,
                                   moba_gate_flops, moba_mean_keys, moba_read)
 from hybrid_lm.model.registry import MixerContext, register_mixer
@@ -132,9 +132,7 @@ class SSAAttention(AttentionDecode, Attention):
         full, sparse = self._streams(x, ctx, True, True)
         use_sparse = ssa_coin(ctx.seed, ctx.step, ctx.micro_index)
         align = alignment_loss(full, sparse)
-        # sown into an enclosing nnx.capture (the train step's); outside one (eval, generation) a no-op
-        self.sow(nnx.Intermediate, "aux_loss", self.opts.align_weight * align / self.n_ssa_layers, capture_noop=True)
-        self.sow(nnx.Intermediate, "ssa_align", align / self.n_ssa_layers, capture_noop=True)
-        self.sow(nnx.Intermediate, "ssa_sparse", use_sparse.astype(jnp.float32) / self.n_ssa_layers,
-                 capture_noop=True)
+        sow_intermediate(self, "aux_loss", self.opts.align_weight * align / self.n_ssa_layers)
+        sow_intermediate(self, "ssa_align", align / self.n_ssa_layers)
+        sow_intermediate(self, "ssa_sparse", use_sparse.astype(jnp.float32) / self.n_ssa_layers)
         return self.project_out(jnp.where(use_sparse, sparse, full))

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from hybrid_lm.config import ModelConfig
-from hybrid_lm.model.layers import Embedding, RMSNorm, SwiGLU, param
+from hybrid_lm.model.layers import Embedding, RMSNorm, SwiGLU, param, sow_intermediate
 from hybrid_lm.model.registry import MixerContext, check_document_mask, get_mixer
 from hybrid_lm.ops.attention import default_positions
 
@@ -198,7 +198,7 @@ class HybridLM(nnx.Module):
                     for key in path[:-1]:
                         module = module[key] if isinstance(key, int) else getattr(module, key)
                     for value in values:
-                        module.sow(nnx.Intermediate, path[-1], value[g], capture_noop=True)
+                        sow_intermediate(module, path[-1], value[g])
         return x
 
     def head_matrix(self):
