@@ -73,6 +73,10 @@ def memory_limit() -> int | None:
 
 
 def git_commit() -> str | None:
+    """The checkout's commit (``+dirty`` with uncommitted changes); ``HYBRID_LM_COMMIT`` wins, for a copy of a
+    working tree whose ``.git`` is not the one it came from (a GPU machine sent the tree)."""
+    if os.environ.get("HYBRID_LM_COMMIT"):
+        return os.environ["HYBRID_LM_COMMIT"]
     try:
         sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                              timeout=10).stdout.strip()
