@@ -722,8 +722,8 @@ def _fwe(task, length, seed, index, tok, haystack=None, depths=None) -> Item:
     prefix_ids, question_ids = _encode(tok, before), _encode(tok, after)
     gen_tokens = answer_budget(tok, length)
     budget = length - len(prefix_ids) - len(question_ids) - gen_tokens
-    # RULER: vocab_size = (max_seq_length - tokens_to_generate) // 50
-    vocab_size = max((length - gen_tokens) // 50, FWE_ANSWERS + 1 + N_DISTRACTORS + 1)
+    # freq_words_extraction.py: vocab_size = (max_seq_length - tokens_to_generate) // 50
+    vocab_size = max((length - TOKENS_TO_GENERATE["fwe"]) // 50, FWE_ANSWERS + 1 + N_DISTRACTORS + 1)
     coded = ["..."] + _distinct(rng, vocab_size - 1, lambda r: _letters(r, FWE_WORD_LEN, "abcdefghijklmnopqrstuvwxyz"))
     word_ids = [np.asarray(x, np.int32) for x in tok.encode_batch([" " + w for w in coded])]
     costs = np.array([len(x) for x in word_ids], np.int64)
