@@ -269,7 +269,8 @@ def add_eval_commands(sub) -> None:
     p.add_argument("--sinks", type=int, default=0, metavar="S",
                    help="with --horizon: the first S positions stay visible to every query (default 0)")
     p.add_argument("--seq-len", "--seq_len", dest="seq_len", type=int, default=None, metavar="T",
-                   help="evaluate on windows of T tokens (default: the run's seq_len)")
+                   help="evaluate at T tokens: the loss windows, the probe's nominal length, the heads prompts and "
+                        "G(d)'s documents (default: the run's seq_len; heads and G(d): 8192 at most)")
     p.add_argument("--eval-windows", dest="eval_windows", type=int, default=None,
                    help="number of fixed validation windows (default: the run's DataConfig.eval_windows)")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest that restores)")

@@ -181,12 +181,13 @@ _EVAL_BOOKKEEPING = frozenset({
     "evaluator_step", "attention_backends", "devices", "mixers", "trained_mixers", "layer_types",
     "attention_impl", "trained_seq_len", "trained_eval_loss", "nonfinite"})
 # what makes two rows of one task comparable (a task not listed: its scalar text / flag fields)
-_EVAL_SETTINGS = {"longppl": ("length", "docs", "trunc_len", "window", "alpha", "beta", "evaluator"),
+_EVAL_SETTINGS = {"longppl": ("length", "docs", "trunc_len", "window", "alpha", "beta", "evaluator", "inputs",
+                              "min_tokens"),
                   "swap_eval": ("swaps", "horizon", "sinks", "seq_len", "eval_windows"),
                   "ruler": ("length", "samples", "seed", "haystack"),
-                  "probe": ("samples", "seq_len", "seed", "haystack"),
+                  "probe": ("samples", "seq_len", "seed", "haystack", "prompt"),
                   "heads": ("samples", "seq_len", "seed", "haystack", "reference_step"),
-                  "influence": ("seq_len", "samples", "last", "seed", "windows", "document_mask"),
+                  "influence": ("seq_len", "samples", "last", "seed", "windows", "inputs", "document_mask"),
                   "lm_eval": ("limit", "num_fewshot", "max_length")}
 # the numbers a task reports (a task not listed: its numeric fields); per-item results, curves and
 # per-layer lists stay in eval.jsonl
@@ -215,8 +216,9 @@ def eval_settings(row: dict) -> tuple:
     task = row.get("kind")
     if task in _EVAL_SETTINGS:
         keys = list(_EVAL_SETTINGS[task])
-        if task == "longppl" and not row.get("self_evaluator", True):
-            keys.append("evaluator_step")  # a fixed evaluator's checkpoint marks the key tokens
+        if task == "longppl" and not row.get("self_evaluator", True) and row.get("evaluator") != "newest":
+            keys.append("evaluator_step")  # a fixed evaluator's checkpoint marks the key tokens (each run's
+            # newest checkpoint is the same setting across runs of a sweep)
     else:  # short scalar text and flags only: never results, lists, or file paths
         keys = [k for k, v in row.items() if k not in _EVAL_BOOKKEEPING and k != "task" and isinstance(v, (str, bool))
                 and not k.endswith(("_cache", "_path", "_dir"))]

@@ -103,6 +103,10 @@ def test_eval_settings_that_differ_get_tagged_columns(tmp_path):
     s1 = eval_settings(_longppl_row(20, 1.0, evaluator="/runs/judge", evaluator_step=100))
     s2 = eval_settings(_longppl_row(20, 1.0, evaluator="/runs/judge", evaluator_step=200))
     assert s1 != s2 and eval_settings(_longppl_row(10, 1.0)) == eval_settings(_longppl_row(20, 1.0))
+    # each run's newest checkpoint as the evaluator (the suite's default) is one setting across a sweep
+    newest = [eval_settings(_longppl_row(10, 1.0, evaluator="newest", evaluator_step=n, self_evaluator=False))
+              for n in (100, 200)]
+    assert newest[0] == newest[1] != s1
     names = eval_column_names({"longppl": {s1, s2}})
     assert set(names.values()) == {"longppl[evaluator_step=100]", "longppl[evaluator_step=200]"}
 
