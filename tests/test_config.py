@@ -71,6 +71,7 @@ def test_resume_refuses_a_different_experiment(tmp_path):
     prov = json.loads((tmp_path / "provenance.json").read_text())
     assert {"git", "packages", "devices", "xla_flags"} <= set(prov) and "sha" in prov["git"]
     prepare_run_dir(load_config(["quickstart.gin"], ["TrainConfig.steps = 10000"]), tmp_path)  # extending: ok
+    (tmp_path / "metrics.jsonl").write_text('{"kind": "train", "step": 1, "loss": 5.0}\n')  # it has trained
     changed = load_config(["quickstart.gin"], ["OptimConfig.lr = 1e-4", "ModelConfig.d_ff = 256"])
     with pytest.raises(ConfigError, match=r"model\.d_ff, optim\.lr"):
         prepare_run_dir(changed, tmp_path)

@@ -58,6 +58,7 @@ def test_resume_refuses_other_data_under_the_same_path(tmp_path):
     c = cfg("DataConfig.source='tokens'", f"DataConfig.path='{a}'")
     prepare_run_dir(c, tmp_path / "run")
     prepare_run_dir(c, tmp_path / "run")  # same data: fine
+    (tmp_path / "run" / "metrics.jsonl").write_text('{"kind": "train", "step": 1, "loss": 5.0}\n')  # it has trained
     import json
     prov = json.loads((tmp_path / "run" / "provenance.json").read_text())
     assert prov["data_identity"]["stores"][0][0] == json.loads((a / "manifest.json").read_text())["fingerprint"]
