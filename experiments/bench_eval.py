@@ -7,7 +7,8 @@ whole call's (restore, compiles and plots included).
 
 Without ``--run`` a run is trained first into a temporary directory (``--scale``, ``--train-steps`` steps of
 ``--global-batch`` x ``--seq-len`` tokens of the embedded corpus, a checkpoint at the end; ``--keep DIR`` trains
-into DIR and keeps it, with the suite's plots in ``DIR/eval/``). Then every task of ``--tasks`` runs on its
+into DIR and keeps it, with the suite's plots in ``DIR/eval/``; ``--train-only`` stops there, so that a later
+``--run DIR`` times the suite alone). Then every task of ``--tasks`` runs on its
 latest checkpoint in one ``hybrid-lm eval`` call with the tasks' own defaults, the papers' (docs/EVAL.md), as a
 user runs it; each task's wall time is the suite's own record (``task_wall_s`` in ``eval.jsonl``), and ``all``
 is the whole call. No anchor: the numbers are seconds a user waits.
@@ -67,9 +68,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--train-steps", type=int, default=30)
     ap.add_argument("--keep", default=None, metavar="DIR", help="train into DIR and keep it (default: a temporary "
                                                                 "directory, removed at the end)")
+    ap.add_argument("--train-only", action="store_true",
+                    help="with --keep: train and stop (time the suite later with --run DIR, e.g. in another call)")
     ap.add_argument("--seq-len", type=int, default=16384)
     ap.add_argument("--global-batch", type=int, default=8)
     args = ap.parse_args(argv)
+    if args.train_only and (args.run or not args.keep):
+        raise SystemExit("--train-only needs --keep DIR (the run to time later with --run DIR), not --run")
     eval_args = shlex.split(args.eval_args if args.eval_args is not None else
                             (QUICK_EVAL_ARGS if args.quick else EVAL_ARGS))
     from hybrid_lm.cli import main as cli
@@ -89,6 +94,9 @@ def main(argv=None) -> dict:
         steps = min(args.train_steps, 10) if args.quick else args.train_steps
         extra["train"] = dict(scale=None if args.quick else args.scale, steps=steps,
                               seconds=train_run(run, args.scale, steps, args.seq_len, args.global_batch, args.quick))
+    if args.train_only:
+        print(f"trained {run} in {extra['train']['seconds']:.0f} s; time the suite with --run {run}")
+        return {"rows": []}
     since = time.strftime("%Y-%m-%dT%H:%M:%S")  # the suite's row time: this call's rows are the ones since
     t0 = time.time()
     rc = cli(["eval", str(run), "--tasks", args.tasks, "--steps", "latest", *eval_args])
