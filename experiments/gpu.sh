@@ -5,7 +5,7 @@
 #                                               # decoding at 128K; then docs/BENCHMARKS.md and the README block
 #   bash experiments/gpu.sh bench [NAMES...]    # the other benchmarks (default: all of them, as many as fit);
 #                                               # eval: a 30-step S1 run at 16K, then the whole suite on it
-#   bash experiments/gpu.sh test                # pytest tests/gpu: the kernels' checks against their references
+#   bash experiments/gpu.sh test [PATHS...]     # pytest tests/gpu (or PATHS): the kernels' checks against their references
 #
 # NAMES: attention sparse mixers kernels decode eval data. Results: experiments/results/<device>/<bench>.json,
 # copied to $OUT/results/<device>/ (the log to $OUT/<mode>.log) when $OUT is set. Wheels carried in .whl/
@@ -81,9 +81,11 @@ case "$MODE" in
     collect
     ;;
   test)
-    # tests/conftest.py defaults the suite to the CPU and to XLA without its optimisations: not here
+    # tests/conftest.py defaults the suite to the CPU and to XLA without its optimisations: not here.
+    # PATHS (default tests/gpu): the whole suite compiles for longer than one 10-minute call, so split it,
+    # e.g. `test tests/gpu/test_gpu_attention.py`, then the other files.
     JAX_PLATFORMS=cuda,cpu JAX_DISABLE_MOST_OPTIMIZATIONS=0 timeout "$(left)" \
-      $PY -m pytest -q -p no:cacheprovider -m gpu -rs tests/gpu 2>&1 | quiet
+      $PY -m pytest -q -p no:cacheprovider -m gpu -rs ${*:-tests/gpu} 2>&1 | quiet
     ;;
   *) echo "usage: bash experiments/gpu.sh readme | bench [NAMES...] | test"; exit 2 ;;
 esac
