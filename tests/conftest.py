@@ -199,8 +199,8 @@ def tiny_sweep(tmp_path_factory, worker_id):
 # Modules whose tests take a minute or more each start the run (in this order, each module's own order
 # kept): near the end of a run such a test leaves the other xdist worker idle. The two end-to-end sweep
 # tests sit next to each other, so one worker runs both on the sweep it launched (tiny_sweep).
-_RUN_FIRST = ("test_wide_vocab.py", "test_sharding.py", "test_benchmarks.py", "test_scaling_collect.py",
-              "test_scaling_sweep.py")
+_RUN_FIRST = ("test_cluster.py", "test_wide_vocab.py", "test_sharding.py", "test_signals.py", "test_benchmarks.py",
+              "test_scaling_collect.py", "test_scaling_sweep.py")
 _TIERS = {"integration": pytest.mark.integration, "gpu": pytest.mark.gpu}
 
 
