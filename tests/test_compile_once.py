@@ -20,6 +20,7 @@ def _triton_calls(n_layers: int, mixer: list[str]) -> int:
     return triton_calls_for_cuda(grad, jax.eval_shape(fns.init, 0), jax.ShapeDtypeStruct((2, 257), jnp.int32))
 
 
+@pytest.mark.integration  # whole models compiled
 @pytest.mark.parametrize("mixer", [
     ["efficient/MixerConfig.kind = 'sa'"],
     # per-head gate: the union kernel; the ssa gate (shared by the GQA group): the gather kernel
@@ -41,6 +42,7 @@ def _largest_constant(hlo: str) -> int:
     return max(sizes, default=0)
 
 
+@pytest.mark.integration  # whole models compiled
 def test_lightning_decay_is_not_folded_into_a_constant():
     """Lightning's per-layer decay is a constant; XLA would fold its [B, T, H] broadcast cumsum at
     compile time, once per layer, in its interpreter (minutes at S5). Behind an optimization barrier

@@ -79,6 +79,7 @@ def test_resume_refuses_a_different_experiment(tmp_path):
     assert json.loads((tmp_path / "config.json").read_text())["optim"]["lr"] == 1e-4
 
 
+@pytest.mark.integration  # trains a run
 def test_a_run_is_never_shortened_below_its_checkpoints_and_a_late_extension_warns(tiny_run, caplog):
     """A trained run's workdir refuses a TrainConfig.steps below its newest checkpoint (its record would
     say fewer steps than it trained) and keeps config.json; extending after the LR decay began warns."""

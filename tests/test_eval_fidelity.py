@@ -76,6 +76,7 @@ def official_gradient_curve(forward, embeds: list, context_len: int, target_last
     return mean_curve
 
 
+@pytest.mark.integration  # a model's whole eval task
 def test_gradient_influence_is_the_official_logit_sum_target():
     from flax import nnx
 
@@ -665,6 +666,7 @@ def official_corpus(outputs: list[dict]) -> dict:
     return {"longppl": longppl, "ppl": ppl}
 
 
+@pytest.mark.integration  # a model's whole eval task
 def test_longppl_key_tokens_and_values_are_the_official_ones():
     from hybrid_lm.eval.longppl import KeyTokenRule, key_tokens, longppl, nll_per_token
 

@@ -157,6 +157,7 @@ def run_dir(tiny_run):
     return tiny_run(10)  # TINY, 10 steps (conftest.py): checkpoints at 5 and 10
 
 
+@pytest.mark.integration  # a model's whole eval task
 def test_evaluate_heads_end_to_end(run_dir, tmp_path):
     from hybrid_lm.eval.restore import RestoredRun
 

@@ -128,6 +128,7 @@ def _check(inputs, idx, block_size, tol, tokens=1, chunk=256, empty=None):
         assert _rel(g, r) < tol, (name, _rel(g, r))
 
 
+@pytest.mark.integration  # larger interpreted kernels
 def test_s5_group_of_10_t_not_a_multiple_of_the_block():
     # S5's heads (10 query heads on 1 KV head), S = 16 slots for 7 blocks; dK/dV chunks of 8
     # tokens, so a block most tokens list is summed from many chunks
@@ -139,6 +140,7 @@ def test_s5_group_of_10_t_not_a_multiple_of_the_block():
     _check(inputs, idx, bs, 2e-5, chunk=8, empty=empty)
 
 
+@pytest.mark.integration  # larger interpreted kernels
 def test_group_of_4_block_32_two_batches_several_tokens_per_program():
     B, T, H, K, D, bs, S = 2, 64, 8, 2, 64, 32, 4
     inputs = _inputs(3, B, T, H, K, D)

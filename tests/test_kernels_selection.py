@@ -41,10 +41,11 @@ def _inputs(seed, B, T, H, K, D, quantised):
 CASES = [  # B, T, H, K, D, block, top_k, gate, quantised, tiles
     (1, 200, 4, 2, 32, 16, 4, "ssa", True, None),  # T not a multiple of the block or the tile
     (2, 150, 4, 1, 16, 8, 3, "moba", True, None),  # B = 2, GQA group 4, per-head gate
-    (1, 97, 2, 2, 64, 32, 16, "ssa", True, None),  # nb = 4 < top_k, G = 1
-    (1, 400, 8, 2, 32, 4, 6, "ssa", True, HOIST),  # G = 4, 25 query tiles x 7 block chunks
-    (1, 300, 4, 4, 16, 4, 6, "moba", False, SMALL),  # Gaussian
-    (2, 333, 4, 1, 16, 2, 5, "ssa", False, HOIST),  # Gaussian, G = 4
+    pytest.param(1, 97, 2, 2, 64, 32, 16, "ssa", True, None, marks=pytest.mark.integration),  # nb = 4 < top_k, G = 1
+    # G = 4, 25 query tiles x 7 block chunks
+    pytest.param(1, 400, 8, 2, 32, 4, 6, "ssa", True, HOIST, marks=pytest.mark.integration),
+    pytest.param(1, 300, 4, 4, 16, 4, 6, "moba", False, SMALL, marks=pytest.mark.integration),  # Gaussian
+    pytest.param(2, 333, 4, 1, 16, 2, 5, "ssa", False, HOIST, marks=pytest.mark.integration),  # Gaussian, G = 4
     (1, 20, 2, 1, 24, 16, 4, "moba", True, None),  # one complete block at most; D padded to 32
 ]
 

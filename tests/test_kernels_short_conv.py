@@ -31,11 +31,12 @@ def _inputs(B, T, C, K, dtype, bias, seed):
 
 
 @pytest.mark.parametrize("B,T,C,K,dtype,bias,silu,bt,bc,programs", [
-    (2, 37, 20, 4, jnp.float32, True, True, 8, 16, 3),     # time and channel tails, uneven shares
+    # time and channel tails, uneven shares
+    pytest.param(2, 37, 20, 4, jnp.float32, True, True, 8, 16, 3, marks=pytest.mark.integration),
     (1, 5, 7, 4, jnp.bfloat16, False, True, 8, 8, 8),      # T < one block; more programs than blocks
     (2, 16, 33, 2, jnp.float32, True, False, 4, 32, 2),    # no activation; K = 2
     (3, 9, 5, 1, jnp.bfloat16, True, True, 8, 8, 1),       # K = 1 (no history), one program per row
-    (1, 70, 96, 4, jnp.bfloat16, False, True, 16, 64, 4),  # GDN-like channels
+    pytest.param(1, 70, 96, 4, jnp.bfloat16, False, True, 16, 64, 4, marks=pytest.mark.integration),  # GDN-like
     (2, 2, 5, 4, jnp.float32, True, True, 8, 8, 1),        # T < K - 1
     (2, 1, 3, 4, jnp.float32, False, True, 4, 4, 2),       # one token
     (1, 23, 12, 4, jnp.float32, True, True, 2, 8, 2),      # fewer rows per step than K - 1 (carries span steps)

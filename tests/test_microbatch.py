@@ -290,6 +290,7 @@ H100_RAN = {
 }
 
 
+@pytest.mark.integration  # every entry's whole model
 def test_shipped_table_on_its_own_and_on_a_smaller_device():
     """Every entry has a peak; on the measuring device's limit the rule is the table as measured; on an H100's
     75.2 GiB it gives exactly the micro-batches that ran there (``H100_RAN``: S3-S5 x 7 archs under remat none,

@@ -130,6 +130,7 @@ def test_the_two_gates_select_differently_and_ssa_shares_selection_per_group():
     assert (s_moba[:, :, 0] != s_moba[:, :, 1]).any()  # heads of one group select on their own under moba
 
 
+@pytest.mark.integration  # a long sequence
 def test_large_blocks_and_chunked_queries():
     """Block 512 on a 1100-token sequence (partial last block; the default chunking splits the queries),
     and an explicit small query chunk, against the dense oracle; gradients through the chunked map."""

@@ -164,6 +164,7 @@ def test_evaluate_probe_end_to_end(run, tmp_path):
         P.evaluate_probe(run, samples=40, prompt="nominal", progress=False)
 
 
+@pytest.mark.integration  # a model's whole eval task
 def test_probe_runs_on_a_swapped_config(run):
     cfg = run.task_config(["efficient=sa:8"])
     (row,) = P.evaluate_probe(run, cfg, samples=40, seq_len=512, prompt="exact", progress=False)

@@ -66,6 +66,7 @@ def test_run_dir_naming_removed_settings_keeps_resuming(tmp_path):
     assert back == cfg and run_id(back) == run_id(cfg)
 
 
+@pytest.mark.integration  # the kernel path end to end
 @pytest.mark.parametrize("H,K,T", [(4, 2, 80), (10, 1, 64)])
 def test_moba_attend_gather_kernel_end_to_end(H, K, T):
     """The pallas path with the gather kernel equals the reference moba_attention (xla) in o, dq, dk, dv."""

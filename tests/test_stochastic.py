@@ -200,6 +200,7 @@ def test_sa_identity_permutation_is_swa_and_full_window_identity_is_causal_atten
         _assert_same(_value_and_grads(f_sa, sa, x, cot), _value_and_grads(f_ref, ref, x, cot), 1e-5, 1e-4)
 
 
+@pytest.mark.integration  # a whole model
 def test_sa_window_covering_the_sequence_sees_keys_before_it_in_both_orders():
     """With w >= T the band is no restriction, but a query still sees only the keys that precede it in
     the permuted order: about half its causal past, so SA(w >= T) is NOT full causal attention."""
