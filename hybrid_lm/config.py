@@ -113,6 +113,9 @@ class ModelConfig:
     layer_pattern: str = "1:1"  # "FE", "FEEE", "1:3", ... tiled over the layers (F = full, E = efficient)
     tie_embeddings: bool = False
     norm_eps: float = 1e-6
+    # RMSNorm of each head's q and k (a learned scale of head_dim, eps norm_eps) before RoPE, as Qwen3;
+    # every softmax-attention mixer takes it (hybrid_lm/model/attention.py), the other mixers refuse it
+    qk_norm: bool = _added(False)
     init_std: float = 0.02
     compute_dtype: DType = "bfloat16"
     param_dtype: DType = "float32"
@@ -422,9 +425,9 @@ def _gin_error(e: Exception) -> str:
             f"strings need quotes, e.g. {key} = '{token.group(1)}'")
 
 
-def _bound(scope: str, name: str) -> bool:
+def _bound(scope: str, name: str, configurable: str = "MixerConfig") -> bool:
     try:
-        gin.query_parameter(f"{scope}/MixerConfig.{name}" if scope else f"MixerConfig.{name}")
+        gin.query_parameter(f"{scope}/{configurable}.{name}" if scope else f"{configurable}.{name}")
         return True
     except ValueError:
         return False
@@ -455,6 +458,23 @@ def _slot_mixer(slot: str) -> MixerConfig:
         raise ConfigError(f"{slot}/{kind}/MixerConfig.kind={kinded.kind!r}: a kind-scoped binding "
                           "cannot change the kind")
     return MixerConfig(**values)
+
+
+def bound_model_fields() -> set[str]:
+    """The ``ModelConfig`` fields that the gin config parsed last binds; ``full`` / ``efficient`` when a
+    ``MixerConfig`` field of that slot is bound (scoped by the slot, by the slot and a kind, or not
+    scoped). Empty when nothing was parsed (a config built in Python)."""
+    out = set()
+    for f in dataclasses.fields(ModelConfig):
+        if f.name not in ("full", "efficient") and _bound("", f.name, "ModelConfig"):
+            out.add(f.name)
+    names = [f.name for f in dataclasses.fields(MixerConfig)]
+    for slot in ("full", "efficient"):
+        kinds = {"attention", "swa", SLOT_DEFAULTS[slot].kind}
+        scopes = [slot, ""] + [f"{slot}/{k}" for k in kinds]
+        if any(_bound(scope, n) for scope in scopes for n in names):
+            out.add(slot)
+    return out
 
 
 def operative_gin() -> str:

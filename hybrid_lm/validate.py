@@ -23,8 +23,25 @@ def validate_model(cfg: Config) -> None:
     m = cfg.model
     for slot, mc in (("full", m.full), ("efficient", m.efficient)):
         get_mixer(mc.kind).check_config(mc, slot)
+    if m.qk_norm:
+        check_qk_norm(m)
     if cfg.data.document_mask:  # every layer must mask documents (one-line refusal otherwise)
         check_document_mask(m, cfg.data.seq_len)
+
+
+def check_qk_norm(m) -> None:
+    """``ModelConfig.qk_norm`` normalises the q and k of softmax attention (``model.attention.Attention``
+    and the mixers built on it); a layer whose mixer has no such q and k refuses it in one line."""
+    from hybrid_lm.errors import ConfigError
+    from hybrid_lm.model.attention import Attention
+
+    for t in dict.fromkeys(m.layer_types()):
+        slot = {"F": "full", "E": "efficient"}[t]
+        kind = m.mixer(t).kind
+        if not issubclass(get_mixer(kind).cls, Attention):
+            raise ConfigError(f"ModelConfig.qk_norm=True: {slot}/MixerConfig.kind={kind!r} has no softmax-attention "
+                              "q and k to normalise (the attention mixers take it: attention, swa, sa, sa_swa, "
+                              "moba, ssa, attention_sink)")
 
 
 def model_warnings(cfg: Config, purpose: str = "train") -> list[str]:

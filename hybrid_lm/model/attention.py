@@ -17,7 +17,7 @@ from hybrid_lm.backends import attention_backend, attention_op_name, record_back
 from hybrid_lm.config import MixerConfig, ModelConfig
 from hybrid_lm.errors import ConfigError
 from hybrid_lm.model.accounting import attention_mixing_flops
-from hybrid_lm.model.layers import apply_rope, out_proj_std, param
+from hybrid_lm.model.layers import RMSNorm, apply_rope, out_proj_std, param
 from hybrid_lm.model.registry import MixerContext, register_mixer
 from hybrid_lm.ops import attention as ops
 
@@ -108,32 +108,47 @@ def qkv_params(cfg: ModelConfig, rngs: nnx.Rngs):
             param(rngs, (d, K, Dh), ("embed", "kv_heads", "head_dim"), cfg.init_std))
 
 
-def project_qkv(x, wq, wk, wv, positions, rope: bool, rope_theta: float):
-    """q, k, v ``[B, T, heads, Dh]`` in x's dtype, with RoPE at ``positions`` unless NoPE."""
+def qk_norm_params(cfg: ModelConfig):
+    """``(q_norm, k_norm)``: per-head RMSNorms of q and k (``ModelConfig.qk_norm``, Qwen3's), else ``(None, None)``."""
+    if not cfg.qk_norm:
+        return None, None
+    return RMSNorm(cfg.resolved_head_dim, cfg.norm_eps), RMSNorm(cfg.resolved_head_dim, cfg.norm_eps)
+
+
+def project_qkv(x, wq, wk, wv, positions, rope: bool, rope_theta: float, q_norm=None, k_norm=None):
+    """q, k, v ``[B, T, heads, Dh]`` in x's dtype: q and k RMS-normed per head when ``q_norm`` /
+    ``k_norm`` are given (``ModelConfig.qk_norm``), then RoPE at ``positions`` unless NoPE."""
     dt = x.dtype
     q = jnp.einsum("btd,dhk->bthk", x, wq[...].astype(dt))
     k = jnp.einsum("btd,dhk->bthk", x, wk[...].astype(dt))
     v = jnp.einsum("btd,dhk->bthk", x, wv[...].astype(dt))
+    if q_norm is not None:
+        q, k = q_norm(q), k_norm(k)
     if rope:
         q, k = apply_rope(q, positions, rope_theta), apply_rope(k, positions, rope_theta)
     return q, k, v
 
 
 class Attention(nnx.Module):
-    """Multi-head causal attention with grouped KV heads; ``window=None`` means full attention."""
+    """Multi-head causal attention with grouped KV heads; ``window=None`` means full attention.
+    With ``ModelConfig.qk_norm`` it also holds ``q_norm`` / ``k_norm`` (every subclass applies them
+    through :meth:`project_qkv`)."""
 
     def __init__(self, cfg: ModelConfig, mc: MixerConfig, layer_idx: int, *, rngs: nnx.Rngs,
                  window: int | None = None):
         d, H, Dh = cfg.d_model, cfg.n_heads, cfg.resolved_head_dim
         self.wq, self.wk, self.wv = qkv_params(cfg, rngs)
         self.wo = param(rngs, (H, Dh, d), ("heads", "head_dim", "embed"), out_proj_std(cfg))
+        if cfg.qk_norm:  # no attribute otherwise: the parameter tree of existing models is unchanged
+            self.q_norm, self.k_norm = qk_norm_params(cfg)
         self.window = window
         self.rope = mc.rope
         self.rope_theta = mc.rope_theta
         self.layer_idx = layer_idx
 
     def project_qkv(self, x, positions):
-        return project_qkv(x, self.wq, self.wk, self.wv, positions, self.rope, self.rope_theta)
+        return project_qkv(x, self.wq, self.wk, self.wv, positions, self.rope, self.rope_theta,
+                           getattr(self, "q_norm", None), getattr(self, "k_norm", None))
 
     def project_out(self, o):
         return jnp.einsum("bthk,hkd->btd", o, self.wo[...].astype(o.dtype))

@@ -39,7 +39,7 @@ from hybrid_lm.config import MixerConfig, ModelConfig
 from hybrid_lm.errors import ConfigError
 from hybrid_lm.model.accounting import attention_mixing_flops
 from hybrid_lm.model.attention import (Attention, attend, attention_projection_flops, mean_keys_per_query,
-                                       project_qkv, qkv_params)
+                                       project_qkv, qk_norm_params, qkv_params)
 from hybrid_lm.model.layers import param
 from hybrid_lm.model.registry import MixerContext, register_mixer
 from hybrid_lm.ops import permutation as P
@@ -378,9 +378,12 @@ class QKVProjection(nnx.Module):
     def __init__(self, cfg: ModelConfig, mc: MixerConfig, *, rngs: nnx.Rngs):
         self.wq, self.wk, self.wv = qkv_params(cfg, rngs)
         self.rope, self.rope_theta = mc.rope, mc.rope_theta
+        if cfg.qk_norm:
+            self.q_norm, self.k_norm = qk_norm_params(cfg)
 
     def __call__(self, x, positions):
-        return project_qkv(x, self.wq, self.wk, self.wv, positions, self.rope, self.rope_theta)
+        return project_qkv(x, self.wq, self.wk, self.wv, positions, self.rope, self.rope_theta,
+                           getattr(self, "q_norm", None), getattr(self, "k_norm", None))
 
 
 @register_mixer("sa_swa", flops=sa_swa_flops, reads=("window", "rope", "rope_theta", "options"),
