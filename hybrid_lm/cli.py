@@ -174,10 +174,12 @@ def _main(argv=None) -> int:
     p.add_argument("--force", action="store_true", help="resume even if the workdir holds a different experiment")
     p.add_argument("--restart", action="store_true",
                    help="archive the workdir's metrics and checkpoints to archive/<UTC time>/ and train from step 0")
-    p.add_argument("--init-from", default=None, metavar="RUN_DIR[@STEP]",
+    p.add_argument("--init-from", default=None, metavar="RUN_DIR[@STEP]|hf:DIR",
                    help="continued pretraining: a new run from that run's parameters at STEP (default: its newest "
                         "checkpoint), with a fresh optimizer state and schedule; seq_len, data and RoPE theta may "
-                        "change, parameter shapes may not. A rerun of the same command resumes the new run")
+                        "change, parameter shapes may not. hf:DIR: a Hugging Face folder (Llama, Mistral, "
+                        "Ministral, Qwen3, SmolLM3), whose config.json gives the model (docs/INTEROP.md). A rerun "
+                        "of the same command resumes the new run")
     p.set_defaults(fn=cmd_train)
 
     p = sub.add_parser("info", help="parameter counts and FLOPs per token per layer type")

@@ -1,6 +1,12 @@
 """``hybrid-lm export``: a run's checkpoint as ``model.safetensors`` plus a ``config.json``.
 
-    hybrid-lm export RUN_DIR[@STEP] [--format safetensors] [--dtype fp32|bf16] [--out DIR] [--force]
+    hybrid-lm export RUN_DIR[@STEP] [--format safetensors|hf] [--dtype fp32|bf16] [--out DIR] [--force]
+
+``--format hf`` writes a folder transformers loads with ``AutoModelForCausalLM.from_pretrained``
+(``hybrid_lm/eval/hf.py``: transformers' names and config, the run's tokenizer files,
+``generation_config.json``; the run, step and hybrid_lm's config under the ``hybrid_lm`` key of
+config.json); layers transformers has no counterpart for are refused before anything is restored.
+Default output: ``RUN_DIR/export/step_<N>-hf``. The rest of this docstring is the default format.
 
 The parameters of checkpoint STEP (default: the newest that restores) are written under flat names
 joined from their NNX state paths (``blocks.0.mixer.wq``, ``embed.table``, ``lm_head``), fp32 as
@@ -17,6 +23,7 @@ only with ``force``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -28,7 +35,7 @@ import numpy as np
 from hybrid_lm.errors import ConfigError, WorkdirError
 from hybrid_lm.experiment import run_id
 
-FORMATS = ("safetensors",)
+FORMATS = ("safetensors", "hf")
 DTYPES = {None: "float32", "fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16"}
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
@@ -91,12 +98,13 @@ def _check_out(out: Path, force: bool) -> None:
         raise WorkdirError(f"{out} exists and is not a directory; --force replaces only an earlier export")
     if any(out.iterdir()):
         try:
-            is_export = "export" in json.loads((out / CONFIG).read_text())
-        except (OSError, ValueError):
+            d = json.loads((out / CONFIG).read_text())
+            is_export = "export" in d or "hybrid_lm" in d  # ours, or ours in transformers' format
+        except (OSError, ValueError, TypeError):
             is_export = False
         if not is_export:
-            raise WorkdirError(f"{out} is not an earlier export (no {CONFIG} with an 'export' entry); --force "
-                               "replaces only those, choose another --out")
+            raise WorkdirError(f"{out} is not an earlier export (no {CONFIG} with an 'export' or 'hybrid_lm' "
+                               "entry); --force replaces only those, choose another --out")
 
 
 def export_checkpoint(run_spec: str, out=None, fmt: str = "safetensors", dtype: str | None = None,
@@ -123,17 +131,21 @@ def export_checkpoint(run_spec: str, out=None, fmt: str = "safetensors", dtype: 
     if not run_dir.is_dir():
         raise WorkdirError(f"{run_spec}: no run directory {run_dir}")
     try:
-        load_run_config(run_dir)
+        cfg = load_run_config(run_dir)
     except FileNotFoundError as e:
         raise WorkdirError(str(e)) from None
+    if fmt == "hf":
+        from hybrid_lm.eval.hf import check_exportable
+        check_exportable(cfg.model)  # a layer transformers has no counterpart for: refused before the restore
     saved = saved_steps(run_dir / "checkpoints")
     if not saved:
         raise WorkdirError(f"{run_dir} holds no checkpoint: train the run first")
     if step is not None and step not in saved:
         raise WorkdirError(f"{run_dir} has no checkpoint at step {step}; saved steps: {saved}")
     out = None if out is None else Path(out)
+    suffix = "-hf" if fmt == "hf" else ""
     if out is not None or step is not None:
-        _check_out(out or run_dir / "export" / f"step_{step}", force)
+        _check_out(out or run_dir / "export" / f"step_{step}{suffix}", force)
     if jax.process_count() > 1:
         raise ConfigError("hybrid-lm export runs in a single process (it gathers every parameter on the host)")
     optional_import("safetensors")
@@ -143,7 +155,7 @@ def export_checkpoint(run_spec: str, out=None, fmt: str = "safetensors", dtype: 
         run = RestoredRun(run_dir, step=step)
     except FileNotFoundError as e:
         raise WorkdirError(str(e)) from None
-    out = out or run_dir / "export" / f"step_{run.step}"
+    out = out or run_dir / "export" / f"step_{run.step}{suffix}"
     _check_out(out, force)
 
     target = DTYPES[dtype]
@@ -164,15 +176,35 @@ def export_checkpoint(run_spec: str, out=None, fmt: str = "safetensors", dtype: 
             "params": {name: {"shape": list(a.shape), "dtype": str(a.dtype), "axes": axes.get(name)}
                        for name, a in flat.items()}}
 
+    if fmt == "hf":
+        from hybrid_lm.eval.hf import write_hf_folder
+
+        record = {k: v for k, v in meta.items() if k not in ("params", "weights")}
+        record.update(model=dataclasses.asdict(run.cfg.model),
+                      data={"tokenizer": run.cfg.data.tokenizer, "seq_len": run.cfg.data.seq_len})
+
+        def write(tmp: Path) -> None:
+            write_hf_folder(tmp, run.cfg.model, unflatten_params(flat), tokenizer=run.cfg.data.tokenizer,
+                            seq_len=run.cfg.data.seq_len, dtype=target, record=record)
+    else:
+        def write(tmp: Path) -> None:
+            save_file(flat, str(tmp / WEIGHTS),
+                      metadata={"format": "np", "hybrid_lm_step": str(run.step), "hybrid_lm_run_id": meta["run_id"]})
+            (tmp / CONFIG).write_text(json.dumps({**raw, "export": meta}, indent=2))
+    _write_dir(out, write)
+    return out
+
+
+def _write_dir(out: Path, write) -> None:
+    """``write(tmp)`` into a temporary directory beside ``out``, then rename it to ``out`` (an existing
+    ``out``, allowed by ``force``, is moved aside first and removed once the new one is in place)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
     old = out.with_name(f".{out.name}.old{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         tmp.mkdir()
-        save_file(flat, str(tmp / WEIGHTS),
-                  metadata={"format": "np", "hybrid_lm_step": str(run.step), "hybrid_lm_run_id": meta["run_id"]})
-        (tmp / CONFIG).write_text(json.dumps({**raw, "export": meta}, indent=2))
+        write(tmp)
         if out.exists():  # force, checked above: move the old export aside, then swap in the new one
             os.rename(out, old)
         os.rename(tmp, out)
@@ -182,7 +214,6 @@ def export_checkpoint(run_spec: str, out=None, fmt: str = "safetensors", dtype: 
             os.rename(old, out)
         raise
     shutil.rmtree(old, ignore_errors=True)
-    return out
 
 
 def _flat_axes(axes_tree) -> dict:
@@ -241,9 +272,14 @@ def exported_model(path):
 
 def cmd_export(args) -> int:
     path = export_checkpoint(args.run, out=args.out, fmt=args.fmt, dtype=args.dtype, force=args.force)
-    meta = json.loads((path / CONFIG).read_text())["export"]
+    d = json.loads((path / CONFIG).read_text())
+    meta = d.get("export") or d["hybrid_lm"]
     if args.json:
-        print(json.dumps({k: v for k, v in meta.items() if k != "params"} | {"out": str(path)}, indent=2))
+        print(json.dumps({k: v for k, v in meta.items() if k not in ("params", "model", "data")}
+                         | {"out": str(path), "format": args.fmt}, indent=2))
+    elif args.fmt == "hf":
+        print(f"exported step {meta['step']} of {meta['source']} as transformers {d['architectures'][0]} "
+              f"({meta['n_params']:,} parameters, {meta['dtype']}) to {path}")
     else:
         print(f"exported step {meta['step']} of {meta['source']} ({len(meta['params'])} tensors, "
               f"{meta['n_params']:,} parameters, {meta['dtype']}) to {path}")
@@ -253,16 +289,22 @@ def cmd_export(args) -> int:
 def add_export_command(sub) -> None:
     """Add ``export`` to the ``hybrid-lm`` subparsers."""
     p = sub.add_parser(
-        "export", help="write a run's checkpoint as model.safetensors + config.json",
+        "export", help="write a run's checkpoint as model.safetensors + config.json (ours, or transformers')",
         description="Write the parameters of RUN_DIR's checkpoint STEP (default: the newest that restores) to "
                     "DIR/model.safetensors under flat names from their NNX paths (blocks.0.mixer.wq, ...), and "
                     "DIR/config.json: the run's config.json plus an 'export' entry (step, run id, dtype, version, "
-                    "per-parameter shape and logical axes). Written to a temporary directory, then renamed.",
-        epilog="example: hybrid-lm export runs/quickstart@200 --dtype bf16")
+                    "per-parameter shape and logical axes). --format hf: a folder transformers loads with "
+                    "AutoModelForCausalLM.from_pretrained (Llama, Ministral, Qwen3 or SmolLM3; the run's tokenizer "
+                    "files; docs/INTEROP.md); layers transformers has no counterpart for are refused. Written to a "
+                    "temporary directory, then renamed.",
+        epilog="examples: hybrid-lm export runs/quickstart@200 --dtype bf16;  "
+               "hybrid-lm export runs/quickstart --format hf --out /tmp/quickstart-hf")
     p.add_argument("run", metavar="RUN_DIR[@STEP]", help="run directory, optionally @STEP (a saved step or 'latest')")
-    p.add_argument("--format", dest="fmt", default="safetensors", help="output format: safetensors (the default)")
+    p.add_argument("--format", dest="fmt", default="safetensors",
+                   help="safetensors (hybrid_lm's names, the default) or hf (a transformers model folder)")
     p.add_argument("--dtype", default=None, help="fp32 (as stored, the default) or bf16")
-    p.add_argument("--out", default=None, metavar="DIR", help="output directory (default RUN_DIR/export/step_<N>)")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="output directory (default RUN_DIR/export/step_<N>, with --format hf step_<N>-hf)")
     p.add_argument("--force", action="store_true", help="replace an earlier export at DIR")
     p.add_argument("--json", action="store_true", help="print the export metadata as JSON")
     p.set_defaults(fn=cmd_export)

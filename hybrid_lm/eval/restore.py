@@ -10,6 +10,10 @@ the trainer's eval on the checkpoint, optionally with attention swaps or a recep
 
 Python: ``RestoredRun(workdir).evaluate(swaps=['full=swa:128'], horizon=..., sinks=...)`` restores once
 and evaluates any number of settings; CLI: ``hybrid-lm eval WORKDIR --swap full=swa:128``.
+
+A Hugging Face model folder (``hf:DIR``, or a path to one) is taken wherever a run directory is: its
+config comes from ``config.json`` and its one set of weights (step 0) from its safetensors
+(``hybrid_lm/eval/hf.py``), and the rows and plots go into DIR (``--no-record`` writes nothing).
 """
 
 from __future__ import annotations
@@ -33,16 +37,26 @@ def load_run_config(workdir: Path | str) -> Config:
     """The run's config in the current schema: a ``config.json`` written before mixers declared their
     fields is read as ``train/rundir.py`` migrates it (unread mixer fields reset), the file left as is.
     Raises ``FileNotFoundError`` without the file, :class:`ConfigError` (naming it) for one that does not read."""
+    from hybrid_lm.eval.hf import HFCheckpoint, hf_folder
     from hybrid_lm.validate import read_fields_only
 
+    if hf_folder(workdir) is not None:
+        return HFCheckpoint(workdir).config()
     path = Path(workdir) / "config.json"
     if not path.exists():
         raise FileNotFoundError(f"{workdir} is not a run directory: no config.json")
     return read_fields_only(read_run_config(path)[1])
 
 
+def run_path(workdir: Path | str) -> Path:
+    """The directory of a run spec: the folder of ``hf:DIR``, else the path itself."""
+    from hybrid_lm.eval.hf import hf_folder
+
+    return hf_folder(workdir) or Path(workdir)
+
+
 def read_eval_rows(workdir: Path | str) -> list[dict]:
-    path = Path(workdir) / "eval.jsonl"
+    path = run_path(workdir) / "eval.jsonl"
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -52,18 +66,28 @@ class RestoredRun:
     """``workdir``'s config, the restored ``step`` and its ``params`` on ``mesh``, and the ``fns``.
 
     Raises ``FileNotFoundError`` (with the reason) when ``workdir`` is not a run directory, has no
-    checkpoint, has none at ``step``, or none restores.
+    checkpoint, has none at ``step``, or none restores. ``workdir`` may be a Hugging Face folder
+    (``hf:DIR``): its weights are step 0 (``self.hf`` is its :class:`~hybrid_lm.eval.hf.HFCheckpoint`).
     """
 
     def __init__(self, workdir: Path | str, *, step: int | None = None, devices=None):
+        from hybrid_lm.eval.hf import HFCheckpoint, hf_folder
         from hybrid_lm.train import sharding as shd
         from hybrid_lm.train.checkpoint import Checkpointer, abstract_with_shardings
         from hybrid_lm.train.step import ModelFns
 
-        self.workdir = Path(workdir)
-        self.cfg = load_run_config(self.workdir)
+        self.hf = None
+        if hf_folder(workdir) is not None:
+            self.hf = HFCheckpoint(workdir)
+            if step not in (None, 0):
+                raise FileNotFoundError(f"{self.hf.spec} holds one set of weights (step 0), not step {step}")
+            self.workdir = self.hf.dir
+            self.cfg = self.hf.config()
+        else:
+            self.workdir = Path(workdir)
+            self.cfg = load_run_config(self.workdir)
         directory = self.workdir / "checkpoints"
-        if not directory.is_dir():
+        if self.hf is None and not directory.is_dir():
             raise FileNotFoundError(f"{self.workdir} has no checkpoints/ directory")
         try:
             self.mesh = shd.make_mesh(self.cfg.mesh, devices)
@@ -75,12 +99,15 @@ class RestoredRun:
         self.p_shard = shd.tree_shardings(self.fns.axes, self.fns.abstract_params, self.mesh, self.rules)
         self.batch_shard = shd.batch_sharding(self.mesh, self.rules)
         self.n_batch_shards = shd.n_batch_shards(self.mesh)
-        ckpt = Checkpointer(directory, self.cfg.checkpoint)
-        try:
-            self.params, self.step = ckpt.restore_params(
-                abstract_with_shardings(self.fns.abstract_params, self.p_shard), step)
-        finally:
-            ckpt.close()
+        if self.hf is not None:
+            self.params, self.step = self.hf.read_params(self.fns.abstract_params, self.p_shard), 0
+        else:
+            ckpt = Checkpointer(directory, self.cfg.checkpoint)
+            try:
+                self.params, self.step = ckpt.restore_params(
+                    abstract_with_shardings(self.fns.abstract_params, self.p_shard), step)
+            finally:
+                ckpt.close()
         self._streams = {}
         self._tokenizer = None
 
@@ -220,7 +247,7 @@ def evaluate_checkpoint(workdir: Path | str, swaps=(), horizon: int | None = Non
     return RestoredRun(workdir, step=step).evaluate(swaps, horizon, sinks, **settings, record=record)
 
 
-__all__ = ["RestoredRun", "evaluate_checkpoint", "load_run_config", "read_eval_rows"]
+__all__ = ["RestoredRun", "evaluate_checkpoint", "load_run_config", "read_eval_rows", "run_path"]
 
 
 def record_rows(run, rows, quiet: bool = False) -> None:

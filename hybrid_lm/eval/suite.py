@@ -189,7 +189,12 @@ def eval_key(config: dict) -> str:
 # ----------------------------------------------------------------------------- checkpoints
 
 def checkpoint_steps(workdir: Path | str) -> list[int]:
-    """Finalised checkpoint steps of a run, ascending (``*.orbax-checkpoint-tmp`` dirs are not steps)."""
+    """Finalised checkpoint steps of a run, ascending (``*.orbax-checkpoint-tmp`` dirs are not steps);
+    a Hugging Face folder (``hf:DIR``) has one, step 0."""
+    from hybrid_lm.eval.hf import hf_folder
+
+    if hf_folder(workdir) is not None:
+        return [0]
     d = Path(workdir) / "checkpoints"
     if not d.is_dir():
         raise WorkdirError(f"{workdir} has no checkpoints/ directory: train the run first")
@@ -505,13 +510,13 @@ def evaluate_run(workdir: Path | str, req: EvalRequest, steps: str | None = None
     from tqdm import tqdm
 
     from hybrid_lm.eval.restore import record_rows
-    from hybrid_lm.eval.restore import RestoredRun, load_run_config
+    from hybrid_lm.eval.restore import RestoredRun, load_run_config, run_path
     from hybrid_lm.progress import bar_disabled
 
     req.check()
-    workdir = Path(workdir)
+    spec, workdir = workdir, run_path(workdir)  # hf:DIR -> DIR, where its rows and plots go
     try:
-        base = load_run_config(workdir)
+        base = load_run_config(spec)
     except FileNotFoundError as e:
         raise WorkdirError(str(e)) from None
     from hybrid_lm.eval.swap import swapped_config

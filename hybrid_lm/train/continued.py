@@ -1,6 +1,11 @@
 """Continued pretraining: a run that starts from another run's parameters (``hybrid-lm train
 --init-from RUN_DIR[@STEP]``, ``TrainConfig.init_from``), with a fresh optimizer state and schedule.
 
+A Hugging Face model folder is a source too (``--init-from hf:DIR``): the model comes from its
+config.json (``hybrid_lm/eval/hf.py``; what the gin sets must agree where it fixes a parameter's
+shape, the rest it sets is kept and named in one warning), the tokenizer from the folder unless the
+gin names one, and the identity is ``hf:<sha256 of the weights>``.
+
 Identity. ``TrainConfig.init_from`` of the continued run is ``"<source run id>@<step>"``: the source's
 run id (the experiment that made the parameters, itself including its own ``init_from`` when it was
 continued) and a concrete step ('latest' is resolved to a number at start). The path is left out on
@@ -44,6 +49,15 @@ def resolve(cfg: Config, init_from: str | Path | None, workdir: Path | str | Non
     spec = init_from if init_from is not None else cfg.train.init_from
     if spec is None:
         return cfg, None
+    from hybrid_lm.eval.hf import PREFIX, hf_folder
+
+    if str(spec).startswith(PREFIX) or hf_folder(spec) is not None:
+        if init_from is not None and cfg.train.init_from not in (None, str(init_from)):
+            raise ConfigError(f"TrainConfig.init_from={cfg.train.init_from!r} and --init-from {init_from} disagree; "
+                              "set one of them")
+        cfg, source = resolve_hf_source(cfg, str(spec))
+        check_init_shapes(source, cfg)
+        return cfg, source
     source = resolve_init_source(str(spec), Path(workdir) if workdir else None)
     if init_from is not None and cfg.train.init_from not in (None, str(init_from), source.identity):
         raise ConfigError(f"TrainConfig.init_from={cfg.train.init_from!r} and --init-from {init_from} disagree; "
@@ -67,17 +81,59 @@ class InitSource:
     spec: str  # as given: RUN_DIR[@STEP]
     cfg: Config | None = None
     saved: tuple[int, ...] = ()  # the source's checkpoint steps at start
+    kind: str = "run"  # "hf": a Hugging Face folder (run_id is then its hf:<sha256>, step 0)
 
     @property
     def identity(self) -> str:
         """``TrainConfig.init_from`` of the continued run (see the module docstring)."""
-        return f"{self.run_id}@{self.step}"
+        return self.run_id if self.kind == "hf" else f"{self.run_id}@{self.step}"
 
     def record(self) -> dict:
         """The ``init_from`` entry of the new run's provenance.json (the fingerprint is added once the
         parameters are restored, ``rundir.record_init_fingerprint``)."""
-        return {"identity": self.identity, "source_dir": str(self.workdir), "source_run_id": self.run_id,
-                "step": self.step, "requested": self.spec, "source_steps": list(self.saved)}
+        rec = {"identity": self.identity, "source_dir": str(self.workdir), "source_run_id": self.run_id,
+               "step": self.step, "requested": self.spec, "source_steps": list(self.saved)}
+        return {**rec, "kind": "hf"} if self.kind == "hf" else rec
+
+
+def resolve_hf_source(cfg: Config, spec: str) -> tuple[Config, InitSource]:
+    """``cfg`` with the model of the Hugging Face folder ``spec`` (``hf.merge_model``), its tokenizer
+    unless the gin names one, and ``TrainConfig.init_from`` = the folder's identity; and the source.
+    One-line errors for a folder that is missing, unreadable or holds what hybrid_lm cannot express."""
+    from hybrid_lm.config import bound_model_fields
+    from hybrid_lm.experiment import validate_experiment
+    from hybrid_lm.eval.hf import HFCheckpoint, merge_model
+
+    try:
+        ck = HFCheckpoint(spec)
+    except WorkdirError as e:
+        raise WorkdirError(f"--init-from {e} (its config.json defines the model, so the folder must stay "
+                           "while the run is resumed)") from None
+    imported = ck.config()
+    model, kept = merge_model(cfg.model, imported.model, bound_model_fields(), ck.spec)
+    data = cfg.data
+    theirs = imported.data.tokenizer
+    if theirs != "byte" and data.tokenizer != theirs:
+        if data.tokenizer == "byte" and not _tokenizer_bound():
+            data = dataclasses.replace(data, tokenizer=theirs)
+        else:
+            kept.append(f"DataConfig.tokenizer={data.tokenizer!r} (the folder's: {theirs!r})")
+    if kept:
+        log.warning("--init-from %s: the gin's %s differ from the folder and are kept (a continued run may "
+                    "change them)", ck.spec, "; ".join(kept))
+    cfg = dataclasses.replace(cfg, model=model, data=data,
+                              train=dataclasses.replace(cfg.train, init_from=ck.identity))
+    validate_experiment(cfg)
+    return cfg, InitSource(ck.dir.resolve(), ck.identity, 0, spec, imported, (0,), kind="hf")
+
+
+def _tokenizer_bound() -> bool:
+    import gin
+    try:
+        gin.query_parameter("DataConfig.tokenizer")
+        return True
+    except ValueError:
+        return False
 
 
 def parse_init_spec(spec: str) -> tuple[Path, int | None]:
@@ -137,6 +193,14 @@ def source_params(source: InitSource | None, abstract_params, shardings):
     if source is None or source.cfg is None:
         raise WorkdirError(f"{source.spec if source else 'TrainConfig.init_from'}: the source run is not there "
                            "and this run has no checkpoint of its own to resume")
+    if source.kind == "hf":
+        from hybrid_lm.eval.hf import HFCheckpoint
+
+        ck = HFCheckpoint(source.workdir)
+        if ck.identity != source.run_id:
+            raise WorkdirError(f"--init-from {source.spec}: the folder's weights changed since the run started "
+                               f"({ck.identity} is not {source.run_id})")
+        return ck.read_params(abstract_params, shardings)
     ckpt = Checkpointer(source.workdir / "checkpoints", source.cfg.checkpoint, read_only=True)
     abstract = abstract_with_shardings(abstract_params, shardings)
     try:
