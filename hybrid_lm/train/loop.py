@@ -263,8 +263,10 @@ def _train_steps(cfg: Config, workdir: Path, main: bool, t_start: float, source:
         fingerprint = params_fingerprint(state["params"])
         if main:
             record_init_fingerprint(workdir, fingerprint)
-        logger.say(f"init     parameters of {source.workdir} at step {source.step} (run {source.run_id}, "
-                   f"fingerprint {fingerprint}); fresh optimizer state, schedule from step 0")
+        what = (f"the Hugging Face folder {source.workdir} ({source.run_id}" if source.kind == "hf" else
+                f"{source.workdir} at step {source.step} (run {source.run_id}")
+        logger.say(f"init     parameters of {what}, fingerprint {fingerprint}); fresh optimizer state, schedule "
+                   "from step 0")
     recorded_backends(clear=True)  # the first trace of the step fills it (attention_backends)
     profile = _Profiler(tc, workdir, main)
     # signals are caught up to the end of the epilogue: one after the last step never kills the run

@@ -1,0 +1,112 @@
+"""transformers interop on the command line: ``hybrid-lm export --format hf`` of a trained run, then
+``eval`` / ``generate`` / the lm-eval model on ``hf:DIR`` (the run's own numbers, swaps included) and
+``train --init-from hf:DIR`` (the folder's parameters, its identity, a gin that disagrees refused)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import jax
+import numpy as np
+import pytest
+
+from hybrid_lm.cli import main
+from hybrid_lm.eval.hf import HFCheckpoint
+
+
+@pytest.fixture(scope="module")
+def run_and_folder(tiny_run, tmp_path_factory):
+    """A trained TINY run (1:1 attention + SWA 8: a Ministral) and its ``--format hf`` export."""
+    run = tiny_run(5)
+    out = tmp_path_factory.mktemp("hf") / "tiny-hf"
+    assert main(["export", str(run), "--format", "hf", "--out", str(out)]) == 0
+    return run, out
+
+
+def _leaves(tree):
+    return [np.asarray(x) for x in jax.tree.leaves(jax.device_get(tree))]
+
+
+def test_export_writes_a_transformers_folder(run_and_folder, tmp_path, capsys):
+    from hybrid_lm.eval.restore import RestoredRun
+
+    run, out = run_and_folder
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["MinistralForCausalLM"] and cfg["sliding_window"] == 8
+    assert cfg["layer_types"] == ["full_attention", "sliding_attention"] and cfg["hybrid_lm"]["step"] == 5
+    restored, imported = RestoredRun(run), RestoredRun(f"hf:{out}")
+    assert imported.cfg.model == restored.cfg.model and imported.step == 0
+    assert all(np.array_equal(a, b) for a, b in zip(_leaves(restored.params), _leaves(imported.params)))
+    tokens = np.random.default_rng(0).integers(0, 256, (2, 32)).astype(np.int32)
+    assert np.array_equal(np.asarray(restored.model()(tokens)), np.asarray(imported.model()(tokens)))
+    # the default output, and --force replacing an earlier export
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    assert main(["export", str(copy), "--format", "hf", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["out"] == str(copy / "export" / "step_5-hf")
+    assert main(["export", str(copy), "--format", "hf", "--force"]) == 0
+    assert "as transformers MinistralForCausalLM" in capsys.readouterr().out
+
+
+def test_eval_and_generate_on_the_folder(run_and_folder, capsys):
+    from hybrid_lm.eval.restore import RestoredRun
+
+    run, out = run_and_folder
+    ours = RestoredRun(run).evaluate(eval_windows=16, record=False)
+    theirs = RestoredRun(f"hf:{out}").evaluate(eval_windows=16, record=False)  # other batches, same windows
+    assert theirs["loss"] == pytest.approx(ours["loss"], rel=1e-5) and theirs["step"] == 0
+    assert main(["eval", f"hf:{out}", "--swap", "full=sa:8", "--eval-windows", "16", "--no-record", "--json"]) == 0
+    row = json.loads(capsys.readouterr().out)
+    assert row["swaps"] == ["full=sa:8"] and np.isfinite(row["loss"]) and not (out / "eval.jsonl").exists()
+    args = ["--prompt", "The", "--max-new", "6", "--json"]
+    assert main(["generate", str(run)] + args) == 0
+    want = json.loads(capsys.readouterr().out)["tokens"]
+    assert main(["generate", f"hf:{out}"] + args) == 0
+    assert json.loads(capsys.readouterr().out)["tokens"] == want
+
+
+def test_lm_eval_model_on_the_folder(run_and_folder):
+    pytest.importorskip("lm_eval")
+    from lm_eval.api.instance import Instance
+
+    from hybrid_lm.eval.lm_eval_model import model_class
+
+    run, out = run_and_folder
+    reqs = [Instance(request_type="loglikelihood", doc={}, arguments=("The quick brown", " fox"), idx=0),
+            Instance(request_type="loglikelihood", doc={}, arguments=("Once upon a", " time there"), idx=1)]
+    ours = model_class()(run=str(run), batch_size=2, progress=False).loglikelihood(reqs)
+    theirs = model_class()(run=f"hf:{out}", batch_size=2, progress=False).loglikelihood(reqs)
+    assert theirs == ours
+
+
+def test_train_from_the_folder(run_and_folder, tmp_path, capsys):
+    from conftest import TINY
+
+    from hybrid_lm.eval.restore import RestoredRun
+    from hybrid_lm.train.checkpoint import params_fingerprint
+
+    run, out = run_and_folder
+    # the gin leaves the model out (the folder's config.json gives it) and sets the rest
+    rest = [p for p in TINY if not p.startswith(("ModelConfig", "efficient/"))]
+    args = ["train", "base.gin", "--workdir", str(tmp_path / "cont"), "--init-from", f"hf:{out}"]
+    for p in rest + ["ModelConfig.compute_dtype = 'float32'", "TrainConfig.steps = 2"]:
+        args += ["--gin_param", p]
+    assert main(args) == 0
+    identity = HFCheckpoint(out).identity
+    record = json.loads((tmp_path / "cont" / "config.json").read_text())
+    source = json.loads((run / "config.json").read_text())
+    assert record["train"]["init_from"] == identity and identity.startswith("hf:")
+    for f in ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "layer_pattern", "full", "efficient"):
+        assert record["model"][f] == source["model"][f], f
+    prov = json.loads((tmp_path / "cont" / "provenance.json").read_text())["init_from"]
+    assert prov["kind"] == "hf" and prov["identity"] == identity and prov["source_dir"] == str(out.resolve())
+    assert prov["params_fingerprint"] == params_fingerprint(RestoredRun(f"hf:{out}").params)  # it started there
+    assert f"parameters of the Hugging Face folder {out.resolve()} ({identity}" in capsys.readouterr().out
+    # a gin that sets a shape the folder contradicts: one line, nothing written
+    bad = args[:3] + [str(tmp_path / "bad")] + args[4:] + ["--gin_param", "ModelConfig.d_model = 48"]
+    assert main(bad) != 0
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("config error")]
+    assert len(err) == 1 and "the gin sets d_model=48 (config.json: 32)" in err[0]
+    assert not (tmp_path / "bad").exists()
