@@ -434,3 +434,25 @@ def test_a_gin_config_meets_the_folder():
 def test_qk_norm_enters_the_run_id_only_when_set():
     assert run_id_of(Config(model=ModelConfig(qk_norm=False)), {}) == run_id_of(Config(), {})
     assert run_id_of(Config(model=ModelConfig(qk_norm=True)), {}) != run_id_of(Config(), {})
+
+
+def test_the_runs_tokenizer_goes_with_the_export(tmp_path):
+    """A BPE run's tokenizer.json is copied as is, with the tokenizer_config.json transformers'
+    AutoTokenizer reads (class, special tokens), and the ids in config.json / generation_config.json."""
+    from hybrid_lm.data.tokenizer import load_tokenizer, train_bpe
+
+    texts = [f"the {w} of the {v} is in the {w}{v}." for w in ("cat", "dog", "sun") for v in ("red", "big")] * 20
+    tok_path = train_bpe(texts, 300, tmp_path / "tok")
+    tok = load_tokenizer(str(tok_path))
+    model = tiny_model("llama", vocab_size=tok.vocab_size)
+    out = tmp_path / "hf"
+    out.mkdir()
+    cfg = write_hf_folder(out, model, random_params(model), tokenizer=str(tok_path), seq_len=32)
+    assert (out / "tokenizer.json").read_bytes() == tok_path.read_bytes()
+    tc = json.loads((out / "tokenizer_config.json").read_text())
+    assert (tc["tokenizer_class"], tc["eos_token"], tc["pad_token"], tc["model_max_length"]) == (
+        "PreTrainedTokenizerFast", "<|endoftext|>", "<|pad|>", 32)
+    assert (cfg["eos_token_id"], cfg["pad_token_id"], cfg["bos_token_id"]) == (tok.eos_id, tok.pad_id, None)
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == tok.eos_id
+    ck = HFCheckpoint(out)
+    assert ck.tokenizer_spec() == str(out) and load_tokenizer(ck.tokenizer_spec()).fingerprint == tok.fingerprint

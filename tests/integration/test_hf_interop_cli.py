@@ -110,3 +110,22 @@ def test_train_from_the_folder(run_and_folder, tmp_path, capsys):
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("config error")]
     assert len(err) == 1 and "the gin sets d_model=48 (config.json: 32)" in err[0]
     assert not (tmp_path / "bad").exists()
+
+
+def test_the_eval_suite_ruler_and_longppl_on_the_folder(run_and_folder, tmp_path, capsys):
+    """``eval --tasks``, ``ruler`` and ``longppl`` take ``hf:DIR``: one checkpoint (step 0); rows and plots
+    go into the folder."""
+    _, out = run_and_folder
+    folder = tmp_path / "folder"
+    shutil.copytree(out, folder)
+    longppl = ["--trunc-len", "8", "--window", "8", "--docs", "2", "--inputs", "windows"]
+    assert main(["eval", f"hf:{folder}", "--tasks", "loss,longppl", "--eval-windows", "16", "--no-plots",
+                 "--trunc-len", "8", "--window", "8", "--docs", "2", "--longppl-inputs", "windows"]) == 0
+    rows = [json.loads(x) for x in (folder / "eval.jsonl").read_text().splitlines()]
+    assert {(r["task"], r["checkpoint_step"], r["tokens_seen"]) for r in rows} == {("loss", 0, 0), ("longppl", 0, 0)}
+    capsys.readouterr()
+    assert main(["ruler", f"hf:{folder}", "--tasks", "niah_single", "--lengths", "768", "--allow-longer",
+                 "--samples", "1", "--no-record", "--json"]) == 0
+    assert [r["task"] for r in json.loads(capsys.readouterr().out)["rows"]] == ["ruler/niah_single"]
+    assert main(["longppl", f"hf:{folder}", "--no-record", "--json"] + longppl) == 0
+    assert json.loads(capsys.readouterr().out)["checkpoint_step"] == 0
