@@ -37,10 +37,16 @@ import numpy as np
 import pytest
 from hf_families import HF_BASE, OURS, THEIRS, layer_summary, logits, random_params, tiny_model
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-
 pytestmark = [pytest.mark.gpu]
+torch = transformers = None  # imported by _torch_and_transformers: a CPU suite without them collects this file
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _torch_and_transformers():
+    global torch, transformers
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local folders only: nothing is downloaded
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
 
 REL = 1e-4
 T = 24
