@@ -349,7 +349,8 @@ def _slot_of(kind: tuple[bool, bool], mc: MixerConfig) -> bool:
 def model_config_from_hf(hf: dict, where: str = "config.json", record: dict | None = None) -> ModelConfig:
     """The :class:`ModelConfig` of transformers' ``config.json`` contents ``hf`` (refused in one line when
     hybrid_lm cannot express it). ``record``: an export's ``hybrid_lm`` entry; its model settings that
-    transformers does not hold (dtypes, init, kernels, the slot order, an unused slot) are taken from it."""
+    transformers does not hold (dtypes, init, kernels, the slot order, an unused slot) are taken from it.
+    Without one, the checkpoint's ``dtype`` (float32 / bfloat16 / float16) is the compute dtype."""
     family = hf.get("model_type")
     if family == "mistral" and "layer_types" in hf:
         family = "ministral"  # as transformers' AutoConfig reads it
@@ -374,10 +375,14 @@ def model_config_from_hf(hf: dict, where: str = "config.json", record: dict | No
     letter = None
     if old is not None:
         guess = {}
-        for k, t in zip(kinds, old.layer_types() if old.n_layers == len(kinds) else []):
-            guess.setdefault(k, set()).add(t)
-        if len(guess) == len(combos) and all(len(v) == 1 and _slot_of(k, old.mixer(next(iter(v))))
-                                             for k, v in guess.items()):
+        try:
+            for k, t in zip(kinds, old.layer_types() if old.n_layers == len(kinds) else []):
+                guess.setdefault(k, set()).add(t)
+        except ConfigError:
+            guess = {}
+        if (len(guess) == len(combos) and all(len(v) == 1 and _slot_of(k, old.mixer(next(iter(v))))
+                                              for k, v in guess.items())
+                and len({next(iter(v)) for v in guess.values()}) == len(guess)):
             letter = {k: next(iter(v)) for k, v in guess.items()}
     if letter is None:
         if len(combos) == 1:
