@@ -220,7 +220,10 @@ def test_lm_eval_hf_backend_matches_ours(tmp_path):
     for text in {s for pair in ITEMS for s in pair} | {a + b for a, b in ITEMS}:
         assert theirs_tok.encode(text, add_special_tokens=False) == [int(i) for i in tok.encode(text)], text
     requests = [Instance(request_type="loglikelihood", doc={}, arguments=pair, idx=i) for i, pair in enumerate(ITEMS)]
-    ours = model_class()(run=f"hf:{folder}", batch_size=4, max_length=64, progress=False).loglikelihood(requests)
+    import jax
+
+    with jax.default_matmul_precision("highest"):  # fp32 matmuls, not TF32, as torch's on the CPU
+        ours = model_class()(run=f"hf:{folder}", batch_size=4, max_length=64, progress=False).loglikelihood(requests)
     try:
         from lm_eval.models.huggingface import HFLM
 
