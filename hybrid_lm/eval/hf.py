@@ -53,7 +53,6 @@ WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 GENERATION_CONFIG = "generation_config.json"
 RECORD_KEY = "hybrid_lm"  # config.json entry of an export: the run, step and hybrid_lm's own config
-IMPORT_SEQ_LEN = 2048  # an imported model's DataConfig.seq_len (eval's default length): at most this
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "ministral": "MinistralForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "smollm3": "SmolLM3ForCausalLM"}
 FULL, SLIDING = "full_attention", "sliding_attention"
@@ -584,12 +583,12 @@ class HFCheckpoint:
 
     def config(self) -> Config:
         """The folder as a hybrid_lm :class:`Config`: the model from config.json, the folder's tokenizer,
-        ``DataConfig.seq_len`` = min(max_position_embeddings, :data:`IMPORT_SEQ_LEN`) (an export's own
-        seq_len), and ``TrainConfig.init_from`` = :attr:`identity` (so the run id names the weights)."""
+        ``DataConfig.seq_len`` = ``max_position_embeddings`` (the trained context, as lm-eval's HF
+        backend takes it; an export's own seq_len), and ``TrainConfig.init_from`` = :attr:`identity`
+        (so the run id names the weights)."""
         model = self.model_config()  # checks model_type first
         data = (self.record or {}).get("data") or {}
-        max_pos = _get(self.hf, self.family, "max_position_embeddings") or IMPORT_SEQ_LEN
-        seq_len = int(data.get("seq_len") or min(int(max_pos), IMPORT_SEQ_LEN))
+        seq_len = int(data.get("seq_len") or _get(self.hf, self.family, "max_position_embeddings"))
         return Config(model=model, data=DataConfig(tokenizer=self.tokenizer_spec(), seq_len=seq_len),
                       train=TrainConfig(init_from=self.identity))
 
