@@ -521,9 +521,7 @@ class HFCheckpoint:
         from safetensors import safe_open
 
         single, index = self.dir / WEIGHTS, self.dir / INDEX
-        if single.is_file():
-            files = {WEIGHTS: None}
-        elif index.is_file():
+        if not single.is_file() and index.is_file():
             try:
                 wm = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
                 assert isinstance(wm, dict) and all(isinstance(v, str) for v in wm.values())
@@ -535,7 +533,7 @@ class HFCheckpoint:
                 raise WorkdirError(f"{self.spec}: shard {missing[0]} named in {INDEX} is missing"
                                    + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
             return dict(wm)
-        else:
+        if not single.is_file():
             other = [n for n in ("pytorch_model.bin", "pytorch_model.bin.index.json") if (self.dir / n).exists()]
             hint = (f" (it has {other[0]}: save it as safetensors, e.g. transformers' "
                     "save_pretrained(..., safe_serialization=True))") if other else ""
