@@ -5,6 +5,7 @@
 #                                               # decoding at 128K; then docs/BENCHMARKS.md and the README block
 #   bash experiments/gpu.sh bench [NAMES...]    # the other benchmarks (default: all of them, as many as fit);
 #                                               # eval: a 30-step S1 run at 16K, then the whole suite on it
+#                                               # (its rows and plots: $OUT/eval_s1.tar.gz)
 #   bash experiments/gpu.sh test [PATHS...]     # pytest tests/gpu (or PATHS): the kernels' checks against their references
 #
 # NAMES: attention sparse mixers kernels decode eval data. Results: experiments/results/<device>/<bench>.json,
@@ -68,10 +69,11 @@ case "$MODE" in
         mixers) run mixers 120 ;;
         kernels) run kernels 90 ;;
         decode) run decode 240 --deadline 150 ;;
-        eval)  # the run stays on the machine; its plots and rows come back in $OUT/eval_s1/
+        eval)  # the run stays on the machine
           rm -rf /tmp/eval_s1
           run eval 570 --keep /tmp/eval_s1
-          [ -n "${OUT:-}" ] && mkdir -p "$OUT/eval_s1" && cp /tmp/eval_s1/eval/*.png /tmp/eval_s1/eval.jsonl "$OUT/eval_s1/" 2>/dev/null
+          # one archive: the device machine returns at most 8 files, and the result JSONs must fit beside it
+          [ -n "${OUT:-}" ] && tar -czf "$OUT/eval_s1.tar.gz" -C /tmp/eval_s1 eval.jsonl eval 2>/dev/null
           ;;
         data) run data 200 ;;
         *) echo "unknown benchmark $name: choose from attention sparse mixers kernels decode eval data"; exit 2 ;;

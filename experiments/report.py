@@ -84,7 +84,8 @@ def provenance(doc) -> list[str]:
     dev = doc.get("device_kind", doc.get("device"))
     n = doc.get("devices", 1)
     return [f"`{doc.get('command', '?')}` on {dev}{f' x{n}' if n and n > 1 else ''}, {when(doc)}, "
-            f"jax {doc.get('jax', '?')}{git}, {f(doc.get('wall_s'), '.0f')} s.", ""]
+            f"jax {doc.get('jax', '?')}{git}" + (f", {doc['wall_s']:.0f} s." if doc.get("wall_s") is not None else ".")
+            + (f" Recovered from {doc['recovered_from']}." if doc.get("recovered_from") else ""), ""]
 
 
 def failed(rows) -> list[str]:
@@ -219,7 +220,7 @@ def render_eval(doc) -> list[str]:
     what = (f"a run trained here ({train['steps']} steps{', ' + train['scale'].upper() if train.get('scale') else ''})"
             if train else "a given run")
     out = [f"`hybrid-lm eval` on the latest checkpoint (step {doc.get('checkpoint_step')}) of {what}, "
-           f"task settings `{' '.join(doc.get('eval_args', []))}`; `all` is the whole call (restore, compiles, "
+           f"task settings {'`' + ' '.join(doc['eval_args']) + '`' if doc.get('eval_args') else 'the tasks defaults (the papers)'}; `all` is the whole call (restore, compiles, "
            "plots).", ""]
     return out + table(["task", "seconds"], [[r["task"], f(r["wall_s"])] for r in doc["rows"]])
 
