@@ -456,3 +456,19 @@ def test_the_runs_tokenizer_goes_with_the_export(tmp_path):
     assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == tok.eos_id
     ck = HFCheckpoint(out)
     assert ck.tokenizer_spec() == str(out) and load_tokenizer(ck.tokenizer_spec()).fingerprint == tok.fingerprint
+
+
+def test_bf16_checkpoints_read_into_fp32_parameters(tmp_path):
+    """Released checkpoints are bf16: read exactly (bf16 -> fp32 is exact), the dtype is the compute dtype."""
+    import ml_dtypes
+
+    model = tiny_model("smollm3")
+    params = jax.tree.map(lambda a: np.asarray(a).astype(ml_dtypes.bfloat16), random_params(model))
+    out = tmp_path / "hf"
+    out.mkdir()
+    write_hf_folder(out, model, params, tokenizer="byte", seq_len=32, dtype="bfloat16")
+    ck = HFCheckpoint(out)
+    assert ck.model_config().compute_dtype == "bfloat16"
+    back = ck.read_params(ModelFns(Config(model=model)).abstract_params)
+    for a, b in zip(_leaves(params), _leaves(back)):
+        assert b.dtype == np.float32 and np.array_equal(a.astype(np.float32), b)
