@@ -25,11 +25,6 @@ ARCHS = {
     "sa": ["efficient/MixerConfig.kind = 'sa'", "efficient/MixerConfig.window = 8"],  # permutation per layer
     "lightning": ["efficient/MixerConfig.kind = 'lightning'", NO_WINDOW,  # decay per layer
                   "efficient/MixerConfig.options = {'chunk_size': 8}"],
-    "mamba2": ["efficient/MixerConfig.kind = 'mamba2'", NO_WINDOW,
-               "efficient/MixerConfig.options = {'d_state': 8, 'head_dim': 16, 'chunk_size': 8}"],
-    "gdn": ["efficient/MixerConfig.kind = 'gdn'", NO_WINDOW, "efficient/MixerConfig.options = {'chunk_size': 8}"],
-    "moba": ["efficient/MixerConfig.kind = 'moba'", NO_WINDOW,
-             "efficient/MixerConfig.options = {'block_size': 8, 'top_k': 2}"],
     "ssa": ["ModelConfig.layer_pattern = 'F'", "full/MixerConfig.kind = 'ssa'",  # sows aux_loss per layer
             "full/MixerConfig.options = {'block_size': 8, 'top_k': 2, 'align_weight': 10.0}"],
 }
@@ -73,8 +68,14 @@ def test_pattern_period():
     assert pattern_period(list("FEEF")) == 4
 
 
+# The scan stacks any block's variables alike; what differs by mixer is reading the layer index at call
+# time (sa's permutation, lightning's decay) and sowing values per layer (ssa). The other mixers'
+# forward and backward are checked unrolled in their own files.
+SCAN_CASES = ["sa", "lightning", "ssa"]
+
+
 @pytest.mark.integration
-@pytest.mark.parametrize("arch", sorted(ARCHS))
+@pytest.mark.parametrize("arch", SCAN_CASES)
 def test_scanned_stack_equals_unrolled(tiny_params, arch):
     cfg_u, cfg_s = _cfgs(tiny_params, arch)
     assert run_id(cfg_u) == run_id(cfg_s)  # an execution detail
