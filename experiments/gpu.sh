@@ -10,7 +10,8 @@
 #
 # NAMES: attention sparse mixers kernels decode eval data. Results: experiments/results/<device>/<bench>.json,
 # copied to $OUT/results/<device>/ (the log to $OUT/<mode>.log) when $OUT is set. Wheels carried in .whl/
-# (beside or inside the repo) are installed into /tmp/site first; without them the installed jax is used.
+# (beside or inside the repo; experiments/gpu_wheels.txt lists them and the command that downloads them)
+# are installed into /tmp/site first; without them the installed jax is used.
 set -u
 cd "$(dirname "$0")/.."
 MODE=${1:-readme}
