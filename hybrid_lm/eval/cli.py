@@ -34,6 +34,10 @@ def _fmt(row: dict) -> str:
 
 
 def cmd_eval(args) -> int:
+    if args.swap_prefill_only and args.tasks is None:
+        from hybrid_lm.errors import ConfigError
+        raise ConfigError("--swap-prefill-only applies to --tasks ruler (its answer log-likelihood); the loss without "
+                          "--tasks scores every token, so it has no prompt to prefill")
     if args.tasks is not None or args.steps is not None or args.data is not None:
         return _suite(args)
     try:
@@ -138,6 +142,7 @@ def _suite(args) -> int:
         probe_prompt=args.probe_prompt, influence_inputs=args.influence_inputs,
         trunc_len=args.trunc_len, window=args.window, ruler_tasks=_csv(args.ruler_tasks) or None,
         ruler_lengths=lengths, haystack=args.haystack, allow_longer=args.allow_longer,
+        swap_prefill_only=args.swap_prefill_only, ruler_generation=not args.ruler_no_generation,
         reference_step=args.reference_step, lm_eval_tasks=_csv(args.lm_eval_tasks), lm_eval_limit=args.lm_eval_limit,
         lm_eval_fewshot=args.num_fewshot, lm_eval_include=args.lm_eval_include, progress=not args.json)
     steps = str(args.step) if args.step is not None else args.steps
@@ -321,6 +326,13 @@ def add_eval_commands(sub) -> None:
                    help="influence: whole val documents after a BOS (default) or the run's eval windows")
     g.add_argument("--allow-longer", dest="allow_longer", action="store_true",
                    help="ruler: lengths beyond the run's seq_len")
+    g.add_argument("--ruler-no-generation", dest="ruler_no_generation", action="store_true",
+                   help="ruler: the log-likelihood scores only (answer NLL, gold against distractors), no greedy "
+                        "generation: exact_match is null")
+    g.add_argument("--swap-prefill-only", dest="swap_prefill_only", action="store_true",
+                   help="ruler: the --swap applies to the prompt only; the answer is scored by the run's own layers "
+                        "over the swapped prompt's cache (the SA paper's training-free protocol; no greedy "
+                        "generation). docs/EVAL.md")
     g.add_argument("--reference-step", dest="reference_step", type=int, default=None,
                    help="heads: the checkpoint d_QK is measured against (default: the run's last)")
     g.add_argument("--lm-eval-tasks", dest="lm_eval_tasks", default=None, metavar="T1,T2",

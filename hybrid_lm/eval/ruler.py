@@ -993,12 +993,19 @@ def batch_rows(run, length: int, n_rows: int, batch_size: int | None = None) -> 
 
 def evaluate_ruler(run, *, tasks=None, lengths=None, samples: int = 8, haystack: str | None = None, seed: int = 0,
                    allow_longer: bool = False, batch_size: int | None = None, cfg=None, cache_root=None,
-                   progress: bool = True, lengths_flag: str = "--lengths") -> tuple[list[dict], list[dict]]:
+                   progress: bool = True, lengths_flag: str = "--lengths",
+                   answer_cfg=None, generate_answers: bool = True) -> tuple[list[dict], list[dict]]:
     """RULER on ``run`` (a :class:`~hybrid_lm.eval.restore.RestoredRun`) with the model of ``cfg``
     (default the run's; a swapped config of the same parameters works): ``(rows, skipped)``, a row
     per (task, length) evaluated (``kind: ruler``, ``task: ruler/<name>``, scores, settings) and a
     ``{task, length, reason}`` per pair too short to generate (``lengths_flag``: the option the lengths
-    came from, named by errors). Nothing is recorded here."""
+    came from, named by errors). Nothing is recorded here.
+
+    ``answer_cfg`` (``--swap-prefill-only``): the prompt is prefilled by ``cfg``'s model and the gold
+    answer and distractors are scored by ``answer_cfg``'s (the run's own layers) over it
+    (``eval/prefill_swap.py``); greedy generation is not run under it (``exact_match`` null).
+    ``generate_answers=False`` (``--ruler-no-generation``): the log-likelihood scores only, no greedy
+    generation (``exact_match`` null)."""
     import jax
     from tqdm import tqdm
 
@@ -1017,12 +1024,20 @@ def evaluate_ruler(run, *, tasks=None, lengths=None, samples: int = 8, haystack:
     fns = run.fns if cfg is run.cfg else ModelFns(cfg)
     model = fns.model(run.params)
     no_decode = decode_unavailable(model)
+    if not generate_answers and no_decode is None:
+        no_decode = "not asked (--ruler-no-generation)"
+    if answer_cfg is not None:
+        no_decode = ("--swap-prefill-only: the answer is scored over the swapped prompt's cache; greedy generation "
+                     "under it is not built")
+        answer_fns = run.fns if answer_cfg is run.cfg else ModelFns(answer_cfg)
     impl = cfg.model.attention_impl
     common = {"kind": "ruler", "step": run.step, "checkpoint_step": run.step, "tokens_seen": tokens_seen(run),
               "run_id": run_id(run.cfg), "seed": seed, "samples": samples,
               "trained_seq_len": run.cfg.data.seq_len,
               "generation": "greedy, stopped at EOS or the task's budget" if no_decode is None else
               f"unavailable ({no_decode}): log-likelihood scores only",
+              **({"answer_scoring": "prefill with the swap, answer with the run's own layers over its cache"}
+                 if answer_cfg is not None else {}),
               "layer_types": "".join(cfg.model.layer_types()), "mixers": describe(cfg.model),
               "attention_impl": impl, "devices": int(run.mesh.devices.size)}
     rows, skipped = [], []
@@ -1037,7 +1052,11 @@ def evaluate_ruler(run, *, tasks=None, lengths=None, samples: int = 8, haystack:
         if not sets:
             continue
         span = max(items[0].gen_tokens for items, _ in sets.values())
-        nll_fn = _answer_nll_fn(fns, cfg, span)
+        if answer_cfg is None:
+            nll_fn = _answer_nll_fn(fns, cfg, span)
+        else:
+            from hybrid_lm.eval.prefill_swap import split_answer_nll_fn
+            nll_fn = split_answer_nll_fn(answer_fns, fns, answer_cfg, cfg, span)
         for task, (items, path) in sets.items():
             t0 = time.time()
             G = items[0].gen_tokens

@@ -85,6 +85,9 @@ class EvalRequest:
     ruler_lengths: tuple[int, ...] | None = None
     haystack: str | None = None  # None: each task's official haystack (ruler: RULER's per task; probe noise; heads essays)
     allow_longer: bool = False
+    # the swaps prefill the prompt only; the answer is scored by the run's own layers (eval/prefill_swap.py)
+    swap_prefill_only: bool = False
+    ruler_generation: bool = True  # False: RULER's log-likelihood scores only (no greedy generation)
     # probe
     probe_prompt: str = "official"
     # heads
@@ -113,6 +116,13 @@ class EvalRequest:
             raise ConfigError("--tasks lm_eval needs --lm-eval-tasks, e.g. --lm-eval-tasks hellaswag,arc_easy")
         if self.samples is not None and self.samples < 1:
             raise ConfigError(f"--samples {self.samples}: must be >= 1")
+        if self.swap_prefill_only:
+            if not self.swaps:
+                raise ConfigError("--swap-prefill-only needs --swap: the swap the prompt is prefilled with")
+            other = [t for t in self.tasks if t != "ruler"]
+            if other:
+                raise ConfigError(f"--swap-prefill-only applies to --tasks ruler (its answer log-likelihood), not "
+                                  f"{','.join(other)}: run those in a call without it")
 
     def check_options(self, base, cfg) -> None:
         """Every task's option constraints, checked before any task runs (nothing built, nothing recorded):
@@ -166,6 +176,10 @@ class EvalRequest:
         elif task == "ruler":
             c.update(tasks=list(self.ruler_tasks or ()), lengths=list(self.ruler_lengths or ()),
                      haystack=self.haystack, samples=self.samples, seed=self.seed, generator=2)
+            if self.swap_prefill_only:  # only when set: the eval keys of earlier rows stay as they were
+                c.update(swap_prefill_only=True)
+            if not self.ruler_generation:
+                c.update(generation=False)
         elif task in ("probe", "heads", "influence"):
             c.update(samples=self.samples, seed=self.seed, definition="official")
             if task in ("probe", "heads"):
@@ -244,11 +258,16 @@ def _samples(req: EvalRequest) -> dict:
 def _task_ruler(run, cfg, req: EvalRequest) -> list[dict]:
     from hybrid_lm.eval import ruler
 
+    answer_cfg = None
+    if req.swap_prefill_only:  # the run's own layers (constraint and seq_len kept), the swaps on the prompt only
+        answer_cfg = run.task_config((), req.horizon, req.sinks, seq_len=req.seq_len, attention_impl=req.attention_impl)
+
     rows, skipped = ruler.evaluate_ruler(run, tasks=list(req.ruler_tasks) if req.ruler_tasks else None,
                                          lengths=list(req.ruler_lengths) if req.ruler_lengths else None,
                                          **_samples(req), haystack=req.haystack, seed=req.seed,
                                          allow_longer=req.allow_longer, batch_size=req.batch_size, cfg=cfg,
-                                         progress=req.progress, lengths_flag="--ruler-lengths")
+                                         progress=req.progress, lengths_flag="--ruler-lengths", answer_cfg=answer_cfg,
+                                         generate_answers=req.ruler_generation)
     for s in skipped:
         log.warning("ruler %s at %d tokens skipped: %s", s["task"], s["length"], s["reason"])
     if not rows:
