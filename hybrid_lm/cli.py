@@ -1,4 +1,4 @@
-"""Command line: ``hybrid-lm train|info|data|eval|eval-report|generate|longppl|ruler|export|lm-eval|sweep|collect|fit|report``."""
+"""Command line: ``hybrid-lm train|info|data|eval|eval-report|generate|longppl|ruler|export|lm-eval|sweep|collect|fit|report|claims``."""
 
 from __future__ import annotations
 
@@ -198,8 +198,10 @@ def _main(argv=None) -> int:
 
     args = ap.parse_args(argv)
     debug = args.debug or os.environ.get("HYBRID_LM_DEBUG") == "1"
-    enable_compilation_cache()
     try:
+        from hybrid_lm import determinism
+        determinism.apply()  # HYBRID_LM_DETERMINISTIC=1: into XLA_FLAGS before the XLA backend starts
+        enable_compilation_cache()
         return args.fn(args)
     except BrokenPipeError:
         raise  # main(): the reader of stdout left, nothing to report

@@ -1,4 +1,4 @@
-"""``hybrid-lm data prepare|inspect|verify|train-tokenizer``."""
+"""``hybrid-lm data prepare|inspect|verify|train-tokenizer|python-corpus``."""
 
 from __future__ import annotations
 
@@ -117,6 +117,19 @@ def cmd_train_tokenizer(args) -> int:
     return 0
 
 
+def cmd_python_corpus(args) -> int:
+    from hybrid_lm.data.pycorpus import DEFAULT_PACKAGES, JSONL, build_python_corpus, format_corpus
+
+    packages = DEFAULT_PACKAGES if args.package is None else tuple(p for p in args.package if p != "none")
+    meta = build_python_corpus(args.out, packages=packages, roots=args.root, stdlib=not args.no_stdlib,
+                               progress=not args.no_progress)
+    print("\n".join(format_corpus(meta, args.out)))
+    print(f"\nnext:  hybrid-lm data train-tokenizer --source text --path {Path(args.out) / JSONL} --vocab 32768 "
+          f"--out TOKENIZER_DIR\n       hybrid-lm data prepare --source text --path {Path(args.out) / JSONL} "
+          "--tokenizer TOKENIZER_DIR/tokenizer.json --out STORE")
+    return 0
+
+
 def add_data_commands(sub) -> None:
     from hybrid_lm.data.sources import add_source_args
 
@@ -158,3 +171,19 @@ def add_data_commands(sub) -> None:
     q.add_argument("--overwrite", action="store_true")
     q.add_argument("--no-progress", action="store_true")
     q.set_defaults(fn=cmd_train_tokenizer)
+
+    q = dsub.add_parser("python-corpus",
+                        help="JSON lines of the Python sources on this machine (stdlib, torch, transformers, sympy)",
+                        description="One document per .py file of the running Python's standard library, of the "
+                                    "installed packages named by --package (default torch, transformers, sympy) and "
+                                    "of every --root, in a fixed order, written to OUT/python.jsonl with "
+                                    "OUT/corpus.json (file count, bytes, sha256 fingerprint). The one-GPU study's "
+                                    "corpus (docs/RESULTS.md). A rerun that finds the same files writes nothing.")
+    q.add_argument("--out", required=True, help="folder for python.jsonl and corpus.json")
+    q.add_argument("--package", action="append", default=None, metavar="NAME",
+                   help="an installed package whose .py files to add (repeatable; default: torch, transformers, "
+                        "sympy; 'none' for no package); one that is not installed is listed as missing")
+    q.add_argument("--root", action="append", default=[], metavar="DIR", help="another folder of .py files (repeatable)")
+    q.add_argument("--no-stdlib", dest="no_stdlib", action="store_true", help="leave out the standard library")
+    q.add_argument("--no-progress", action="store_true")
+    q.set_defaults(fn=cmd_python_corpus)

@@ -1,4 +1,4 @@
-"""``hybrid-lm sweep | collect | fit | report`` (registered by :func:`add_scaling_commands`)."""
+"""``hybrid-lm sweep | collect | fit | report | claims`` (registered by :func:`add_scaling_commands`)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,9 @@ def cmd_sweep(args) -> int:
     from hybrid_lm.scaling.sweep import expand, format_passes, format_plan, load_spec, passes_warning, summarize
 
     spec = load_spec(args.spec)
+    if args.max_minutes is not None and (args.launch != "local" or args.dry_run):
+        from hybrid_lm.scaling.sweep import SweepError
+        raise SweepError("--max-minutes applies to --launch local (a SLURM job has its own time limit)")
     changes = {}
     if args.branch is not None:
         changes["branch"] = args.branch
@@ -64,7 +67,8 @@ def cmd_sweep(args) -> int:
             gpus = L.detect_gpus()
         elif args.gpus not in (None, "none"):
             gpus = [g.strip() for g in args.gpus.split(",") if g.strip()]
-        summary = L.launch_local(plan, gpus=gpus, only=args.only)
+        deadline = {} if args.max_minutes is None else {"max_minutes": args.max_minutes}
+        summary = L.launch_local(plan, gpus=gpus, only=args.only, **deadline)
         print(f"\nsweep {spec.name}: {summary['jobs']} jobs, {summary['skipped']} already done, "
               f"{summary['launched']} launched, {len(summary['done'])} finished now, "
               f"{len(summary['failed'])} failed, {len(summary['blocked'])} blocked")
@@ -73,7 +77,13 @@ def cmd_sweep(args) -> int:
         for name in summary["blocked"]:
             print(f"  blocked {name}: its stable run did not seed it")
         if summary["preempted"]:
-            print(f"preempted during {summary['preempted'].get('job')}: run the same command to resume")
+            if summary.get("deadline"):
+                left = summary["jobs"] - summary["skipped"] - len(summary["done"]) - len(summary["failed"])
+                job = summary["preempted"].get("job")
+                print(f"stopped at --max-minutes {args.max_minutes:g}" + (f" (during {job}, saved)" if job else "")
+                      + f": {left} job(s) left; run the same command to continue")
+            else:
+                print(f"preempted during {summary['preempted'].get('job')}: run the same command to resume")
             return 0
         from hybrid_lm.scaling.sweep import next_steps
         print("next:")
@@ -192,6 +202,33 @@ def cmd_report(args) -> int:
     return 0
 
 
+def cmd_claims(args) -> int:
+    from hybrid_lm.scaling.study import CLAIMS, Settings, run_claims
+
+    st = Settings(window=args.window, ruler_length=args.ruler_length,
+                  ruler_tasks=tuple(t.strip() for t in args.ruler_tasks.split(",") if t.strip()) if args.ruler_tasks
+                  else None, ruler_samples=args.ruler_samples, heads_samples=args.heads_samples,
+                  longppl_docs=args.longppl_docs,
+                  claims=tuple(c.strip().upper() for c in args.claims.split(",") if c.strip()) if args.claims
+                  else CLAIMS, table=not args.no_table)
+    doc = run_claims(args.root, st, evaluate=not args.no_eval, max_minutes=args.max_minutes)
+    ev = doc["evaluation_stats"]
+    print(f"evaluations: {ev['done']} run now, {ev['skipped']} already recorded, {ev['left']} left, "
+          f"{len(ev['failed'])} failed")
+    for k, why in ev["failed"].items():
+        print(f"  failed {k}: {why}")
+    for name, c in doc["claims"].items():
+        print(f"{name}: {c['verdict']}  ({c['title']})")
+        for p in c["parts"]:
+            print(f"    {p['part']}: {p['verdict']}" + (f"  {p['why']}" if p.get("why") else ""))
+    print(f"wrote {Path(args.root) / 'claims.json'} and {Path(args.root) / 'claims.md'}")
+    if ev["left"]:
+        print(f"{ev['left']} evaluation(s) left (--max-minutes): run the same command to continue")
+    else:
+        print("claims complete" if not ev["failed"] else "claims complete, with failed evaluations (above)")
+    return 1 if ev["failed"] else 0
+
+
 def _wrap(fn):
     def run(args):
         from hybrid_lm.scaling.fit import FitError
@@ -223,6 +260,10 @@ def add_scaling_commands(sub) -> None:
     p.add_argument("--json", action="store_true", help="with --dry-run: print the plan as JSON")
     p.add_argument("--no-submit", action="store_true", help="slurm: write the scripts, do not call sbatch")
     p.add_argument("--job", default=None, help="run one job of an already planned sweep (what workers call)")
+    p.add_argument("--max-minutes", dest="max_minutes", type=float, default=None, metavar="M",
+                   help="local launch: after M minutes stop as SIGTERM would (the running job saves after its "
+                        "current step, no new job starts); the same command then continues. Leave room for the "
+                        "save and the process's exit within an outer time limit")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--branch", dest="branch", action="store_true", default=None, help="force WSD branching on")
     g.add_argument("--no-branch", dest="branch", action="store_false", help="independent runs (no WSD branching)")
@@ -272,6 +313,29 @@ def add_scaling_commands(sub) -> None:
                    help="plausible alpha and beta; a fit outside is marked not valid (default 0.05:1.5)")
     p.add_argument("--no-plots", action="store_true")
     p.set_defaults(fn=_wrap(cmd_fit))
+
+    p = sub.add_parser("claims", help="the one-GPU study: evaluate the papers' claims on its runs (docs/RESULTS.md)",
+                       description="Run the evaluations each claim needs on a launched study's runs (rows in each "
+                                   "run's eval.jsonl, skipped when recorded), judge each claim against the "
+                                   "run-to-run noise band, write ROOT/claims.json and ROOT/claims.md. Idempotent; "
+                                   "--max-minutes bounds a call, the next continues. docs/RESULTS.md.")
+    p.add_argument("root", help="the study's sweep root (configs/sweeps/study.toml: runs/study)")
+    p.add_argument("--claims", default=None, metavar="C1,C2", help="claims to test (default all: C1..C6)")
+    p.add_argument("--max-minutes", dest="max_minutes", type=float, default=None, metavar="M",
+                   help="start no evaluation after M minutes (the verdicts so far are written)")
+    p.add_argument("--no-eval", dest="no_eval", action="store_true",
+                   help="run no evaluation: judge from the rows recorded so far")
+    p.add_argument("--no-table", dest="no_table", action="store_true",
+                   help="only the evaluations the claims need, not every arm's table columns")
+    p.add_argument("--window", type=int, default=None, help="C2's swap window W (default min(128, T/8))")
+    p.add_argument("--ruler-length", dest="ruler_length", type=int, default=None,
+                   help="RULER's length (default T; 0: no RULER)")
+    p.add_argument("--ruler-tasks", dest="ruler_tasks", default=None, help="RULER tasks (default all seven)")
+    p.add_argument("--ruler-samples", dest="ruler_samples", type=int, default=8, help="RULER items per task (8)")
+    p.add_argument("--heads-samples", dest="heads_samples", type=int, default=100,
+                   help="heads prompts per checkpoint (100; the task's own default is 500)")
+    p.add_argument("--longppl-docs", dest="longppl_docs", type=int, default=None, help="LongPPL documents (default 50)")
+    p.set_defaults(fn=_wrap(cmd_claims))
 
     p = sub.add_parser("report", help="markdown report: sweep state + fits per architecture side by side")
     p.add_argument("fit", help="fit.json or the directory holding it")

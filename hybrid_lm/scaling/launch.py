@@ -323,9 +323,16 @@ def detect_gpus() -> list[str]:
     return [str(i) for i, line in enumerate(out.splitlines()) if line.startswith("GPU ")]
 
 
-def launch_local(plan: Plan, gpus: list[str] | None = None, only: str | None = None, progress: bool = True) -> dict:
-    """Run the plan's unfinished jobs: in this process one after another, or one subprocess per GPU."""
+def launch_local(plan: Plan, gpus: list[str] | None = None, only: str | None = None, progress: bool = True,
+                 max_minutes: float | None = None) -> dict:
+    """Run the plan's unfinished jobs: in this process one after another, or one subprocess per GPU.
+
+    ``max_minutes``: after that much wall time the launch stops as a SIGTERM would stop it (the running
+    job saves a checkpoint after its current step, no new job starts; ``summary["deadline"]`` says when it
+    fired), so a long sweep runs in parts of bounded length, each continuing the last."""
     root = plan.root
+    if max_minutes is not None and not max_minutes > 0:
+        raise SweepError(f"--max-minutes {max_minutes:g}: must be > 0")
     write_manifest(plan)
     jobs = select_jobs(plan.jobs, only)
     by_name = {j.name: j for j in plan.jobs}
@@ -335,11 +342,38 @@ def launch_local(plan: Plan, gpus: list[str] | None = None, only: str | None = N
     if not todo:
         return summary
     if gpus and len(gpus) > 1:
-        return _gpu_pool(plan, todo, gpus, summary, progress)
+        return _gpu_pool(plan, todo, gpus, summary, progress, max_minutes)
     from hybrid_lm.train import signals
 
     with signals.catching():  # Ctrl-C / SIGTERM: the running job saves and stops, and so does the sweep
-        return _in_sequence(root, todo, by_name, summary, plan, progress)
+        with _deadline(max_minutes, summary):
+            return _in_sequence(root, todo, by_name, summary, plan, progress)
+
+
+@contextmanager
+def _deadline(max_minutes: float | None, summary: dict):
+    """After ``max_minutes`` of wall time, raise the process's stop flag as SIGTERM does (inside the
+    caller's ``signals.catching()``: the running job saves and stops; the GPU pool stops its workers
+    the same way). ``summary["deadline"]`` records whether it fired."""
+    summary["deadline"] = None
+    if max_minutes is None:
+        yield
+        return
+    import signal as _signal
+
+    from hybrid_lm.train import signals
+
+    def fire():
+        summary["deadline"] = {"minutes": max_minutes, "at": _now()}
+        signals.current_flag().request(_signal.SIGTERM)
+
+    timer = threading.Timer(max_minutes * 60.0, fire)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
 
 
 def _in_sequence(root: Path, todo: list[Job], by_name: dict, summary: dict, plan: Plan, progress: bool) -> dict:
@@ -403,13 +437,14 @@ class _PrefixedLog:
         self._fh.close()
 
 
-def _gpu_pool(plan: Plan, todo: list[Job], gpus: list[str], summary: dict, progress: bool) -> dict:
+def _gpu_pool(plan: Plan, todo: list[Job], gpus: list[str], summary: dict, progress: bool,
+              max_minutes: float | None = None) -> dict:
     """One worker subprocess per GPU (CUDA_VISIBLE_DEVICES); branches start as soon as they are seeded.
-    A stop signal (Ctrl-C, SIGTERM) starts no new job and sends SIGTERM to the running workers, which
-    save and stop."""
+    A stop signal (Ctrl-C, SIGTERM) or the deadline starts no new job and sends SIGTERM to the running
+    workers, which save and stop."""
     from hybrid_lm.train import signals
 
-    with signals.catching() as flag:
+    with signals.catching() as flag, _deadline(max_minutes, summary):
         return _pool(plan, todo, gpus, summary, progress, flag)
 
 

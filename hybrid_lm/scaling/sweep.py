@@ -49,9 +49,9 @@ PEAK_FLOPS = 989e12  # H200 dense bf16, the MFU denominator used by the trainer
 PASSES_WARN = 4
 
 _TOP_KEYS = {"name", "description", "root", "gin", "params", "seeds", "budgets", "n_definition", "mfu",
-             "peak_flops", "wsd", "param_match", "scales", "archs", "slurm"}
+             "peak_flops", "wsd", "param_match", "scales", "archs", "slurm", "equal_tokens"}
 _SCALE_KEYS = {"gin", "params", "budgets", "description"}
-_ARCH_KEYS = {"gin", "params", "mfu", "param_match", "description"}
+_ARCH_KEYS = {"gin", "params", "mfu", "param_match", "description", "seeds"}
 _WSD_KEYS = {"branch", "decay_fraction"}
 _PM_KEYS = {"enabled", "reference", "d_ff_multiple"}
 _SLURM_KEYS = {"partition", "account", "qos", "time", "gpus_per_task", "cpus_per_task", "mem", "max_parallel",
@@ -74,7 +74,7 @@ class Spec:
     seeds: list
     budgets: list
     scales: dict  # name -> {"gin": [...], "params": [...], "budgets": [...] | None}
-    archs: dict  # name -> {"gin": [...], "params": [...], "mfu": float | None, "param_match": bool}
+    archs: dict  # name -> {"gin": [...], "params": [...], "mfu": float | None, "param_match": bool, "seeds": [...] | None}
     n_definition: str = "non_embedding"
     mfu: float = MFU_H200_MEASURED
     peak_flops: float = PEAK_FLOPS
@@ -85,6 +85,9 @@ class Spec:
     d_ff_multiple: int = 1
     slurm: dict = field(default_factory=dict)
     root: str | None = None
+    # every arch at a scale trains the tokens of the reference arch (param_match.reference) at each budget:
+    # steps from the reference's N, so architectures of different N see equal D
+    equal_tokens: bool = False
 
     def digest(self) -> str:
         return hashlib.sha256(json.dumps(self.raw, sort_keys=True).encode()).hexdigest()[:12]
@@ -112,6 +115,10 @@ def _num_list(v, where: str, positive: bool = True) -> list:
     if positive and any(x <= 0 for x in v):
         raise SweepError(f"{where}: every value must be > 0")
     return list(v)
+
+
+def _int_list(v) -> bool:
+    return isinstance(v, list) and bool(v) and all(isinstance(x, int) and not isinstance(x, bool) for x in v)
 
 
 def load_spec(path: str | Path) -> Spec:
@@ -162,9 +169,13 @@ def spec_from_dict(raw: dict, path: str | None = None) -> Spec:
         mfu = d.get("mfu")
         if mfu is not None and not 0 < mfu <= 1:
             raise SweepError(f"archs.{a}.mfu={mfu} must be in (0, 1]")
+        arch_seeds = d.get("seeds")
+        if arch_seeds is not None and not _int_list(arch_seeds):
+            raise SweepError(f"{where}: archs.{a}.seeds must be a non-empty list of integers")
         archs[a] = {"gin": _str_list(d.get("gin"), f"archs.{a}.gin"),
                     "params": _str_list(d.get("params"), f"archs.{a}.params"), "mfu": mfu,
-                    "param_match": bool(d.get("param_match", a != reference))}
+                    "param_match": bool(d.get("param_match", a != reference)),
+                    "seeds": list(arch_seeds) if arch_seeds is not None else None}
     slurm = raw.get("slurm", {})
     _check_keys(slurm, _SLURM_KEYS, f"{where}: slurm")
     n_def = raw.get("n_definition", "non_embedding")
@@ -174,8 +185,11 @@ def spec_from_dict(raw: dict, path: str | None = None) -> Spec:
     if df is not None and not 0 < df < 1:
         raise SweepError(f"{where}: wsd.decay_fraction={df} must be in (0, 1)")
     seeds = raw.get("seeds", [0])
-    if not isinstance(seeds, list) or not seeds or not all(isinstance(s, int) for s in seeds):
+    if not _int_list(seeds):
         raise SweepError(f"{where}: seeds must be a non-empty list of integers")
+    equal_tokens = raw.get("equal_tokens", False)
+    if not isinstance(equal_tokens, bool):
+        raise SweepError(f"{where}: equal_tokens={equal_tokens!r} must be true or false")
     mfu = raw.get("mfu", MFU_H200_MEASURED)
     if not 0 < mfu <= 1:
         raise SweepError(f"{where}: mfu={mfu} must be in (0, 1]")
@@ -186,12 +200,14 @@ def spec_from_dict(raw: dict, path: str | None = None) -> Spec:
         scales=scales, archs=archs, n_definition=n_def, mfu=mfu, peak_flops=raw.get("peak_flops", PEAK_FLOPS),
         branch=bool(wsd.get("branch", True)), decay_fraction=df, param_match=bool(pm.get("enabled", False)),
         reference_arch=reference, d_ff_multiple=int(pm.get("d_ff_multiple", 1)), slurm=slurm,
-        root=raw.get("root"))
+        root=raw.get("root"), equal_tokens=equal_tokens)
     for s, d in scales.items():
         if not (d["budgets"] or spec.budgets):
             raise SweepError(f"{where}: no budgets for scale {s} (set top-level 'budgets' or scales.{s}.budgets)")
-    if spec.param_match and reference not in archs:
-        raise SweepError(f"{where}: param_match.reference={reference!r} is not one of the archs {sorted(archs)}")
+    if (spec.param_match or spec.equal_tokens) and reference not in archs:
+        what = "param_match" if spec.param_match else "equal_tokens"
+        raise SweepError(f"{where}: {what} needs the reference arch param_match.reference={reference!r}, which is "
+                         f"not one of the archs {sorted(archs)}")
     if spec.d_ff_multiple < 1:
         raise SweepError(f"{where}: param_match.d_ff_multiple must be >= 1")
     return spec
@@ -359,6 +375,8 @@ def expand(spec: Spec, root: str | Path | None = None, extra_params: list[str] |
         r = resolved[(s, a)]
         cfg, counts = r["cfg"], r["counts"]
         N = n_of(counts)
+        # equal_tokens: the steps of each budget come from the reference arch's N (its D), not this arch's
+        N_steps = n_of(resolved[(s, spec.reference_arch)]["counts"]) if spec.equal_tokens else N
         d = cfg.data
         key = (d.source, d.path, d.tokenizer, d.mixture)
         if key not in sizes:
@@ -376,12 +394,12 @@ def expand(spec: Spec, root: str | Path | None = None, extra_params: list[str] |
         def hours(flops, mfu=mfu):
             return flops / (mfu * spec.peak_flops) / 3600.0
 
-        for seed in spec.seeds:
+        for seed in spec.archs[a].get("seeds") or spec.seeds:
             base_params = r["params"] + [f"TrainConfig.seed = {seed}"]
             cfg_id = None
             group: list[Job] = []
             for ratio in sorted(set(budgets)):
-                steps = _steps_for(ratio, N, tps)
+                steps = _steps_for(ratio, N_steps, tps)
                 params = base_params + [f"TrainConfig.steps = {steps}", f"OptimConfig.decay_fraction = {f}"]
                 cfg_id = cfg_id or _config_id(r["files"], params)
                 kind = "branch" if spec.branch else "independent"
@@ -513,8 +531,13 @@ def format_plan(plan: Plan) -> str:
     """The ``--dry-run`` table."""
     lines = []
     sp = plan.spec
-    lines.append(f"sweep {sp.name}: {len(sp.scales)} scales x {len(sp.archs)} archs x {len(sp.seeds)} seed(s); "
-                 f"root {plan.root}")
+    seeds = sorted({x for a in sp.archs.values() for x in (a.get("seeds") or sp.seeds)})
+    lines.append(f"sweep {sp.name}: {len(sp.scales)} scales x {len(sp.archs)} archs x {len(seeds)} seed(s)"
+                 + (" (some archs fewer)" if any(a.get("seeds") for a in sp.archs.values()) else "")
+                 + f"; root {plan.root}")
+    if sp.equal_tokens:
+        lines.append(f"equal tokens: every arch trains the D of {sp.reference_arch!r} at each budget (D/N is the "
+                     "reference's; each arch's own D/N is D / its N)")
     lines.append(f"N = {sp.n_definition.replace('_', '-')} parameters; GPU-hours on one H200 at "
                  f"{sp.mfu:.1%} MFU of {sp.peak_flops / 1e12:.0f} TFLOP/s (measured anchor; per-arch overrides "
                  f"in the spec); FLOPs = 3 x forward incl. attention and LM head")

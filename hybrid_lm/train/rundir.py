@@ -54,6 +54,7 @@ def provenance() -> dict:
         "platform": platform.platform(),
         "backend": jax.default_backend(),
         "devices": [str(d) for d in jax.devices()],
+        "device_kind": jax.devices()[0].device_kind,
         "process_count": jax.process_count(),
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "argv": sys.argv,

@@ -50,6 +50,10 @@ class PreemptionFlag:
         if self.signal is None or _URGENCY.get(signum, 0) > _URGENCY.get(self.signal, 0):
             self.signal = signum
 
+    def request(self, signum: int) -> None:
+        """Ask for a stop as if ``signum`` had arrived (a deadline: ``hybrid-lm sweep --max-minutes``)."""
+        self._handle(signum)
+
     @property
     def requested(self) -> bool:
         return self.signal is not None
