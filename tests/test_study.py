@@ -267,3 +267,21 @@ def test_claims_bad_input_is_one_line(tmp_path, capsys):
     rc = main(["claims", str(root), "--claims", "C9", "--no-eval"])
     assert rc == 2 and "unknown C9" in capsys.readouterr().err
 
+
+
+def test_the_studys_swaps_resolve_on_its_configs():
+    """The swaps `hybrid-lm claims` asks for are valid on the study's S1 configs at T = 4096 (checked without a
+    checkpoint: the rewritten config takes the same parameters)."""
+    from hybrid_lm.eval.swap import swapped_config
+    from hybrid_lm.experiment import load_config
+    from hybrid_lm.scaling.study import MOBA_SSA, SSA_SPARSE
+
+    common = ["scale/s1.gin"], ["ModelConfig.vocab_size = 256", "DataConfig.seq_len = 4096"]
+    full = load_config(["base.gin", *common[0]], common[1] + ["ModelConfig.layer_pattern = 'F'"])
+    for swap in ("full=sa:128", "full=swa:128", MOBA_SSA):
+        cfg = swapped_config(full, [swap])
+        assert cfg.model.full.kind == swap.split("=")[1].split(":")[0]
+    assert swapped_config(full, [MOBA_SSA]).model.full.options == {"block_size": 16, "gate": "ssa", "top_k": 16}
+    ssa = load_config(["base.gin", *common[0], "arch/ssa.gin"], common[1])
+    assert ssa.model.full.options["eval_stream"] == "full"  # evaluated with full attention by default
+    assert swapped_config(ssa, [SSA_SPARSE]).model.full.options["eval_stream"] == "sparse"

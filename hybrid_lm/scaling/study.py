@@ -425,7 +425,7 @@ def evaluate_claims(root: Path, runs: list[Run], evals: list[Evaluation], st: Se
             _part("b", "gated SA+SWA-128 recovers it: below pure SA-128",
                   sub(loss(sa), loss(gated)) if sa and gated else None, band_loss, "greater", nums,
                   need("sa128", "sa_swa128")),
-            _part("c", "gated SA+SWA-128 matches full attention (|val loss difference| within the band)",
+            _part("c", "gated SA+SWA-128 matches full attention (val loss, the difference within the band)",
                   sub(loss(gated), loss(full)) if gated and full else None, band_loss, "close", nums,
                   need("sa_swa128", "full")),
         ]
@@ -607,8 +607,9 @@ def format_markdown(doc: dict) -> str:
     lines += ["", "| claim | verdict | part | d | band | verdict of the part |", "|---|---|---|---|---|---|"]
     for name, c in doc["claims"].items():
         for i, p in enumerate(c["parts"]):
+            statement = p["statement"].replace("|", "\\|")  # a cell's own bar would end it
             lines.append(f"| {name if i == 0 else ''} | {c['verdict'] if i == 0 else ''} | {p['part']}: "
-                         f"{p['statement']} | {_f(p.get('d'))} | {_f(p.get('band'))} | {p['verdict']} |")
+                         f"{statement} | {_f(p.get('d'))} | {_f(p.get('band'))} | {p['verdict']} |")
     lines += ["", "Verdict rule: " + doc["rule"]]
     return "\n".join(lines) + "\n"
 
