@@ -15,14 +15,18 @@
 #   HYBRID_LM_DETERMINISTIC=1                 deterministic GPU ops (docs/TRAINING.md); use a fresh STUDY_ROOT
 #   OUT=DIR                                   also copy the results there (one archive: study_results.tar.gz)
 #
-# Wheels carried in .whl/ (beside or inside the repo) are installed into /tmp/site first, as gpu.sh does.
+# Without a .venv, wheels carried in .whl/ (beside or inside the repo) are installed into /tmp/site first, as
+# gpu.sh does.
 set -u
 cd "$(dirname "$0")/.."
 END=${STUDY_SECONDS:-570}
 ROOT=${STUDY_ROOT:-runs/study}
 SPEC=${STUDY_SPEC:-configs/sweeps/study.toml}
+# the project's venv where there is one (make install); else the machine's python3 (the GPU image) with the
+# wheels carried in .whl/
+PY=${PY:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
 WHL=$(ls -d .whl ../.whl 2>/dev/null | head -1)
-if [ -n "$WHL" ]; then
+if [ "$PY" = python3 ] && [ -n "$WHL" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHL"/*.whl \
     || exit 1
   ln -sfn "$PWD/kernels" /tmp/site/hybrid_lm_kernels
@@ -31,7 +35,6 @@ else
   export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 fi
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
-PY=${PY:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
 HLM="$PY -m hybrid_lm.cli"
 left() { echo $(( END - SECONDS )); }
 minutes() { $PY -c "print(max(0.5, ($1) / 60))"; }   # --max-minutes from seconds
