@@ -68,8 +68,12 @@ if [ "$(left)" -gt 120 ]; then
   $HLM sweep "$SPEC" --launch local --root "$ROOT" --max-minutes "$(minutes "$(left) - 100")" \
     "${EXTRA[@]}" 2>&1 | grep -v -e "^W0000" -e "^I0000"
 fi
-DONE=$($PY -c "import json, pathlib, sys; r = pathlib.Path(sys.argv[1]); m = json.loads((r / 'sweep.json').read_text());
-print(all((r / j['name'] / 'sweep_done.json').exists() for j in m['jobs']))" "$ROOT" 2>/dev/null)
+# training is over when every job finished or failed (sweep_error.txt: the claims then report its arm missing)
+DONE=$($PY -c "import json, pathlib, sys; r = pathlib.Path(sys.argv[1]); f = r / 'sweep.json'
+m = json.loads(f.read_text()) if f.exists() else {'jobs': [{'name': ''}]}
+bad = [j['name'] for j in m['jobs'] if j['name'] and (r / j['name'] / 'sweep_error.txt').exists()]
+[print('failed run (traceback in its sweep_error.txt):', n, file=sys.stderr) for n in bad]
+print(all((r / j['name'] / 'sweep_done.json').exists() or j['name'] in bad for j in m['jobs']))" "$ROOT")
 COMPLETE=0
 if [ "$DONE" = "True" ] && [ "$(left)" -gt 130 ]; then
   echo "== claims ($(left) s left)"
