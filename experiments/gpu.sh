@@ -17,15 +17,8 @@ cd "$(dirname "$0")/.."
 MODE=${1:-readme}
 shift || true
 END=${GPU_SH_SECONDS:-575}   # seconds this call may take (the device machine stops a command at 600)
-WHL=$(ls -d .whl ../.whl 2>/dev/null | head -1)
-if [ -n "$WHL" ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHL"/*.whl \
-    || exit 1
-  ln -sfn "$PWD/kernels" /tmp/site/hybrid_lm_kernels
-  export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-fi
+source experiments/wheels.sh
+use_carried_wheels || exit 1
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 HYBRID_LM_COMPILATION_CACHE=off
 unset JAX_COMPILATION_CACHE_DIR
 PY=${PY:-python3}

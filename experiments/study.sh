@@ -25,12 +25,9 @@ SPEC=${STUDY_SPEC:-configs/sweeps/study.toml}
 # the project's venv where there is one (make install); else the machine's python3 (the GPU image) with the
 # wheels carried in .whl/
 PY=${PY:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
-WHL=$(ls -d .whl ../.whl 2>/dev/null | head -1)
-if [ "$PY" = python3 ] && [ -n "$WHL" ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHL"/*.whl \
-    || exit 1
-  ln -sfn "$PWD/kernels" /tmp/site/hybrid_lm_kernels
-  export PYTHONPATH=/tmp/site:$PWD
+if [ "$PY" = python3 ]; then
+  source experiments/wheels.sh
+  use_carried_wheels || exit 1
 else
   export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 fi

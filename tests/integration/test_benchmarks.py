@@ -166,8 +166,9 @@ def test_result_file_is_overwritten_and_names_its_command(tmp_path):
     assert harness.result_path("train") == harness.RESULTS / harness.device_name() / "train.json"
 
 
-def test_gpu_script_parses():
-    assert subprocess.run(["bash", "-n", str(EXPERIMENTS / "gpu.sh")]).returncode == 0
+def test_gpu_scripts_parse():
+    for script in ("gpu.sh", "study.sh", "wheels.sh"):
+        assert subprocess.run(["bash", "-n", str(EXPERIMENTS / script)]).returncode == 0, script
 
 
 # ----------------------------------------------------------------------------- the report
