@@ -74,7 +74,7 @@ def tokens(vocab: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, vocab, (2, T)).astype(np.int32)
 
 
-def hf_logits(folder, impl: str, toks) -> np.ndarray:
+def hf_logits(folder, impl: str, toks) -> tuple[np.ndarray, str]:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, attn_implementation=impl)
