@@ -56,6 +56,7 @@ def _dense_nll(model, tokens, visible):
     return jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, target[..., None], -1)[..., 0]
 
 
+@pytest.mark.integration  # whole models
 def test_swa_prefill_then_full_answer_equals_the_dense_oracle():
     cfg, fns, swapped, sfns, params, tokens = _setup()
     got = np.asarray(split_answer_nll_fn(fns, sfns, cfg, swapped, SPAN)(params, tokens))
@@ -78,6 +79,7 @@ def test_no_swap_equals_the_teacher_forced_answer_nll():
     np.testing.assert_allclose(got, want, atol=2e-4, rtol=1e-4)
 
 
+@pytest.mark.integration  # whole models
 def test_sa_prefill_draws_its_permutations_for_the_context_alone():
     """One layer: the answer rows' keys are embeddings whatever the swap, so answer tokens 1.. score as in
     the full model; answer token 0 is predicted by the SA model run on the context alone (its eval
