@@ -70,6 +70,7 @@ def test_swa_prefill_then_full_answer_equals_the_dense_oracle():
     assert np.abs(got - full).max() > 1e-2 and np.abs(got - swa).max() > 1e-2
 
 
+@pytest.mark.integration  # whole models
 def test_no_swap_equals_the_teacher_forced_answer_nll():
     from hybrid_lm.eval.ruler import _answer_nll_fn
 

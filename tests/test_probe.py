@@ -103,6 +103,7 @@ def run(tiny_run):
     return RestoredRun(tiny_run(5))  # TINY, 5 steps (conftest.py)
 
 
+@pytest.mark.integration  # a trained run
 def test_features_of_right_padded_prompts_are_those_of_the_prompts_alone(run):
     """Prompts of different lengths share a batch, right-padded: a causal model's state at the last real
     token does not see the padding."""
@@ -119,6 +120,7 @@ def test_features_of_right_padded_prompts_are_those_of_the_prompts_alone(run):
     np.testing.assert_allclose(padded[1], alone[0], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.integration  # a trained run
 def test_residual_stream_is_the_models_forward_pass(run):
     import jax
 
