@@ -425,7 +425,8 @@ def _gin_error(e: Exception) -> str:
             f"strings need quotes, e.g. {key} = '{token.group(1)}'")
 
 
-def _bound(scope: str, name: str, configurable: str = "MixerConfig") -> bool:
+def gin_binds(scope: str, name: str, configurable: str = "MixerConfig") -> bool:
+    """Whether the current gin config binds `[scope/]configurable.name`."""
     try:
         gin.query_parameter(f"{scope}/{configurable}.{name}" if scope else f"{configurable}.{name}")
         return True
@@ -435,7 +436,7 @@ def _bound(scope: str, name: str, configurable: str = "MixerConfig") -> bool:
 
 def _slot_mixer(slot: str) -> MixerConfig:
     """The slot's mixer: slot bindings, else ``slot/kind`` bindings, else the slot's default for that kind."""
-    if _bound("", "kind"):  # it would make every layer that kind, the full-attention ones too
+    if gin_binds("", "kind"):  # it would make every layer that kind, the full-attention ones too
         raise ConfigError("MixerConfig.kind is bound without a slot, which sets every layer's mixer; write "
                           "efficient/MixerConfig.kind (the efficient layers) or full/MixerConfig.kind")
     with gin.config_scope(slot):
@@ -448,9 +449,9 @@ def _slot_mixer(slot: str) -> MixerConfig:
     for f in dataclasses.fields(MixerConfig):
         if f.name == "kind":
             continue
-        if _bound(slot, f.name) or _bound("", f.name):
+        if gin_binds(slot, f.name) or gin_binds("", f.name):
             values[f.name] = getattr(plain, f.name)
-        elif _bound(f"{slot}/{kind}", f.name):
+        elif gin_binds(f"{slot}/{kind}", f.name):
             values[f.name] = getattr(kinded, f.name)
         else:
             values[f.name] = getattr(base, f.name)
@@ -466,13 +467,13 @@ def bound_model_fields() -> set[str]:
     scoped). Empty when nothing was parsed (a config built in Python)."""
     out = set()
     for f in dataclasses.fields(ModelConfig):
-        if f.name not in ("full", "efficient") and _bound("", f.name, "ModelConfig"):
+        if f.name not in ("full", "efficient") and gin_binds("", f.name, "ModelConfig"):
             out.add(f.name)
     names = [f.name for f in dataclasses.fields(MixerConfig)]
     for slot in ("full", "efficient"):
         kinds = {"attention", "swa", SLOT_DEFAULTS[slot].kind}
         scopes = [slot, ""] + [f"{slot}/{k}" for k in kinds]
-        if any(_bound(scope, n) for scope in scopes for n in names):
+        if any(gin_binds(scope, n) for scope in scopes for n in names):
             out.add(slot)
     return out
 

@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from hybrid_lm.errors import ConfigError, WorkdirError
+from hybrid_lm.eval.param_names import flatten_params, param_name, unflatten_params  # noqa: F401  (re-exported)
 from hybrid_lm.experiment import run_id
 
 FORMATS = ("safetensors", "hf")
@@ -42,28 +43,6 @@ CONFIG = "config.json"
 
 
 # ----------------------------------------------------------------------------- names
-
-def _key(k) -> str:
-    return str(getattr(k, "key", getattr(k, "idx", k)))
-
-
-def flatten_params(tree) -> dict:
-    """``{"blocks.0.mixer.wq": leaf, ...}`` of a nested parameter tree (NNX pure dict)."""
-    import jax
-    return {".".join(_key(k) for k in path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
-
-
-def unflatten_params(flat: dict) -> dict:
-    """The nested tree of :func:`flatten_params`'s names (all-digit parts are list indices, as ints)."""
-    tree: dict = {}
-    for name, leaf in flat.items():
-        node = tree
-        *parents, last = [int(p) if p.isdigit() else p for p in name.split(".")]
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[last] = leaf
-    return tree
-
 
 def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
@@ -184,7 +163,7 @@ def export_checkpoint(run_spec: str, out=None, fmt: str = "safetensors", dtype: 
                       data={"tokenizer": run.cfg.data.tokenizer, "seq_len": run.cfg.data.seq_len})
 
         def write(tmp: Path) -> None:
-            write_hf_folder(tmp, run.cfg.model, unflatten_params(flat), tokenizer=run.cfg.data.tokenizer,
+            write_hf_folder(tmp, run.cfg.model, flat, tokenizer=run.cfg.data.tokenizer,
                             seq_len=run.cfg.data.seq_len, dtype=target, record=record)
     else:
         def write(tmp: Path) -> None:
@@ -220,7 +199,7 @@ def _flat_axes(axes_tree) -> dict:
     """``{name: [logical axis, ...]}`` (the axes tuples are leaves, not subtrees)."""
     import jax
     leaves = jax.tree_util.tree_leaves_with_path(axes_tree, is_leaf=lambda x: isinstance(x, tuple))
-    return {".".join(_key(k) for k in path): list(a) for path, a in leaves}
+    return {param_name(path): list(a) for path, a in leaves}
 
 
 # ----------------------------------------------------------------------------- read back

@@ -148,18 +148,15 @@ def from_hf(layout: str, t: np.ndarray, shape: tuple) -> np.ndarray:
     return np.ascontiguousarray(t.T.reshape(shape))
 
 
-def _name(path) -> str:
-    return ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
-
-
 def params_to_hf(params, model: ModelConfig) -> dict[str, np.ndarray]:
     """transformers' state dict (numpy, each tensor contiguous) of hybrid_lm ``params`` (a nested tree of
-    host arrays, e.g. ``jax.device_get`` of a checkpoint). A tied head writes no ``lm_head.weight``."""
-    import jax
+    host arrays, e.g. ``jax.device_get`` of a checkpoint, or :func:`~hybrid_lm.eval.param_names.flatten_params`
+    of one). A tied head writes no ``lm_head.weight``."""
+    from hybrid_lm.eval.param_names import flatten_params
 
     out = {}
-    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
-        hf, layout = hf_tensor_name(_name(path))
+    for name, leaf in flatten_params(params).items():
+        hf, layout = hf_tensor_name(name)
         out[hf] = to_hf(layout, np.asarray(leaf))
     return out
 
@@ -167,11 +164,10 @@ def params_to_hf(params, model: ModelConfig) -> dict[str, np.ndarray]:
 def expected_tensors(abstract) -> dict[str, tuple[str, str, tuple]]:
     """``{transformers name: (hybrid_lm name, layout, hybrid_lm shape)}`` of the parameters ``abstract``
     (a tree of shapes, e.g. ``ModelFns.abstract_params``)."""
-    import jax
+    from hybrid_lm.eval.param_names import flatten_params
 
     out = {}
-    for path, leaf in jax.tree_util.tree_leaves_with_path(abstract):
-        name = _name(path)
+    for name, leaf in flatten_params(abstract).items():
         hf, layout = hf_tensor_name(name)
         out[hf] = (name, layout, tuple(leaf.shape))
     return out
@@ -615,6 +611,8 @@ class HFCheckpoint:
         import jax
         from safetensors import safe_open
 
+        from hybrid_lm.eval.param_names import param_name
+
         want = self.check_tensors(abstract)
         by_name = {name: (hf, layout) for hf, (name, layout, _) in want.items()}
         with contextlib.ExitStack() as stack:
@@ -632,7 +630,7 @@ class HFCheckpoint:
                                   "model.embed_tokens.weight")
 
             def load(path, leaf, sharding=None):
-                hf, layout = by_name[_name(path)]
+                hf, layout = by_name[param_name(path)]
                 t = read(hf)
                 if tuple(t.shape) != hf_shape(layout, leaf.shape):
                     raise ConfigError(f"{self.spec}: tensor {hf} has shape {list(t.shape)}, the config needs "

@@ -109,9 +109,7 @@ def qkv_params(cfg: ModelConfig, rngs: nnx.Rngs):
 
 
 def qk_norm_params(cfg: ModelConfig):
-    """``(q_norm, k_norm)``: per-head RMSNorms of q and k (``ModelConfig.qk_norm``, Qwen3's), else ``(None, None)``."""
-    if not cfg.qk_norm:
-        return None, None
+    """``(q_norm, k_norm)``: per-head RMSNorms of q and k (``ModelConfig.qk_norm``, Qwen3's)."""
     return RMSNorm(cfg.resolved_head_dim, cfg.norm_eps), RMSNorm(cfg.resolved_head_dim, cfg.norm_eps)
 
 

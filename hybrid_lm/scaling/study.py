@@ -112,6 +112,8 @@ def study_runs(root: Path) -> list[Run]:
     from hybrid_lm.scaling.launch import DONE
     from hybrid_lm.scaling.sweep import read_manifest
 
+    from hybrid_lm.eval.suite import checkpoint_steps
+
     man = read_manifest(root)
     out = []
     for j in man["jobs"]:
@@ -119,7 +121,7 @@ def study_runs(root: Path) -> list[Run]:
         if j["kind"] == "stable" or not (d / DONE).exists():
             continue
         cfg = json.loads((d / "config.json").read_text())
-        steps = sorted(int(p.name) for p in (d / "checkpoints").iterdir() if p.name.isdigit())
+        steps = checkpoint_steps(d)  # the steps `eval --steps all` reads
         out.append(Run(j["name"], j["arch"], j["seed"], d, cfg["data"]["seq_len"], steps))
     order = {a: i for i, a in enumerate(ARMS)}
     return sorted(out, key=lambda r: (order.get(r.arch, len(ARMS)), r.arch, r.seed, r.name))
@@ -252,12 +254,31 @@ def evaluator_run(runs: list[Run]) -> Run | None:
 
 # ----------------------------------------------------------------------------- running and reading rows
 
+_ROWS: dict[tuple[str, int, int], list[dict]] = {}
+
+
+def _current_rows(run_dir: Path) -> list[dict]:
+    """``suite.current_rows`` of a run, parsed again only when its eval.jsonl changed (a claims call
+    reads each run's rows for every evaluation, band and table cell)."""
+    from hybrid_lm.eval.suite import current_rows
+
+    path = Path(run_dir) / "eval.jsonl"
+    try:
+        st = path.stat()
+    except OSError:
+        return []
+    key = (str(path.resolve()), st.st_mtime_ns, st.st_size)
+    if key not in _ROWS:
+        _ROWS[key] = current_rows(run_dir)
+    return _ROWS[key]
+
+
 def rows_for(ev: Evaluation) -> list[dict]:
     """The current ``eval.jsonl`` rows of ``ev``'s request (every task, each checkpoint it asks for)."""
-    from hybrid_lm.eval.suite import current_rows, eval_key, task_of
+    from hybrid_lm.eval.suite import eval_key, task_of
 
     keys = {t: eval_key(ev.request.config(t)) for t in ev.request.tasks}
-    return [r for r in current_rows(ev.run.dir) if r.get("eval_key") == keys.get(task_of(r))
+    return [r for r in _current_rows(ev.run.dir) if r.get("eval_key") == keys.get(task_of(r))
             and r.get("checkpoint_step") in (ev.run.steps if ev.steps == "all" else ev.run.steps[-1:])]
 
 

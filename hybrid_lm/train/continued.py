@@ -31,7 +31,7 @@ from pathlib import Path
 
 import jax
 
-from hybrid_lm.config import Config
+from hybrid_lm.config import Config, gin_binds
 from hybrid_lm.errors import ConfigError, WorkdirError
 from hybrid_lm.experiment import diff_experiments, config_record, run_id
 from hybrid_lm.train.checkpoint import Checkpointer, abstract_with_shardings, saved_steps
@@ -49,9 +49,9 @@ def resolve(cfg: Config, init_from: str | Path | None, workdir: Path | str | Non
     spec = init_from if init_from is not None else cfg.train.init_from
     if spec is None:
         return cfg, None
-    from hybrid_lm.eval.hf import PREFIX, hf_folder
+    from hybrid_lm.eval.hf import hf_folder
 
-    if str(spec).startswith(PREFIX) or hf_folder(spec) is not None:
+    if hf_folder(spec) is not None:
         if init_from is not None and cfg.train.init_from not in (None, str(init_from)):
             raise ConfigError(f"TrainConfig.init_from={cfg.train.init_from!r} and --init-from {init_from} disagree; "
                               "set one of them")
@@ -114,7 +114,7 @@ def resolve_hf_source(cfg: Config, spec: str) -> tuple[Config, InitSource]:
     data = cfg.data
     theirs = imported.data.tokenizer
     if theirs != "byte" and data.tokenizer != theirs:
-        if data.tokenizer == "byte" and not _tokenizer_bound():
+        if data.tokenizer == "byte" and not gin_binds("", "tokenizer", "DataConfig"):
             data = dataclasses.replace(data, tokenizer=theirs)
         else:
             kept.append(f"DataConfig.tokenizer={data.tokenizer!r} (the folder's: {theirs!r})")
@@ -125,15 +125,6 @@ def resolve_hf_source(cfg: Config, spec: str) -> tuple[Config, InitSource]:
                               train=dataclasses.replace(cfg.train, init_from=ck.identity))
     validate_experiment(cfg)
     return cfg, InitSource(ck.dir.resolve(), ck.identity, 0, spec, imported, (0,), kind="hf")
-
-
-def _tokenizer_bound() -> bool:
-    import gin
-    try:
-        gin.query_parameter("DataConfig.tokenizer")
-        return True
-    except ValueError:
-        return False
 
 
 def parse_init_spec(spec: str) -> tuple[Path, int | None]:
