@@ -31,7 +31,8 @@ if [ "$PY" = python3 ]; then
 else
   export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 fi
-export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
+# a set fraction wins (a smaller one leaves room for another process on the GPU)
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.95}
 HLM="$PY -m hybrid_lm.cli"
 left() { echo $(( END - SECONDS )); }
 minutes() { $PY -c "print(max(0.5, ($1) / 60))"; }   # --max-minutes from seconds

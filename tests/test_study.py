@@ -132,7 +132,7 @@ def test_study_spec_parses_with_its_arms():
     from hybrid_lm.scaling.sweep import load_spec
 
     spec = load_spec(REPO / "configs" / "sweeps" / "study.toml")
-    assert tuple(spec.archs) == ARMS and spec.equal_tokens and not spec.branch and spec.budgets == [5]
+    assert tuple(spec.archs) == ARMS and spec.equal_tokens and not spec.branch and spec.budgets == [4]
     assert spec.archs["full"]["seeds"] == [0, 1] and spec.archs["full_rerun"]["seeds"] is None
 
 

@@ -24,7 +24,7 @@ def test_study_spec_dry_run(capsys):
     assert [(j["arch"], j["seed"]) for j in jobs] == [
         ("full", 0), ("full", 1), ("full_rerun", 0), ("swa128", 0), ("swa512", 0), ("swa128_nope", 0), ("sa128", 0),
         ("sa_swa128", 0), ("moba", 0), ("ssa", 0), ("mamba2", 0), ("gdn", 0), ("lightning", 0)]
-    assert {j["steps"] for j in jobs} == {572} and {j["D"] for j in jobs} == {572 * 32 * 4096}  # equal tokens
+    assert {j["steps"] for j in jobs} == {458} and {j["D"] for j in jobs} == {458 * 32 * 4096}  # equal tokens
     assert {j["kind"] for j in jobs} == {"independent"} and jobs[0]["N"] == 14_999_424
     assert jobs[0]["config_run_id"] == jobs[2]["config_run_id"] != jobs[1]["config_run_id"]
     assert all("DataConfig.seq_len = 4096" in j["gin_params"] for j in jobs)
