@@ -285,3 +285,28 @@ def test_the_studys_swaps_resolve_on_its_configs():
     ssa = load_config(["base.gin", *common[0], "arch/ssa.gin"], common[1])
     assert ssa.model.full.options["eval_stream"] == "full"  # evaluated with full attention by default
     assert swapped_config(ssa, [SSA_SPARSE]).model.full.options["eval_stream"] == "sparse"
+
+
+def test_c3_band_is_the_spread_of_the_degradation(tmp_path):
+    """C3a compares degradations (sparse minus own loss): its band is their spread over the full replicates,
+    not the spread of the val loss, as for every other metric."""
+    from hybrid_lm.eval.suite import eval_key
+    from hybrid_lm.scaling import study as S
+
+    root = tmp_path / "study"
+    jobs = [_fake_run(root, "full-0", "full", 0, 2.00), _fake_run(root, "full-1", "full", 1, 2.30),
+            _fake_run(root, "full_rerun-0", "full_rerun", 0, 2.05), _fake_run(root, "ssa-0", "ssa", 0, 2.10)]
+    (root / "sweep.json").write_text(json.dumps({"jobs": jobs}))
+    st = S.Settings(ruler_length=0, claims=("C3",), table=False)
+    runs = S.study_runs(root)
+    sparse = {"full-0": 2.10, "full-1": 2.42, "full_rerun-0": 2.16, "ssa-0": 2.12}  # degradations .10 .12 .11 / .02
+    for e in S.plan(runs, st.resolved(32)):
+        conf = e.request.config("loss")
+        row = {"task": "loss", "kind": "loss", "checkpoint_step": 8, "eval_key": eval_key(conf), "eval_config": conf,
+               "loss": sparse[e.run.name]}
+        with (e.run.dir / "eval.jsonl").open("a") as fh:
+            fh.write(json.dumps(row) + "\n")
+    a, b = S.run_claims(root, st)["claims"]["C3"]["parts"]
+    assert a["d"] == pytest.approx(0.11 - 0.02) and a["band"] == pytest.approx(0.02)  # not the loss band, 0.30
+    assert a["verdict"] == S.REPRODUCED
+    assert b["d"] == pytest.approx(0.10) and b["band"] == pytest.approx(0.30) and b["verdict"] == S.REPRODUCED

@@ -107,8 +107,10 @@ class Run:
         return self.arch.removesuffix("_rerun")
 
 
-def study_runs(root: Path) -> list[Run]:
-    """The finished runs of the study under ``root`` (``sweep.json`` jobs with ``sweep_done.json``)."""
+def study_runs(root: Path, *, checkpoints: bool = True) -> list[Run]:
+    """The finished runs of the study under ``root`` (``sweep.json`` jobs with ``sweep_done.json``).
+    ``checkpoints=False`` (judging only): a run without its ``checkpoints/`` (a copy of the results files,
+    e.g. ``docs/results/study``) takes its checkpoint steps from the rows of its ``eval.jsonl``."""
     from hybrid_lm.scaling.launch import DONE
     from hybrid_lm.scaling.sweep import read_manifest
 
@@ -121,7 +123,11 @@ def study_runs(root: Path) -> list[Run]:
         if j["kind"] == "stable" or not (d / DONE).exists():
             continue
         cfg = json.loads((d / "config.json").read_text())
-        steps = checkpoint_steps(d)  # the steps `eval --steps all` reads
+        if checkpoints or (d / "checkpoints").is_dir():
+            steps = checkpoint_steps(d)  # the steps `eval --steps all` reads
+        else:
+            steps = sorted({r["checkpoint_step"] for r in _current_rows(d)
+                            if isinstance(r.get("checkpoint_step"), int)})
         out.append(Run(j["name"], j["arch"], j["seed"], d, cfg["data"]["seq_len"], steps))
     order = {a: i for i, a in enumerate(ARMS)}
     return sorted(out, key=lambda r: (order.get(r.arch, len(ARMS)), r.arch, r.seed, r.name))
@@ -497,8 +503,6 @@ def evaluate_claims(root: Path, runs: list[Run], evals: list[Evaluation], st: Se
 
         deg_ssa = sub(val("c3/ssa_sparse", ssa), loss(ssa)) if ssa else None
         b_deg = _band({REFERENCE: [deg_full(r) for r in fulls]})
-        known = [x for x in (b_deg, band_loss) if x is not None]
-        band_a = max(known) if known else None  # the spread of the degradation, or of the loss when larger
         full_deg = mean_group(REFERENCE, deg_full)
         nums = {"full_sparse_minus_full": {r.name: deg_full(r) for r in fulls}, "ssa_sparse_minus_ssa_full": deg_ssa,
                 "ssa_full": loss(ssa) if ssa else None, "full": loss(first("full")) if first("full") else None,
@@ -506,7 +510,7 @@ def evaluate_claims(root: Path, runs: list[Run], evals: list[Evaluation], st: Se
         parts = [
             _part("a", "the full model evaluated block-sparse (MoBA, SSA's block 16 / top-16) loses more than the SSA "
                        "model evaluated sparse (d = degradation(full) - degradation(SSA), val loss)",
-                  sub(full_deg, deg_ssa), band_a, "greater",
+                  sub(full_deg, deg_ssa), b_deg, "greater",
                   nums, need("full", "ssa")),
             _part("b", "the SSA model evaluated with full attention is close to the full model (val loss)",
                   sub(loss(ssa), loss(first("full"))) if ssa and first("full") else None, band_loss, "close", nums,
@@ -635,6 +639,71 @@ def format_markdown(doc: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+# ----------------------------------------------------------------------------- the overview figure
+
+def plot_overview(doc: dict, runs: list[Run], out_png: Path) -> Path:
+    """``plots/study_loss.png``: every run's training loss (nats, the mean over each 1/40 of the run)
+    against tokens seen, and each run's final val loss as a bar with the reference arm's replicates'
+    range (the noise band) shaded: where the arms stand and how far apart they must be to count."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    from hybrid_lm.train.metrics import read_metrics
+
+    colors = plt.get_cmap("tab20").colors  # 20 distinct colours: the study has 13 runs
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 5.2), gridspec_kw={"width_ratios": [1.5, 1]})
+    finals, low, high = [], [], []
+    for i, r in enumerate(runs):
+        rows = [row for row in read_metrics(r.dir / "metrics.jsonl", "train") if "tokens" in row]
+        x = np.array([row["tokens"] for row in rows], float) / 1e6
+        y = np.array([row.get("loss") if row.get("loss") is not None else np.nan for row in rows], float)
+        if len(x):  # the mean per 1/40 of the run: runs that log every step and every 26 look alike
+            edges = np.linspace(0, x.max(), 41)
+            which = np.clip(np.searchsorted(edges, x, side="right") - 1, 0, 39)
+            keep = [b for b in range(40) if (which == b).any()]
+            x = np.array([x[which == b].mean() for b in keep])
+            y = np.array([np.nanmean(y[which == b]) for b in keep])
+        label = r.arch + (f" seed {r.seed}" if r.seed else "")
+        ax.plot(x, y, lw=1.1, color=colors[i % 20], ls="-" if i < 20 else "--", label=label)
+        if len(y):
+            low.append(float(np.nanmin(y)))
+            high.append(float(y[len(y) // 3]))  # a third of the way in: the early descent stays off the scale
+        row = next((t for t in doc["table"] if t["run"] == r.name), None)
+        finals.append((label, row["loss"] if row else None, colors[i % 20]))
+    if low:
+        ax.set_ylim(min(low) - 0.05, max(high))
+    ax.set_xlabel("tokens seen (millions)")
+    ax.set_ylabel("train loss (nats/token, mean over 1/40 of the run)")
+    ax.set_title("training", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    shown = [(lab, v, c) for lab, v, c in finals if v is not None]
+    ys = np.arange(len(shown))[::-1]
+    bx.barh(ys, [v for _, v, _ in shown], color=[c for _, _, c in shown])
+    for yy, (_, v, _) in zip(ys, shown):
+        bx.text(v, yy, f" {v:.3f}", va="center", fontsize=7)
+    bx.set_yticks(ys, [lab for lab, _, _ in shown], fontsize=8)
+    ref = [t["loss"] for t in doc["table"] if t["arch"].removesuffix("_rerun") == REFERENCE and t["loss"] is not None]
+    band = doc["noise"]["bands"].get("loss")
+    if len(ref) > 1 and band:
+        bx.axvspan(min(ref), max(ref), color="gray", alpha=0.2,
+                   label=f"range of the {len(ref)} {REFERENCE} replicates: the noise band, {band:.3f}")
+        bx.legend(fontsize=7, loc="lower right")
+    if shown:
+        vals = [v for _, v, _ in shown]
+        bx.set_xlim(min(vals) - 0.1, max(vals) + 0.12)
+    bx.set_xlabel(f"val loss at T = {doc['seq_len']} (nats/token, lower is better)")
+    bx.set_title("final val loss", fontsize=10)
+    bx.grid(alpha=0.3, axis="x")
+    fig.tight_layout()
+    out_png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_png, dpi=120)
+    plt.close(fig)
+    return out_png
+
+
 # ----------------------------------------------------------------------------- the command
 
 def run_claims(root: str | Path, settings: Settings | None = None, *, evaluate: bool = True,
@@ -646,7 +715,7 @@ def run_claims(root: str | Path, settings: Settings | None = None, *, evaluate: 
                            "configs/sweeps/study.toml --launch local)")
     if max_minutes is not None and not max_minutes > 0:
         raise ConfigError(f"--max-minutes {max_minutes:g}: must be > 0")
-    runs = study_runs(root)
+    runs = study_runs(root, checkpoints=evaluate)
     if not runs:
         raise WorkdirError(f"{root}: no finished run yet (sweep_done.json): finish the sweep first")
     lengths = {r.seq_len for r in runs}
@@ -664,4 +733,5 @@ def run_claims(root: str | Path, settings: Settings | None = None, *, evaluate: 
     doc["evaluation_stats"] = stats
     atomic_write_json(root / "claims.json", doc, indent=1, default=str)
     atomic_write_text(root / "claims.md", format_markdown(doc))
+    plot_overview(doc, runs, root / "plots" / "study_loss.png")
     return doc

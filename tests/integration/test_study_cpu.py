@@ -105,6 +105,20 @@ def test_tiny_study_end_to_end(tmp_path, capsys):
     assert main(claims) == 0  # everything recorded: nothing is evaluated again
     assert "evaluations: 0 run now, 4 already recorded" in capsys.readouterr().out
     assert {p: p.read_bytes() for p in root.glob("*/eval.jsonl")} == eval_files
+    assert (root / "plots" / "study_loss.png").stat().st_size > 10_000  # the overview figure
+
+    # the results files alone (no checkpoints/, as docs/results/study): --no-eval judges the same
+    import shutil
+
+    copy = tmp_path / "results_only"
+    shutil.copytree(root, copy, ignore=shutil.ignore_patterns("checkpoints"))
+    assert main(["claims", str(copy), "--no-eval", "--claims", "C1,C2", "--no-table", "--ruler-length", "0"]) == 0
+    again = json.loads((copy / "claims.json").read_text())
+    assert {k: c["verdict"] for k, c in again["claims"].items()} == {k: c["verdict"] for k, c in doc["claims"].items()}
+    assert again["claims"]["C2"]["parts"][0]["d"] == c2a["d"]
+    capsys.readouterr()
+    assert main(["claims", str(copy), "--claims", "C1"]) == 2  # evaluating needs the checkpoints
+    assert "has no checkpoints/ directory" in capsys.readouterr().err
 
 
 def test_ruler_with_the_swap_on_the_prompt_only(tiny_run, capsys):
