@@ -310,3 +310,32 @@ def test_c3_band_is_the_spread_of_the_degradation(tmp_path):
     assert a["d"] == pytest.approx(0.11 - 0.02) and a["band"] == pytest.approx(0.02)  # not the loss band, 0.30
     assert a["verdict"] == S.REPRODUCED
     assert b["d"] == pytest.approx(0.10) and b["band"] == pytest.approx(0.30) and b["verdict"] == S.REPRODUCED
+
+
+def test_longppl_rows_are_found_after_the_study_root_moved(tmp_path):
+    """LongPPL's rows name the evaluator by its path at evaluation time; judging a moved copy of the
+    results (docs/results/study) finds them through the evaluator run's directory name."""
+    import dataclasses
+
+    from hybrid_lm.eval.suite import eval_key
+    from hybrid_lm.scaling import study as S
+
+    root = tmp_path / "moved"
+    jobs = [_fake_run(root, "full-0", "full", 0, 2.00), _fake_run(root, "full-1", "full", 1, 2.30)]
+    (root / "sweep.json").write_text(json.dumps({"jobs": jobs}))
+    st = S.Settings(ruler_length=0, claims=("C6",), table=False)
+    runs = S.study_runs(root)
+    for e, lp in zip(S.plan(runs, st.resolved(32)), (3.0, 40.0)):
+        old = dataclasses.replace(e.request, evaluator="/gpu-machine/runs/study/full-0").config("longppl")
+        row = {"task": "longppl", "kind": "longppl", "checkpoint_step": 8, "eval_key": eval_key(old),
+               "eval_config": old, "longppl": lp}
+        (e.run.dir / "eval.jsonl").write_text(json.dumps(row) + "\n")
+    doc = S.run_claims(root, st, evaluate=False)
+    assert doc["claims"]["C6"]["parts"][0]["numbers"] == {"full-0": 3.0, "full-1": 40.0}
+    assert all(e["done"] for e in doc["evaluations"])
+    other = dataclasses.replace(S.plan(runs, st.resolved(32))[1].request, evaluator="/gpu-machine/runs/study/full-0",
+                                longppl_docs=7).config("longppl")  # a row of other settings is not the claim's
+    (root / "full-1" / "eval.jsonl").write_text(json.dumps(
+        {"task": "longppl", "kind": "longppl", "checkpoint_step": 8, "eval_key": eval_key(other), "eval_config": other,
+         "longppl": 40.0}) + "\n")
+    assert S.run_claims(root, st, evaluate=False)["claims"]["C6"]["parts"][0]["numbers"]["full-1"] is None

@@ -284,8 +284,21 @@ def rows_for(ev: Evaluation) -> list[dict]:
     from hybrid_lm.eval.suite import eval_key, task_of
 
     keys = {t: eval_key(ev.request.config(t)) for t in ev.request.tasks}
-    return [r for r in _current_rows(ev.run.dir) if r.get("eval_key") == keys.get(task_of(r))
-            and r.get("checkpoint_step") in (ev.run.steps if ev.steps == "all" else ev.run.steps[-1:])]
+    steps = ev.run.steps if ev.steps == "all" else ev.run.steps[-1:]
+    rows = [r for r in _current_rows(ev.run.dir) if r.get("eval_key") == keys.get(task_of(r))
+            and r.get("checkpoint_step") in steps]
+    if rows or not ev.request.evaluator:
+        return rows
+    # LongPPL's rows name the evaluator by the path it had: a study root moved or copied (docs/results/study)
+    # still finds them through the evaluator run's directory name, the settings otherwise equal
+    name = Path(ev.request.evaluator).name
+    for r in _current_rows(ev.run.dir):
+        old = (r.get("eval_config") or {}).get("evaluator") if isinstance(r.get("eval_config"), dict) else None
+        if task_of(r) == "longppl" and isinstance(old, str) and Path(old).name == name \
+                and r.get("checkpoint_step") in steps \
+                and r.get("eval_key") == eval_key(dataclasses.replace(ev.request, evaluator=old).config("longppl")):
+            rows.append(r)
+    return rows
 
 
 def is_done(ev: Evaluation) -> bool:
