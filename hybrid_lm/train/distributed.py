@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import jax
 
 from hybrid_lm.errors import ConfigError, DataError, WorkdirError
-from hybrid_lm.train import signals
+from hybrid_lm.train import coordinator_loss, signals
 from hybrid_lm.train.signals import PreemptionFlag  # noqa: F401  (the flag's old home)
 
 log = logging.getLogger(__name__)
@@ -295,6 +295,11 @@ def maybe_initialize(flag: PreemptionFlag | None = None) -> Launch | None:
     jax.config.update("jax_enable_preemption_service", False)  # SIGTERM is ours (signals.py), not JAX's notifier
     if jax.config.jax_platforms in (None, "", "cpu") or os.environ.get("JAX_PLATFORMS") == "cpu":
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if launch.process_id != 0:  # XLA aborts this process when process 0 dies: one line instead (coordinator_loss)
+        restore = coordinator_loss.install(launch.process_id, launch.num_processes, launch.coordinator)
+        if restore is not None:
+            signals.on_abrupt_exit(restore)
+            atexit.register(restore)
     timeout = init_timeout_s()
     box: dict = {}
 
