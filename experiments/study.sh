@@ -86,7 +86,7 @@ fi
 if [ -n "${OUT:-}" ] && [ -d "$ROOT" ]; then  # one archive: the device machine returns few files
   REPO=$PWD
   (cd "$ROOT" && tar -czf "$OUT/study_results.tar.gz" --ignore-failed-read sweep.json claims.json claims.md \
-     table.csv plots */metrics.jsonl */eval.jsonl */config.json */provenance.json */sweep_done.json \
+     table.csv plots */metrics.jsonl */eval.jsonl */config.json */provenance.json */sweep_done.json */sweep_run.json \
      "$REPO/$DATA/corpus/corpus.json" 2>/dev/null)
 fi
 [ $COMPLETE = 1 ] && echo "study complete: $ROOT/claims.md (docs/RESULTS.md includes it)"

@@ -248,3 +248,20 @@ def test_eval_report_heads_axis_names_the_metric(figures, tmp_path):
     ax = figures[-1].axes[0]
     assert ax.get_ylabel() == f"{HEADLINE} (higher is better)" and "headline" not in ax.get_ylabel()
     assert ax.get_title() == "heads — --samples 100"
+
+
+def test_run_labels_of_a_copied_sweep_name_arch_and_seed(tmp_path):
+    """A copy of a sweep's results files (no sweep_run.json per run, as docs/results/study) labels each run
+    from the root's sweep.json: arch, scale and a non-zero seed, so replicates are told apart."""
+    import json
+
+    from hybrid_lm.eval.report import run_label
+
+    root = _runs(tmp_path, [[], [], []])
+    jobs = [{"name": "r00", "arch": "full", "scale": "S1", "seed": 0},
+            {"name": "r01", "arch": "full", "scale": "S1", "seed": 1},
+            {"name": "r02", "arch": "full_rerun", "scale": "S1", "seed": 0}]
+    (root / "sweep.json").write_text(json.dumps({"jobs": jobs}))
+    assert [run_label(root / f"r0{i}") for i in range(3)] == ["full S1", "full S1 seed 1", "full_rerun S1"]
+    (root / "r01" / "sweep_run.json").write_text(json.dumps({"arch": "swa128", "scale": "S2", "seed": 3}))
+    assert run_label(root / "r01") == "swa128 S2 seed 3"  # the run's own file first

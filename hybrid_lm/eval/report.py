@@ -176,10 +176,18 @@ def run_label(d: Path) -> str:
     from hybrid_lm.scaling.collect import _arch_of
 
     arch, _ = _arch_of(d)
-    meta = d / "sweep_run.json"
+    meta, m = d / "sweep_run.json", None
     if meta.exists():
         m = json.loads(meta.read_text())
-        return f"{m.get('arch') or arch or d.name} {m.get('scale') or ''}".strip()
+    elif (d.parent / "sweep.json").exists():  # a copy of a sweep's results files: the root's plan names the job
+        try:
+            m = next((j for j in json.loads((d.parent / "sweep.json").read_text()).get("jobs", [])
+                      if j.get("name") == d.name), None)
+        except (OSError, ValueError, AttributeError):
+            m = None
+    if m is not None:
+        seed = f" seed {m['seed']}" if m.get("seed") else ""  # seed 0 is the default: unnamed
+        return f"{m.get('arch') or arch or d.name} {m.get('scale') or ''}".strip() + seed
     size = ""
     try:
         from hybrid_lm.eval.restore import load_run_config
