@@ -110,7 +110,7 @@ def test_swap_prefill_only_is_checked_before_anything_runs():
 
     with pytest.raises(ConfigError, match="needs --swap"):
         EvalRequest(tasks=("ruler",), swap_prefill_only=True).check()
-    with pytest.raises(ConfigError, match="applies to --tasks ruler"):
+    with pytest.raises(ConfigError, match="applies to --tasks ruler and lm_eval"):
         EvalRequest(tasks=("ruler", "loss"), swaps=("full=sa:8",), swap_prefill_only=True).check()
     req = EvalRequest(tasks=("ruler",), swaps=("full=sa:8",), swap_prefill_only=True)
     req.check()

@@ -130,6 +130,19 @@ def cmd_python_corpus(args) -> int:
     return 0
 
 
+def cmd_next_line_task(args) -> int:
+    from hybrid_lm.eval.next_line import NAME, build_next_line_task
+
+    meta = build_next_line_task(args.store, args.tokenizer, args.out, items=args.items,
+                                context_tokens=args.context_tokens, choices=args.choices, seed=args.seed,
+                                max_line_chars=args.max_line_chars)
+    print(f"wrote {Path(args.out) / NAME}.jsonl and .yaml: {meta['items']} items, contexts of {meta['context_tokens']} "
+          f"tokens, {meta['choices']} choices, from {meta['documents']} val documents of {args.store}")
+    print(f"run:  hybrid-lm eval RUN --tasks lm_eval --lm-eval-include {args.out} --lm-eval-tasks {NAME}"
+          "  [--swap full=sa:128 --swap-prefill-only]")
+    return 0
+
+
 def add_data_commands(sub) -> None:
     from hybrid_lm.data.sources import add_source_args
 
@@ -187,3 +200,21 @@ def add_data_commands(sub) -> None:
     q.add_argument("--no-stdlib", dest="no_stdlib", action="store_true", help="leave out the standard library")
     q.add_argument("--no-progress", action="store_true")
     q.set_defaults(fn=cmd_python_corpus)
+
+    q = dsub.add_parser("next-line-task",
+                        help="a local lm-eval multiple-choice task from a store's val split: a document's next line",
+                        description="Each item: a context of exactly --context-tokens tokens of a val document "
+                                    "ending at a line's end, the next line as the gold choice and lines of other "
+                                    "val documents as distractors. Writes OUT/next_line.{jsonl,yaml,json} for "
+                                    "`hybrid-lm eval RUN --tasks lm_eval --lm-eval-include OUT --lm-eval-tasks "
+                                    "next_line` (hybrid_lm/eval/next_line.py).")
+    q.add_argument("--store", required=True, help="a prepared token store (its val split)")
+    q.add_argument("--tokenizer", required=True, help="the store's tokenizer (tokenizer.json, .model, or 'byte')")
+    q.add_argument("--out", required=True, help="the task folder (--lm-eval-include)")
+    q.add_argument("--items", type=int, default=200)
+    q.add_argument("--context-tokens", dest="context_tokens", type=int, default=2048)
+    q.add_argument("--choices", type=int, default=4, help="the gold line and choices - 1 distractors")
+    q.add_argument("--max-line-chars", dest="max_line_chars", type=int, default=120,
+                   help="longest line taken as a choice (a choice must fit the model's length after the context)")
+    q.add_argument("--seed", type=int, default=0)
+    q.set_defaults(fn=cmd_next_line_task)

@@ -36,8 +36,8 @@ def _fmt(row: dict) -> str:
 def cmd_eval(args) -> int:
     if args.swap_prefill_only and args.tasks is None:
         from hybrid_lm.errors import ConfigError
-        raise ConfigError("--swap-prefill-only applies to --tasks ruler (its answer log-likelihood); the loss without "
-                          "--tasks scores every token, so it has no prompt to prefill")
+        raise ConfigError("--swap-prefill-only applies to --tasks ruler and lm_eval (answer log-likelihoods after a "
+                          "context); the loss without --tasks scores every token, so it has no prompt to prefill")
     if args.tasks is not None or args.steps is not None or args.data is not None:
         return _suite(args)
     try:
@@ -330,9 +330,9 @@ def add_eval_commands(sub) -> None:
                    help="ruler: the log-likelihood scores only (answer NLL, gold against distractors), no greedy "
                         "generation: exact_match is null")
     g.add_argument("--swap-prefill-only", dest="swap_prefill_only", action="store_true",
-                   help="ruler: the --swap applies to the prompt only; the answer is scored by the run's own layers "
-                        "over the swapped prompt's cache (the SA paper's training-free protocol; no greedy "
-                        "generation). docs/EVAL.md")
+                   help="ruler, lm_eval: the --swap applies to the prompt (lm-eval: each log-likelihood's context) "
+                        "only; the answer is scored by the run's own layers over the swapped prompt's cache (the SA "
+                        "paper's training-free protocol; no generation). docs/EVAL.md")
     g.add_argument("--reference-step", dest="reference_step", type=int, default=None,
                    help="heads: the checkpoint d_QK is measured against (default: the run's last)")
     g.add_argument("--lm-eval-tasks", dest="lm_eval_tasks", default=None, metavar="T1,T2",

@@ -7,6 +7,9 @@ as ``"hybrid_lm"``. Its ``model_args``:
     run=RUN_DIR (required)  step=N (default: the newest that restores)  batch_size=N|auto
     max_length=T (default: the run's seq_len)  max_gen_toks=N (default 256)
     swap=SLOT=KIND[:W] (as ``hybrid-lm eval --swap``; several separated by ';', or a list)
+    swap_prefill_only=true (the SA paper's protocol, ``eval/prefill_swap.py``: each log-likelihood's
+        context is prefilled by the swapped model and its continuation scored by the run's own layers
+        over that context; log-likelihood requests only)
     attention_impl=auto|xla|cudnn|pallas|jla  progress=true|false
 
 ``batch_size`` in model_args wins over lm-eval's ``--batch_size`` (default 1: give one of them);
@@ -70,7 +73,8 @@ NAME = "hybrid_lm"  # lm-eval's --model
 DEFAULT_MAX_GEN_TOKS = 256  # lm-eval's HF default
 DECODE_CHUNK = 16  # decode steps per call between the host-side stop checks
 _IGNORED_ARGS = ("device", "max_batch_size", "trust_remote_code")  # passed by lm-eval to every model
-_KNOWN_ARGS = ("run", "step", "batch_size", "max_length", "max_gen_toks", "swap", "attention_impl", "progress")
+_KNOWN_ARGS = ("run", "step", "batch_size", "max_length", "max_gen_toks", "swap", "swap_prefill_only",
+               "attention_impl", "progress")
 
 
 # ----------------------------------------------------------------------------- buckets and arguments
@@ -154,10 +158,12 @@ class _HybridLMEvalImpl:
     backend = "causal"
 
     def __init__(self, run=None, step=None, batch_size=None, max_length=None, max_gen_toks=DEFAULT_MAX_GEN_TOKS,
-                 swap=None, attention_impl=None, progress=True, restored=None, **extra):
+                 swap=None, attention_impl=None, progress=True, restored=None, swap_prefill_only=False,
+                 answer_cfg=None, **extra):
         """``restored``: ``(RestoredRun, Config)`` already in memory (``hybrid-lm eval --tasks lm_eval``:
         the suite's checkpoint and its swapped / constrained config); then ``run``, ``step``, ``swap``
-        and ``attention_impl`` are not used."""
+        and ``attention_impl`` are not used, and ``answer_cfg`` (the run's own config at that length)
+        scores the continuations of ``swap_prefill_only``."""
         super().__init__()
         from hybrid_lm.eval.restore import RestoredRun, load_run_config
         from hybrid_lm.eval.ruler import decode_unavailable
@@ -201,6 +207,14 @@ class _HybridLMEvalImpl:
                 raise WorkdirError(f"{e}: train the run first, or give a step that was saved") from None
             self.cfg = self.run.task_config(self.swaps, seq_len=seq_len, attention_impl=attention_impl)
         self.fns = self.run.fns if self.cfg.model == self.run.cfg.model else ModelFns(self.cfg)
+        self.prefill_only = _flag("swap_prefill_only", swap_prefill_only)
+        self.answer_cfg = self.answer_fns = None
+        if self.prefill_only:
+            if self.cfg.model == self.run.cfg.model:
+                raise ConfigError("hybrid_lm model_args: swap_prefill_only needs swap=...: the swap the contexts "
+                                  "are prefilled with")
+            self.answer_cfg = answer_cfg or self.run.task_config((), seq_len=seq_len, attention_impl=attention_impl)
+            self.answer_fns = self.run.fns if self.answer_cfg.model == self.run.cfg.model else ModelFns(self.answer_cfg)
         self.tokenizer = self.run.tokenizer
         self.no_decode = decode_unavailable(self.fns.model(self.run.params))
         self.buckets = length_buckets(self.max_length)
@@ -248,6 +262,7 @@ class _HybridLMEvalImpl:
         """Added to lm-eval's results["config"]."""
         return {"hybrid_lm_run": str(self.run.workdir), "hybrid_lm_step": self.run.step,
                 "hybrid_lm_run_id": run_id(self.run.cfg), "hybrid_lm_swaps": self.swaps,
+                "hybrid_lm_swap_prefill_only": self.prefill_only,
                 "hybrid_lm_max_length": self.max_length, "hybrid_lm_attention_impl": self.cfg.model.attention_impl,
                 "hybrid_lm_tokenizer": self.tokenizer.describe()}
 
@@ -295,6 +310,45 @@ class _HybridLMEvalImpl:
             return logp, greedy
         return jax.jit(score)
 
+    def _refuse_under_prefill_only(self, requests, kind: str) -> None:
+        if self.prefill_only and requests:
+            raise ConfigError(f"swap_prefill_only scores log-likelihoods of a continuation after a context; this "
+                              f"task asks for {kind}: run it without swap_prefill_only")
+
+    def _build_split_score(self, span: int):
+        from hybrid_lm.eval.prefill_swap import split_answer_nll_fn
+        return split_answer_nll_fn(self.answer_fns, self.fns, self.answer_cfg, self.cfg, span,
+                                   vocab=self.tokenizer.vocab_size)
+
+    def _prefill_only_loglikelihoods(self, rows: list, bar) -> list:
+        """``swap_prefill_only``: rows ``(tokens, n_cont)`` grouped by their exact context length (the
+        swapped prefill sees the context alone: SA's permutation is drawn over exactly it), continuations
+        right-padded to a bucket (exact: the answer is causal). One compile per (context, bucket)."""
+        import jax
+
+        res: list = [None] * len(rows)
+        groups: dict = {}
+        for i, (full, n_cont) in enumerate(rows):
+            groups.setdefault((len(full) - n_cont, bucket_up(n_cont, self.buckets)), []).append(i)
+        with jax.set_mesh(self.run.mesh):
+            for (P, span), idx in sorted(groups.items()):
+                if P < 1:
+                    raise ConfigError("swap_prefill_only: a request without context (nothing to prefill)")
+                R = self._rows(P + span, len(idx))
+                for k in range(0, len(idx), R):
+                    part = idx[k:k + R]
+                    tokens = np.zeros((R, P + span), np.int32)
+                    for r, i in enumerate(part):
+                        tokens[r, :len(rows[i][0])] = rows[i][0]
+                    fn = self._fn(f"split{span}", (R, P + span), lambda: self._build_split_score(span))
+                    nll, greedy = fn(self.run.params, self._put(tokens))
+                    nll, greedy = np.asarray(nll, np.float64), np.asarray(greedy)
+                    for r, i in enumerate(part):
+                        n = rows[i][1]
+                        res[i] = (-float(nll[r, :n].sum()), bool(greedy[r, :n].all()))
+                    bar.update(len(part))
+        return res
+
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs):
         """``[(logprob, is_greedy)]`` of ``[(request strings or None, context ids, continuation ids)]``."""
         import jax
@@ -322,6 +376,9 @@ class _HybridLMEvalImpl:
         bar = tqdm(total=len(ordered), desc="hybrid_lm loglikelihood",
                    disable=bar_disabled(self.progress and not disable_tqdm))
         i = 0
+        if self.prefill_only:
+            res = self._prefill_only_loglikelihoods(rows, bar)
+            i = len(rows)
         with jax.set_mesh(self.run.mesh):
             while i < len(rows):
                 L = bucket_up(len(rows[i][0]) - 1, self.buckets)
@@ -351,6 +408,8 @@ class _HybridLMEvalImpl:
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         """Each text's log-likelihood over lm-eval's disjoint rolling windows of ``max_length``."""
         from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+        self._refuse_under_prefill_only(requests, "loglikelihood_rolling")
 
         windows, counts = [], []
         for (text,) in [req.args for req in requests]:
@@ -454,6 +513,7 @@ class _HybridLMEvalImpl:
 
         from hybrid_lm.progress import bar_disabled
 
+        self._refuse_under_prefill_only(requests, "generate_until")
         if self.no_decode and requests:
             raise ConfigError(f"generate_until needs token-by-token decoding, which this model lacks ({self.no_decode}); "
                               "run its log-likelihood tasks only")
@@ -518,11 +578,12 @@ _SCORE_METRICS = ("acc_norm", "acc", "exact_match", "f1", "bits_per_byte", "word
 
 
 def evaluate_lm_eval(run, cfg=None, *, tasks, limit=None, num_fewshot=None, batch_size=None, include_path=None,
-                     progress: bool = True) -> list[dict]:
+                     progress: bool = True, answer_cfg=None) -> list[dict]:
     """``hybrid-lm eval --tasks lm_eval --lm-eval-tasks T1,T2``: lm-eval's ``simple_evaluate`` on the
     restored checkpoint ``run`` with ``cfg``'s model (swaps and horizon included). A row per lm-eval
     task: ``task: lm_eval/<name>``, every metric lm-eval reports, and ``score`` (the first of
-    ``acc_norm, acc, exact_match, f1, bits_per_byte, word_perplexity`` the task has)."""
+    ``acc_norm, acc, exact_match, f1, bits_per_byte, word_perplexity`` the task has). ``answer_cfg``
+    (``--swap-prefill-only``): ``cfg`` prefills the contexts, ``answer_cfg`` scores the continuations."""
     import time
 
     from hybrid_lm.optional import optional_import
@@ -532,7 +593,8 @@ def evaluate_lm_eval(run, cfg=None, *, tasks, limit=None, num_fewshot=None, batc
 
     t0 = time.time()
     lm = model_class()(restored=(run, cfg or run.cfg), batch_size=batch_size, progress=progress,
-                       max_length=(cfg or run.cfg).data.seq_len)
+                       max_length=(cfg or run.cfg).data.seq_len, swap_prefill_only=answer_cfg is not None,
+                       answer_cfg=answer_cfg)
     if include_path:  # lm-eval indexes its ~14k task files unless every task asked for is a local one
         from pathlib import Path
         local = {p.stem for p in Path(include_path).rglob("*.yaml")}
@@ -549,6 +611,8 @@ def evaluate_lm_eval(run, cfg=None, *, tasks, limit=None, num_fewshot=None, batc
                      "metrics": metrics, "score": metrics.get(score_key), "score_metric": score_key,
                      "n_samples": (out.get("n-samples") or {}).get(name), "limit": limit,
                      "num_fewshot": num_fewshot, "max_length": lm.max_length,
+                     **({"answer_scoring": "prefill with the swap, answer with the run's own layers over its cache"}
+                        if answer_cfg is not None else {}),
                      "wall_s": round(time.time() - t0, 3)})
     return rows
 

@@ -33,11 +33,12 @@ import jax
 import jax.numpy as jnp
 
 
-def split_answer_nll_fn(own_fns, swapped_fns, own_cfg, swapped_cfg, span: int):
+def split_answer_nll_fn(own_fns, swapped_fns, own_cfg, swapped_cfg, span: int, vocab: int | None = None):
     """Jitted ``(params, tokens [B, L]) -> [B, span]``: the NLL of the last ``span`` tokens (the answer),
     the first ``L - span`` (the context) prefilled by the swapped model (``swapped_fns`` / ``swapped_cfg``)
     and the answer scored by the run's own model (``own_fns`` / ``own_cfg``) over that context. Both
-    configs take the same parameters (``eval/swap.py`` checks it)."""
+    configs take the same parameters (``eval/swap.py`` checks it). With ``vocab``, also ``[B, span]``
+    whether each answer token is the argmax over the first ``vocab`` ids (lm-eval's ``is_greedy``)."""
     from hybrid_lm.model.registry import MixerContext
     from hybrid_lm.ops.attention import default_positions
 
@@ -61,6 +62,9 @@ def split_answer_nll_fn(own_fns, swapped_fns, own_cfg, swapped_cfg, span: int):
         h = jnp.concatenate([swapped.final_norm(x_c[:, -1:]), own.final_norm(x_a)], axis=1)  # [B, span, d]
         logits = (h @ own.head_matrix().astype(h.dtype)).astype(jnp.float32)
         target = tokens[:, P:]
-        return jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, target[..., None], -1)[..., 0]
+        out = jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, target[..., None], -1)[..., 0]
+        if vocab is None:
+            return out
+        return out, jnp.argmax(logits[..., :vocab], -1) == target
 
     return jax.jit(nll)

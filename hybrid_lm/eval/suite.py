@@ -119,10 +119,10 @@ class EvalRequest:
         if self.swap_prefill_only:
             if not self.swaps:
                 raise ConfigError("--swap-prefill-only needs --swap: the swap the prompt is prefilled with")
-            other = [t for t in self.tasks if t != "ruler"]
+            other = [t for t in self.tasks if t not in ("ruler", "lm_eval")]
             if other:
-                raise ConfigError(f"--swap-prefill-only applies to --tasks ruler (its answer log-likelihood), not "
-                                  f"{','.join(other)}: run those in a call without it")
+                raise ConfigError(f"--swap-prefill-only applies to --tasks ruler and lm_eval (answer log-likelihoods "
+                                  f"after a context), not {','.join(other)}: run those in a call without it")
 
     def check_options(self, base, cfg) -> None:
         """Every task's option constraints, checked before any task runs (nothing built, nothing recorded):
@@ -193,6 +193,8 @@ class EvalRequest:
         elif task == "lm_eval":
             c.update(tasks=list(self.lm_eval_tasks), limit=self.lm_eval_limit, num_fewshot=self.lm_eval_fewshot,
                      include_path=self.lm_eval_include)
+            if self.swap_prefill_only:  # only when set: the eval keys of earlier rows stay as they were
+                c.update(swap_prefill_only=True)
         return c
 
 
@@ -303,9 +305,13 @@ def _task_influence(run, cfg, req: EvalRequest) -> list[dict]:
 
 
 def _task_lm_eval(run, cfg, req: EvalRequest) -> list[dict]:
+    answer_cfg = None
+    if req.swap_prefill_only:  # as for RULER: the swaps on the contexts, the run's own layers on the answers
+        answer_cfg = run.task_config((), req.horizon, req.sinks, seq_len=req.seq_len, attention_impl=req.attention_impl)
     return _task_module("lm_eval").evaluate_lm_eval(run, cfg, tasks=list(req.lm_eval_tasks), limit=req.lm_eval_limit,
                                                     num_fewshot=req.lm_eval_fewshot, batch_size=req.batch_size,
-                                                    include_path=req.lm_eval_include, progress=req.progress)
+                                                    include_path=req.lm_eval_include, progress=req.progress,
+                                                    answer_cfg=answer_cfg)
 
 
 _RUNNERS = {"loss": _task_loss, "longppl": _task_longppl, "ruler": _task_ruler, "probe": _task_probe,

@@ -207,6 +207,33 @@ def test_swap_is_applied(lm, run_dir):
     assert abs(ll - direct_ll(lm, *pair)) > 1e-3  # the full-attention layer now sees 4 tokens
 
 
+def test_swap_prefill_only_scores_continuations_over_the_swapped_context(lm, run_dir):
+    """``swap_prefill_only``: each request equals prefill_swap's split scoring of its own unpadded
+    sequence (SA's permutation is drawn over exactly the context, so requests are grouped by context
+    length and only the continuation is padded); plain swapped scoring differs."""
+    from hybrid_lm.errors import ConfigError
+    from hybrid_lm.eval.lm_eval_model import model_class
+    from hybrid_lm.eval.prefill_swap import split_answer_nll_fn
+
+    with pytest.raises(ConfigError, match="swap_prefill_only needs swap="):
+        model_class()(run=str(run_dir), swap_prefill_only="true")
+    m = model_class()(run=str(run_dir), swap="full=sa:4", swap_prefill_only="true", batch_size=4, progress=False)
+    pairs = [("Once upon a time there", " was a"), ("Once upon a time there", " were"),
+             ("The essays of the year", " are long and"), ("A", " b")]
+    got = m.loglikelihood([_req(LL, *p) for p in pairs])
+    for (context, continuation), (ll, greedy) in zip(pairs, got):
+        ctx, cont = m.tok_encode(context), m.tok_encode(continuation)
+        nll, best = split_answer_nll_fn(m.answer_fns, m.fns, m.answer_cfg, m.cfg, len(cont), vocab=m.tokenizer.vocab_size)(
+            m.run.params, np.asarray([ctx + cont], np.int32))
+        assert ll == pytest.approx(-float(np.asarray(nll).sum()), rel=5e-5)  # batched and padded: float32 order
+        assert greedy == bool(np.asarray(best).all())
+    plain = model_class()(run=str(run_dir), swap="full=sa:4", batch_size=4, progress=False)
+    assert abs(got[0][0] - plain.loglikelihood([_req(LL, *pairs[0])])[0][0]) > 1e-3
+    assert m.get_model_info()["hybrid_lm_swap_prefill_only"] is True
+    with pytest.raises(ConfigError, match="this task asks for loglikelihood_rolling"):
+        m.loglikelihood_rolling([_req("loglikelihood_rolling", "some text")])
+
+
 @pytest.fixture
 def random_params(lm):
     """The restored parameters plus noise: greedy outputs that depend on the prompt (five training
@@ -376,3 +403,38 @@ def test_eval_suite_task_lm_eval(lm, run_dir, tmp_path, capsys):
     assert row["score_metric"] == "acc_norm,none"
     assert row["score"] == pytest.approx(np.mean([b == g for b, g in zip(norm, gold)]))
     assert row["checkpoint_step"] == 5 and row["tokens_seen"] == 5 * 128 and row["eval_config"]["tasks"] == ["tiny_mc"]
+
+
+def test_next_line_task_under_the_papers_protocol(lm, run_dir, tmp_path, capsys):
+    """`data next-line-task` on the embedded store (contexts of 12 tokens and lines of at most 19 characters,
+    for a run of 32 tokens): every context re-encodes to exactly C tokens; then `eval --tasks lm_eval --swap full=sa:4 --swap-prefill-only` scores
+    each choice as prefill_swap does (context through the swap, choice through the run's own layers), and
+    its acc is the share of items whose gold choice scores highest."""
+    from hybrid_lm.cli import main
+    from hybrid_lm.data.corpus import ensure_store
+    from hybrid_lm.eval.lm_eval_model import model_class
+    from hybrid_lm.eval.suite import current_rows
+
+    store, out = ensure_store("embedded", None, "byte"), tmp_path / "nl"
+    for bad, msg in ((["--items", "0"], "--items 0: must be an integer >= 1"),
+                     (["--choices", "1"], "--choices 1: must be an integer >= 2"),
+                     (["--items", "100000"], "items of 100000 (4 documents of at least 20 tokens)")):
+        assert main(["data", "next-line-task", "--store", str(store), "--tokenizer", "byte", "--out", str(out),
+                     "--context-tokens", "12", "--max-line-chars", "19", *bad]) == 2
+        assert msg in capsys.readouterr().err
+    assert main(["data", "next-line-task", "--store", str(store), "--tokenizer", "byte", "--out", str(out),
+                 "--items", "4", "--context-tokens", "12", "--max-line-chars", "19"]) == 0
+    items = [json.loads(x) for x in (out / "next_line.jsonl").read_text().splitlines()]
+    assert len(items) == 4 and all(len(lm.tok_encode(it["context"])) == 12 for it in items)
+    assert all(len(it["choices"]) == 4 and all(c.startswith("\n") for c in it["choices"]) for it in items)
+    assert all(not it["context"][-1].isspace() for it in items)
+
+    rc = main(["eval", str(run_dir), "--tasks", "lm_eval", "--lm-eval-include", str(out), "--lm-eval-tasks",
+               "next_line", "--swap", "full=sa:4", "--swap-prefill-only", "--batch-size", "8", "--no-plots"])
+    assert rc == 0, capsys.readouterr().err
+    (row,) = [r for r in current_rows(run_dir) if r.get("task") == "lm_eval/next_line"]
+    assert row["eval_config"]["swap_prefill_only"] is True and row["answer_scoring"].startswith("prefill with")
+    m = model_class()(run=str(run_dir), swap="full=sa:4", swap_prefill_only="true", batch_size=8, progress=False)
+    scores = [[ll for ll, _ in m.loglikelihood([_req(LL, it["context"], c) for c in it["choices"]])] for it in items]
+    acc = np.mean([int(np.argmax(s)) == it["label"] for s, it in zip(scores, items)])
+    assert row["metrics"]["acc,none"] == pytest.approx(acc)

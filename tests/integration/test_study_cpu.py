@@ -126,7 +126,7 @@ def test_ruler_with_the_swap_on_the_prompt_only(tiny_run, capsys):
     prompt (no generation); without --tasks the flag is a one-line error."""
     run = tiny_run(5)  # TINY (conftest.py): full + SWA-8 hybrid, seq_len 32
     rc = main(["eval", str(run), "--swap", "full=swa:4", "--swap-prefill-only"])
-    assert rc == 2 and "--swap-prefill-only applies to --tasks ruler" in capsys.readouterr().err
+    assert rc == 2 and "--swap-prefill-only applies to --tasks ruler and lm_eval" in capsys.readouterr().err
     rc = main(["eval", str(run), "--tasks", "ruler", "--swap", "full=swa:4", "--swap-prefill-only", "--ruler-tasks",
                "niah_single", "--ruler-lengths", "1K", "--allow-longer", "--samples", "2", "--no-plots"])
     assert rc == 0, capsys.readouterr().err
