@@ -211,7 +211,7 @@ def test_claims_from_hand_made_rows(tmp_path):
             _fake_run(root, "full_rerun-0", "full_rerun", 0, 2.01), _fake_run(root, "swa-0", "swa128", 0, 2.10),
             _fake_run(root, "sa-0", "sa128", 0, 2.60), _fake_run(root, "gated-0", "sa_swa128", 0, 2.02)]
     (root / "sweep.json").write_text(json.dumps({"jobs": jobs}))
-    st = S.Settings(ruler_length=0, claims=("C1", "C2", "C3"), table=False).resolved(32)
+    st = S.Settings(ruler_length=0, claims=("C1", "C2", "C3"), table=False, mc_context=0).resolved(32)
     runs = S.study_runs(root)
     assert [r.arch for r in runs] == ["full", "full", "full_rerun", "swa128", "sa128", "sa_swa128"]
     evals = S.plan(runs, st)
@@ -225,7 +225,7 @@ def test_claims_from_hand_made_rows(tmp_path):
                "loss": c2[(e.run.name, e.key.rsplit("/", 1)[1])]}
         with (e.run.dir / "eval.jsonl").open("a") as fh:
             fh.write(json.dumps(row) + "\n")
-    doc = S.run_claims(root, S.Settings(ruler_length=0, claims=("C1", "C2", "C3"), table=False))
+    doc = S.run_claims(root, S.Settings(ruler_length=0, claims=("C1", "C2", "C3"), table=False, mc_context=0))
     assert doc["evaluation_stats"] == {"done": 0, "skipped": 6, "left": 0, "failed": {}}
     band = 0.03  # full: 2.00, 2.03, 2.01
     assert doc["noise"]["bands"]["loss"] == pytest.approx(band)

@@ -210,7 +210,7 @@ def cmd_claims(args) -> int:
                   else None, ruler_samples=args.ruler_samples, heads_samples=args.heads_samples,
                   longppl_docs=args.longppl_docs,
                   claims=tuple(c.strip().upper() for c in args.claims.split(",") if c.strip()) if args.claims
-                  else CLAIMS, table=not args.no_table)
+                  else CLAIMS, table=not args.no_table, mc_items=args.mc_items, mc_context=args.mc_context)
     doc = run_claims(args.root, st, evaluate=not args.no_eval, max_minutes=args.max_minutes)
     ev = doc["evaluation_stats"]
     print(f"evaluations: {ev['done']} run now, {ev['skipped']} already recorded, {ev['left']} left, "
@@ -335,6 +335,10 @@ def add_scaling_commands(sub) -> None:
     p.add_argument("--heads-samples", dest="heads_samples", type=int, default=100,
                    help="heads prompts per checkpoint (100; the task's own default is 500)")
     p.add_argument("--longppl-docs", dest="longppl_docs", type=int, default=None, help="LongPPL documents (default 50)")
+    p.add_argument("--mc-items", dest="mc_items", type=int, default=200,
+                   help="C2(c): items of the next_line task built from the runs' val split (200)")
+    p.add_argument("--mc-context", dest="mc_context", type=int, default=None,
+                   help="C2(c): its context in tokens (default T/2; 0: no C2(c))")
     p.set_defaults(fn=_wrap(cmd_claims))
 
     p = sub.add_parser("report", help="markdown report: sweep state + fits per architecture side by side")

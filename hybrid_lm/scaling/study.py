@@ -148,12 +148,15 @@ class Settings:
     beyond: tuple = (2, 4)  # C4: losses at these multiples of T
     claims: tuple = CLAIMS
     table: bool = True  # False: only the evaluations the selected claims need (not every arm's columns)
+    mc_items: int = 200  # C2(c): items of the next_line task (eval/next_line.py)
+    mc_context: int | None = None  # C2(c): its context in tokens; default T // 2; 0: no C2(c)
 
     def resolved(self, T: int) -> "Settings":
         w = self.window or min(128, max(2, T // 8))
         if w >= T:
             raise ConfigError(f"claims: the swap window {w} must be below the trained length {T} (W << T)")
-        return dataclasses.replace(self, window=w, ruler_length=T if self.ruler_length is None else self.ruler_length)
+        return dataclasses.replace(self, window=w, ruler_length=T if self.ruler_length is None else self.ruler_length,
+                                   mc_context=T // 2 if self.mc_context is None else self.mc_context)
 
 
 @dataclass
@@ -184,6 +187,8 @@ class Evaluation:
             parts.append(f"--ruler-tasks {','.join(r.ruler_tasks)}")
         if r.allow_longer:
             parts.append("--allow-longer")
+        if "lm_eval" in r.tasks:
+            parts.append(f"--lm-eval-include {r.lm_eval_include} --lm-eval-tasks {','.join(r.lm_eval_tasks)}")
         if r.swap_prefill_only:
             parts.append("--swap-prefill-only")
         if "ruler" in r.tasks and not r.ruler_generation:
@@ -226,6 +231,12 @@ def plan(runs: list[Run], st: Settings) -> list[Evaluation]:
                     tasks=("loss",), swaps=(f"full={kind}:{W}",), progress=False)))
             for kind in ("sa", "swa"):
                 ruler(f"c2/ruler/{kind}", run, (L,), (f"full={kind}:{W}",), prefill=True)
+            if st.mc_context:  # the local multiple-choice task under the paper's protocol
+                for kind in ("sa", "swa"):
+                    out.append(Evaluation(f"c2/mc/{kind}", run, EvalRequest(
+                        tasks=("lm_eval",), swaps=(f"full={kind}:{W}",), swap_prefill_only=True,
+                        lm_eval_tasks=(NEXT_LINE,), lm_eval_include=str(next_line_dir(run.dir.parent).resolve()),
+                        progress=False)))
     if "C3" in want and by_arch.get("ssa"):
         for run in fulls:
             out.append(Evaluation("c3/full_sparse", run, EvalRequest(tasks=("loss",), swaps=(MOBA_SSA,), progress=False)))
@@ -251,6 +262,35 @@ def plan(runs: list[Run], st: Settings) -> list[Evaluation]:
         if st.table:
             ruler("ruler@L", run, (L,))
     return out
+
+
+NEXT_LINE = "next_line"
+
+
+def next_line_dir(root: Path) -> Path:
+    """C2(c)'s task folder: built by `claims` from the runs' store (``eval/next_line.py``)."""
+    return Path(root) / NEXT_LINE
+
+
+def build_c2_task(root: Path, runs: list[Run], st: Settings) -> str | None:
+    """Build (or find) C2(c)'s next_line task from the reference runs' val split; the reason when it
+    cannot be built (the part is then not evaluated)."""
+    from hybrid_lm.data.corpus import ensure_store
+    from hybrid_lm.errors import DataError
+    from hybrid_lm.eval.next_line import MAX_CHARS, ensure_next_line_task
+
+    ref = next((r for r in runs if r.group == REFERENCE), None)
+    if ref is None:
+        return "no full run"
+    d = json.loads((ref.dir / "config.json").read_text())["data"]
+    T, C = ref.seq_len, st.mc_context
+    try:
+        ensure_next_line_task(ensure_store(d["source"], d.get("path"), d["tokenizer"]), d["tokenizer"],
+                              next_line_dir(root), items=st.mc_items, context_tokens=C,
+                              max_line_chars=max(1, min(MAX_CHARS, T - C - 1)))
+    except (DataError, ConfigError, FileNotFoundError) as e:
+        return " ".join(str(e).split())
+    return None
 
 
 def evaluator_run(runs: list[Run]) -> Run | None:
@@ -279,6 +319,9 @@ def _current_rows(run_dir: Path) -> list[dict]:
     return _ROWS[key]
 
 
+_PATH_SETTINGS = ("evaluator", "include_path")
+
+
 def rows_for(ev: Evaluation) -> list[dict]:
     """The current ``eval.jsonl`` rows of ``ev``'s request (every task, each checkpoint it asks for)."""
     from hybrid_lm.eval.suite import eval_key, task_of
@@ -287,16 +330,20 @@ def rows_for(ev: Evaluation) -> list[dict]:
     steps = ev.run.steps if ev.steps == "all" else ev.run.steps[-1:]
     rows = [r for r in _current_rows(ev.run.dir) if r.get("eval_key") == keys.get(task_of(r))
             and r.get("checkpoint_step") in steps]
-    if rows or not ev.request.evaluator:
+    if rows:
         return rows
-    # LongPPL's rows name the evaluator by the path it had: a study root moved or copied (docs/results/study)
-    # still finds them through the evaluator run's directory name, the settings otherwise equal
-    name = Path(ev.request.evaluator).name
+    # rows name the LongPPL evaluator and lm-eval's task folder by the paths they had: a study root moved or
+    # copied (docs/results/study) still finds them by those folders' names, every other setting equal
+    want = {t: json.loads(json.dumps(ev.request.config(t), default=str)) for t in ev.request.tasks}
+
+    def same(k, a, b):
+        return a == b or (k in _PATH_SETTINGS and isinstance(a, str) and isinstance(b, str)
+                          and Path(a).name == Path(b).name)
+
     for r in _current_rows(ev.run.dir):
-        old = (r.get("eval_config") or {}).get("evaluator") if isinstance(r.get("eval_config"), dict) else None
-        if task_of(r) == "longppl" and isinstance(old, str) and Path(old).name == name \
-                and r.get("checkpoint_step") in steps \
-                and r.get("eval_key") == eval_key(dataclasses.replace(ev.request, evaluator=old).config("longppl")):
+        conf, w = r.get("eval_config"), want.get(task_of(r))
+        if isinstance(conf, dict) and w is not None and set(conf) == set(w) and r.get("checkpoint_step") in steps \
+                and all(same(k, conf[k], w[k]) for k in w):
             rows.append(r)
     return rows
 
@@ -411,7 +458,7 @@ def _part(name: str, statement: str, d, band, rule: str, numbers: dict, missing=
             "numbers": numbers}
 
 
-def evaluate_claims(root: Path, runs: list[Run], evals: list[Evaluation], st: Settings) -> dict:
+def evaluate_claims(root: Path, runs: list[Run], evals: list[Evaluation], st: Settings, no_task: str | None = None) -> dict:
     """Every claim's parts, verdicts, numbers and sources, plus the table and the noise (claims.json)."""
     by_arch: dict[str, list[Run]] = {}
     for r in runs:
@@ -484,6 +531,21 @@ def evaluate_claims(root: Path, runs: list[Run], evals: list[Evaluation], st: Se
             b = val("c2/ruler/sa", r, field_="answer_nll", length=L, mean_over_tasks=True)
             return sub(a, b)
 
+        def d_mc(r):
+            return sub(val("c2/mc/sa", r, field_="score"), val("c2/mc/swa", r, field_="score"))
+
+        def _mc_part():
+            statement = (f"the paper's protocol on a local multiple-choice task (next_line: {st.mc_items} items, "
+                         f"contexts of {st.mc_context} tokens prefilled with SA-{W} or SWA-{W}, each choice scored by "
+                         "full attention over the cache, through lm-eval); d = acc_norm(SA) - acc_norm(SWA)")
+            if not st.mc_context or no_task:
+                return {"part": "c", "statement": statement, "verdict": NOT_EVALUATED,
+                        "why": f"not evaluated: {no_task or '--mc-context 0'}", "numbers": {}}
+            mc = {r.name: {"acc_norm_sa_prefill": val("c2/mc/sa", r, field_="score"),
+                           "acc_norm_swa_prefill": val("c2/mc/swa", r, field_="score")} for r in fulls}
+            return _part("c", statement, mean_group(REFERENCE, d_mc), _band({REFERENCE: [d_mc(r) for r in fulls]}),
+                         "greater", mc, miss)
+
         nums = {r.name: {"loss_swa": val("c2/loss/swa", r), "loss_sa": val("c2/loss/sa", r), "loss": loss(r),
                          "ruler_nll_swa_prefill": val("c2/ruler/swa", r, field_="answer_nll", length=L,
                                                       mean_over_tasks=True),
@@ -499,10 +561,7 @@ def evaluate_claims(root: Path, runs: list[Run], evals: list[Evaluation], st: Se
                        f"{L} tokens", mean_group(REFERENCE, d_ruler),
                   _band({REFERENCE: [d_ruler(r) for r in fulls]}), "greater", nums,
                   miss or (["RULER (--ruler-length 0)"] if not L else [])),
-            {"part": "c", "statement": "a local multiple-choice task through the lm-eval path under the paper's "
-                                       "protocol", "verdict": NOT_EVALUATED,
-             "why": "not built: --swap-prefill-only scores RULER's answers only; the lm-eval model scores "
-                    "continuations with the swapped model throughout (teacher forcing)", "numbers": {}},
+            _mc_part(),
         ]
         claims["C2"] = {"title": f"SA, training-free: on the full model SA-{W} in place of full attention loses less "
                                  f"than SWA-{W} (W << T = {T})", "parts": parts}
@@ -739,10 +798,17 @@ def run_claims(root: str | Path, settings: Settings | None = None, *, evaluate: 
     if bad:
         raise ConfigError(f"--claims {','.join(st.claims)}: unknown {', '.join(bad)}; choose from {','.join(CLAIMS)}")
     evals = plan(runs, st)
+    no_task = None
+    if any(e.key.startswith("c2/mc/") for e in evals) and (evaluate or not next_line_dir(root).exists()):
+        no_task = build_c2_task(root, runs, st) if evaluate else "not built (claims --no-eval builds nothing)"
+        if no_task and evaluate:
+            printer(f"C2(c): no next_line task: {no_task}")
+    if no_task:
+        evals = [e for e in evals if not e.key.startswith("c2/mc/")]
     stats = {"done": 0, "skipped": len(evals), "left": 0, "failed": {}}
     if evaluate:
         stats = run_evaluations(evals, max_minutes, printer)
-    doc = evaluate_claims(root, runs, evals, st)
+    doc = evaluate_claims(root, runs, evals, st, no_task=no_task)
     doc["evaluation_stats"] = stats
     atomic_write_json(root / "claims.json", doc, indent=1, default=str)
     atomic_write_text(root / "claims.md", format_markdown(doc))

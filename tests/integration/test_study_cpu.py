@@ -79,10 +79,11 @@ def test_tiny_study_end_to_end(tmp_path, capsys):
     assert "4 jobs, 4 already done, 0 launched" in capsys.readouterr().out
     assert stamps() == before
 
-    claims = ["claims", str(root), "--claims", "C1,C2", "--no-table", "--ruler-length", "0"]
+    claims = ["claims", str(root), "--claims", "C1,C2", "--no-table", "--ruler-length", "0", "--mc-items", "2",
+              "--mc-context", "8"]
     assert main(claims) == 0
     out = capsys.readouterr().out
-    assert "evaluations: 4 run now, 0 already recorded, 0 left, 0 failed" in out and "claims complete" in out
+    assert "evaluations: 8 run now, 0 already recorded, 0 left, 0 failed" in out and "claims complete" in out
     doc = json.loads((root / "claims.json").read_text())
     from hybrid_lm.scaling import study as S
 
@@ -98,12 +99,20 @@ def test_tiny_study_end_to_end(tmp_path, capsys):
     per_run = [n["loss_swa"] - n["loss_sa"] for n in c2a["numbers"].values()]
     assert c2a["d"] == pytest.approx(sum(per_run) / 2) and c2a["band"] == pytest.approx(abs(per_run[0] - per_run[1]))
     assert c2a["verdict"] == S.verdict_greater(c2a["d"], c2a["band"])
+    c2c = doc["claims"]["C2"]["parts"][2]  # the next_line task through lm-eval, contexts prefilled with the swap
+    per_run = [n["acc_norm_sa_prefill"] - n["acc_norm_swa_prefill"] for n in c2c["numbers"].values()]
+    assert len(per_run) == 2 and c2c["d"] == pytest.approx(sum(per_run) / 2)
+    assert c2c["verdict"] == S.verdict_greater(c2c["d"], c2c["band"])
+    assert len((root / "next_line" / "next_line.jsonl").read_text().splitlines()) == 2
     for r in (root / n for n in doc["runs"] if "-full-" in n):  # the swaps' rows, as `hybrid-lm eval` records them
         rows = [json.loads(x) for x in (r / "eval.jsonl").read_text().splitlines()]
-        assert sorted(x["eval_config"]["swaps"][0] for x in rows) == ["full=sa:4", "full=swa:4"]
+        assert sorted(x["eval_config"]["swaps"][0] for x in rows if x["task"] == "loss") == ["full=sa:4", "full=swa:4"]
+        mc = [x for x in rows if x["task"] == "lm_eval/next_line"]
+        assert sorted(x["eval_config"]["swaps"][0] for x in mc) == ["full=sa:4", "full=swa:4"]
+        assert all(x["eval_config"]["swap_prefill_only"] for x in mc)
     eval_files = {p: p.read_bytes() for p in root.glob("*/eval.jsonl")}
     assert main(claims) == 0  # everything recorded: nothing is evaluated again
-    assert "evaluations: 0 run now, 4 already recorded" in capsys.readouterr().out
+    assert "evaluations: 0 run now, 8 already recorded" in capsys.readouterr().out
     assert {p: p.read_bytes() for p in root.glob("*/eval.jsonl")} == eval_files
     assert (root / "plots" / "study_loss.png").stat().st_size > 10_000  # the overview figure
 
@@ -112,10 +121,12 @@ def test_tiny_study_end_to_end(tmp_path, capsys):
 
     copy = tmp_path / "results_only"
     shutil.copytree(root, copy, ignore=shutil.ignore_patterns("checkpoints"))
-    assert main(["claims", str(copy), "--no-eval", "--claims", "C1,C2", "--no-table", "--ruler-length", "0"]) == 0
+    assert main(["claims", str(copy), "--no-eval", "--claims", "C1,C2", "--no-table", "--ruler-length", "0",
+                 "--mc-items", "2", "--mc-context", "8"]) == 0
     again = json.loads((copy / "claims.json").read_text())
     assert {k: c["verdict"] for k, c in again["claims"].items()} == {k: c["verdict"] for k, c in doc["claims"].items()}
     assert again["claims"]["C2"]["parts"][0]["d"] == c2a["d"]
+    assert again["claims"]["C2"]["parts"][2]["d"] == c2c["d"]  # lm-eval's rows name the task folder's old path
     capsys.readouterr()
     assert main(["claims", str(copy), "--claims", "C1"]) == 2  # evaluating needs the checkpoints
     assert "has no checkpoints/ directory" in capsys.readouterr().err
