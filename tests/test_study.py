@@ -339,3 +339,13 @@ def test_longppl_rows_are_found_after_the_study_root_moved(tmp_path):
         {"task": "longppl", "kind": "longppl", "checkpoint_step": 8, "eval_key": eval_key(other), "eval_config": other,
          "longppl": 40.0}) + "\n")
     assert S.run_claims(root, st, evaluate=False)["claims"]["C6"]["parts"][0]["numbers"]["full-1"] is None
+
+
+def test_c2c_settings_are_checked():
+    from hybrid_lm.scaling import study as S
+
+    assert S.Settings().resolved(4096).mc_context == 2048 and S.Settings(mc_context=0).resolved(64).mc_context == 0
+    with pytest.raises(ConfigError, match="--mc-items 0: must be >= 1"):
+        S.Settings(mc_items=0).resolved(64)
+    with pytest.raises(ConfigError, match="--mc-context 64: must be below the trained length 64"):
+        S.Settings(mc_context=64).resolved(64)

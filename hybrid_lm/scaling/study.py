@@ -155,6 +155,11 @@ class Settings:
         w = self.window or min(128, max(2, T // 8))
         if w >= T:
             raise ConfigError(f"claims: the swap window {w} must be below the trained length {T} (W << T)")
+        if self.mc_items < 1:
+            raise ConfigError(f"claims: --mc-items {self.mc_items}: must be >= 1")
+        if self.mc_context is not None and not 0 <= self.mc_context < T:
+            raise ConfigError(f"claims: --mc-context {self.mc_context}: must be below the trained length {T} "
+                              "(0: no C2(c))")
         return dataclasses.replace(self, window=w, ruler_length=T if self.ruler_length is None else self.ruler_length,
                                    mc_context=T // 2 if self.mc_context is None else self.mc_context)
 
