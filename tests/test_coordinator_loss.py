@@ -73,3 +73,13 @@ def test_a_progress_fragment_is_not_held():
     os.close(w_in)
     assert os.read(r_out, 1000) == LINE
     assert child.wait(10) == 0
+
+
+def test_only_the_leaders_loss_is_replaced_and_only_a_recent_error_line_stands_for_it():
+    other = (b"F1206 18:56:48.753981   25919 client.h:86] Terminating process because the JAX distributed service "
+             b"detected fatal errors. ... DEADLINE_EXCEEDED: task 2 heartbeat timeout\n*** Check failure stack trace: ***\n")
+    assert _relay(b"step 3\n", other) == b"step 3\n" + other  # another task's failure: XLA's words, all of them
+    said = b"error: something earlier\n"
+    later = [b"step %d\n" % i for i in range(C.RECENT + 1)]
+    assert _relay(said, *later, FATAL) == said + b"".join(later) + LINE
+    assert _relay(POLLED, b"progress 5%") == POLLED + b"progress 5%"  # a fragment after a held line: in order

@@ -338,10 +338,12 @@ class _HybridLMEvalImpl:
                 for k in range(0, len(idx), R):
                     part = idx[k:k + R]
                     tokens = np.zeros((R, P + span), np.int32)
+                    ids = np.zeros((R, 1), np.int32)
                     for r, i in enumerate(part):
                         tokens[r, :len(rows[i][0])] = rows[i][0]
+                        ids[r, 0] = request_id(rows[i][0][:P])  # the choices of one context: one SA permutation
                     fn = self._fn(f"split{span}", (R, P + span), lambda: self._build_split_score(span))
-                    nll, greedy = fn(self.run.params, self._put(tokens))
+                    nll, greedy = fn(self.run.params, self._put(tokens), self._put(ids)[:, 0])
                     nll, greedy = np.asarray(nll, np.float64), np.asarray(greedy)
                     for r, i in enumerate(part):
                         n = rows[i][1]
@@ -370,6 +372,10 @@ class _HybridLMEvalImpl:
             if len(cont) > self.max_length:
                 raise ConfigError(f"a continuation of {len(cont)} tokens does not fit max_length={self.max_length}; "
                                   "raise max_length in --model_args")
+            if self.prefill_only and len(ctx) + len(cont) > self.max_length + 1:
+                raise ConfigError(f"swap_prefill_only: a context of {len(ctx)} and a continuation of {len(cont)} "
+                                  f"tokens exceed max_length={self.max_length} + 1; cutting the context would change "
+                                  "what is prefilled: use shorter contexts or raise max_length")
             full = (ctx + cont)[-(self.max_length + 1):]
             rows.append((np.asarray(full, np.int32), len(cont)))
         res = []

@@ -84,9 +84,11 @@ def _item(tok, text: str, rng, context_tokens: int, used: set, max_chars: int):
 
 
 def build_next_line_task(store_path, tokenizer: str, out, *, items: int = 200, context_tokens: int = 2048,
-                         choices: int = 4, seed: int = 0, max_line_chars: int = MAX_CHARS) -> dict:
+                         choices: int = 4, seed: int = 0, max_line_chars: int = MAX_CHARS,
+                         max_continuation_tokens: int | None = None) -> dict:
     """Write the task to ``out`` (see the module doc); returns the settings and counts. DataError when the
-    store's val split gives fewer than ``items`` items."""
+    store's val split gives fewer than ``items`` items. ``max_continuation_tokens``: every choice (its line
+    break included) at most this many tokens, so that context and choice fit a model's length."""
     from hybrid_lm.data.tokenizer import load_tokenizer
     from hybrid_lm.eval.longppl import val_documents
 
@@ -101,6 +103,12 @@ def build_next_line_task(store_path, tokenizer: str, out, *, items: int = 200, c
     order = rng.permutation(len(docs))
     texts = [tok.decode(d) for d in docs]
     pool = [(k, ln) for k, t in enumerate(texts) for ln in t.split("\n") if _line_ok(ln, max_line_chars)]
+    if max_continuation_tokens is not None:  # every choice must fit after the context
+        sizes = tok.encode_batch(["\n" + ln for _, ln in pool]) if pool else []
+        pool = [x for x, ids in zip(pool, sizes) if len(ids) <= max_continuation_tokens]
+    def fits(line: str) -> bool:
+        return max_continuation_tokens is None or len(tok.encode("\n" + line)) <= max_continuation_tokens
+
     made, used = [], {k: set() for k in range(len(docs))}
     # one item per document, in a seeded order; more rounds (other lines of the same documents) only when
     # the split has fewer documents than items
@@ -113,6 +121,8 @@ def build_next_line_task(store_path, tokenizer: str, out, *, items: int = 200, c
             continue
         start, context, gold = got
         used[k].add(start)
+        if not fits(gold):
+            continue
         others = [ln for j, ln in (pool[i] for i in rng.permutation(len(pool))[:64]) if j != k and ln != gold]
         others = list(dict.fromkeys(others))[:choices - 1]
         if len(others) < choices - 1:
@@ -132,7 +142,7 @@ def build_next_line_task(store_path, tokenizer: str, out, *, items: int = 200, c
     from hybrid_lm.data.store import TokenStore
 
     meta = {"schema": SCHEMA, "items": items, "context_tokens": context_tokens, "choices": choices, "seed": seed,
-            "max_line_chars": max_line_chars,
+            "max_line_chars": max_line_chars, "max_continuation_tokens": max_continuation_tokens,
             "store": str(Path(store_path)), "store_fingerprint": TokenStore(store_path).fingerprint,
             "tokenizer": tokenizer, "tokenizer_fingerprint": tok.fingerprint,
             "documents": len(docs), "line_pool": len(pool)}
@@ -147,7 +157,8 @@ def ensure_next_line_task(store_path, tokenizer: str, out, **settings) -> dict:
     meta_path = Path(out) / f"{NAME}.json"
     if meta_path.exists() and (Path(out) / f"{NAME}.jsonl").exists():
         meta = json.loads(meta_path.read_text())
-        want = {"items": 200, "context_tokens": 2048, "choices": 4, "seed": 0, "max_line_chars": MAX_CHARS, **settings}
+        want = {"items": 200, "context_tokens": 2048, "choices": 4, "seed": 0, "max_line_chars": MAX_CHARS,
+                "max_continuation_tokens": None, **settings}
         if all(meta.get(k) == v for k, v in want.items()) and \
                 meta.get("store_fingerprint") == TokenStore(store_path).fingerprint:
             return meta

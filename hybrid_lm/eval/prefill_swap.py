@@ -42,18 +42,20 @@ def split_answer_nll_fn(own_fns, swapped_fns, own_cfg, swapped_cfg, span: int, v
     from hybrid_lm.model.registry import MixerContext
     from hybrid_lm.ops.attention import default_positions
 
-    def ctx_of(cfg, B, L):
+    def ctx_of(cfg, B, L, ids):
         return MixerContext(positions=default_positions(B, L), attention_impl=cfg.model.attention_impl,
-                            seed=cfg.train.seed, train=False)
+                            seed=cfg.train.seed, example_ids=ids, train=False)
 
-    def nll(params, tokens):
+    def nll(params, tokens, example_ids=None):
+        """``example_ids`` [B] (optional): each row's id for SA's permutation (rows that share one see the
+        same permuted context); without them a row's permutation follows its place in the batch."""
         B, L = tokens.shape
         P = L - span
         if P < 1:
             raise ValueError(f"the context must hold at least one token: length {L}, answer span {span}")
         own, swapped = own_fns.model(params), swapped_fns.model(params)
         dtype = jnp.dtype(own_cfg.model.compute_dtype)
-        ctx_c, ctx_ca = ctx_of(swapped_cfg, B, P), ctx_of(own_cfg, B, L - 1)
+        ctx_c, ctx_ca = ctx_of(swapped_cfg, B, P, example_ids), ctx_of(own_cfg, B, L - 1, example_ids)
         x_c = swapped.embed(tokens[:, :P], dtype)
         x_a = own.embed(tokens[:, P:L - 1], dtype)  # the answer's inputs: its tokens but the last
         for own_block, swapped_block in zip(own.blocks, swapped.blocks):

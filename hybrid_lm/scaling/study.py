@@ -240,7 +240,7 @@ def plan(runs: list[Run], st: Settings) -> list[Evaluation]:
                 for kind in ("sa", "swa"):
                     out.append(Evaluation(f"c2/mc/{kind}", run, EvalRequest(
                         tasks=("lm_eval",), swaps=(f"full={kind}:{W}",), swap_prefill_only=True,
-                        lm_eval_tasks=(NEXT_LINE,), lm_eval_include=str(next_line_dir(run.dir.parent).resolve()),
+                        lm_eval_tasks=(NEXT_LINE,), lm_eval_include=str(next_line_dir(run.dir.parent, st).resolve()),
                         progress=False)))
     if "C3" in want and by_arch.get("ssa"):
         for run in fulls:
@@ -272,9 +272,10 @@ def plan(runs: list[Run], st: Settings) -> list[Evaluation]:
 NEXT_LINE = "next_line"
 
 
-def next_line_dir(root: Path) -> Path:
-    """C2(c)'s task folder: built by `claims` from the runs' store (``eval/next_line.py``)."""
-    return Path(root) / NEXT_LINE
+def next_line_dir(root: Path, st: Settings) -> Path:
+    """C2(c)'s task folder, built by `claims` from the runs' store (``eval/next_line.py``) and named by its
+    settings: lm-eval's rows name the folder, so other settings never read rows of these."""
+    return Path(root) / f"{NEXT_LINE}_c{st.mc_context}_n{st.mc_items}"
 
 
 def build_c2_task(root: Path, runs: list[Run], st: Settings) -> str | None:
@@ -291,8 +292,8 @@ def build_c2_task(root: Path, runs: list[Run], st: Settings) -> str | None:
     T, C = ref.seq_len, st.mc_context
     try:
         ensure_next_line_task(ensure_store(d["source"], d.get("path"), d["tokenizer"]), d["tokenizer"],
-                              next_line_dir(root), items=st.mc_items, context_tokens=C,
-                              max_line_chars=max(1, min(MAX_CHARS, T - C - 1)))
+                              next_line_dir(root, st), items=st.mc_items, context_tokens=C,
+                              max_line_chars=MAX_CHARS, max_continuation_tokens=T - C)
     except (DataError, ConfigError, FileNotFoundError) as e:
         return " ".join(str(e).split())
     return None
@@ -744,9 +745,10 @@ def plot_overview(doc: dict, runs: list[Run], out_png: Path) -> Path:
             y = np.array([np.nanmean(y[which == b]) for b in keep])
         label = r.arch + (f" seed {r.seed}" if r.seed else "")
         ax.plot(x, y, lw=1.1, color=colors[i % 20], ls="-" if i < 20 else "--", label=label)
-        if len(y):
-            low.append(float(np.nanmin(y)))
-            high.append(float(y[len(y) // 3]))  # a third of the way in: the early descent stays off the scale
+        finite = y[np.isfinite(y)]
+        if len(finite):
+            low.append(float(finite.min()))
+            high.append(float(finite[len(finite) // 3]))  # a third of the way in: the early descent stays off the scale
         row = next((t for t in doc["table"] if t["run"] == r.name), None)
         finals.append((label, row["loss"] if row else None, colors[i % 20]))
     if low:
@@ -804,7 +806,7 @@ def run_claims(root: str | Path, settings: Settings | None = None, *, evaluate: 
         raise ConfigError(f"--claims {','.join(st.claims)}: unknown {', '.join(bad)}; choose from {','.join(CLAIMS)}")
     evals = plan(runs, st)
     no_task = None
-    if any(e.key.startswith("c2/mc/") for e in evals) and (evaluate or not next_line_dir(root).exists()):
+    if any(e.key.startswith("c2/mc/") for e in evals) and (evaluate or not next_line_dir(root, st).exists()):
         no_task = build_c2_task(root, runs, st) if evaluate else "not built (claims --no-eval builds nothing)"
         if no_task and evaluate:
             printer(f"C2(c): no next_line task: {no_task}")
@@ -817,5 +819,8 @@ def run_claims(root: str | Path, settings: Settings | None = None, *, evaluate: 
     doc["evaluation_stats"] = stats
     atomic_write_json(root / "claims.json", doc, indent=1, default=str)
     atomic_write_text(root / "claims.md", format_markdown(doc))
-    plot_overview(doc, runs, root / "plots" / "study_loss.png")
+    try:
+        plot_overview(doc, runs, root / "plots" / "study_loss.png")
+    except (OSError, ValueError) as e:  # the verdicts are written; a figure that fails says so
+        printer(f"plots/study_loss.png not drawn: {' '.join(str(e).split())}")
     return doc

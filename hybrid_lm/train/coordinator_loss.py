@@ -23,7 +23,10 @@ import sys
 
 # XLA's log lines: severity letter, MMDD, time, thread id, file:line]
 _GLOG = re.compile(rb"^[IWEF]\d{4} ")
-_FATAL = re.compile(rb"^F\d{4} [^\]]*\] Terminating process because the JAX distributed service detected fatal errors")
+# only the loss of the leader (process 0) is replaced; other fatal errors pass through as XLA wrote them
+_FATAL = re.compile(rb"^F\d{4} [^\]]*\] Terminating process because the JAX distributed service detected fatal "
+                    rb"errors.*the leader task")
+RECENT = 5  # lines: an `error:` line of the trainer this close before the fatal message already said it
 _POLLED = re.compile(rb"^E\d{4} [^\]]*coordination_service_agent\.cc:\d+\] Polled an error from coordination service")
 
 
@@ -47,7 +50,7 @@ def relay(src: int, dst: int, line: bytes) -> None:
     error line that announces it) with ``line``, unless the trainer already printed its own ``error:``."""
     held = b""  # "Polled an error": shown only if no fatal line follows
     buf, sent = b"", 0  # the unfinished line, and how much of it went out already (progress bars)
-    said_error = False
+    since_error = RECENT + 1  # lines since the trainer's last `error:` line
 
     def out(data: bytes) -> None:
         while data:
@@ -62,7 +65,7 @@ def relay(src: int, dst: int, line: bytes) -> None:
                 sent = 0
                 continue
             if _FATAL.match(ln):
-                if not said_error:
+                if since_error > RECENT:
                     out(line)
                 while os.read(src, 1 << 16):  # the stack trace and anything after it: dropped
                     pass
@@ -73,11 +76,11 @@ def relay(src: int, dst: int, line: bytes) -> None:
             if _POLLED.match(ln):
                 held = ln
                 continue
-            said_error = said_error or ln.startswith(b"error: ")
+            since_error = 0 if ln.startswith(b"error: ") else since_error + 1
             out(ln)
         if buf and not _could_open_a_log_line(buf):
-            out(buf[sent:])
-            sent = len(buf)
+            out(held + buf[sent:])  # a held line came first
+            held, sent = b"", len(buf)
     out(held + buf[sent:])
 
 

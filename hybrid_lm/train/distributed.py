@@ -299,7 +299,7 @@ def maybe_initialize(flag: PreemptionFlag | None = None) -> Launch | None:
         restore = coordinator_loss.install(launch.process_id, launch.num_processes, launch.coordinator)
         if restore is not None:
             signals.on_abrupt_exit(restore)
-            atexit.register(restore)
+            _after_jax_clean_up(restore)
     timeout = init_timeout_s()
     box: dict = {}
 
@@ -339,6 +339,19 @@ def maybe_initialize(flag: PreemptionFlag | None = None) -> Launch | None:
     signals.on_abrupt_exit(_publish_abrupt_exit)
     atexit.register(_at_exit)  # after JAX's own atexit: runs before it
     return launch
+
+
+def _after_jax_clean_up(fn) -> None:
+    """Run ``fn`` at exit after JAX's own atexit clean-up (whose distributed shutdown is a barrier that
+    can still lose process 0): atexit runs last-registered first, so JAX's is registered again after it."""
+    try:
+        from jax._src.api import clean_up
+    except ImportError:  # another JAX layout: at least at exit
+        atexit.register(fn)
+        return
+    atexit.unregister(clean_up)
+    atexit.register(fn)
+    atexit.register(clean_up)
 
 
 def _join_timeout(launch: Launch, timeout: float) -> str:

@@ -212,19 +212,20 @@ def test_swap_prefill_only_scores_continuations_over_the_swapped_context(lm, run
     sequence (SA's permutation is drawn over exactly the context, so requests are grouped by context
     length and only the continuation is padded); plain swapped scoring differs."""
     from hybrid_lm.errors import ConfigError
-    from hybrid_lm.eval.lm_eval_model import model_class
+    from hybrid_lm.eval.lm_eval_model import model_class, request_id
     from hybrid_lm.eval.prefill_swap import split_answer_nll_fn
 
     with pytest.raises(ConfigError, match="swap_prefill_only needs swap="):
         model_class()(run=str(run_dir), swap_prefill_only="true")
     m = model_class()(run=str(run_dir), swap="full=sa:4", swap_prefill_only="true", batch_size=4, progress=False)
     pairs = [("Once upon a time there", " was a"), ("Once upon a time there", " were"),
-             ("The essays of the year", " are long and"), ("A", " b")]
+             ("The essays of the year", " are long"), ("A", " b"), ("Once upon a time there", " was a")]
     got = m.loglikelihood([_req(LL, *p) for p in pairs])
+    assert got[4] == got[0]  # a context's SA permutation follows its tokens, not its row in the batch
     for (context, continuation), (ll, greedy) in zip(pairs, got):
         ctx, cont = m.tok_encode(context), m.tok_encode(continuation)
         nll, best = split_answer_nll_fn(m.answer_fns, m.fns, m.answer_cfg, m.cfg, len(cont), vocab=m.tokenizer.vocab_size)(
-            m.run.params, np.asarray([ctx + cont], np.int32))
+            m.run.params, np.asarray([ctx + cont], np.int32), np.asarray([request_id(ctx)], np.int32))
         assert ll == pytest.approx(-float(np.asarray(nll).sum()), rel=5e-5)  # batched and padded: float32 order
         assert greedy == bool(np.asarray(best).all())
     plain = model_class()(run=str(run_dir), swap="full=sa:4", batch_size=4, progress=False)
@@ -232,6 +233,8 @@ def test_swap_prefill_only_scores_continuations_over_the_swapped_context(lm, run
     assert m.get_model_info()["hybrid_lm_swap_prefill_only"] is True
     with pytest.raises(ConfigError, match="this task asks for loglikelihood_rolling"):
         m.loglikelihood_rolling([_req("loglikelihood_rolling", "some text")])
+    with pytest.raises(ConfigError, match="cutting the context would change what is prefilled"):
+        m.loglikelihood([_req(LL, "x" * 40, " y")])  # 40 + 2 tokens > max_length 32 + 1
 
 
 @pytest.fixture

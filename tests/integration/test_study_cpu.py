@@ -103,7 +103,7 @@ def test_tiny_study_end_to_end(tmp_path, capsys):
     per_run = [n["acc_norm_sa_prefill"] - n["acc_norm_swa_prefill"] for n in c2c["numbers"].values()]
     assert len(per_run) == 2 and c2c["d"] == pytest.approx(sum(per_run) / 2)
     assert c2c["verdict"] == S.verdict_greater(c2c["d"], c2c["band"])
-    assert len((root / "next_line" / "next_line.jsonl").read_text().splitlines()) == 2
+    assert len((root / "next_line_c8_n2" / "next_line.jsonl").read_text().splitlines()) == 2
     for r in (root / n for n in doc["runs"] if "-full-" in n):  # the swaps' rows, as `hybrid-lm eval` records them
         rows = [json.loads(x) for x in (r / "eval.jsonl").read_text().splitlines()]
         assert sorted(x["eval_config"]["swaps"][0] for x in rows if x["task"] == "loss") == ["full=sa:4", "full=swa:4"]
