@@ -437,7 +437,7 @@ class _NeedleOracle:
         return out
 
     def nll_fn(self, fns, cfg, span):
-        def nll(params, tokens):
+        def nll(params, tokens, example_ids=None):  # an oracle: no permutation
             tokens = np.asarray(tokens)
             out = np.zeros((tokens.shape[0], span), np.float32)
             for r, row in enumerate(tokens):

@@ -951,18 +951,19 @@ def tokens_seen(run) -> int:
 
 
 def _answer_nll_fn(fns, cfg, span: int):
-    """Jitted ``(params, tokens [B, L]) -> [B, span]``: NLL of the last ``span`` tokens given their
-    prefixes, eval mode; logits only for those positions."""
+    """Jitted ``(params, tokens [B, L], example_ids [B]) -> [B, span]``: NLL of the last ``span`` tokens
+    given their prefixes, eval mode; logits only for those positions. ``example_ids``: SA's permutation
+    per row (the gold and the distractors of one item share their item's)."""
     import jax
     import jax.numpy as jnp
 
     from hybrid_lm.model.registry import MixerContext
     from hybrid_lm.ops.attention import default_positions
 
-    def nll(params, tokens):
+    def nll(params, tokens, example_ids=None):
         B, L = tokens.shape
         ctx = MixerContext(positions=default_positions(B, L), attention_impl=cfg.model.attention_impl,
-                           seed=cfg.train.seed, train=False)
+                           seed=cfg.train.seed, example_ids=example_ids, train=False)
         model = fns.model(params)
         h = model(tokens, ctx, features=True)[:, L - span - 1:L - 1]
         logits = (h @ model.head_matrix().astype(h.dtype)).astype(jnp.float32)
@@ -1085,8 +1086,10 @@ def evaluate_ruler(run, *, tasks=None, lengths=None, samples: int = 8, haystack:
                                   for k in range(n)]
                         bar.update()
                 nll = []
-                for part, n in _batches(seqs, per_ll):
-                    nll.append(np.asarray(nll_fn(run.params, put_batch(part, run.batch_shard)))[:n])
+                item_of_row = np.asarray([[i] for i, _ in flat], np.int32)  # SA: one permutation per item
+                for (part, n), (ids, _) in zip(_batches(seqs, per_ll), _batches(item_of_row, per_ll)):
+                    nll.append(np.asarray(nll_fn(run.params, put_batch(part, run.batch_shard),
+                                                 put_batch(ids, run.batch_shard)[:, 0]))[:n])
                     bar.update()
             bar.close()
             nll = np.concatenate(nll)[:, span - G:]  # position k: answer token k
