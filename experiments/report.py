@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -45,6 +46,8 @@ BENCHES = {
              "bash experiments/gpu.sh bench eval"),
     "data": ("Data path", "`data prepare` against `tokenizers`, and the loader against the fastest train step",
              "bash experiments/gpu.sh bench data"),
+    "study": ("One-GPU study: training speed", "tokens/s and MFU of each arm of the S1 study (docs/RESULTS.md), "
+              "against full attention trained in the same call", "bash experiments/study.sh"),
 }
 ARCH_LABEL = {"full": "full attention", "swa": "SWA-128 hybrid", "sa": "SA-128 hybrid", "sa_swa": "SA+SWA-128 hybrid",
               "lightning": "Lightning hybrid", "mamba2": "Mamba-2 hybrid", "gdn": "GDN hybrid", "moba": "MoBA hybrid",
@@ -238,7 +241,31 @@ def render_data(doc) -> list[str]:
     return out
 
 
-RENDER = {"train": render_train, "decode": render_decode, "attention": render_attention, "sparse": render_sparse,
+def render_study(doc) -> list[str]:
+    out = [f"S1, T = {doc['seq_len']}, 32 x {doc['seq_len']} tokens per step, median over the second half of each "
+           "run's training; the anchor is full attention (seed 0) trained in the same call.", ""]
+    return out + table(["arm", "seed", "tokens/s", "MFU", "x full"],
+                       [[r["arch"], r["seed"], f(r["tokens_per_sec"], ",.0f"), pct(r["mfu"]), f(r["vs_anchor"], ".2f")]
+                        for r in doc["rows"]])
+
+
+def study_result(root: Path, command: str) -> dict:
+    """The study's speeds as a result file (from ``claims.json`` and the anchor run's ``provenance.json``)."""
+    claims = json.loads((root / "claims.json").read_text())
+    rows = claims["table"]
+    anchor = next(r for r in rows if r["arch"] == "full" and r["seed"] == 0)
+    prov = json.loads((root / anchor["run"] / "provenance.json").read_text())
+    # the date of the runs: their first evaluation (claims.json may be rewritten later by --no-eval)
+    first = json.loads((root / anchor["run"] / "eval.jsonl").read_text().splitlines()[0])
+    git = os.environ.get("HYBRID_LM_COMMIT") or prov.get("git", {}).get("sha", "")  # a copied checkout's .git can lag
+    return {"bench": "study", "command": command, "device_kind": anchor["device"], "devices": 1,
+            "jax": prov.get("packages", {}).get("jax"), "date": first.get("time", claims["created"]), "git": git[:7],
+            "wall_s": None, "seq_len": claims["seq_len"], "anchor": {"arch": "full", "seed": 0},
+            "rows": [{"arch": r["arch"], "seed": r["seed"], "tokens_per_sec": r["tokens_per_sec"], "mfu": r["mfu"],
+                      "vs_anchor": r["tokens_per_sec"] / anchor["tokens_per_sec"]} for r in rows]}
+
+
+RENDER = {"study": render_study, "train": render_train, "decode": render_decode, "attention": render_attention, "sparse": render_sparse,
           "mixers": render_mixers, "kernels": render_kernels, "eval": render_eval, "data": render_data}
 
 
@@ -278,7 +305,7 @@ def benchmarks_md(data: dict, results: Path) -> str:
         for bench, (title, question, cmd) in BENCHES.items():
             doc = docs.get(bench)
             if doc is None:
-                if dev != "cpu":
+                if dev != "cpu" and bench != "study":  # the study is no benchmark of its own: shown once it ran
                     lines += [f"### {title}", "", f"Not measured yet on this device: run `{cmd}`.", ""]
                 continue
             lines += [f"### {title}", "", f"{question[0].upper()}{question[1:]}.", ""] + provenance(doc)
@@ -344,8 +371,15 @@ def main(argv=None) -> int:
     ap.add_argument("--readme", default=str(ROOT / "README.md"), help="README with the results block ('none': skip)")
     ap.add_argument("--readme-device", default=None, help="the device of the README's table (default: newest GPU)")
     ap.add_argument("--print", action="store_true", help="print the README table")
+    ap.add_argument("--study", default=None, metavar="ROOT",
+                    help="first write the study's speeds (ROOT/claims.json) as <results>/<device>/study.json")
     args = ap.parse_args(argv)
     results = Path(args.results)
+    if args.study:
+        doc = study_result(Path(args.study), "bash experiments/study.sh")
+        dev = "h200" if "H200" in doc["device_kind"] else "h100" if "H100" in doc["device_kind"] else "gpu"
+        (results / dev).mkdir(parents=True, exist_ok=True)
+        (results / dev / "study.json").write_text(json.dumps(doc, indent=1) + "\n")
     files = sorted(results.glob("*/*.json")) if results.exists() else []
     if len(files) > MAX_FILES:
         raise SystemExit(f"{results}: {len(files)} result files, more than {MAX_FILES}: delete the stale ones")

@@ -77,6 +77,8 @@ if [ "$DONE" = "True" ] && [ "$(left)" -gt 130 ]; then
   echo "== claims ($(left) s left)"
   $HLM claims "$ROOT" ${STUDY_CLAIMS_ARGS:-} --max-minutes "$(minutes "$(left) - 100")" 2>&1 | grep -v -e "^W0000" -e "^I0000" | tee /tmp/claims.log
   grep -qx "claims complete" /tmp/claims.log && COMPLETE=1
+  # each arm's speed for docs/BENCHMARKS.md (experiments/results/<device>/study.json)
+  [ $COMPLETE = 1 ] && $PY experiments/report.py --study "$ROOT" --readme none >/dev/null
   $HLM collect "$ROOT" >/dev/null && $HLM eval-report "$ROOT" --out "$ROOT/plots" >/dev/null 2>&1
 elif [ "$DONE" != "True" ]; then
   echo "training not finished: run this script again"
@@ -87,7 +89,7 @@ if [ -n "${OUT:-}" ] && [ -d "$ROOT" ]; then  # one archive: the device machine 
   REPO=$PWD
   (cd "$ROOT" && tar -czf "$OUT/study_results.tar.gz" --ignore-failed-read sweep.json claims.json claims.md \
      table.csv plots */metrics.jsonl */eval.jsonl */config.json */provenance.json */sweep_done.json */sweep_run.json \
-     "$REPO/$DATA/corpus/corpus.json" 2>/dev/null)
+     "$REPO/$DATA/corpus/corpus.json" "$REPO"/experiments/results/*/study.json 2>/dev/null)
 fi
 [ $COMPLETE = 1 ] && echo "study complete: $ROOT/claims.md (docs/RESULTS.md includes it)"
 date -u +"end %Y-%m-%dT%H:%M:%SZ ($SECONDS s)"
