@@ -156,9 +156,12 @@ def ensure_next_line_task(store_path, tokenizer: str, out, **settings) -> dict:
 
     meta_path = Path(out) / f"{NAME}.json"
     if meta_path.exists() and (Path(out) / f"{NAME}.jsonl").exists():
+        import inspect
+
         meta = json.loads(meta_path.read_text())
-        want = {"items": 200, "context_tokens": 2048, "choices": 4, "seed": 0, "max_line_chars": MAX_CHARS,
-                "max_continuation_tokens": None, **settings}
+        defaults = {k: v.default for k, v in inspect.signature(build_next_line_task).parameters.items()
+                    if v.kind is v.KEYWORD_ONLY}
+        want = {**defaults, **settings}
         if all(meta.get(k) == v for k, v in want.items()) and \
                 meta.get("store_fingerprint") == TokenStore(store_path).fingerprint:
             return meta
