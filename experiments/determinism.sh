@@ -7,7 +7,9 @@
 # 60 steps) four times: twice with XLA's default GPU ops, twice with HYBRID_LM_DETERMINISTIC=1
 # (docs/TRAINING.md). Prints, per mode, whether the two runs' logged losses and gradient norms are
 # bitwise equal, the first step where they differ, and the median tokens/s over steps 20-60 of each run;
-# the deterministic mode's throughput relative to the default's is the setting's cost.
+# the deterministic mode's throughput relative to the default's is the setting's cost (it includes the
+# attention backend the setting picks: jla's kernel or ours instead of cuDNN, hybrid_lm/backends.py).
+# Each run's whole output is kept in $DETERMINISM_ROOT/<mode><i>.log (default /tmp/determinism).
 set -u
 cd "$(dirname "$0")/.."
 PY=${PY:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
@@ -15,7 +17,7 @@ if [ "$PY" = python3 ]; then source experiments/wheels.sh; use_carried_wheels ||
 else export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}; fi
 export PYTHONUNBUFFERED=1 HYBRID_LM_COMPILATION_CACHE=off
 ROOT=${DETERMINISM_ROOT:-/tmp/determinism}
-rm -rf "$ROOT"
+rm -rf "$ROOT" && mkdir -p "$ROOT"
 ARGS=(configs/base.gin configs/scale/s1.gin
       --gin_param "ModelConfig.layer_pattern = 'F'" --gin_param "ModelConfig.vocab_size = 256"
       --gin_param "DataConfig.source = 'embedded'" --gin_param "DataConfig.tokenizer = 'byte'"
@@ -26,8 +28,16 @@ for mode in default deterministic; do
   for i in 1 2; do
     echo "== $mode $i"
     det=0; [ $mode = deterministic ] && det=1
-    HYBRID_LM_DETERMINISTIC=$det $PY -m hybrid_lm.cli train "${ARGS[@]}" --workdir "$ROOT/$mode$i" 2>&1 \
-      | grep -E "compiled|error" || exit 1
+    # the whole output kept: a run that dies in XLA's C++ code prints no `error:` line of ours
+    HYBRID_LM_DETERMINISTIC=$det $PY -m hybrid_lm.cli train "${ARGS[@]}" --workdir "$ROOT/$mode$i" \
+      > "$ROOT/$mode$i.log" 2>&1
+    rc=$?
+    grep -E "^backend .*attention|compiled in" "$ROOT/$mode$i.log"
+    if [ $rc != 0 ]; then
+      echo "== $mode $i failed (exit status $rc); the end of $ROOT/$mode$i.log:"
+      grep -v -e "^W0000" -e "^I0000" "$ROOT/$mode$i.log" | tail -n 40
+      exit 1
+    fi
   done
 done
 $PY - "$ROOT" <<'PY'

@@ -302,14 +302,17 @@ def benchmarks_md(data: dict, results: Path) -> str:
         docs = data[dev]
         kind = next(iter(docs.values())).get("device_kind", dev)
         lines += [f"## {dev.upper()} ({kind})", ""]
+        missing = []
         for bench, (title, question, cmd) in BENCHES.items():
             doc = docs.get(bench)
             if doc is None:
                 if dev != "cpu" and bench != "study":  # the study is no benchmark of its own: shown once it ran
-                    lines += [f"### {title}", "", f"Not measured yet on this device: run `{cmd}`.", ""]
+                    missing.append(f"{title} (`{cmd}`)")
                 continue
             lines += [f"### {title}", "", f"{question[0].upper()}{question[1:]}.", ""] + provenance(doc)
             lines += RENDER[bench](doc) + [""]
+        if missing:  # one line, not a heading per missing table
+            lines += ["Not measured yet on this device: " + "; ".join(missing) + ".", ""]
     return "\n".join(lines).rstrip() + "\n"
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from hybrid_lm import determinism
 from hybrid_lm.errors import ConfigError
 
 # SWA under ``auto`` on a GPU where jla's kernel cannot run: our Pallas kernel up to this window, cuDNN above.
@@ -119,6 +120,8 @@ def attention_backend(impl: str, *, permuted: bool, window: int | None = None, q
             return "xla", f"auto: {no_gpu_reason(platform)}"
         if permuted:
             return "pallas", "auto: only our kernel expresses SA's permuted mask"
+        if determinism.active():
+            return _deterministic_attention(qkv, platform)
         dtype = None if qkv is None else jnp.dtype(qkv[0].dtype)
         cudnn_ok = dtype is None or dtype in CUDNN_DTYPES
         if window is None:
@@ -140,6 +143,19 @@ def attention_backend(impl: str, *, permuted: bool, window: int | None = None, q
         raise ConfigError(f"attention_impl='jla' cannot run here: {reason}")
     return impl, f"attention_impl={impl!r} set explicitly"
 
+
+def _deterministic_attention(qkv, platform: str | None) -> tuple[str, str]:
+    """Full or windowed causal attention under XLA's deterministic GPU ops: never cuDNN, whose
+    deterministic backward failed to run (``hybrid_lm/determinism.py``); jla's kernel where it takes the
+    operands (its "ranged" backward is deterministic; full attention 0.91x cuDNN's speed at T = 32K,
+    docs/KERNELS.md), else ours (no atomics in its backward)."""
+    why = "no operands to check" if qkv is None else jla_attention_reason(*qkv, platform=platform)
+    if why is None:
+        return "jla", f"auto: {_DETERMINISTIC}; jla's kernel takes these operands (deterministic backward)"
+    return "pallas", f"auto: {_DETERMINISTIC}; our kernel's backward uses no atomics (not jla: {why})"
+
+
+_DETERMINISTIC = "deterministic GPU ops (--xla_gpu_deterministic_ops), so not cuDNN"
 
 # Why a document mask runs the XLA reference: what the other attention backends take.
 _NO_SEGMENTS = ("only the XLA reference takes segment ids (jax.nn.dot_product_attention passes cuDNN no "

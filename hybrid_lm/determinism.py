@@ -13,11 +13,18 @@ environment setting rather than a config field: :func:`apply` adds it when ``HYB
 ``1``/``true``/``yes``, and the ``hybrid-lm`` command calls it first thing. ``provenance.json`` records
 ``XLA_FLAGS`` for every run; the setting is not part of the run id (it changes rounding, not the
 experiment). No jax import here.
+
+Under the flag, attention's ``auto`` dispatch keeps cuDNN out (``hybrid_lm.backends``): the first S1
+training step with cuDNN's attention backward under ``--xla_gpu_deterministic_ops`` ended the process
+on an H200 (jaxlib 0.11.2; the failure matches openxla/xla#46500, a compile-cache defect with several
+identical fused-attention backward calls), so jla's kernel (deterministic "ranged" backward) or ours
+runs instead.
 """
 
 from __future__ import annotations
 
 import os
+import re
 
 from hybrid_lm.errors import ConfigError
 
@@ -47,3 +54,12 @@ def apply(environ=None) -> bool:
     if "xla_gpu_deterministic_ops" not in flags:
         env["XLA_FLAGS"] = f"{flags} {FLAG}".strip()
     return True
+
+
+def active(environ=None) -> bool:
+    """Whether ``XLA_FLAGS`` in ``environ`` (default ``os.environ``) turns XLA's deterministic GPU ops on,
+    by :func:`apply` or by hand (``--xla_gpu_deterministic_ops`` alone or ``=true``/``=1``; the last
+    mention wins, as in XLA's flag parser)."""
+    flags = (os.environ if environ is None else environ).get("XLA_FLAGS", "")
+    values = re.findall(r"--xla_gpu_deterministic_ops(?:=(\S*))?(?:\s|$)", flags)
+    return bool(values) and values[-1].lower() in ("", "true", "1")

@@ -71,6 +71,24 @@ def test_attention_on_a_gpu(fake_gpu, monkeypatch):
         "jla", "auto: jla's Mosaic GPU kernel takes these operands")
 
 
+def test_deterministic_ops_keep_cudnn_out_of_attention(fake_gpu, monkeypatch):
+    """Under --xla_gpu_deterministic_ops, auto never picks cuDNN: jla where it takes the operands, else
+    our kernel; the reason says so. An explicit choice still runs what it names."""
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_deterministic_ops=true")
+    for window in (None, 128, 4096):
+        for qkv in (_specs(), _specs(dtype=jnp.float32), None):
+            b, why = backends.attention_backend("auto", permuted=False, window=window, qkv=qkv)
+            assert b == "pallas" and "deterministic GPU ops" in why and "not jla" in why
+    assert backends.attention_backend("auto", permuted=True, window=128, qkv=_specs())[0] == "pallas"
+    assert backends.attention_backend("cudnn", permuted=False, window=None)[0] == "cudnn"
+    monkeypatch.setattr(backends, "jla_attention_reason", lambda q, k, v, platform=None: None)
+    for window in (None, 128):
+        b, why = backends.attention_backend("auto", permuted=False, window=window, qkv=_specs())
+        assert b == "jla" and "deterministic backward" in why
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_deterministic_ops=false")
+    assert backends.attention_backend("auto", permuted=False, window=None, qkv=_specs())[0] == "cudnn"
+
+
 def test_attention_platform_argument_without_faking():
     """An explicit platform decides as the default backend would."""
     assert backends.attention_backend("auto", permuted=False, window=None, platform="gpu")[0] == "cudnn"

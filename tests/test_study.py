@@ -167,6 +167,21 @@ def test_deterministic_env_adds_the_xla_flag_once():
         D.apply({D.ENV: "maybe"})
 
 
+def test_deterministic_ops_are_read_from_xla_flags():
+    from hybrid_lm import determinism as D
+
+    assert not D.active({}) and not D.active({"XLA_FLAGS": "--xla_dump_to=/tmp/x"})
+    assert D.active({"XLA_FLAGS": D.FLAG}) and D.active({"XLA_FLAGS": "--a=1 --xla_gpu_deterministic_ops"})
+    assert D.active({"XLA_FLAGS": "--xla_gpu_deterministic_ops=1 --b"})
+    assert not D.active({"XLA_FLAGS": "--xla_gpu_deterministic_ops=false"})
+    assert not D.active({"XLA_FLAGS": "--xla_gpu_deterministic_ops_other=true"})
+    # the last mention wins, as in XLA's parser
+    assert not D.active({"XLA_FLAGS": f"{D.FLAG} --xla_gpu_deterministic_ops=false"})
+    env = {D.ENV: "1"}
+    D.apply(env)
+    assert D.active(env)
+
+
 # ----------------------------------------------------------------------------- the verdict rule
 
 def test_verdict_rule_on_hand_made_numbers():

@@ -236,12 +236,14 @@ def plan(runs: list[Run], st: Settings) -> list[Evaluation]:
                     tasks=("loss",), swaps=(f"full={kind}:{W}",), progress=False)))
             for kind in ("sa", "swa"):
                 ruler(f"c2/ruler/{kind}", run, (L,), (f"full={kind}:{W}",), prefill=True)
-            if st.mc_context:  # the local multiple-choice task under the paper's protocol
+            if st.mc_context:  # the local multiple-choice task under the paper's protocol, and unswapped
+                include = str(next_line_dir(run.dir.parent, st).resolve())
                 for kind in ("sa", "swa"):
                     out.append(Evaluation(f"c2/mc/{kind}", run, EvalRequest(
                         tasks=("lm_eval",), swaps=(f"full={kind}:{W}",), swap_prefill_only=True,
-                        lm_eval_tasks=(NEXT_LINE,), lm_eval_include=str(next_line_dir(run.dir.parent, st).resolve()),
-                        progress=False)))
+                        lm_eval_tasks=(NEXT_LINE,), lm_eval_include=include, progress=False)))
+                out.append(Evaluation("c2/mc/own", run, EvalRequest(
+                    tasks=("lm_eval",), lm_eval_tasks=(NEXT_LINE,), lm_eval_include=include, progress=False)))
     if "C3" in want and by_arch.get("ssa"):
         for run in fulls:
             out.append(Evaluation("c3/full_sparse", run, EvalRequest(tasks=("loss",), swaps=(MOBA_SSA,), progress=False)))
@@ -548,7 +550,8 @@ def evaluate_claims(root: Path, runs: list[Run], evals: list[Evaluation], st: Se
                 return {"part": "c", "statement": statement, "verdict": NOT_EVALUATED,
                         "why": f"not evaluated: {no_task or '--mc-context 0'}", "numbers": {}}
             mc = {r.name: {"acc_norm_sa_prefill": val("c2/mc/sa", r, field_="score"),
-                           "acc_norm_swa_prefill": val("c2/mc/swa", r, field_="score")} for r in fulls}
+                           "acc_norm_swa_prefill": val("c2/mc/swa", r, field_="score"),
+                           "acc_norm_own": val("c2/mc/own", r, field_="score")} for r in fulls}
             return _part("c", statement, mean_group(REFERENCE, d_mc), _band({REFERENCE: [d_mc(r) for r in fulls]}),
                          "greater", mc, miss)
 

@@ -83,7 +83,7 @@ def test_tiny_study_end_to_end(tmp_path, capsys):
               "--mc-context", "8"]
     assert main(claims) == 0
     out = capsys.readouterr().out
-    assert "evaluations: 8 run now, 0 already recorded, 0 left, 0 failed" in out and "claims complete" in out
+    assert "evaluations: 10 run now, 0 already recorded, 0 left, 0 failed" in out and "claims complete" in out
     doc = json.loads((root / "claims.json").read_text())
     from hybrid_lm.scaling import study as S
 
@@ -102,17 +102,18 @@ def test_tiny_study_end_to_end(tmp_path, capsys):
     c2c = doc["claims"]["C2"]["parts"][2]  # the next_line task through lm-eval, contexts prefilled with the swap
     per_run = [n["acc_norm_sa_prefill"] - n["acc_norm_swa_prefill"] for n in c2c["numbers"].values()]
     assert len(per_run) == 2 and c2c["d"] == pytest.approx(sum(per_run) / 2)
+    assert all(0 <= n["acc_norm_own"] <= 1 for n in c2c["numbers"].values())  # the model unswapped, for scale
     assert c2c["verdict"] == S.verdict_greater(c2c["d"], c2c["band"])
     assert len((root / "next_line_c8_n2" / "next_line.jsonl").read_text().splitlines()) == 2
     for r in (root / n for n in doc["runs"] if "-full-" in n):  # the swaps' rows, as `hybrid-lm eval` records them
         rows = [json.loads(x) for x in (r / "eval.jsonl").read_text().splitlines()]
         assert sorted(x["eval_config"]["swaps"][0] for x in rows if x["task"] == "loss") == ["full=sa:4", "full=swa:4"]
         mc = [x for x in rows if x["task"] == "lm_eval/next_line"]
-        assert sorted(x["eval_config"]["swaps"][0] for x in mc) == ["full=sa:4", "full=swa:4"]
-        assert all(x["eval_config"]["swap_prefill_only"] for x in mc)
+        assert sorted(tuple(x["eval_config"]["swaps"]) for x in mc) == [(), ("full=sa:4",), ("full=swa:4",)]
+        assert [x["eval_config"]["swap_prefill_only"] for x in mc if x["eval_config"]["swaps"]] == [True, True]
     eval_files = {p: p.read_bytes() for p in root.glob("*/eval.jsonl")}
     assert main(claims) == 0  # everything recorded: nothing is evaluated again
-    assert "evaluations: 0 run now, 8 already recorded" in capsys.readouterr().out
+    assert "evaluations: 0 run now, 10 already recorded" in capsys.readouterr().out
     assert {p: p.read_bytes() for p in root.glob("*/eval.jsonl")} == eval_files
     assert (root / "plots" / "study_loss.png").stat().st_size > 10_000  # the overview figure
 
