@@ -222,7 +222,10 @@ def cmd_claims(args) -> int:
         for p in c["parts"]:
             print(f"    {p['part']}: {p['verdict']}" + (f"  {p['why']}" if p.get("why") else ""))
     print(f"wrote {Path(args.root) / 'claims.json'} and {Path(args.root) / 'claims.md'}")
-    if ev["left"]:
+    if ev["left"] and args.no_eval:
+        print(f"{ev['left']} evaluation(s) not recorded: the claims and columns that need them are incomplete "
+              "(run without --no-eval, where the checkpoints are, to evaluate them)")
+    elif ev["left"]:
         print(f"{ev['left']} evaluation(s) left (--max-minutes): run the same command to continue")
     else:
         print("claims complete" if not ev["failed"] else "claims complete, with failed evaluations (above)")

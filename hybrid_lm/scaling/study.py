@@ -110,7 +110,8 @@ class Run:
 def study_runs(root: Path, *, checkpoints: bool = True) -> list[Run]:
     """The finished runs of the study under ``root`` (``sweep.json`` jobs with ``sweep_done.json``).
     ``checkpoints=False`` (judging only): a run without its ``checkpoints/`` (a copy of the results files,
-    e.g. ``docs/results/study``) takes its checkpoint steps from the rows of its ``eval.jsonl``."""
+    e.g. ``docs/results/study``) takes its checkpoint steps from the rows of its ``eval.jsonl`` and its final
+    step from ``sweep_done.json``."""
     from hybrid_lm.scaling.launch import DONE
     from hybrid_lm.scaling.sweep import read_manifest
 
@@ -125,9 +126,10 @@ def study_runs(root: Path, *, checkpoints: bool = True) -> list[Run]:
         cfg = json.loads((d / "config.json").read_text())
         if checkpoints or (d / "checkpoints").is_dir():
             steps = checkpoint_steps(d)  # the steps `eval --steps all` reads
-        else:
+        else:  # the steps evaluated, and the final one (a run never evaluated still has it)
+            final = json.loads((d / DONE).read_text()).get("step")
             steps = sorted({r["checkpoint_step"] for r in _current_rows(d)
-                            if isinstance(r.get("checkpoint_step"), int)})
+                            if isinstance(r.get("checkpoint_step"), int)} | ({final} if isinstance(final, int) else set()))
         out.append(Run(j["name"], j["arch"], j["seed"], d, cfg["data"]["seq_len"], steps))
     order = {a: i for i, a in enumerate(ARMS)}
     return sorted(out, key=lambda r: (order.get(r.arch, len(ARMS)), r.arch, r.seed, r.name))
@@ -458,9 +460,11 @@ def _part(name: str, statement: str, d, band, rule: str, numbers: dict, missing=
     if missing:
         return {"part": name, "statement": statement, "verdict": NOT_EVALUATED,
                 "why": f"not evaluated: {', '.join(missing)} missing", "numbers": numbers}
+    if d is None:  # its evaluations have no rows (not run yet, or judged with --no-eval where they never ran)
+        return {"part": name, "statement": statement, "verdict": NOT_EVALUATED,
+                "why": "not evaluated: its evaluations are not recorded", "numbers": numbers}
     v = (verdict_greater if rule == "greater" else verdict_close)(d, band)
     why = ("no noise band: fewer than two replicates of one config" if band is None else
-           "no value" if d is None else
            f"d = {d:+.4f}, band {band:.4f} ({'d > band' if rule == 'greater' else '|d| <= band'} to reproduce)")
     return {"part": name, "statement": statement, "verdict": v, "d": d, "band": band, "rule": rule, "why": why,
             "numbers": numbers}
@@ -809,15 +813,17 @@ def run_claims(root: str | Path, settings: Settings | None = None, *, evaluate: 
         raise ConfigError(f"--claims {','.join(st.claims)}: unknown {', '.join(bad)}; choose from {','.join(CLAIMS)}")
     evals = plan(runs, st)
     no_task = None
-    if any(e.key.startswith("c2/mc/") for e in evals) and (evaluate or not next_line_dir(root, st).exists()):
-        no_task = build_c2_task(root, runs, st) if evaluate else "not built (claims --no-eval builds nothing)"
-        if no_task and evaluate:
+    if evaluate and any(e.key.startswith("c2/mc/") for e in evals):
+        # without evaluating, C2(c)'s rows are found as recorded (the task folder by name): nothing to build
+        no_task = build_c2_task(root, runs, st)
+        if no_task:
             printer(f"C2(c): no next_line task: {no_task}")
-    if no_task:
-        evals = [e for e in evals if not e.key.startswith("c2/mc/")]
-    stats = {"done": 0, "skipped": len(evals), "left": 0, "failed": {}}
+            evals = [e for e in evals if not e.key.startswith("c2/mc/")]
     if evaluate:
         stats = run_evaluations(evals, max_minutes, printer)
+    else:  # judged from the rows there are; what was never evaluated is left, not complete
+        left = sum(not is_done(e) for e in evals)
+        stats = {"done": 0, "skipped": len(evals) - left, "left": left, "failed": {}}
     doc = evaluate_claims(root, runs, evals, st, no_task=no_task)
     doc["evaluation_stats"] = stats
     atomic_write_json(root / "claims.json", doc, indent=1, default=str)

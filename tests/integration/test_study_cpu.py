@@ -128,7 +128,18 @@ def test_tiny_study_end_to_end(tmp_path, capsys):
     assert {k: c["verdict"] for k, c in again["claims"].items()} == {k: c["verdict"] for k, c in doc["claims"].items()}
     assert again["claims"]["C2"]["parts"][0]["d"] == c2a["d"]
     assert again["claims"]["C2"]["parts"][2]["d"] == c2c["d"]  # lm-eval's rows name the task folder's old path
+    # a copy whose full replicates were never evaluated: C2 is judged not evaluated, and not complete
+    for n in doc["runs"]:
+        if "-full-" in n:
+            (copy / n / "eval.jsonl").unlink()
     capsys.readouterr()
+    assert main(["claims", str(copy), "--no-eval", "--claims", "C2", "--no-table", "--ruler-length", "0",
+                 "--mc-items", "2", "--mc-context", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "evaluations: 0 run now, 0 already recorded, 10 left" in out and "10 evaluation(s) not recorded" in out
+    assert "claims complete" not in out
+    part = json.loads((copy / "claims.json").read_text())["claims"]["C2"]["parts"][0]
+    assert part["verdict"] == S.NOT_EVALUATED and "not recorded" in part["why"]
     assert main(["claims", str(copy), "--claims", "C1"]) == 2  # evaluating needs the checkpoints
     assert "has no checkpoints/ directory" in capsys.readouterr().err
 
