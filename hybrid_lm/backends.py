@@ -144,6 +144,10 @@ def attention_backend(impl: str, *, permuted: bool, window: int | None = None, q
     return impl, f"attention_impl={impl!r} set explicitly"
 
 
+# the reason's opening under deterministic ops
+_DETERMINISTIC = "deterministic GPU ops (--xla_gpu_deterministic_ops), so not cuDNN"
+
+
 def _deterministic_attention(qkv, platform: str | None) -> tuple[str, str]:
     """Full or windowed causal attention under XLA's deterministic GPU ops: never cuDNN, whose
     deterministic backward failed to run (``hybrid_lm/determinism.py``); jla's kernel where it takes the
@@ -154,8 +158,6 @@ def _deterministic_attention(qkv, platform: str | None) -> tuple[str, str]:
         return "jla", f"auto: {_DETERMINISTIC}; jla's kernel takes these operands (deterministic backward)"
     return "pallas", f"auto: {_DETERMINISTIC}; our kernel's backward uses no atomics (not jla: {why})"
 
-
-_DETERMINISTIC = "deterministic GPU ops (--xla_gpu_deterministic_ops), so not cuDNN"
 
 # Why a document mask runs the XLA reference: what the other attention backends take.
 _NO_SEGMENTS = ("only the XLA reference takes segment ids (jax.nn.dot_product_attention passes cuDNN no "

@@ -106,6 +106,7 @@ def build_next_line_task(store_path, tokenizer: str, out, *, items: int = 200, c
     if max_continuation_tokens is not None:  # every choice must fit after the context
         sizes = tok.encode_batch(["\n" + ln for _, ln in pool]) if pool else []
         pool = [x for x, ids in zip(pool, sizes) if len(ids) <= max_continuation_tokens]
+
     def fits(line: str) -> bool:
         return max_continuation_tokens is None or len(tok.encode("\n" + line)) <= max_continuation_tokens
 
