@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Is a GPU training run reproducible, and what does HYBRID_LM_DETERMINISTIC=1 cost? From the repo root:
 #
-#   bash experiments/determinism.sh
+#   bash experiments/determinism.sh [MODEL...]        # MODEL: full sa_swa128 ssa (default: all three)
 #
 # Trains three of the study's S1 models (configs/sweeps/study.toml: `full`, the gated SA+SWA-128 hybrid,
 # SSA; T = 4096, 32 x 4096 tokens per step, the embedded corpus at byte level, 60 steps) four times each:
@@ -29,7 +29,11 @@ declare -A MODEL=(
   [full]="--gin_param ModelConfig.layer_pattern='F'"
   [sa_swa128]="configs/arch/sa_swa.gin --gin_param efficient/MixerConfig.window=128"
   [ssa]="configs/arch/ssa.gin")
-MODELS=(full sa_swa128 ssa)
+MODELS=("${@:-full}")
+[ $# = 0 ] && MODELS=(full sa_swa128 ssa)
+for model in "${MODELS[@]}"; do
+  [ -n "${MODEL[$model]:-}" ] || { echo "error: unknown model '$model' (choose from: ${!MODEL[*]})" >&2; exit 2; }
+done
 for model in "${MODELS[@]}"; do
   for mode in default deterministic; do
     for i in 1 2; do
