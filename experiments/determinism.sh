@@ -29,10 +29,10 @@ declare -A MODEL=(
   [full]="--gin_param ModelConfig.layer_pattern='F'"
   [sa_swa128]="configs/arch/sa_swa.gin --gin_param efficient/MixerConfig.window=128"
   [ssa]="configs/arch/ssa.gin")
-MODELS=("${@:-full}")
-[ $# = 0 ] && MODELS=(full sa_swa128 ssa)
+ALL=(full sa_swa128 ssa)
+if [ $# -gt 0 ]; then MODELS=("$@"); else MODELS=("${ALL[@]}"); fi
 for model in "${MODELS[@]}"; do
-  [ -n "${MODEL[$model]:-}" ] || { echo "error: unknown model '$model' (choose from: ${!MODEL[*]})" >&2; exit 2; }
+  [ -n "${MODEL[$model]:-}" ] || { echo "error: unknown model '$model' (choose from: ${ALL[*]})" >&2; exit 2; }
 done
 for model in "${MODELS[@]}"; do
   for mode in default deterministic; do
