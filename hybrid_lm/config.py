@@ -49,10 +49,41 @@ def _nid(default, **kw):
     return field(default=default, metadata=_meta(False), **kw)
 
 
-def _added(default, **kw):
+def _added(default=dataclasses.MISSING, **kw):
     """An experiment-defining field added after run ids were first published: it enters the run id
     only when set to a non-default value, so the ids of configs that leave it alone do not change."""
     return field(default=default, metadata=_meta(True, omit_default=True), **kw)
+
+
+# RoPE frequency scalings a MixerConfig.rope_scaling may name, with the keys each requires (transformers'
+# ``rope_parameters`` names): llama3 is Llama 3.1+'s long-context rescaling of the inverse frequencies.
+ROPE_SCALINGS = {"llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+
+
+def check_rope_scaling(scaling, where: str) -> dict:
+    """``scaling`` (``MixerConfig.rope_scaling``: ``{}`` for plain RoPE, or a dict, or its items) as a
+    dict, refused in one line unless it is empty or names a known ``rope_type`` with every key it needs."""
+    d = dict(scaling or {})
+    if not d:
+        return d
+    kind = d.get("rope_type")
+    if kind not in ROPE_SCALINGS:
+        raise ConfigError(f"{where}: rope_type={kind!r}: hybrid_lm scales RoPE by "
+                          f"{', '.join(map(repr, ROPE_SCALINGS))} only")
+    need = ROPE_SCALINGS[kind]
+    missing, extra = [k for k in need if k not in d], sorted(set(d) - set(need) - {"rope_type"})
+    if missing or extra:
+        raise ConfigError(f"{where}: rope_type {kind!r} takes {', '.join(need)}"
+                          + (f"; missing {', '.join(missing)}" if missing else "")
+                          + (f"; unknown {', '.join(extra)}" if extra else ""))
+    for k in need:
+        v = d[k]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+            raise ConfigError(f"{where}: rope_type {kind!r}: {k}={v!r} must be a positive number")
+    if not d["low_freq_factor"] < d["high_freq_factor"]:
+        raise ConfigError(f"{where}: rope_type {kind!r}: low_freq_factor={d['low_freq_factor']} must be below "
+                          f"high_freq_factor={d['high_freq_factor']}")
+    return d
 
 
 @gin.configurable
@@ -64,6 +95,10 @@ class MixerConfig:
     window: int | None = None  # window size for windowed mixers; counts the query itself
     rope: bool = True  # False = NoPE
     rope_theta: float = 10000.0
+    # RoPE's frequencies rescaled for a longer context, as transformers' ``rope_parameters`` spells it:
+    # {} (plain RoPE) or {"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
+    # "original_max_position_embeddings"} (Llama 3.1+; hybrid_lm/model/layers.py::rope_frequencies)
+    rope_scaling: dict = _added(default_factory=dict)
     options: dict = field(default_factory=dict)  # mixer-specific; checked against the mixer's Options
 
 
@@ -616,6 +651,8 @@ def experiment_fields(cfg: Config, data_identity: dict) -> dict[str, Any]:
                 continue  # paths: their contents are in data.identity
             if dataclasses.is_dataclass(v):
                 for sf in dataclasses.fields(v):
+                    if sf.metadata.get("omit_default") and getattr(v, sf.name) == _field_default(sf):
+                        continue
                     out[f"{sec.name}.{f.name}.{sf.name}"] = _jsonable(getattr(v, sf.name))
             else:
                 out[f"{sec.name}.{f.name}"] = _jsonable(v)

@@ -18,11 +18,16 @@ from hybrid_lm.config import Config, MixerConfig, ModelConfig
 BASE = dict(vocab_size=320, d_model=64, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=96, norm_eps=1e-5,
             compute_dtype="float32", attention_impl="xla")
 WINDOW = 5  # every sliding layer's window: shorter than the test sequences, so it masks
+# Llama 3.1's RoPE scaling at a length where head_dim 16 and theta 5e5 put one frequency in each of its
+# three bands (kept, interpolated, divided by factor): wavelengths 6.3, 32.5, 169, ... against 64/8 and 64/1
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 8.0,
+          "original_max_position_embeddings": 64}
 
 # name -> (the family export writes, ModelConfig fields besides BASE)
 OURS = {
     "llama": ("llama", dict(layer_pattern="F")),  # GQA, untied head
     "llama_tied": ("llama", dict(layer_pattern="F", n_kv_heads=1, tie_embeddings=True, head_dim=24)),  # MQA, tied
+    "llama31": ("llama", dict(layer_pattern="F", full=MixerConfig(kind="attention", rope_theta=5e5, rope_scaling=LLAMA3))),
     "ministral": ("ministral", dict(layer_pattern="1:1", full=MixerConfig(kind="attention", rope_theta=5e5),
                                     efficient=MixerConfig(kind="swa", window=WINDOW, rope_theta=5e5))),
     "qwen3": ("qwen3", dict(layer_pattern="1:1", qk_norm=True, head_dim=24, tie_embeddings=True,
@@ -44,6 +49,8 @@ THEIRS = {
     "llama": ("llama", dict(rope_theta=5e5), "FFFF", {"full": ("attention", None, True)}),
     "llama_tied": ("llama", dict(tie_word_embeddings=True, num_key_value_heads=1, head_dim=24),
                    "FFFF", {"full": ("attention", None, True)}),
+    "llama31": ("llama", dict(rope_theta=5e5, rope_scaling={k: v for k, v in LLAMA3.items()}),
+                "FFFF", {"full": ("attention", None, True)}),
     "mistral": ("mistral", dict(sliding_window=WINDOW), "EEEE", {"efficient": ("swa", WINDOW, True)}),
     "ministral": ("ministral", dict(sliding_window=WINDOW, layer_types=[FULL, SLIDING, SLIDING, FULL]),
                   "FEEF", {"full": ("attention", None, True), "efficient": ("swa", WINDOW, True)}),

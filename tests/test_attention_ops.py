@@ -1,9 +1,11 @@
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hybrid_lm.model.layers import apply_rope
+from hybrid_lm.model.layers import apply_rope, rope_frequencies
 from hybrid_lm.ops.attention import causal_attention, dense_attention, windowed_attention
 
 
@@ -196,3 +198,56 @@ def test_auto_dispatch_per_platform_and_mask(monkeypatch):
     for impl in ("cudnn", "jla"):
         with pytest.raises(ConfigError, match="stochastic"):
             resolve_impl(impl, permuted=True, window=128, qkv=qkv)
+
+
+def _llama3_frequencies(head_dim, theta, factor, low_freq_factor, high_freq_factor, original):
+    """Llama 3.1's RoPE rescaling as its release states it, one frequency at a time in float64: short
+    wavelengths keep their frequency, long ones are divided by ``factor``, the band between interpolates."""
+    out = []
+    for i in range(0, head_dim, 2):
+        f = 1.0 / theta ** (i / head_dim)
+        wavelen = 2 * math.pi / f
+        if wavelen < original / high_freq_factor:
+            out.append(f)
+        elif wavelen > original / low_freq_factor:
+            out.append(f / factor)
+        else:
+            smooth = (original / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+            out.append((1 - smooth) * f / factor + smooth * f)
+    return np.array(out)
+
+
+@pytest.mark.parametrize("head_dim,theta,factor,lo,hi,original", [
+    (128, 5e5, 8.0, 1.0, 4.0, 8192),    # Llama 3.1 8B / 70B
+    (64, 5e5, 32.0, 1.0, 4.0, 8192),    # Llama 3.2 1B
+    (16, 5e5, 8.0, 1.0, 8.0, 64),       # the tiny models of tests/hf_families.py: one frequency per band
+    (32, 1e4, 4.0, 2.0, 16.0, 256),
+])
+def test_llama3_frequencies_equal_the_per_frequency_formula(head_dim, theta, factor, lo, hi, original):
+    scaling = {"rope_type": "llama3", "factor": factor, "low_freq_factor": lo, "high_freq_factor": hi,
+               "original_max_position_embeddings": original}
+    ref = _llama3_frequencies(head_dim, theta, factor, lo, hi, original)
+    plain = 1.0 / theta ** (np.arange(0, head_dim, 2) / head_dim)
+    bands = {"kept": np.isclose(ref, plain), "divided": np.isclose(ref, plain / factor)}
+    assert bands["kept"].any() and bands["divided"].any()  # each case exercises the rescaling
+    np.testing.assert_allclose(np.asarray(rope_frequencies(head_dim, theta, scaling)), ref, rtol=2e-6)
+    # in tuple form (as the attention modules hold it) the same; an empty scaling is plain RoPE, bitwise
+    np.testing.assert_array_equal(rope_frequencies(head_dim, theta, tuple(sorted(scaling.items()))),
+                                  rope_frequencies(head_dim, theta, scaling))
+    np.testing.assert_array_equal(rope_frequencies(head_dim, theta, {}), rope_frequencies(head_dim, theta))
+
+
+def test_scaled_rope_is_still_relative():
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 8.0,
+               "original_max_position_embeddings": 64}
+    rng = np.random.default_rng(0)
+    q, k = (jnp.asarray(rng.standard_normal((1, 1, 1, 16)), jnp.float32) for _ in range(2))
+
+    def score(pq, pk):
+        qr = apply_rope(q, jnp.array([[pq]]), 5e5, scaling)
+        kr = apply_rope(k, jnp.array([[pk]]), 5e5, scaling)
+        return float(jnp.sum(qr * kr))
+
+    assert score(200, 180) == pytest.approx(score(20, 0), rel=1e-4, abs=1e-5)
+    assert score(200, 180) != pytest.approx(float(jnp.sum(apply_rope(q, jnp.array([[200]]), 5e5)
+                                                          * apply_rope(k, jnp.array([[180]]), 5e5))), rel=1e-3)

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from hybrid_lm.config import CONFIGS_DIR, config_from_dict, expand_pattern
+from hybrid_lm.config import CONFIGS_DIR, config_from_dict, expand_pattern, experiment_fields
 from hybrid_lm.experiment import config_record, diff_experiments, load_config, run_id
 from hybrid_lm.errors import ConfigError
 from hybrid_lm.train.rundir import prepare_run_dir
@@ -180,6 +180,10 @@ def test_kind_scoped_binding_is_a_default_for_that_kind():
         load_config(["quickstart.gin"], ["efficient/MixerConfig.kind = 'sa'"])  # the swa window is not inherited
 
 
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 256}
+
+
 @pytest.mark.parametrize("params,match", [
     (["efficient/MixerConfig.kind = 'moba'", "efficient/MixerConfig.window = 64"],
      r"efficient/MixerConfig.window=64 is set, but mixer 'moba' does not read window"),
@@ -191,18 +195,48 @@ def test_kind_scoped_binding_is_a_default_for_that_kind():
      r"efficient/MixerConfig.rope=False is set, but mixer 'mamba2' does not read rope \(it reads: options\)"),
     (["efficient/MixerConfig.kind = 'gdn'", "efficient/MixerConfig.rope_theta = 5e5"],
      r"efficient/MixerConfig.rope_theta=500000.0 is set, but mixer 'gdn'"),
+    (["efficient/MixerConfig.kind = 'lightning'", f"efficient/MixerConfig.rope_scaling = {LLAMA3!r}"],
+     r"efficient/MixerConfig.rope_scaling=\{'rope_type': 'llama3'.* is set, but mixer 'lightning' does not read"),
 ])
 def test_a_field_the_mixer_does_not_read_is_an_error(params, match):
     with pytest.raises(ConfigError, match=match):
         load_config(["quickstart.gin"], params)
 
 
+@pytest.mark.parametrize("scaling,extra,match", [
+    ({"rope_type": "yarn", "factor": 4.0}, [], r"full/MixerConfig.rope_scaling: rope_type='yarn': hybrid_lm "
+                                               r"scales RoPE by 'llama3' only"),
+    ({"factor": 4.0}, [], r"rope_type=None"),
+    ({**LLAMA3, "beta_fast": 32}, [], r"rope_type 'llama3' takes factor, .*; unknown beta_fast"),
+    ({"rope_type": "llama3", "factor": 8.0}, [], r"missing low_freq_factor, high_freq_factor, original_max"),
+    ({**LLAMA3, "factor": -1.0}, [], r"factor=-1.0 must be a positive number"),
+    ({**LLAMA3, "original_max_position_embeddings": "8k"}, [], r"original_max_position_embeddings='8k' must be"),
+    ({**LLAMA3, "low_freq_factor": 4.0}, [], r"low_freq_factor=4.0 must be below high_freq_factor=4.0"),
+    (LLAMA3, ["full/MixerConfig.rope = False"], r"rope_scaling is set, but full/MixerConfig.rope = False \(NoPE\)"),
+])
+def test_bad_rope_scaling_is_one_line(scaling, extra, match):
+    with pytest.raises(ConfigError, match=match) as e:
+        load_config(["quickstart.gin"], [f"full/MixerConfig.rope_scaling = {scaling!r}"] + extra)
+    assert "\n" not in str(e.value)
+
+
+def test_rope_scaling_enters_the_run_id_only_when_set():
+    base = load_config(["quickstart.gin"])
+    scaled = load_config(["quickstart.gin"], [f"full/MixerConfig.rope_scaling = {LLAMA3!r}"])
+    assert scaled.model.full.rope_scaling == LLAMA3 and scaled.model.efficient.rope_scaling == {}
+    assert run_id(scaled) != run_id(base)
+    assert "model.full.rope_scaling" not in experiment_fields(base, {})
+    assert config_from_dict(config_record(scaled)).model.full.rope_scaling == LLAMA3
+
+
 def test_mixers_declare_what_they_read():
     from hybrid_lm.model.registry import MIXER_FIELDS, register_mixer, registered_mixers
     specs = registered_mixers()
-    assert specs["attention"].reads == ("rope", "rope_theta")
-    assert specs["swa"].reads == ("window", "rope", "rope_theta")
-    assert specs["moba"].reads == ("rope", "rope_theta", "options")
+    assert specs["attention"].reads == ("rope", "rope_theta", "rope_scaling")
+    assert specs["swa"].reads == ("window", "rope", "rope_theta", "rope_scaling")
+    assert specs["moba"].reads == ("rope", "rope_theta", "rope_scaling", "options")
+    # every mixer that rotates q and k takes the scaling of its frequencies too
+    assert all(("rope_theta" in s.reads) == ("rope_scaling" in s.reads) for s in specs.values())
     assert specs["mamba2"].reads == ("options",)
     for spec in specs.values():
         assert set(spec.reads) <= set(MIXER_FIELDS) and ("options" in spec.reads) == (spec.options is not None)

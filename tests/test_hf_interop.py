@@ -11,7 +11,7 @@ import json
 import jax
 import numpy as np
 import pytest
-from hf_families import OURS, THEIRS, WINDOW, hf_dict, layer_summary, random_params, tiny_model
+from hf_families import LLAMA3, OURS, THEIRS, WINDOW, hf_dict, layer_summary, random_params, tiny_model
 
 from hybrid_lm.config import Config, MixerConfig, ModelConfig, run_id_of
 from hybrid_lm.errors import ConfigError, WorkdirError
@@ -71,8 +71,9 @@ def test_config_maps_back_without_the_export_record(name):
               "norm_eps", "compute_dtype"):
         assert getattr(back, f) == getattr(model, f), f
     assert back.resolved_head_dim == model.resolved_head_dim
-    assert {back.mixer(t).rope_theta for t in "FE" if back.mixer(t).rope and t in back.layer_types()} == \
-           {model.mixer(t).rope_theta for t in "FE" if model.mixer(t).rope and t in model.layer_types()}
+    for field in ("rope_theta", "rope_scaling"):
+        assert {json.dumps(getattr(back.mixer(t), field)) for t in "FE" if back.mixer(t).rope and t in back.layer_types()} \
+            == {json.dumps(getattr(model.mixer(t), field)) for t in "FE" if model.mixer(t).rope and t in model.layer_types()}
 
 
 def test_export_config_per_family():
@@ -80,6 +81,9 @@ def test_export_config_per_family():
     c = hf_config(tiny_model("llama"), max_position_embeddings=32)
     assert c["architectures"] == ["LlamaForCausalLM"] and "layer_types" not in c
     assert c["rope_parameters"] == {"rope_type": "default", "rope_theta": 10000.0} and c["head_dim"] == 16
+    assert "rope_scaling" not in c
+    c = hf_config(tiny_model("llama31"), max_position_embeddings=32)  # 5.x's rope_parameters, 4.x's rope_scaling
+    assert c["rope_parameters"] == {"rope_theta": 5e5, **LLAMA3} and c["rope_scaling"] == LLAMA3
     c = hf_config(tiny_model("llama_tied"), max_position_embeddings=32)
     assert (c["tie_word_embeddings"], c["num_key_value_heads"], c["head_dim"]) == (True, 1, 24)
     c = hf_config(tiny_model("ministral"), max_position_embeddings=32)
@@ -139,6 +143,12 @@ QWEN3_06B = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidd
              "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None,
              "tie_word_embeddings": True, "use_sliding_window": False, "max_window_layers": 28,
              "vocab_size": 151936, "attention_bias": False, "max_position_embeddings": 40960}
+LLAMA32_1B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048, "head_dim": 64,
+              "intermediate_size": 8192, "num_attention_heads": 32, "num_hidden_layers": 16, "num_key_value_heads": 8,
+              "rms_norm_eps": 1e-05, "rope_theta": 500000.0, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+              "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                               "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+              "vocab_size": 128256, "hidden_act": "silu", "max_position_embeddings": 131072, "mlp_bias": False}
 SMOLLM3_3B = {"architectures": ["SmolLM3ForCausalLM"], "model_type": "smollm3", "hidden_size": 2048,
               "intermediate_size": 11008, "num_attention_heads": 16, "num_hidden_layers": 36,
               "num_key_value_heads": 4, "rope_theta": 5000000.0, "no_rope_layer_interval": 4,
@@ -154,6 +164,10 @@ def test_released_configs_import():
     m = model_config_from_hf(QWEN3_06B)
     assert (m.qk_norm, m.head_dim, m.tie_embeddings, m.full.rope_theta, m.layer_types()) == (
         True, 128, True, 1e6, ["F"] * 28)
+    m = model_config_from_hf(LLAMA32_1B)  # transformers 4.x's rope_scaling beside rope_theta
+    assert (m.full.rope_theta, m.full.rope_scaling) == (5e5, LLAMA32_1B["rope_scaling"])
+    five = {k: v for k, v in LLAMA32_1B.items() if k not in ("rope_scaling", "rope_theta")}  # 5.x: one dict
+    assert model_config_from_hf({**five, "rope_parameters": {"rope_theta": 5e5, **LLAMA32_1B["rope_scaling"]}}) == m
     m = model_config_from_hf(SMOLLM3_3B)  # NoPE every 4th layer (3, 7, ...): the full slot; tied by default
     assert m.layer_pattern == "EEEF" and m.full == MixerConfig(kind="attention", rope=False, rope_theta=5e6)
     assert (m.efficient.kind, m.efficient.rope, m.efficient.rope_theta, m.tie_embeddings) == ("attention", True, 5e6, True)
@@ -237,7 +251,9 @@ def _llama(**kw):
     ({"model_type": "gpt2"}, "model_type 'gpt2' is not supported: hybrid_lm imports llama, mistral"),
     ({"model_type": "qwen2"}, "model_type 'qwen2' is not supported"),
     ({}, "model_type None is not supported"),
-    (_llama(rope_scaling={"rope_type": "llama3", "factor": 8.0}), "rope_type='llama3'"),
+    (_llama(rope_scaling={"rope_type": "llama3", "factor": 8.0}), "'llama3' takes factor.*; missing low_freq_factor"),
+    (_llama(rope_scaling={**LLAMA3, "attention_factor": 1.0}), "unknown attention_factor"),
+    (_llama(rope_scaling={**LLAMA3, "factor": 0}), "factor=0 must be a positive number"),
     (_llama(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}), "no yarn scaling"),
     (_llama(rope_scaling={"type": "linear", "factor": 2.0}), "rope_type='linear'"),
     (_llama(attention_bias=True), "attention_bias=true"),

@@ -42,7 +42,8 @@ from pathlib import Path
 
 import numpy as np
 
-from hybrid_lm.config import SLOT_DEFAULTS, Config, DataConfig, MixerConfig, ModelConfig, TrainConfig
+from hybrid_lm.config import (ROPE_SCALINGS, SLOT_DEFAULTS, Config, DataConfig, MixerConfig, ModelConfig, TrainConfig,
+                              check_rope_scaling)
 from hybrid_lm.errors import ConfigError, WorkdirError
 
 log = logging.getLogger(__name__)
@@ -195,6 +196,9 @@ def check_exportable(model: ModelConfig) -> None:
     if len(thetas) > 1:
         raise ConfigError(f"--format hf: the RoPE layers use different rope_theta ({', '.join(map(str, sorted(thetas)))}); "
                           "transformers' Llama / Mistral / Qwen3 / SmolLM3 take one rope_theta for every layer")
+    if len({json.dumps(mc.rope_scaling, sort_keys=True) for mc in used if mc.rope}) > 1:
+        raise ConfigError("--format hf: the RoPE layers use different rope_scaling; transformers' Llama / Mistral / "
+                          "Qwen3 / SmolLM3 take one rope_parameters for every layer")
     windows = {mc.window for mc in used if mc.kind == "swa"}
     if len(windows) > 1:
         raise ConfigError(f"--format hf: the sliding-window layers use different windows ({sorted(windows)}); "
@@ -226,6 +230,7 @@ def hf_config(model: ModelConfig, *, max_position_embeddings: int, bos_token_id=
     used = [model.mixer(t) for t in dict.fromkeys(model.layer_types())]
     roped = [mc for mc in used if mc.rope]
     theta = float((roped or used)[0].rope_theta)
+    scaling = dict(roped[0].rope_scaling) if roped else {}
     window = next((mc.window for mc in used if mc.kind == "swa"), None)
     sliding = any(s for s, _ in kinds)
     d = {"architectures": [ARCHITECTURES[family]], "model_type": family, "vocab_size": model.vocab_size,
@@ -234,12 +239,14 @@ def hf_config(model: ModelConfig, *, max_position_embeddings: int, bos_token_id=
          "head_dim": model.resolved_head_dim, "hidden_act": "silu", "max_position_embeddings": int(max_position_embeddings),
          "rms_norm_eps": model.norm_eps, "initializer_range": model.init_std,
          "tie_word_embeddings": model.tie_embeddings,
-         "rope_parameters": {"rope_type": "default", "rope_theta": theta},
+         "rope_parameters": {"rope_type": "default", "rope_theta": theta, **scaling},
          "rope_theta": theta,  # the same value under the key transformers 4.x reads
          "attention_bias": False, "attention_dropout": 0.0, "use_cache": True,
          "bos_token_id": bos_token_id, "eos_token_id": eos_token_id, "pad_token_id": pad_token_id,
          "dtype": dtype, "torch_dtype": dtype}
     layer_types = [SLIDING if s else FULL for s, _ in kinds]
+    if scaling:  # transformers 4.x reads the scaling here (5.x, finding it, takes it over rope_parameters)
+        d["rope_scaling"] = scaling
     if family in ("llama", "smollm3"):
         d["mlp_bias"] = False
     if family == "ministral":
@@ -261,9 +268,10 @@ def _get(hf: dict, family: str, key: str):
     return hf[key] if key in hf else FAMILY_DEFAULTS[family].get(key)
 
 
-def _rope(hf: dict, family: str, where: str) -> float:
-    """rope_theta of a config (``rope_parameters``, or 4.x's ``rope_theta`` / ``rope_scaling``);
-    refuses RoPE scaling and partial rotary embeddings."""
+def _rope(hf: dict, family: str, where: str) -> tuple[float, dict]:
+    """``(rope_theta, rope_scaling)`` of a config (``rope_parameters``, or 4.x's ``rope_theta`` /
+    ``rope_scaling``): the scaling as ``MixerConfig.rope_scaling`` takes it ({} for plain RoPE);
+    refuses the scalings hybrid_lm does not implement and partial rotary embeddings."""
     rp = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     if not isinstance(rp, dict):
         raise ConfigError(f"{where}: rope_parameters={rp!r} is not an object")
@@ -274,13 +282,18 @@ def _rope(hf: dict, family: str, where: str) -> float:
                               "hybrid_lm maps one rope_theta")
         rp = next(iter(per_type.values()))
     rope_type = rp.get("rope_type", rp.get("type", "default"))
-    if rope_type != "default":
-        raise ConfigError(f"{where}: rope_parameters rope_type={rope_type!r}: hybrid_lm has plain RoPE only "
-                          f"(rope_type 'default'), no {rope_type} scaling")
     partial = rp.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
     if partial not in (None, 1, 1.0):
         raise ConfigError(f"{where}: partial_rotary_factor={partial}: hybrid_lm rotates every dimension of a head")
-    return float(rp.get("rope_theta", hf.get("rope_theta", FAMILY_DEFAULTS[family]["rope_theta"])))
+    theta = float(rp.get("rope_theta", hf.get("rope_theta", FAMILY_DEFAULTS[family]["rope_theta"])))
+    if rope_type == "default":
+        return theta, {}
+    if rope_type not in ROPE_SCALINGS:
+        raise ConfigError(f"{where}: rope_parameters rope_type={rope_type!r}: hybrid_lm has plain RoPE (rope_type "
+                          f"'default') and {', '.join(map(repr, ROPE_SCALINGS))} scaling, no {rope_type} scaling")
+    scaling = {"rope_type": rope_type, **{k: v for k, v in rp.items()
+                                          if k not in ("rope_type", "type", "rope_theta", "partial_rotary_factor")}}
+    return theta, check_rope_scaling(scaling, f"{where}: rope_parameters")
 
 
 def hf_layers(hf: dict, family: str, where: str) -> tuple[list[tuple[bool, bool]], int | None]:
@@ -353,7 +366,7 @@ def model_config_from_hf(hf: dict, where: str = "config.json", record: dict | No
         raise ConfigError(f"{where}: model_type {family!r} is not supported: hybrid_lm imports "
                           f"{', '.join(FAMILY_DEFAULTS)}")
     _check_supported(hf, family, where)
-    theta = _rope(hf, family, where)
+    theta, scaling = _rope(hf, family, where)
     kinds, window = hf_layers(hf, family, where)
     combos = list(dict.fromkeys(kinds))
     if len(combos) > 2:
@@ -401,7 +414,8 @@ def model_config_from_hf(hf: dict, where: str = "config.json", record: dict | No
         slot = "full" if t == "F" else "efficient"
         base = getattr(old, slot) if old is not None else None
         slots[slot] = MixerConfig(kind="swa" if k[0] else "attention", window=window if k[0] else None, rope=k[1],
-                                  rope_theta=theta if k[1] or base is None else base.rope_theta)
+                                  rope_theta=theta if k[1] or base is None else base.rope_theta,
+                                  rope_scaling=scaling if k[1] else {})
     for slot in ("full", "efficient"):
         slots.setdefault(slot, getattr(old, slot) if old is not None else SLOT_DEFAULTS[slot])
     hidden, heads = int(_get(hf, family, "hidden_size")), int(_get(hf, family, "num_attention_heads"))

@@ -113,9 +113,11 @@ def qk_norm_params(cfg: ModelConfig):
     return RMSNorm(cfg.resolved_head_dim, cfg.norm_eps), RMSNorm(cfg.resolved_head_dim, cfg.norm_eps)
 
 
-def project_qkv(x, wq, wk, wv, positions, rope: bool, rope_theta: float, q_norm=None, k_norm=None):
+def project_qkv(x, wq, wk, wv, positions, rope: bool, rope_theta: float, q_norm=None, k_norm=None,
+                rope_scaling=()):
     """q, k, v ``[B, T, heads, Dh]`` in x's dtype: q and k RMS-normed per head when ``q_norm`` /
-    ``k_norm`` are given (``ModelConfig.qk_norm``), then RoPE at ``positions`` unless NoPE."""
+    ``k_norm`` are given (``ModelConfig.qk_norm``), then RoPE at ``positions`` unless NoPE
+    (``rope_scaling``: ``MixerConfig.rope_scaling``'s items)."""
     dt = x.dtype
     q = jnp.einsum("btd,dhk->bthk", x, wq[...].astype(dt))
     k = jnp.einsum("btd,dhk->bthk", x, wk[...].astype(dt))
@@ -123,7 +125,7 @@ def project_qkv(x, wq, wk, wv, positions, rope: bool, rope_theta: float, q_norm=
     if q_norm is not None:
         q, k = q_norm(q), k_norm(k)
     if rope:
-        q, k = apply_rope(q, positions, rope_theta), apply_rope(k, positions, rope_theta)
+        q, k = apply_rope(q, positions, rope_theta, rope_scaling), apply_rope(k, positions, rope_theta, rope_scaling)
     return q, k, v
 
 
@@ -142,11 +144,12 @@ class Attention(nnx.Module):
         self.window = window
         self.rope = mc.rope
         self.rope_theta = mc.rope_theta
+        self.rope_scaling = tuple(sorted(mc.rope_scaling.items()))  # hashable: static module data
         self.layer_idx = layer_idx
 
     def project_qkv(self, x, positions):
         return project_qkv(x, self.wq, self.wk, self.wv, positions, self.rope, self.rope_theta,
-                           getattr(self, "q_norm", None), getattr(self, "k_norm", None))
+                           getattr(self, "q_norm", None), getattr(self, "k_norm", None), self.rope_scaling)
 
     def project_out(self, o):
         return jnp.einsum("bthk,hkd->btd", o, self.wo[...].astype(o.dtype))
@@ -230,7 +233,7 @@ class AttentionDecode:
         return y, dict(state, pos=pos + 1)
 
 
-@register_mixer("attention", flops=_attention_flops(lambda mc: None), reads=("rope", "rope_theta"),
+@register_mixer("attention", flops=_attention_flops(lambda mc: None), reads=("rope", "rope_theta", "rope_scaling"),
                 description="full causal softmax attention (GQA), RoPE or NoPE", document_mask=True,
                 decode="a KV cache")
 class FullAttention(AttentionDecode, Attention):
@@ -238,7 +241,7 @@ class FullAttention(AttentionDecode, Attention):
         super().__init__(cfg, mc, layer_idx, rngs=rngs, window=None)
 
 
-@register_mixer("swa", flops=_attention_flops(lambda mc: mc.window), reads=("window", "rope", "rope_theta"),
+@register_mixer("swa", flops=_attention_flops(lambda mc: mc.window), reads=("window", "rope", "rope_theta", "rope_scaling"),
                 description="causal sliding-window attention, window w counts the query itself", document_mask=True,
                 decode="a ring buffer of `window` keys")
 class SlidingWindowAttention(AttentionDecode, Attention):

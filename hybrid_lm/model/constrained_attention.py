@@ -64,7 +64,7 @@ def sink_flops(cfg: ModelConfig, mc: MixerConfig, seq_len: int) -> dict:
     return {"matmul": attention_projection_flops(cfg), "mixing": attention_mixing_flops(cfg, keys)}
 
 
-@register_mixer("attention_sink", flops=sink_flops, reads=("rope", "rope_theta", "options"), options=SinkOptions,
+@register_mixer("attention_sink", flops=sink_flops, reads=("rope", "rope_theta", "rope_scaling", "options"), options=SinkOptions,
                 description="causal attention limited to the last `horizon` tokens plus `sinks` first "
                             "positions (receptive-field constraint); same parameters as attention",
                 document_mask=sink_document_mask)

@@ -69,13 +69,31 @@ class SwiGLU(nnx.Module):
         return h @ self.w_down[...].astype(dt)
 
 
-def apply_rope(x, positions, theta: float = 10000.0):
-    """Rotary embedding (rotate-half convention) of ``x: [B, T, H, D]`` at ``positions: [B, T]``."""
+def rope_frequencies(head_dim: int, theta: float, scaling=None):
+    """RoPE's inverse frequencies ``[head_dim / 2]`` (float32): ``theta ** (-2i / head_dim)``, rescaled by
+    ``scaling`` (``hybrid_lm.config.ROPE_SCALINGS``). llama3: wavelengths below ``original / high_freq_factor`` keep
+    their frequency, those above ``original / low_freq_factor`` are divided by ``factor``, and the band
+    between interpolates linearly in ``original / wavelength``."""
+    freqs = theta ** (-jnp.arange(0, head_dim // 2, dtype=jnp.float32) * 2.0 / head_dim)
+    s = dict(scaling or {})
+    if not s:
+        return freqs
+    factor, lo, hi = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    original = s["original_max_position_embeddings"]
+    wavelen = 2 * jnp.pi / freqs
+    smooth = (original / wavelen - lo) / (hi - lo)
+    scaled = jnp.where(wavelen > original / lo, freqs / factor, freqs)
+    between = (wavelen >= original / hi) & (wavelen <= original / lo)
+    return jnp.where(between, (1 - smooth) * freqs / factor + smooth * freqs, scaled).astype(jnp.float32)
+
+
+def apply_rope(x, positions, theta: float = 10000.0, scaling=None):
+    """Rotary embedding (rotate-half convention) of ``x: [B, T, H, D]`` at ``positions: [B, T]``, at the
+    frequencies of :func:`rope_frequencies` (``scaling``: ``MixerConfig.rope_scaling``, empty for plain RoPE)."""
     D = x.shape[-1]
     if D % 2:
         raise ValueError(f"RoPE needs an even head_dim, got {D}")
-    freqs = theta ** (-jnp.arange(0, D // 2, dtype=jnp.float32) * 2.0 / D)
-    ang = positions.astype(jnp.float32)[..., None] * freqs  # [B, T, D/2]
+    ang = positions.astype(jnp.float32)[..., None] * rope_frequencies(D, theta, scaling)  # [B, T, D/2]
     cos, sin = jnp.cos(ang)[:, :, None, :], jnp.sin(ang)[:, :, None, :]
     xf = x.astype(jnp.float32)
     x1, x2 = xf[..., : D // 2], xf[..., D // 2:]

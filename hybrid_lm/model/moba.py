@@ -195,7 +195,7 @@ MOBA_DOCUMENT_MASK = ("its gate would pick key blocks of other documents (then m
                       "and kernel are not implemented")
 
 
-@register_mixer("moba", flops=moba_flops, reads=("rope", "rope_theta", "options"), options=MobaOptions,
+@register_mixer("moba", flops=moba_flops, reads=("rope", "rope_theta", "rope_scaling", "options"), options=MobaOptions,
                 description="MoBA block-sparse causal attention: top-k key blocks per query (own block "
                             "included), official per-head gate or SSA/NSA group gate",
                 document_mask=MOBA_DOCUMENT_MASK, decode="a KV cache with running block sums for its gate")

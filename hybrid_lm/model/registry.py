@@ -21,7 +21,7 @@ from typing import Any, Callable
 import jax
 
 from hybrid_lm.backends import attention_backend
-from hybrid_lm.config import MixerConfig, ModelConfig
+from hybrid_lm.config import MixerConfig, ModelConfig, check_rope_scaling
 from hybrid_lm.errors import ConfigError
 
 
@@ -51,7 +51,7 @@ FlopsFn = Callable[[ModelConfig, MixerConfig, int], dict]
 DocumentMask = bool | str | Callable[[MixerConfig, int], str | None]
 
 # MixerConfig fields besides ``kind`` that a mixer may read; the ones it does not read must stay unset
-MIXER_FIELDS = ("window", "rope", "rope_theta", "options")
+MIXER_FIELDS = ("window", "rope", "rope_theta", "rope_scaling", "options")
 _UNSET = MixerConfig()
 
 
@@ -102,6 +102,11 @@ class MixerSpec:
             if f != "options" and f not in self.reads and getattr(mc, f) != getattr(_UNSET, f):
                 raise ConfigError(f"{slot}/MixerConfig.{f}={getattr(mc, f)!r} is set, but mixer {self.name!r} "
                                   f"does not read {f} (it reads: {', '.join(self.reads) or 'nothing'})")
+        if mc.rope_scaling and "rope_scaling" in self.reads:
+            check_rope_scaling(mc.rope_scaling, f"{slot}/MixerConfig.rope_scaling")
+            if not mc.rope:
+                raise ConfigError(f"{slot}/MixerConfig.rope_scaling is set, but {slot}/MixerConfig.rope = False "
+                                  "(NoPE): there is no RoPE to scale")
         opts = self.parse_options(mc)  # options for a mixer without any: "takes no options"
         check = getattr(opts, "validate", None)
         if check is not None:

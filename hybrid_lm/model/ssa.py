@@ -78,7 +78,7 @@ def _ssa_flops(cfg: ModelConfig, mc: MixerConfig, seq_len: int) -> dict:
             "mixing": attention_mixing_flops(cfg, keys) + moba_gate_flops(cfg, seq_len, o.block_size, o.selection)}
 
 
-@register_mixer("ssa", flops=_ssa_flops, reads=("rope", "rope_theta", "options"), options=SSAOptions,
+@register_mixer("ssa", flops=_ssa_flops, reads=("rope", "rope_theta", "rope_scaling", "options"), options=SSAOptions,
                 description="SSA: full + block-sparse streams, coin per micro-batch, alignment loss",
                 document_mask="its sparse stream is MoBA's: " + MOBA_DOCUMENT_MASK,
                 decode="the cache of its eval stream")

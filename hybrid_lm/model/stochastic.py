@@ -326,7 +326,7 @@ class SADecode:
 SA_DOCUMENT_MASK = ("its random order spans the whole window, and the band is causal by position: with positions restarting per document that compares positions of different documents (a leak of later documents), and with a document test added a query keeps only its own document's share of the band (docs/MIXERS.md)")
 
 
-@register_mixer("sa", flops=sa_flops, reads=("window", "rope", "rope_theta", "options"), options=SAOptions,
+@register_mixer("sa", flops=sa_flops, reads=("window", "rope", "rope_theta", "rope_scaling", "options"), options=SAOptions,
                 description="stochastic attention: windowed attention in a random token order, causal by "
                             "original position, RoPE at original positions", document_mask=SA_DOCUMENT_MASK,
                 decode="a KV cache and each position's slot in the eval permutation, or with option decode='swa' "
@@ -378,15 +378,16 @@ class QKVProjection(nnx.Module):
     def __init__(self, cfg: ModelConfig, mc: MixerConfig, *, rngs: nnx.Rngs):
         self.wq, self.wk, self.wv = qkv_params(cfg, rngs)
         self.rope, self.rope_theta = mc.rope, mc.rope_theta
+        self.rope_scaling = tuple(sorted(mc.rope_scaling.items()))
         if cfg.qk_norm:
             self.q_norm, self.k_norm = qk_norm_params(cfg)
 
     def __call__(self, x, positions):
         return project_qkv(x, self.wq, self.wk, self.wv, positions, self.rope, self.rope_theta,
-                           getattr(self, "q_norm", None), getattr(self, "k_norm", None))
+                           getattr(self, "q_norm", None), getattr(self, "k_norm", None), self.rope_scaling)
 
 
-@register_mixer("sa_swa", flops=sa_swa_flops, reads=("window", "rope", "rope_theta", "options"),
+@register_mixer("sa_swa", flops=sa_swa_flops, reads=("window", "rope", "rope_theta", "rope_scaling", "options"),
                 options=SASWAOptions,
                 description="gated SA + SWA: sigmoid(x W_sa) * Y_sa + sigmoid(x W_swa) * Y_swa per head",
                 document_mask="its SA branch: " + SA_DOCUMENT_MASK, decode="as sa, for both branches")

@@ -105,6 +105,8 @@ def arch_spec(model) -> dict:
             s["rope"] = False
         if "rope_theta" in m.reads and mc.rope and mc.rope_theta != 10000.0:
             s["rope_theta"] = mc.rope_theta
+        if "rope_scaling" in m.reads and mc.rope and mc.rope_scaling:
+            s["rope_scaling"] = dict(mc.rope_scaling)
         if m.options is not None:
             resolved = m.options(**mc.options)
             opts = {}
@@ -136,6 +138,8 @@ def _slot_label(s: dict) -> str:
         head += "-nope"
     if "rope_theta" in s:
         head += f"-theta={s['rope_theta']:g}"
+    if "rope_scaling" in s:
+        head += f"-{s['rope_scaling']['rope_type']}x{s['rope_scaling']['factor']:g}"
     for k, v in opts.items():
         v = ",".join(map(str, v)) if isinstance(v, list) else v
         head += f"-{k}={v}"

@@ -264,7 +264,10 @@ def test_labels_for_every_arch_file():
              (["arch/ssa.gin"], ["full/MixerConfig.options = {'block_size': 16, 'top_k': 16, 'eval_stream': 'sparse'}"],
               "ssa16x16-eval_stream=sparse"),
              (["arch/mamba2.gin"], ["efficient/MixerConfig.options = {'chunk_size': 128}"], "mamba2"),
-             ([], ["ModelConfig.layer_pattern = '1:4'", "full/MixerConfig.rope = False"], "full-nope+swa128_1to4")]
+             ([], ["ModelConfig.layer_pattern = '1:4'", "full/MixerConfig.rope = False"], "full-nope+swa128_1to4"),
+             ([], ["full/MixerConfig.rope_theta = 5e5", "full/MixerConfig.rope_scaling = {'rope_type': 'llama3', "
+                   "'factor': 8.0, 'low_freq_factor': 1.0, 'high_freq_factor': 4.0, "
+                   "'original_max_position_embeddings': 1024}"], "full-theta=500000-llama3x8+swa128")]
     for files_, params, want in cases:
         cfg = load_config(["base.gin", "scale/s1.gin", *files_], params)
         assert arch_label(arch_spec(cfg.model)) == want, (params, arch_spec(cfg.model))
