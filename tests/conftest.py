@@ -7,6 +7,7 @@ import pytest
 # One CPU device per test process; the sharding tests set their own device count in subprocesses.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HYBRID_LM_COMPILATION_CACHE", "off")  # never the user's ~/.cache/hybrid_lm/jax
+os.environ.setdefault("HYBRID_LM_WEIGHTS_SHA_CACHE", "off")  # nor its weights_sha256.json
 # XLA's CPU backend without its expensive optimisation passes (JAX's documented switch): the tests'
 # tiny programs spend far longer compiling than running, and this cut the suite from ~1600 to ~1030 s
 # on 2 cores. Every tolerance still holds; the library's own runs are not affected. The few tests

@@ -6,6 +6,7 @@ included), every refusal in one line, and bad folders. The logits against transf
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 
 import jax
@@ -354,8 +355,6 @@ def test_tied_checkpoints_may_carry_an_equal_head(tmp_path):
 
 def test_sharded_folders_load(tmp_path):
     """A sharded checkpoint (model.safetensors.index.json, as released models ship) reads as the single file."""
-    import hashlib
-
     from safetensors.numpy import load_file, save_file
 
     model = tiny_model("qwen3")
@@ -379,6 +378,42 @@ def test_sharded_folders_load(tmp_path):
     (out / "model-00002-of-00002.safetensors").unlink()
     with pytest.raises(WorkdirError, match="shard model-00002-of-00002.safetensors named in model.safetensors.index.json"):
         HFCheckpoint(f"hf:{out}")
+
+
+def test_the_weights_hash_is_kept_across_processes_until_a_file_changes(tmp_path, monkeypatch):
+    """A second process reads the weights' sha256 from the cache file instead of the weights: shown by
+    bytes rewritten in place with size and mtime restored (the cached, now stale, hash comes back); a
+    new mtime hashes again. Off, or a torn cache file, changes nothing but the time it takes."""
+    import os
+
+    from hybrid_lm.eval import hf
+
+    out, _ = _export(tmp_path, tiny_model("llama"), random_params(tiny_model("llama")))
+    weights = out / "model.safetensors"
+    real = "hf:" + hashlib.sha256(weights.read_bytes()).hexdigest()
+    cache = tmp_path / "cache" / "weights_sha256.json"
+    monkeypatch.setenv(hf.SHA_CACHE_ENV, str(cache))
+    monkeypatch.setattr(hf, "_SHA", {})  # a fresh process
+    assert HFCheckpoint(out).identity == real and cache.is_file()
+    st = weights.stat()
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1
+    with weights.open("r+b") as fh:  # in place: the same inode
+        fh.write(data)
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
+    monkeypatch.setattr(hf, "_SHA", {})
+    assert HFCheckpoint(out).identity == real  # from the cache file: the weights were not read
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+    monkeypatch.setattr(hf, "_SHA", {})
+    changed = "hf:" + hashlib.sha256(bytes(data)).hexdigest()
+    assert HFCheckpoint(out).identity == changed and len(json.loads(cache.read_text())) == 2
+    cache.write_text("{torn")
+    monkeypatch.setattr(hf, "_SHA", {})
+    assert HFCheckpoint(out).identity == changed and len(json.loads(cache.read_text())) == 1
+    monkeypatch.setenv(hf.SHA_CACHE_ENV, "off")
+    cache.unlink()
+    monkeypatch.setattr(hf, "_SHA", {})
+    assert HFCheckpoint(out).identity == changed and not cache.exists()
 
 
 def test_a_folder_is_a_run_everywhere(tmp_path):

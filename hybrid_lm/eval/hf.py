@@ -36,6 +36,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import os
 import re
 import shutil
 from pathlib import Path
@@ -45,6 +46,7 @@ import numpy as np
 from hybrid_lm.config import (ROPE_SCALINGS, SLOT_DEFAULTS, Config, DataConfig, MixerConfig, ModelConfig, TrainConfig,
                               check_rope_scaling)
 from hybrid_lm.errors import ConfigError, WorkdirError
+from hybrid_lm.files import atomic_write_json
 
 log = logging.getLogger(__name__)
 
@@ -496,7 +498,57 @@ def hf_folder(spec) -> Path | None:
     return p if isinstance(d, dict) and "model_type" in d and "model" not in d else None
 
 
-_SHA: dict[tuple, str] = {}
+_SHA: dict[tuple, str] = {}  # this process's weight hashes, by the files' (path, size, mtime, inode)
+# The hashes across processes: a JSON file (``off`` turns it off), by default
+# ``~/.cache/hybrid_lm/weights_sha256.json`` (``$XDG_CACHE_HOME/hybrid_lm/...`` when that is set). A
+# 16 GB checkpoint then is read once, not at every command's start; a file rewritten in place keeps
+# its hash only if its size, mtime and inode all stay the same.
+SHA_CACHE_ENV = "HYBRID_LM_WEIGHTS_SHA_CACHE"
+_SHA_CACHE_ENTRIES = 256  # the newest kept
+
+
+def _sha_cache_file() -> Path | None:
+    value = os.environ.get(SHA_CACHE_ENV)
+    if value is not None:
+        value = value.strip()
+        return None if value.lower() in ("", "off", "0", "false", "no", "none") else Path(value).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hybrid_lm" / "weights_sha256.json"
+
+
+def _sha_cache_read(path: Path | None) -> dict:
+    try:
+        d = json.loads(path.read_text(encoding="utf-8")) if path is not None and path.is_file() else {}
+    except (OSError, ValueError):
+        return {}  # unreadable or torn by hand: hashed again and rewritten
+    return d if isinstance(d, dict) else {}
+
+
+def _weights_sha256(files: list[Path]) -> str:
+    """sha256 of ``files``' bytes in order, through :data:`_SHA` and the cache file."""
+    key = tuple((str(f.resolve()), st.st_size, st.st_mtime_ns, st.st_ino) for f in files for st in [f.stat()])
+    if key in _SHA:
+        return _SHA[key]
+    path, name = _sha_cache_file(), json.dumps(key)
+    known = _sha_cache_read(path)
+    if isinstance(known.get(name), str):
+        _SHA[key] = known[name]
+        return _SHA[key]
+    h = hashlib.sha256()
+    for f in files:
+        with f.open("rb") as fh:
+            for block in iter(lambda: fh.read(1 << 24), b""):
+                h.update(block)
+    _SHA[key] = h.hexdigest()
+    if path is not None:
+        known = _sha_cache_read(path)  # again: another process may have added entries meanwhile
+        known.pop(name, None)
+        known[name] = _SHA[key]
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_json(path, dict(list(known.items())[-_SHA_CACHE_ENTRIES:]))
+        except OSError as e:  # a read-only home: the hash still holds for this process
+            log.debug("weights sha256 not cached in %s: %s", path, e)
+    return _SHA[key]
 
 
 class HFCheckpoint:
@@ -570,15 +622,7 @@ class HFCheckpoint:
     @property
     def identity(self) -> str:
         """``hf:<sha256>`` of the weight files' bytes, in file-name order (one file: that file's sha256)."""
-        key = tuple((str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in self.files)
-        if key not in _SHA:
-            h = hashlib.sha256()
-            for f in self.files:
-                with f.open("rb") as fh:
-                    for block in iter(lambda: fh.read(1 << 24), b""):
-                        h.update(block)
-            _SHA[key] = h.hexdigest()
-        return PREFIX + _SHA[key]
+        return PREFIX + _weights_sha256(self.files)
 
     def tokenizer_spec(self) -> str:
         """``DataConfig.tokenizer``: the folder when it holds a tokenizer.json / tokenizer.model, else 'byte'."""
