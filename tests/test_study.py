@@ -61,6 +61,21 @@ def test_python_corpus_reads_this_pythons_stdlib_and_lists_missing_packages(tmp_
     assert not any(part in ("site-packages", "dist-packages", "__pycache__") for rel in rels for part in rel.split("/"))
 
 
+def test_python_corpus_records_each_packages_version(tmp_path):
+    import importlib.metadata
+
+    from hybrid_lm.data.pycorpus import build_python_corpus, format_corpus
+
+    src = _tree(tmp_path / "pkg", {"a.py": "a = 1\n"})
+    meta = build_python_corpus(tmp_path / "out", packages=("tqdm",), roots=[src], stdlib=False)
+    version = importlib.metadata.version("tqdm")
+    assert meta["roots"]["tqdm"]["version"] == version and meta["roots"]["tqdm"]["files"] > 10
+    assert "version" not in meta["roots"]["pkg"]  # a --root has no installed version
+    assert json.loads((tmp_path / "out" / "corpus.json").read_text())["roots"]["tqdm"]["version"] == version
+    assert any(line.strip().startswith("tqdm") and line.endswith(f"(tqdm {version})")
+               for line in format_corpus(meta, tmp_path / "out"))
+
+
 def test_python_corpus_bad_input_is_one_line(tmp_path, capsys):
     from hybrid_lm.cli import main
     from hybrid_lm.data.pycorpus import build_python_corpus

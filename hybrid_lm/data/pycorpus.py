@@ -13,9 +13,11 @@
 - **out**: ``DIR/python.jsonl``, one ``{"text": ..., "path": "<root label>/<relative path>"}`` per file
   (bytes that are not UTF-8 replaced by U+FFFD, counted), and ``DIR/corpus.json``: the roots, the file
   count, the bytes, the missing packages and the **fingerprint**, the sha256 over every kept file's
-  ``<label>/<relative path>``, a NUL, its raw bytes' sha256 and a newline, in order. Two machines with the same
-  Python and package versions give the same fingerprint; ``hybrid-lm data prepare --source text --path
-  DIR/python.jsonl`` then tokenises it (the store's own fingerprint covers the tokens).
+  ``<label>/<relative path>``, a NUL, its raw bytes' sha256 and a newline, in order. It also records the
+  Python version and each package root's installed version (``importlib.metadata``), outside the
+  fingerprint. Two machines with the same Python and package versions give the same fingerprint;
+  ``hybrid-lm data prepare --source text --path DIR/python.jsonl`` then tokenises it (the store's own
+  fingerprint covers the tokens).
 
 A rerun that finds the same files (same fingerprint) rewrites nothing. Bad input (no source found, an
 output that cannot be written, a ``--root`` that is not a folder) is a one-line :class:`DataError`.
@@ -24,6 +26,7 @@ output that cannot be written, a ``--root`` that is not a folder) is a one-line 
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -57,6 +60,14 @@ def package_dir(name: str) -> Path | None:
         return None
     locs = list(spec.submodule_search_locations or []) if spec is not None else []
     return Path(locs[0]).resolve() if locs else None
+
+
+def package_version(name: str) -> str | None:
+    """The installed distribution's version of package ``name`` (None: none by that name, e.g. a --root)."""
+    try:
+        return importlib.metadata.version(name)
+    except (importlib.metadata.PackageNotFoundError, ValueError):
+        return None
 
 
 def find_roots(packages=DEFAULT_PACKAGES, roots=(), stdlib: bool = True) -> tuple[list[Root], list[str]]:
@@ -132,7 +143,11 @@ def build_python_corpus(out: str | Path, packages=DEFAULT_PACKAGES, roots=(), st
 
     h = hashlib.sha256()
     stats = {"files": 0, "bytes": 0, "empty_skipped": 0, "invalid_utf8_replaced": 0, "unreadable_skipped": 0}
+    packages = set(packages)
     per_root: dict[str, dict] = {r.label: {"path": str(r.path), "files": 0, "bytes": 0} for r in found}
+    for r in found:
+        if r.label in packages:
+            per_root[r.label]["version"] = package_version(r.label)
     docs: list[tuple[str, str]] = []
     for key, full in tqdm(entries, desc="python-corpus", unit=" files", disable=bar_disabled(progress)):
         try:
@@ -187,7 +202,8 @@ def format_corpus(meta: dict, out: str | Path) -> list[str]:
     lines = [f"{'up to date' if meta.get('skipped') else 'wrote'} {Path(out) / JSONL}: {meta['files']:,} files, "
              f"{meta['bytes'] / 1e6:,.1f} MB, fingerprint {meta['fingerprint'][:16]} (full: {Path(out) / META})"]
     for label, r in meta["roots"].items():
-        lines.append(f"  {label:<14} {r['files']:>7,} files {r['bytes'] / 1e6:>9,.1f} MB  {r['path']}")
+        version = f"  ({label} {r['version']})" if r.get("version") else ""
+        lines.append(f"  {label:<14} {r['files']:>7,} files {r['bytes'] / 1e6:>9,.1f} MB  {r['path']}{version}")
     if meta["missing_packages"]:
         lines.append(f"  not installed here (left out): {', '.join(meta['missing_packages'])}")
     skipped = {k: meta[k] for k in ("empty_skipped", "invalid_utf8_replaced", "unreadable_skipped") if meta.get(k)}
