@@ -101,6 +101,22 @@ def test_bpe_special_ids_separator_and_describe(bpe_dir):
     assert cfg["hybrid_lm"]["vocab_size"] == cfg["hybrid_lm"]["vocab_size_requested"] == 512
 
 
+def test_special_token_strings_are_text_in_data_and_ids_in_prompts(bpe_dir):
+    """``encode`` keeps "<|endoftext|>" text (a document never injects an EOS); ``encode_parsing_specials``
+    maps it to its id as transformers' tokenizers do, the text around it encoded as it would be alone."""
+    tok = load_tokenizer(str(bpe_dir))
+    text = "one <|endoftext|>two<|pad|> three"
+    assert tok.eos_id not in tok.encode(text) and tok.pad_id not in tok.encode(text)
+    want = [*tok.encode("one "), tok.eos_id, *tok.encode("two"), tok.pad_id, *tok.encode(" three")]
+    assert tok.encode_parsing_specials(text).tolist() == want
+    assert tok.eos_id not in tok.encode(text)  # the shared backend's setting is unchanged
+    assert np.array_equal(tok.encode_parsing_specials(SAMPLES[0]), tok.encode(SAMPLES[0]))
+    clone = pickle.loads(pickle.dumps(tok))
+    assert clone.encode_parsing_specials(text).tolist() == want and tok.eos_id not in clone.encode(text)
+    byte = get_tokenizer("byte")
+    assert np.array_equal(byte.encode_parsing_specials(text), byte.encode(text))
+
+
 def test_bpe_reload_from_directory_fingerprint_cache_and_pickle(bpe_dir, tmp_path):
     d = tmp_path / "tok"
     shutil.copytree(bpe_dir, d)

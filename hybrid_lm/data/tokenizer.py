@@ -73,6 +73,14 @@ class Tokenizer:
         """:meth:`encode` of each text."""
         return [self.encode(t) for t in texts]
 
+    def encode_parsing_specials(self, text: str) -> np.ndarray:
+        """uint32 ids of ``text`` with special-token strings in it (``<|endoftext|>``) mapped to their
+        ids, as transformers' tokenizers (and so lm-eval's HF backend) encode a prompt; :meth:`encode`
+        keeps them text, so that a document never injects an EOS. Bytes have none; a SentencePiece
+        model's control pieces (``</s>``) stay text here, where transformers' converted tokenizer would
+        map them."""
+        return self.encode(text)
+
     def _decode_known(self, ids: np.ndarray) -> str:
         raise NotImplementedError
 
@@ -184,8 +192,21 @@ class HFTokenizer(Tokenizer):
         encs = self._tok.encode_batch(list(texts), add_special_tokens=False)
         return [np.asarray(e.ids, dtype=np.uint32) for e in encs]
 
+    def encode_parsing_specials(self, text: str) -> np.ndarray:
+        parsing = self.__dict__.get("_tok_parsing")
+        if parsing is None:  # a second backend, so the shared one never changes its setting under a reader
+            parsing = type(self._tok).from_str(self._tok.to_str())
+            parsing.encode_special_tokens = False
+            parsing.no_truncation()
+            parsing.no_padding()
+            self._tok_parsing = parsing
+        return np.asarray(parsing.encode(text, add_special_tokens=False).ids, dtype=np.uint32)
+
     def _decode_known(self, ids: np.ndarray) -> str:
         return self._tok.decode(ids.tolist(), skip_special_tokens=True)
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "_tok_parsing"}  # rebuilt when used
 
     def __setstate__(self, state: dict) -> None:  # pickling drops encode_special_tokens
         self.__dict__.update(state)

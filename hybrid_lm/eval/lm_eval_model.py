@@ -43,6 +43,8 @@ Tokens: the run's tokenizer (``RestoredRun.tokenizer``). The token before a docu
 contexts, the first rolling window) is the last token of the tokenizer's separator, i.e. what
 precedes every document in training: EOS for BPE / SentencePiece, ``"\\n"`` for bytes (whose
 separator is ``"\\n\\n"``; bytes have no EOS, so generation stops only at ``until`` or the budget).
+Special-token strings in a request (``<|endoftext|>``) become their ids, as lm-eval's HF backend's
+transformers tokenizer makes them (``Tokenizer.encode_parsing_specials``); training data keeps them text.
 
 Command line: lm-eval's own ``lm_eval`` script cannot see a model registered outside lm-eval
 (0.4.13 looks models up in its own registry only: no entry points, no plugin import; its
@@ -250,7 +252,8 @@ class _HybridLMEvalImpl:
         return f"hybrid_lm-{self.tokenizer.kind}-{self.tokenizer.fingerprint[:16]}"
 
     def tok_encode(self, string: str, add_special_tokens=None, **kwargs) -> list[int]:
-        return [int(t) for t in self.tokenizer.encode(string)]
+        # special-token strings in a prompt become their ids, as in lm-eval's HF backend
+        return [int(t) for t in self.tokenizer.encode_parsing_specials(string)]
 
     def tok_decode(self, tokens, **kwargs) -> str:
         return self.tokenizer.decode(tokens)

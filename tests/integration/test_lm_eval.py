@@ -170,6 +170,24 @@ def test_loglikelihood_matches_direct_in_one_padded_batch(lm):
     assert greedy and ll == pytest.approx(logp[best], abs=2e-4)
 
 
+def test_special_token_strings_in_a_request_are_their_ids(lm, tmp_path):
+    """As lm-eval's HF backend's transformers tokenizer encodes a request: "<|endoftext|>" is the EOS id
+    (the run's training data keeps it text)."""
+    import copy
+
+    from hybrid_lm.data.sources import embedded_documents
+    from hybrid_lm.data.tokenizer import load_tokenizer, train_bpe
+
+    text = "\n\n".join(t for _, t in embedded_documents())[:6000]
+    train_bpe((text[i:i + 500] for i in range(0, len(text), 500)), 300, tmp_path)
+    tok = load_tokenizer(str(tmp_path))
+    bpe = copy.copy(lm)
+    bpe.tokenizer = tok
+    request = "The end.<|endoftext|>A new"
+    assert bpe.tok_encode(request) == [*map(int, tok.encode("The end.")), tok.eos_id, *map(int, tok.encode("A new"))]
+    assert tok.eos_id not in tok.encode(request)
+
+
 def _next_logp(lm, ids):
     """log p(next token | ids) over the vocabulary."""
     return np.asarray(_forward(lm)(lm.run.params, np.asarray(ids, np.int32)[None])[0][-1], np.float64)
