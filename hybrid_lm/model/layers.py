@@ -70,10 +70,10 @@ class SwiGLU(nnx.Module):
 
 
 def rope_frequencies(head_dim: int, theta: float, scaling=None):
-    """RoPE's inverse frequencies ``[head_dim / 2]`` (float32): ``theta ** (-2i / head_dim)``, rescaled by
-    ``scaling`` (``hybrid_lm.config.ROPE_SCALINGS``). llama3: wavelengths below ``original / high_freq_factor`` keep
-    their frequency, those above ``original / low_freq_factor`` are divided by ``factor``, and the band
-    between interpolates linearly in ``original / wavelength``."""
+    """RoPE's inverse frequencies ``[head_dim / 2]`` (float32): ``theta ** (-2i / head_dim)``, rescaled
+    by ``scaling`` (``hybrid_lm.config.ROPE_SCALINGS``). llama3: wavelengths below ``original /
+    high_freq_factor`` keep their frequency, those above ``original / low_freq_factor`` are divided by
+    ``factor``, and the band between interpolates linearly in ``original / wavelength``."""
     freqs = theta ** (-jnp.arange(0, head_dim // 2, dtype=jnp.float32) * 2.0 / head_dim)
     s = dict(scaling or {})
     if not s:
