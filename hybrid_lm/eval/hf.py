@@ -47,6 +47,7 @@ from hybrid_lm.config import (ROPE_SCALINGS, SLOT_DEFAULTS, Config, DataConfig, 
                               check_rope_scaling)
 from hybrid_lm.errors import ConfigError, WorkdirError
 from hybrid_lm.files import atomic_write_json
+from hybrid_lm.train.compile_cache import OFF, user_cache_root
 
 log = logging.getLogger(__name__)
 
@@ -511,8 +512,8 @@ def _sha_cache_file() -> Path | None:
     value = os.environ.get(SHA_CACHE_ENV)
     if value is not None:
         value = value.strip()
-        return None if value.lower() in ("", "off", "0", "false", "no", "none") else Path(value).expanduser()
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hybrid_lm" / "weights_sha256.json"
+        return None if value.lower() in OFF else Path(value).expanduser()
+    return user_cache_root() / "weights_sha256.json"
 
 
 def _sha_cache_read(path: Path | None) -> dict:

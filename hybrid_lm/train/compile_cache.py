@@ -31,6 +31,11 @@ ENV = "HYBRID_LM_COMPILATION_CACHE"
 OFF = ("", "off", "0", "false", "no", "none")
 
 
+def user_cache_root() -> Path:
+    """Where hybrid_lm keeps its caches for a user: ``~/.cache/hybrid_lm`` (``$XDG_CACHE_HOME/hybrid_lm``)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hybrid_lm"
+
+
 def cache_dir() -> Path | None:
     """The directory this process would use (None: the cache is off or left to JAX's variable)."""
     if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
@@ -38,8 +43,7 @@ def cache_dir() -> Path | None:
     if ENV in os.environ:
         value = os.environ[ENV].strip()
         return None if value.lower() in OFF else Path(value).expanduser()
-    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(root) / "hybrid_lm" / "jax"
+    return user_cache_root() / "jax"
 
 
 def enable_compilation_cache() -> Path | None:
