@@ -211,7 +211,7 @@ def cmd_claims(args) -> int:
                   longppl_docs=args.longppl_docs,
                   claims=tuple(c.strip().upper() for c in args.claims.split(",") if c.strip()) if args.claims
                   else CLAIMS, table=not args.no_table, mc_items=args.mc_items, mc_context=args.mc_context)
-    doc = run_claims(args.root, st, evaluate=not args.no_eval, max_minutes=args.max_minutes)
+    doc = run_claims(args.root, st, evaluate=not args.no_eval, max_minutes=args.max_minutes, out=args.out)
     ev = doc["evaluation_stats"]
     print(f"evaluations: {ev['done']} run now, {ev['skipped']} already recorded, {ev['left']} left, "
           f"{len(ev['failed'])} failed")
@@ -221,7 +221,8 @@ def cmd_claims(args) -> int:
         print(f"{name}: {c['verdict']}  ({c['title']})")
         for p in c["parts"]:
             print(f"    {p['part']}: {p['verdict']}" + (f"  {p['why']}" if p.get("why") else ""))
-    print(f"wrote {Path(args.root) / 'claims.json'} and {Path(args.root) / 'claims.md'}")
+    out = Path(doc["out"])
+    print(f"wrote {out / 'claims.json'} and {out / 'claims.md'}")
     if ev["left"] and args.no_eval:
         print(f"{ev['left']} evaluation(s) not recorded: the claims and columns that need them are incomplete "
               "(run without --no-eval, where the checkpoints are, to evaluate them)")
@@ -321,8 +322,13 @@ def add_scaling_commands(sub) -> None:
                        description="Run the evaluations each claim needs on a launched study's runs (rows in each "
                                    "run's eval.jsonl, skipped when recorded), judge each claim against the "
                                    "run-to-run noise band, write ROOT/claims.json and ROOT/claims.md. Idempotent; "
-                                   "--max-minutes bounds a call, the next continues. docs/RESULTS.md.")
-    p.add_argument("root", help="the study's sweep root (configs/sweeps/study.toml: runs/study)")
+                                   "--max-minutes bounds a call, the next continues. Several roots (runs of the "
+                                   "same study) are judged together: each arm's mean over them, every run a "
+                                   "replicate in the bands, written to --out. docs/RESULTS.md.")
+    p.add_argument("root", nargs="+", help="the study's sweep root (configs/sweeps/study.toml: runs/study), or "
+                                           "several runs of the study")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="where claims.json, claims.md and plots/ go (default the root; required with several)")
     p.add_argument("--claims", default=None, metavar="C1,C2", help="claims to test (default all: C1..C6)")
     p.add_argument("--max-minutes", dest="max_minutes", type=float, default=None, metavar="M",
                    help="start no evaluation after M minutes (the verdicts so far are written)")

@@ -1,4 +1,4 @@
-"""``hybrid-lm claims ROOT``: the papers' claims tested on a study's runs (docs/RESULTS.md).
+"""``hybrid-lm claims ROOT [ROOT ...]``: the papers' claims tested on a study's runs (docs/RESULTS.md).
 
 Given the root of a launched study (``configs/sweeps/study.toml``: arms named ``full``, ``full_rerun``,
 ``swa128``, ``swa512``, ``swa128_nope``, ``sa128``, ``sa_swa128``, ``moba``, ``ssa``, ``mamba2``,
@@ -17,6 +17,10 @@ Given the root of a launched study (``configs/sweeps/study.toml``: arms named ``
    only beyond that band, else inconclusive;
 4. writes ``ROOT/claims.json`` (every number with its source) and ``ROOT/claims.md`` (the tables that
    docs/RESULTS.md includes).
+
+Several roots holding runs of the same study (the same job names: the same configs) are judged
+together into ``--out``: an arm's number is the mean over the roots of its run of that config and seed,
+and every run is a replicate in the bands.
 
 A claim whose arms are missing (a smaller study, the tiny CPU version) is reported as not evaluated,
 naming them. Settings scale with the trained length T (the study: T = 4096): the swap window
@@ -100,14 +104,20 @@ class Run:
     dir: Path
     seq_len: int = 0
     steps: list = field(default_factory=list)
+    study: str = ""  # the study root's label when several roots are judged together, else ""
 
     @property
     def group(self) -> str:
         """Replicates of one config share a group: ``full_rerun`` repeats ``full``."""
         return self.arch.removesuffix("_rerun")
 
+    @property
+    def key(self) -> str:
+        """The run's name in claims.json: its job name, prefixed by its study's label when pooled."""
+        return f"{self.study}/{self.name}" if self.study else self.name
 
-def study_runs(root: Path, *, checkpoints: bool = True) -> list[Run]:
+
+def study_runs(root: Path, *, checkpoints: bool = True, study: str = "") -> list[Run]:
     """The finished runs of the study under ``root`` (``sweep.json`` jobs with ``sweep_done.json``).
     ``checkpoints=False`` (judging only): a run without its ``checkpoints/`` (a copy of the results files,
     e.g. ``docs/results/study``) takes its checkpoint steps from the rows of its ``eval.jsonl`` and its final
@@ -130,7 +140,7 @@ def study_runs(root: Path, *, checkpoints: bool = True) -> list[Run]:
             final = json.loads((d / DONE).read_text()).get("step")
             steps = sorted({r["checkpoint_step"] for r in _current_rows(d)
                             if isinstance(r.get("checkpoint_step"), int)} | ({final} if isinstance(final, int) else set()))
-        out.append(Run(j["name"], j["arch"], j["seed"], d, cfg["data"]["seq_len"], steps))
+        out.append(Run(j["name"], j["arch"], j["seed"], d, cfg["data"]["seq_len"], steps, study))
     order = {a: i for i, a in enumerate(ARMS)}
     return sorted(out, key=lambda r: (order.get(r.arch, len(ARMS)), r.arch, r.seed, r.name))
 
@@ -386,7 +396,7 @@ def run_evaluations(evals: list[Evaluation], max_minutes: float | None = None, p
             evaluate_run(ev.run.dir, ev.request, ev.steps, record=True, plots=False, printer=lambda *_: None)
             stats["done"] += 1
         except (ConfigError, WorkdirError, ValueError, FileNotFoundError) as e:  # recorded; the claim says why
-            stats["failed"][f"{ev.key}@{ev.run.name}"] = " ".join(str(e).split())
+            stats["failed"][f"{ev.key}@{ev.run.key}"] = " ".join(str(e).split())
             printer(f"  failed: {' '.join(str(e).split())}")
     return stats
 
@@ -394,7 +404,7 @@ def run_evaluations(evals: list[Evaluation], max_minutes: float | None = None, p
 # ----------------------------------------------------------------------------- numbers from files
 
 def _src(run: Run, file: str, **what) -> dict:
-    return {"run": run.name, "file": str(run.dir / file), **what}
+    return {"run": run.key, "file": str(run.dir / file), **what}
 
 
 def training_numbers(run: Run) -> dict:
@@ -456,7 +466,7 @@ def _band(by_group: dict[str, list[float | None]]) -> float | None:
     return max(spreads) if spreads else None
 
 
-def _part(name: str, statement: str, d, band, rule: str, numbers: dict, missing=()) -> dict:
+def _part(name: str, statement: str, d, band, rule: str, numbers: dict, missing=(), note: str = "") -> dict:
     if missing:
         return {"part": name, "statement": statement, "verdict": NOT_EVALUATED,
                 "why": f"not evaluated: {', '.join(missing)} missing", "numbers": numbers}
@@ -466,29 +476,44 @@ def _part(name: str, statement: str, d, band, rule: str, numbers: dict, missing=
     v = (verdict_greater if rule == "greater" else verdict_close)(d, band)
     why = ("no noise band: fewer than two replicates of one config" if band is None else
            f"d = {d:+.4f}, band {band:.4f} ({'d > band' if rule == 'greater' else '|d| <= band'} to reproduce)")
-    return {"part": name, "statement": statement, "verdict": v, "d": d, "band": band, "rule": rule, "why": why,
-            "numbers": numbers}
+    return {"part": name, "statement": statement, "verdict": v, "d": d, "band": band, "rule": rule,
+            "why": why + (f"; {note}" if note else ""), "numbers": numbers}
 
 
-def evaluate_claims(root: Path, runs: list[Run], evals: list[Evaluation], st: Settings, no_task: str | None = None) -> dict:
-    """Every claim's parts, verdicts, numbers and sources, plus the table and the noise (claims.json)."""
+def evaluate_claims(roots: list[Path], runs: list[Run], evals: list[Evaluation], st: Settings,
+                    no_task: str | None = None) -> dict:
+    """Every claim's parts, verdicts, numbers and sources, plus the table and the noise (claims.json).
+
+    ``runs`` may come from several study roots (``Run.study`` tells them apart): an arm's value is then
+    the mean over the roots of its cell (the arm's first seed, one run per root), and each of its runs is
+    a replicate of its group in the bands."""
     by_arch: dict[str, list[Run]] = {}
     for r in runs:
         by_arch.setdefault(r.arch, []).append(r)
-    train = {r.name: training_numbers(r) for r in runs}
+    train = {r.key: training_numbers(r) for r in runs}
     groups: dict[str, list[Run]] = {}
     for r in runs:
         groups.setdefault(r.group, []).append(r)
     L, T = st.ruler_length, runs[0].seq_len
+    evaluators = [evaluator_run([r for r in runs if r.study == s]) for s in dict.fromkeys(r.study for r in runs)]
 
     def band_of(fn) -> float | None:
         return _band({g: [fn(r) for r in rs] for g, rs in groups.items()})
 
     def loss(r):
-        return train[r.name]["loss"]
+        return train[r.key]["loss"]
 
-    def first(arch) -> Run | None:
-        return (by_arch.get(arch) or [None])[0]
+    def first(arch) -> list[Run] | None:
+        """The arm's cell: its first seed's run in each study root (one run when judging one root)."""
+        rs = by_arch.get(arch)
+        return [r for r in rs if r.seed == rs[0].seed] if rs else None
+
+    def of(cell, fn):
+        """``fn`` of a cell: the mean over its runs; None if any of them lacks the number."""
+        if not cell:
+            return None
+        vals = [fn(r) for r in cell]
+        return None if any(v is None for v in vals) else statistics.fmean(vals)
 
     used: dict[str, dict] = {}  # every evaluated number a claim reads -> its eval.jsonl row(s)
 
@@ -497,7 +522,7 @@ def evaluate_claims(root: Path, runs: list[Run], evals: list[Evaluation], st: Se
             return None
         value, src = number(evals, key, r, **kw)
         if src is not None:
-            used[f"{key}@{r.name}" + (f"@{kw['length']}" if kw.get("length") else "")] = src
+            used[f"{key}@{r.key}" + (f"@{kw['length']}" if kw.get("length") else "")] = src
         return value
 
     def mean_group(arch, fn):
@@ -505,27 +530,33 @@ def evaluate_claims(root: Path, runs: list[Run], evals: list[Evaluation], st: Se
         vals = [v for v in vals if v is not None]
         return statistics.fmean(vals) if vals else None
 
+    def coverage(arch, fn) -> str:
+        """A note when only some of the group's runs have the number (the mean is over those)."""
+        rs = [r for r in runs if r.group == arch]
+        have = sum(fn(r) is not None for r in rs)
+        return f"mean over the {have} of {len(rs)} {arch} runs evaluated" if 0 < have < len(rs) else ""
+
     def need(*arms):
         return [a for a in arms if a not in by_arch]
 
     band_loss = band_of(loss)
-    noise = {"loss": {"band": band_loss, "groups": {g: {r.name: loss(r) for r in rs} for g, rs in groups.items()
+    noise = {"loss": {"band": band_loss, "groups": {g: {r.key: loss(r) for r in rs} for g, rs in groups.items()
                                                   if len(rs) > 1}}}
     claims = {}
     want = set(st.claims)
 
     if "C1" in want:
         sa, swa, gated, full = (first(a) for a in ("sa128", "swa128", "sa_swa128", "full"))
-        nums = {a: (loss(r) if r else None) for a, r in (("sa128", sa), ("swa128", swa), ("sa_swa128", gated),
-                                                           ("full", full))}
+        nums = {a: of(c, loss) for a, c in (("sa128", sa), ("swa128", swa), ("sa_swa128", gated), ("full", full))}
         parts = [
             _part("a", "pure SA-128 costs perplexity against SWA-128 (val loss)",
-                  sub(loss(sa), loss(swa)) if sa and swa else None, band_loss, "greater", nums, need("sa128", "swa128")),
+                  sub(of(sa, loss), of(swa, loss)), band_loss, "greater", nums,
+                  need("sa128", "swa128")),
             _part("b", "gated SA+SWA-128 recovers it: below pure SA-128",
-                  sub(loss(sa), loss(gated)) if sa and gated else None, band_loss, "greater", nums,
+                  sub(of(sa, loss), of(gated, loss)), band_loss, "greater", nums,
                   need("sa128", "sa_swa128")),
             _part("c", "gated SA+SWA-128 matches full attention (val loss, the difference within the band)",
-                  sub(loss(gated), loss(full)) if gated and full else None, band_loss, "close", nums,
+                  sub(of(gated, loss), of(full, loss)), band_loss, "close", nums,
                   need("sa_swa128", "full")),
         ]
         claims["C1"] = {"title": "SA, pretraining: pure SA costs perplexity; gated SA+SWA recovers it",
@@ -553,13 +584,13 @@ def evaluate_claims(root: Path, runs: list[Run], evals: list[Evaluation], st: Se
             if not st.mc_context or no_task:
                 return {"part": "c", "statement": statement, "verdict": NOT_EVALUATED,
                         "why": f"not evaluated: {no_task or '--mc-context 0'}", "numbers": {}}
-            mc = {r.name: {"acc_norm_sa_prefill": val("c2/mc/sa", r, field_="score"),
+            mc = {r.key: {"acc_norm_sa_prefill": val("c2/mc/sa", r, field_="score"),
                            "acc_norm_swa_prefill": val("c2/mc/swa", r, field_="score"),
                            "acc_norm_own": val("c2/mc/own", r, field_="score")} for r in fulls}
             return _part("c", statement, mean_group(REFERENCE, d_mc), _band({REFERENCE: [d_mc(r) for r in fulls]}),
-                         "greater", mc, miss)
+                         "greater", mc, miss, coverage(REFERENCE, d_mc))
 
-        nums = {r.name: {"loss_swa": val("c2/loss/swa", r), "loss_sa": val("c2/loss/sa", r), "loss": loss(r),
+        nums = {r.key: {"loss_swa": val("c2/loss/swa", r), "loss_sa": val("c2/loss/sa", r), "loss": loss(r),
                          "ruler_nll_swa_prefill": val("c2/ruler/swa", r, field_="answer_nll", length=L,
                                                       mean_over_tasks=True),
                          "ruler_nll_sa_prefill": val("c2/ruler/sa", r, field_="answer_nll", length=L,
@@ -568,12 +599,13 @@ def evaluate_claims(root: Path, runs: list[Run], evals: list[Evaluation], st: Se
         parts = [
             _part("a", f"teacher forcing: full=sa:{W} loses less than full=swa:{W} on the full model (val loss; "
                        f"d = loss(SWA) - loss(SA), mean over the full replicates)",
-                  mean_group(REFERENCE, d_loss), _band({REFERENCE: [d_loss(r) for r in fulls]}), "greater", nums, miss),
+                  mean_group(REFERENCE, d_loss), _band({REFERENCE: [d_loss(r) for r in fulls]}), "greater", nums, miss,
+                  coverage(REFERENCE, d_loss)),
             _part("b", f"the paper's protocol: the RULER prompt prefilled with SA-{W} (or SWA-{W}), the answer scored "
                        f"by full attention over its cache; d = answer NLL(SWA) - answer NLL(SA), mean over tasks at "
                        f"{L} tokens", mean_group(REFERENCE, d_ruler),
                   _band({REFERENCE: [d_ruler(r) for r in fulls]}), "greater", nums,
-                  miss or (["RULER (--ruler-length 0)"] if not L else [])),
+                  miss or (["RULER (--ruler-length 0)"] if not L else []), coverage(REFERENCE, d_ruler)),
             _mc_part(),
         ]
         claims["C2"] = {"title": f"SA, training-free: on the full model SA-{W} in place of full attention loses less "
@@ -586,20 +618,24 @@ def evaluate_claims(root: Path, runs: list[Run], evals: list[Evaluation], st: Se
         def deg_full(r):
             return sub(val("c3/full_sparse", r), loss(r))
 
-        deg_ssa = sub(val("c3/ssa_sparse", ssa), loss(ssa)) if ssa else None
-        b_deg = _band({REFERENCE: [deg_full(r) for r in fulls]})
-        full_deg = mean_group(REFERENCE, deg_full)
-        nums = {"full_sparse_minus_full": {r.name: deg_full(r) for r in fulls}, "ssa_sparse_minus_ssa_full": deg_ssa,
-                "ssa_full": loss(ssa) if ssa else None, "full": loss(first("full")) if first("full") else None,
+        def deg_ssa(r):
+            return sub(val("c3/ssa_sparse", r), loss(r))
+
+        def deg(r):  # the degradation of either arm's runs: its band is their spread, not the loss's
+            return deg_full(r) if r.group == REFERENCE else deg_ssa(r) if r.arch == "ssa" else None
+
+        full_deg, ssa_deg = mean_group(REFERENCE, deg_full), of(ssa, deg_ssa)
+        nums = {"full_sparse_minus_full": {r.key: deg_full(r) for r in fulls},
+                "ssa_sparse_minus_ssa_full": {r.key: deg_ssa(r) for r in ssa or []},
+                "ssa_full": of(ssa, loss), "full": of(first("full"), loss),
                 "sparse_swap_of_full": MOBA_SSA, "ssa_sparse_swap": SSA_SPARSE}
         parts = [
             _part("a", "the full model evaluated block-sparse (MoBA, SSA's block 16 / top-16) loses more than the SSA "
                        "model evaluated sparse (d = degradation(full) - degradation(SSA), val loss)",
-                  sub(full_deg, deg_ssa), b_deg, "greater",
-                  nums, need("full", "ssa")),
+                  sub(full_deg, ssa_deg), band_of(deg), "greater", nums, need("full", "ssa"),
+                  coverage(REFERENCE, deg_full)),
             _part("b", "the SSA model evaluated with full attention is close to the full model (val loss)",
-                  sub(loss(ssa), loss(first("full"))) if ssa and first("full") else None, band_loss, "close", nums,
-                  need("full", "ssa")),
+                  sub(of(ssa, loss), of(first("full"), loss)), band_loss, "close", nums, need("full", "ssa")),
         ]
         claims["C3"] = {"title": "SSA: sparse evaluation hurts the full model more than the SSA model; SSA evaluated "
                                  "full is close to full", "parts": parts}
@@ -608,19 +644,19 @@ def evaluate_claims(root: Path, runs: list[Run], evals: list[Evaluation], st: Se
         swa, nope = first("swa128"), first("swa128_nope")
         miss = need("swa128", "swa128_nope")
         parts = [_part("a", f"NoPE costs about nothing at the training length T = {T} (val loss)",
-                       sub(loss(nope), loss(swa)) if swa and nope else None, band_loss, "close",
-                       {"swa128": loss(swa) if swa else None, "swa128_nope": loss(nope) if nope else None}, miss)]
+                       sub(of(nope, loss), of(swa, loss)), band_loss, "close",
+                       {"swa128": of(swa, loss), "swa128_nope": of(nope, loss)}, miss)]
         for k in st.beyond:
             f = (lambda r, k=k: val(f"loss@{k}T", r))
             parts.append(_part(f"loss@{k}T", f"NoPE helps at {k}T = {k * T} tokens (val loss; d = SWA-128 - NoPE)",
-                               sub(f(swa), f(nope)) if swa and nope else None, band_of(f), "greater",
-                               {"swa128": f(swa) if swa else None, "swa128_nope": f(nope) if nope else None}, miss))
+                               sub(of(swa, f), of(nope, f)), band_of(f), "greater",
+                               {"swa128": of(swa, f), "swa128_nope": of(nope, f)}, miss))
             if L:
                 g = (lambda r, k=k: val(f"ruler@{k}L", r, field_="answer_nll", length=k * L, mean_over_tasks=True))
                 parts.append(_part(f"ruler@{k}L", f"NoPE helps RULER at {k * L} tokens (answer NLL, mean over tasks; "
                                                   "d = SWA-128 - NoPE)",
-                                   sub(g(swa), g(nope)) if swa and nope else None, band_of(g), "greater",
-                                   {"swa128": g(swa) if swa else None, "swa128_nope": g(nope) if nope else None}, miss))
+                                   sub(of(swa, g), of(nope, g)), band_of(g), "greater",
+                                   {"swa128": of(swa, g), "swa128_nope": of(nope, g)}, miss))
         claims["C4"] = {"title": "Rethinking: NoPE on the full layers of the SWA-128 hybrid costs about nothing at the "
                                  "training length and helps beyond it", "parts": parts}
 
@@ -638,9 +674,9 @@ def evaluate_claims(root: Path, runs: list[Run], evals: list[Evaluation], st: Se
             return min(s for s, v in m.items() if v >= top / 2)
 
         s128, s512 = first("swa128"), first("swa512")
-        nums = {r.name: {"top_head_mass": masses(r), "formation_step": formation(r)}
+        nums = {r.key: {"top_head_mass": masses(r), "formation_step": formation(r)}
                 for r in runs if r.arch in ("swa128", "swa512") or r.group == REFERENCE}
-        f128, f512 = (formation(s128) if s128 else None), (formation(s512) if s512 else None)
+        f128, f512 = of(s128, formation), of(s512, formation)
         claims["C5"] = {"title": "retrieval heads form later with SWA-512 than with SWA-128 (large-window laziness)",
                         "parts": [_part("a", "formation step (first checkpoint whose top retrieval score reaches half "
                                              "the run's largest) of SWA-512 minus SWA-128, in steps",
@@ -649,10 +685,10 @@ def evaluate_claims(root: Path, runs: list[Run], evals: list[Evaluation], st: Se
                                         "greater", nums, need("swa128", "swa512"))]}
 
     if "C6" in want:
-        lp = {r.name: number(evals, "longppl", r, field_="longppl") for r in runs}
+        lp = {r.key: number(evals, "longppl", r, field_="longppl") for r in runs}
         claims["C6"] = {"title": "LongPPL of each arm, the full model (seed 0) as evaluator",
                         "parts": [{"part": "a", "statement": "reported, no direction claimed", "verdict": "reported",
-                                   "band": band_of(lambda r: lp[r.name][0] if r is not evaluator_run(runs) else None),
+                                   "band": band_of(lambda r: lp[r.key][0] if r not in evaluators else None),
                                    "numbers": {k: v[0] for k, v in lp.items()},
                                    "sources": {k: v[1] for k, v in lp.items()}}]}
     for c in claims.values():
@@ -661,8 +697,8 @@ def evaluate_claims(root: Path, runs: list[Run], evals: list[Evaluation], st: Se
 
     table = []
     for r in runs:
-        t = train[r.name]
-        row = {"run": r.name, "arch": r.arch, "seed": r.seed, **{k: t[k] for k in ("loss", "bpb", "tokens_per_sec",
+        t = train[r.key]
+        row = {"run": r.key, "study": r.study, "arch": r.arch, "seed": r.seed, **{k: t[k] for k in ("loss", "bpb", "tokens_per_sec",
                                                                                    "mfu", "device")}}
         row["longppl"] = number(evals, "longppl", r, field_="longppl")[0]
         row[f"ruler_nll@{L}"] = (number(evals, "ruler@L", r, field_="answer_nll", length=L, mean_over_tasks=True)[0]
@@ -673,10 +709,17 @@ def evaluate_claims(root: Path, runs: list[Run], evals: list[Evaluation], st: Se
                           "evals": {e.key: rows_for(e)[0]["eval_key"] for e in evals if e.run is r and rows_for(e)}}
         table.append(row)
     noise.update({"bands": {"loss": band_loss}})
-    return {"schema": SCHEMA, "root": str(root), "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "settings": dataclasses.asdict(st), "seq_len": T, "runs": [r.name for r in runs], "table": table,
+    cells = []  # each arm and seed over the study roots: the mean val loss and its range
+    for arch, seed in dict.fromkeys((r.arch, r.seed) for r in runs):
+        rs = [r for r in runs if (r.arch, r.seed) == (arch, seed)]
+        v = [loss(r) for r in rs if loss(r) is not None]
+        cells.append({"arch": arch, "seed": seed, "runs": [r.key for r in rs],
+                      "loss_mean": statistics.fmean(v) if v else None, "loss_min": min(v, default=None),
+                      "loss_max": max(v, default=None)})
+    return {"schema": SCHEMA, "root": " ".join(map(str, roots)), "roots": [str(r) for r in roots], "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "settings": dataclasses.asdict(st), "seq_len": T, "runs": [r.key for r in runs], "table": table, "cells": cells,
             "noise": noise, "claims": claims, "number_sources": used,
-            "evaluations": [{"key": e.key, "run": e.run.name, "command": e.command(), "done": is_done(e)}
+            "evaluations": [{"key": e.key, "run": e.run.key, "command": e.command(), "done": is_done(e)}
                             for e in evals],
             "rule": RULE}
 
@@ -685,7 +728,9 @@ RULE = ("Noise band of a metric: its largest spread (max - min) over the replica
         "and 1, full_rerun = seed 0 again; any arm with several seeds). A claim part predicting d > 0 is reproduced "
         "when d > band, not reproduced when d < -band, else inconclusive at this scale; a part predicting d about 0 "
         "is reproduced when |d| <= band, else not reproduced. Without two replicates there is no band and every part "
-        "is inconclusive. A claim is not reproduced if any part is, reproduced if all parts are, else inconclusive.")
+        "is inconclusive. A claim is not reproduced if any part is, reproduced if all parts are, else inconclusive. "
+        "Judged over several runs of the study (several roots), an arm's number is the mean over the roots of its "
+        "run of that config and seed, and every run counts as a replicate in the bands.")
 
 
 # ----------------------------------------------------------------------------- markdown
@@ -695,21 +740,35 @@ def _f(x, fmt="{:.4f}") -> str:
 
 
 def format_markdown(doc: dict) -> str:
-    """claims.md: the table, the noise and every claim's verdict with its numbers."""
+    """claims.md: the table, the noise and every claim's verdict with its numbers (judged over several
+    study roots: a study column, and each arm's mean and range over them)."""
     T = doc["seq_len"]
     st = doc["settings"]
     L = st["ruler_length"]
-    lines = [f"Generated by `hybrid-lm claims {doc['root']}` ({doc['created']}); every number below comes from "
-             f"`{doc['root']}/claims.json`, which names the results file row it was read from.", ""]
+    roots = doc.get("roots") or [doc["root"]]
+    pooled = len(roots) > 1
+    out = doc.get("out") or roots[0]
+    command = f"hybrid-lm claims {' '.join(roots)}" + (f" --out {out}" if pooled else "")
+    lines = [f"Generated by `{command}` ({doc['created']}); every number below comes from "
+             f"`{out}/claims.json`, which names the results file row it was read from.", ""]
     beyond = [f"loss@{k * T}" for k in st["beyond"]]
     head = ["arch", "seed", "val loss", "bits/byte", "tokens/s", "MFU", "device", "LongPPL",
             f"RULER answer NLL @{L}", *[f"val loss @{k * T}" for k in st["beyond"]]]
+    head = ["study", *head] if pooled else head
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in doc["table"]:
         cells = [r["arch"], str(r["seed"]), _f(r["loss"]), _f(r["bpb"]), _f(r["tokens_per_sec"], "{:,.0f}"),
                  _f(r["mfu"] * 100 if r["mfu"] is not None else None, "{:.1f}%"), str(r["device"] or "—"),
                  _f(r["longppl"], "{:.3f}"), _f(r.get(f"ruler_nll@{L}")), *[_f(r[b]) for b in beyond]]
+        cells = [r.get("study") or "", *cells] if pooled else cells
         lines.append("| " + " | ".join(cells) + " |")
+    if pooled:
+        lines += ["", f"Each arm over the {len(roots)} studies (a claim reads an arm's mean):", "",
+                  "| arch | seed | runs | mean val loss | min | max | range |", "|---|---|---|---|---|---|---|"]
+        for c in doc["cells"]:
+            rng = c["loss_max"] - c["loss_min"] if c["loss_min"] is not None else None
+            lines.append(f"| {c['arch']} | {c['seed']} | {len(c['runs'])} | {_f(c['loss_mean'])} | {_f(c['loss_min'])} "
+                         f"| {_f(c['loss_max'])} | {_f(rng)} |")
     lines += ["", f"Noise band of the val loss: {_f(doc['noise']['bands']['loss'])} nats "
                   f"(spread over the replicates of one config)."]
     for g, vals in doc["noise"]["loss"]["groups"].items():
@@ -720,6 +779,10 @@ def format_markdown(doc: dict) -> str:
             statement = p["statement"].replace("|", "\\|")  # a cell's own bar would end it
             lines.append(f"| {name if i == 0 else ''} | {c['verdict'] if i == 0 else ''} | {p['part']}: "
                          f"{statement} | {_f(p.get('d'))} | {_f(p.get('band'))} | {p['verdict']} |")
+    notes = [f"{name}{p['part']}: {p['why'].split('; ', 1)[1]}" for name, c in doc["claims"].items()
+             for p in c["parts"] if "; " in (p.get("why") or "")]
+    if notes:
+        lines += ["", "Partly evaluated: " + "; ".join(notes) + "."]
     lines += ["", "Verdict rule: " + doc["rule"]]
     return "\n".join(lines) + "\n"
 
@@ -728,8 +791,10 @@ def format_markdown(doc: dict) -> str:
 
 def plot_overview(doc: dict, runs: list[Run], out_png: Path) -> Path:
     """``plots/study_loss.png``: every run's training loss (nats, the mean over each 1/40 of the run)
-    against tokens seen, and each run's final val loss as a bar with the reference arm's replicates'
-    range (the noise band) shaded: where the arms stand and how far apart they must be to count."""
+    against tokens seen, and each arm's final val loss as a bar with the reference arm's replicates'
+    range (the noise band) shaded: where the arms stand and how far apart they must be to count. Judged
+    over several study roots, an arm's curves share its colour (one line style per study) and its bar
+    is the mean over the studies with their range as a whisker."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -737,10 +802,19 @@ def plot_overview(doc: dict, runs: list[Run], out_png: Path) -> Path:
 
     from hybrid_lm.train.metrics import read_metrics
 
-    colors = plt.get_cmap("tab20").colors  # 20 distinct colours: the study has 13 runs
+    colors = plt.get_cmap("tab20").colors  # 20 distinct colours: the study has 13 arms and seeds
+    styles = ("-", "--", ":", "-.")
+    studies = list(dict.fromkeys(r.study for r in runs))
+    cells = list(dict.fromkeys((r.arch, r.seed) for r in runs))
+    loss = {t["run"]: t["loss"] for t in doc["table"]}
+
+    def label(cell):
+        return cell[0] + (f" seed {cell[1]}" if cell[1] else "")
+
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 5.2), gridspec_kw={"width_ratios": [1.5, 1]})
-    finals, low, high = [], [], []
-    for i, r in enumerate(runs):
+    low, high = [], []
+    for r in runs:
+        i, k = cells.index((r.arch, r.seed)), studies.index(r.study)
         rows = [row for row in read_metrics(r.dir / "metrics.jsonl", "train") if "tokens" in row]
         x = np.array([row["tokens"] for row in rows], float) / 1e6
         y = np.array([row.get("loss") if row.get("loss") is not None else np.nan for row in rows], float)
@@ -750,14 +824,15 @@ def plot_overview(doc: dict, runs: list[Run], out_png: Path) -> Path:
             keep = [b for b in range(40) if (which == b).any()]
             x = np.array([x[which == b].mean() for b in keep])
             y = np.array([np.nanmean(y[which == b]) for b in keep])
-        label = r.arch + (f" seed {r.seed}" if r.seed else "")
-        ax.plot(x, y, lw=1.1, color=colors[i % 20], ls="-" if i < 20 else "--", label=label)
+        ax.plot(x, y, lw=1.1, color=colors[i % 20], ls=styles[(k + i // 20) % len(styles)],
+                label=label((r.arch, r.seed)) if k == 0 else None)
         finite = y[np.isfinite(y)]
         if len(finite):
             low.append(float(finite.min()))
             high.append(float(finite[len(finite) // 3]))  # a third of the way in: the early descent stays off the scale
-        row = next((t for t in doc["table"] if t["run"] == r.name), None)
-        finals.append((label, row["loss"] if row else None, colors[i % 20]))
+    if len(studies) > 1:
+        for k, name in enumerate(studies):
+            ax.plot([], [], color="gray", ls=styles[k % len(styles)], label=name)
     if low:
         ax.set_ylim(min(low) - 0.05, max(high))
     ax.set_xlabel("tokens seen (millions)")
@@ -765,23 +840,30 @@ def plot_overview(doc: dict, runs: list[Run], out_png: Path) -> Path:
     ax.set_title("training", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
-    shown = [(lab, v, c) for lab, v, c in finals if v is not None]
+    shown = []  # (label, mean, min, max, colour) of each arm with a final val loss
+    for i, cell in enumerate(cells):
+        v = [loss[r.key] for r in runs if (r.arch, r.seed) == cell and loss.get(r.key) is not None]
+        if v:
+            shown.append((label(cell), float(np.mean(v)), min(v), max(v), colors[i % 20]))
     ys = np.arange(len(shown))[::-1]
-    bx.barh(ys, [v for _, v, _ in shown], color=[c for _, _, c in shown])
-    for yy, (_, v, _) in zip(ys, shown):
-        bx.text(v, yy, f" {v:.3f}", va="center", fontsize=7)
-    bx.set_yticks(ys, [lab for lab, _, _ in shown], fontsize=8)
+    bx.barh(ys, [m for _, m, _, _, _ in shown], color=[c for *_, c in shown])
+    if len(studies) > 1:
+        bx.errorbar([m for _, m, _, _, _ in shown], ys, fmt="none", ecolor="black", elinewidth=1, capsize=2,
+                    xerr=np.array([[m - lo, hi - m] for _, m, lo, hi, _ in shown]).T)
+    for yy, (_, m, _, hi, _) in zip(ys, shown):
+        bx.text(hi, yy, f" {m:.3f}", va="center", fontsize=7)
+    bx.set_yticks(ys, [lab for lab, *_ in shown], fontsize=8)
     ref = [t["loss"] for t in doc["table"] if t["arch"].removesuffix("_rerun") == REFERENCE and t["loss"] is not None]
     band = doc["noise"]["bands"].get("loss")
     if len(ref) > 1 and band:
         bx.axvspan(min(ref), max(ref), color="gray", alpha=0.2,
                    label=f"range of the {len(ref)} {REFERENCE} replicates: the noise band, {band:.3f}")
-        bx.legend(fontsize=7, loc="lower right")
+        bx.legend(fontsize=7, loc="best")
     if shown:
-        vals = [v for _, v, _ in shown]
-        bx.set_xlim(min(vals) - 0.1, max(vals) + 0.12)
+        bx.set_xlim(min(lo for _, _, lo, _, _ in shown) - 0.1, max(hi for _, _, _, hi, _ in shown) + 0.12)
     bx.set_xlabel(f"val loss at T = {doc['seq_len']} (nats/token, lower is better)")
-    bx.set_title("final val loss", fontsize=10)
+    bx.set_title("final val loss" + (f": mean over {len(studies)} studies, whisker: their range"
+                                     if len(studies) > 1 else ""), fontsize=10)
     bx.grid(alpha=0.3, axis="x")
     fig.tight_layout()
     out_png.parent.mkdir(parents=True, exist_ok=True)
@@ -792,44 +874,85 @@ def plot_overview(doc: dict, runs: list[Run], out_png: Path) -> Path:
 
 # ----------------------------------------------------------------------------- the command
 
-def run_claims(root: str | Path, settings: Settings | None = None, *, evaluate: bool = True,
-               max_minutes: float | None = None, printer=print) -> dict:
-    """The whole command: plan, evaluate (unless ``evaluate=False``), judge, write claims.json / claims.md."""
-    root = Path(root)
-    if not (root / "sweep.json").exists():
-        raise WorkdirError(f"{root} holds no sweep.json: launch the study first (hybrid-lm sweep "
-                           "configs/sweeps/study.toml --launch local)")
+def study_labels(roots: list[Path]) -> list[str]:
+    """Each root's label in a pooled claims.json: its directory name, or its path where two names clash."""
+    names = [Path(r).name or str(r) for r in roots]
+    return [n if names.count(n) == 1 else str(r) for n, r in zip(names, roots)]
+
+
+def pooled_runs(roots: list[Path], *, checkpoints: bool) -> list[list[Run]]:
+    """The finished runs of each root, labelled by root when there are several. Roots pooled together must
+    be replicates of one study: an arm and seed present in two roots has the same job name there (the name
+    carries the run's config hash), and every run was trained at one length."""
+    labels = study_labels(roots) if len(roots) > 1 else [""]
+    per_root, names = [], {}
+    for root, label in zip(roots, labels):
+        if not (root / "sweep.json").exists():
+            raise WorkdirError(f"{root} holds no sweep.json: launch the study first (hybrid-lm sweep "
+                               "configs/sweeps/study.toml --launch local)")
+        got = study_runs(root, checkpoints=checkpoints, study=label)
+        if not got:
+            raise WorkdirError(f"{root}: no finished run yet (sweep_done.json): finish the sweep first")
+        for r in got:
+            other = names.setdefault((r.arch, r.seed), (r.name, root))
+            if other[0] != r.name:
+                raise ConfigError(f"{root} and {other[1]} are not replicates of one study: {r.arch} seed {r.seed} is "
+                                  f"{r.name} in one and {other[0]} in the other (another config)")
+        per_root.append(got)
+    lengths = {r.seq_len for rs in per_root for r in rs}
+    if len(lengths) > 1:
+        where = " and ".join(map(str, roots))
+        raise ConfigError(f"{where}: runs trained at several lengths {sorted(lengths)}; the claims compare one T")
+    return per_root
+
+
+def run_claims(roots, settings: Settings | None = None, *, evaluate: bool = True, max_minutes: float | None = None,
+               out: str | Path | None = None, printer=print) -> dict:
+    """The whole command: plan, evaluate (unless ``evaluate=False``), judge, write claims.json / claims.md
+    and plots/study_loss.png to ``out`` (default: the root). ``roots``: one study root, or several runs of
+    the same study to judge together (``out`` then required)."""
+    roots = [Path(r) for r in ([roots] if isinstance(roots, (str, Path)) else roots)]
+    if not roots:
+        raise ConfigError("claims: give a study root")
+    if len(set(map(str, (r.resolve() for r in roots)))) < len(roots):
+        raise ConfigError(f"claims: a study root is given twice ({' '.join(map(str, roots))})")
+    if len(roots) > 1 and out is None:
+        raise ConfigError("claims: several study roots need --out DIR for the pooled claims.json and claims.md")
+    out = Path(out) if out is not None else roots[0]
     if max_minutes is not None and not max_minutes > 0:
         raise ConfigError(f"--max-minutes {max_minutes:g}: must be > 0")
-    runs = study_runs(root, checkpoints=evaluate)
-    if not runs:
-        raise WorkdirError(f"{root}: no finished run yet (sweep_done.json): finish the sweep first")
-    lengths = {r.seq_len for r in runs}
-    if len(lengths) > 1:
-        raise ConfigError(f"{root}: runs trained at several lengths {sorted(lengths)}; the claims compare one T")
+    per_root = pooled_runs(roots, checkpoints=evaluate)
+    runs = [r for rs in per_root for r in rs]
     st = (settings or Settings()).resolved(runs[0].seq_len)
     bad = [c for c in st.claims if c not in CLAIMS]
     if bad:
         raise ConfigError(f"--claims {','.join(st.claims)}: unknown {', '.join(bad)}; choose from {','.join(CLAIMS)}")
-    evals = plan(runs, st)
-    no_task = None
-    if evaluate and any(e.key.startswith("c2/mc/") for e in evals):
-        # without evaluating, C2(c)'s rows are found as recorded (the task folder by name): nothing to build
-        no_task = build_c2_task(root, runs, st)
-        if no_task:
-            printer(f"C2(c): no next_line task: {no_task}")
-            evals = [e for e in evals if not e.key.startswith("c2/mc/")]
+    evals, no_task = [], None
+    for root, mine in zip(roots, per_root):  # each root's evaluations: its own LongPPL evaluator and next_line task
+        ev = plan(mine, st)
+        if evaluate and any(e.key.startswith("c2/mc/") for e in ev):
+            # without evaluating, C2(c)'s rows are found as recorded (the task folder by name): nothing to build
+            why = build_c2_task(root, mine, st)
+            if why:
+                printer(f"C2(c): no next_line task in {root}: {why}")
+                no_task = no_task or why
+                ev = [e for e in ev if not e.key.startswith("c2/mc/")]
+        evals += ev
+    if no_task:  # C2(c) pooled over the roots only where every root has its task
+        evals = [e for e in evals if not e.key.startswith("c2/mc/")]
     if evaluate:
         stats = run_evaluations(evals, max_minutes, printer)
     else:  # judged from the rows there are; what was never evaluated is left, not complete
         left = sum(not is_done(e) for e in evals)
         stats = {"done": 0, "skipped": len(evals) - left, "left": left, "failed": {}}
-    doc = evaluate_claims(root, runs, evals, st, no_task=no_task)
+    doc = evaluate_claims(roots, runs, evals, st, no_task=no_task)
+    doc["out"] = str(out)
     doc["evaluation_stats"] = stats
-    atomic_write_json(root / "claims.json", doc, indent=1, default=str)
-    atomic_write_text(root / "claims.md", format_markdown(doc))
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out / "claims.json", doc, indent=1, default=str)
+    atomic_write_text(out / "claims.md", format_markdown(doc))
     try:
-        plot_overview(doc, runs, root / "plots" / "study_loss.png")
+        plot_overview(doc, runs, out / "plots" / "study_loss.png")
     except (OSError, ValueError) as e:  # the verdicts are written; a figure that fails says so
         printer(f"plots/study_loss.png not drawn: {' '.join(str(e).split())}")
     return doc
