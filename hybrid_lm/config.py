@@ -55,14 +55,24 @@ def _added(default=dataclasses.MISSING, **kw):
     return field(default=default, metadata=_meta(True, omit_default=True), **kw)
 
 
-# RoPE frequency scalings a MixerConfig.rope_scaling may name, with the keys each requires (transformers'
-# ``rope_parameters`` names): llama3 is Llama 3.1+'s long-context rescaling of the inverse frequencies.
-ROPE_SCALINGS = {"llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+# RoPE frequency scalings a MixerConfig.rope_scaling may name (transformers' ``rope_parameters`` names):
+# each kind's required keys, then its optional ones with transformers' defaults. llama3 is Llama 3.1+'s
+# long-context rescaling of the inverse frequencies; linear divides them by ``factor``; yarn (YaRN, Qwen's
+# and DeepSeek's long-context setting) blends divided and kept frequencies by wavelength and scales q and k
+# by an attention factor (``model/layers.py::rope_attention_factor``).
+ROPE_SCALINGS = {
+    "llama3": (("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"), {}),
+    "linear": (("factor",), {}),
+    "yarn": (("factor", "original_max_position_embeddings"),
+             {"beta_fast": 32.0, "beta_slow": 1.0, "attention_factor": None, "mscale": None, "mscale_all_dim": None,
+              "truncate": True}),
+}
 
 
 def check_rope_scaling(scaling, where: str) -> dict:
     """``scaling`` (``MixerConfig.rope_scaling``: ``{}`` for plain RoPE, or a dict, or its items) as a
-    dict, refused in one line unless it is empty or names a known ``rope_type`` with every key it needs."""
+    dict, refused in one line unless it is empty or names a known ``rope_type`` with every key it needs
+    and no key it does not take."""
     d = dict(scaling or {})
     if not d:
         return d
@@ -70,20 +80,24 @@ def check_rope_scaling(scaling, where: str) -> dict:
     if kind not in ROPE_SCALINGS:
         raise ConfigError(f"{where}: rope_type={kind!r}: hybrid_lm scales RoPE by "
                           f"{', '.join(map(repr, ROPE_SCALINGS))} only")
-    need = ROPE_SCALINGS[kind]
-    missing, extra = [k for k in need if k not in d], sorted(set(d) - set(need) - {"rope_type"})
+    need, optional = ROPE_SCALINGS[kind]
+    missing, extra = [k for k in need if k not in d], sorted(set(d) - set(need) - set(optional) - {"rope_type"})
     if missing or extra:
-        raise ConfigError(f"{where}: rope_type {kind!r} takes {', '.join(need)}"
+        takes = ", ".join(need) + (f" (and optionally {', '.join(optional)})" if optional else "")
+        raise ConfigError(f"{where}: rope_type {kind!r} takes {takes}"
                           + (f"; missing {', '.join(missing)}" if missing else "")
                           + (f"; unknown {', '.join(extra)}" if extra else ""))
-    for k in need:
-        v = d[k]
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+    for k in [*need, *optional]:
+        v = d.get(k)
+        if k == "truncate":
+            if k in d and not isinstance(v, bool):
+                raise ConfigError(f"{where}: rope_type {kind!r}: truncate={v!r} must be true or false")
+        elif (k in need or v is not None) and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0):
             raise ConfigError(f"{where}: rope_type {kind!r}: {k}={v!r} must be a positive number")
-    if not d["low_freq_factor"] < d["high_freq_factor"]:
+    if kind == "llama3" and not d["low_freq_factor"] < d["high_freq_factor"]:
         raise ConfigError(f"{where}: rope_type {kind!r}: low_freq_factor={d['low_freq_factor']} must be below "
                           f"high_freq_factor={d['high_freq_factor']}")
-    return d
+    return {k: v for k, v in d.items() if not (k in optional and v is None)}  # null: transformers' default
 
 
 @gin.configurable

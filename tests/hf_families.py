@@ -22,6 +22,9 @@ WINDOW = 5  # every sliding layer's window: shorter than the test sequences, so 
 # three bands (kept, interpolated, divided by factor): wavelengths 6.3, 32.5, 169, ... against 64/8 and 64/1
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 8.0,
           "original_max_position_embeddings": 64}
+# YaRN as Qwen3 enables it for long contexts, at a length where head_dim 24 and theta 1e6 keep frequencies
+# 0-2, ramp 3-5 and divide 6-11 by the factor; its attention factor (0.1 ln 4 + 1) scales q and k
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096}
 
 # name -> (the family export writes, ModelConfig fields besides BASE)
 OURS = {
@@ -33,6 +36,9 @@ OURS = {
     "qwen3": ("qwen3", dict(layer_pattern="1:1", qk_norm=True, head_dim=24, tie_embeddings=True,
                             full=MixerConfig(kind="attention", rope_theta=1e6),
                             efficient=MixerConfig(kind="swa", window=WINDOW, rope_theta=1e6))),
+    "qwen3_yarn": ("qwen3", dict(layer_pattern="1:1", qk_norm=True, head_dim=24, tie_embeddings=True,
+                                 full=MixerConfig(kind="attention", rope_theta=1e6, rope_scaling=YARN),
+                                 efficient=MixerConfig(kind="swa", window=WINDOW, rope_theta=1e6, rope_scaling=YARN))),
     "smollm3": ("smollm3", dict(layer_pattern="1:3", tie_embeddings=True, full=MixerConfig(kind="attention", rope=False),
                                 efficient=MixerConfig(kind="attention", rope_theta=2e6))),
     "smollm3_swa": ("smollm3", dict(layer_pattern="1:1", full=MixerConfig(kind="attention", rope=False),
@@ -57,6 +63,8 @@ THEIRS = {
     "qwen3": ("qwen3", dict(head_dim=24, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=2,
                             tie_word_embeddings=True),
               "FFEE", {"full": ("attention", None, True), "efficient": ("swa", WINDOW, True)}),
+    "qwen3_yarn": ("qwen3", dict(head_dim=24, rope_theta=1e6, rope_scaling=dict(YARN), tie_word_embeddings=True),
+                   "FFFF", {"full": ("attention", None, True)}),
     "smollm3": ("smollm3", dict(no_rope_layer_interval=2, tie_word_embeddings=False, **NO_SPECIALS),
                 "EFEF", {"full": ("attention", None, False), "efficient": ("attention", None, True)}),
     "smollm3_swa": ("smollm3", dict(no_rope_layers=[1, 0, 1, 0], use_sliding_window=True, sliding_window=WINDOW,

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hybrid_lm.model.layers import apply_rope, rope_frequencies
+from hybrid_lm.model.layers import apply_rope, rope_attention_factor, rope_frequencies
 from hybrid_lm.ops.attention import causal_attention, dense_attention, windowed_attention
 
 
@@ -237,9 +237,73 @@ def test_llama3_frequencies_equal_the_per_frequency_formula(head_dim, theta, fac
     np.testing.assert_array_equal(rope_frequencies(head_dim, theta, {}), rope_frequencies(head_dim, theta))
 
 
-def test_scaled_rope_is_still_relative():
-    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 8.0,
-               "original_max_position_embeddings": 64}
+def _yarn_frequencies(head_dim, theta, factor, original, beta_fast=32.0, beta_slow=1.0, truncate=True):
+    """YaRN's frequencies as transformers computes them (``_compute_yarn_parameters``, 5.x), one at a time in
+    float64: the dimension indices that turn beta_fast and beta_slow times over ``original`` positions
+    (rounded outwards when ``truncate``) bound a linear ramp from the kept to the divided frequency."""
+    def index(rotations):
+        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = index(beta_fast), index(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    out = []
+    for i in range(head_dim // 2):
+        f = 1.0 / theta ** (2 * i / head_dim)
+        ramp = min(max((i - low) / (high - low), 0.0), 1.0)
+        out.append(f / factor * ramp + f * (1 - ramp))
+    return np.array(out)
+
+
+@pytest.mark.parametrize("head_dim,theta,factor,original,extra", [
+    (128, 1e6, 4.0, 32768, {}),                                 # Qwen3's model card, 32K -> 131K
+    (64, 1.5e5, 32.0, 4096, {"beta_fast": 32.0, "beta_slow": 1.0, "truncate": False}),  # gpt-oss's settings
+    (24, 1e6, 4.0, 4096, {}),                                   # tests/hf_families.py's qwen3_yarn
+    (32, 1e4, 8.0, 512, {"beta_fast": 16.0, "beta_slow": 2.0}),
+])
+def test_yarn_frequencies_equal_the_per_frequency_formula(head_dim, theta, factor, original, extra):
+    scaling = {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original, **extra}
+    ref = _yarn_frequencies(head_dim, theta, factor, original, **extra)
+    plain = 1.0 / theta ** (np.arange(0, head_dim, 2) / head_dim)
+    assert np.isclose(ref, plain).any() and np.isclose(ref, plain / factor).any()  # both ends exercised
+    ours = np.asarray(rope_frequencies(head_dim, theta, scaling))
+    np.testing.assert_allclose(ours, ref, rtol=2e-6)
+    if extra.get("truncate") is False:  # the paper's rule at the ends: r = original / wavelength
+        r = original * plain / (2 * math.pi)
+        fast, slow = r > extra["beta_fast"], r < extra["beta_slow"]
+        assert fast.any() and slow.any()
+        np.testing.assert_allclose(ours[fast], plain[fast], rtol=2e-6)  # many turns: kept
+        np.testing.assert_allclose(ours[slow], plain[slow] / factor, rtol=2e-6)  # under one: interpolated
+
+
+def test_rope_attention_factor_and_linear_scaling():
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+    assert rope_attention_factor(yarn) == pytest.approx(0.1 * math.log(4.0) + 1.0)
+    assert rope_attention_factor({**yarn, "attention_factor": 1.5}) == 1.5
+    assert rope_attention_factor({**yarn, "mscale": 1.0, "mscale_all_dim": 1.0}) == 1.0  # DeepSeek-V3's
+    assert rope_attention_factor({**yarn, "mscale": 0.707, "mscale_all_dim": 1.0}) == pytest.approx(
+        (0.0707 * math.log(4.0) + 1) / (0.1 * math.log(4.0) + 1))
+    assert rope_attention_factor({**yarn, "factor": 1.0}) == 1.0 and rope_attention_factor({}) == 1.0
+    assert rope_attention_factor({"rope_type": "linear", "factor": 4.0}) == 1.0
+    np.testing.assert_array_equal(rope_frequencies(16, 1e4, {"rope_type": "linear", "factor": 4.0}),
+                                  rope_frequencies(16, 1e4) / 4.0)
+    # q and k each come out scaled by the factor (RoPE itself is a rotation): their logits by its square
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((1, 5, 2, 16)), jnp.float32)
+    pos = jnp.arange(5)[None]
+    np.testing.assert_allclose(np.linalg.norm(np.asarray(apply_rope(x, pos, 1e4, yarn)), axis=-1),
+                               rope_attention_factor(yarn) * np.linalg.norm(np.asarray(x), axis=-1), rtol=1e-5)
+
+
+@pytest.mark.parametrize("scaling", [
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 8.0,
+     "original_max_position_embeddings": 64},
+    {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64},
+    {"rope_type": "linear", "factor": 8.0},
+], ids=lambda s: s["rope_type"])
+def test_scaled_rope_is_still_relative(scaling):
     rng = np.random.default_rng(0)
     q, k = (jnp.asarray(rng.standard_normal((1, 1, 1, 16)), jnp.float32) for _ in range(2))
 

@@ -204,8 +204,14 @@ def test_a_field_the_mixer_does_not_read_is_an_error(params, match):
 
 
 @pytest.mark.parametrize("scaling,extra,match", [
-    ({"rope_type": "yarn", "factor": 4.0}, [], r"full/MixerConfig.rope_scaling: rope_type='yarn': hybrid_lm "
-                                               r"scales RoPE by 'llama3' only"),
+    ({"rope_type": "dynamic", "factor": 4.0}, [], r"full/MixerConfig.rope_scaling: rope_type='dynamic': hybrid_lm "
+                                                  r"scales RoPE by 'llama3', 'linear', 'yarn' only"),
+    ({"rope_type": "yarn", "factor": 4.0}, [], r"'yarn' takes factor, original_max_position_embeddings \(and "
+                                               r"optionally beta_fast, .*\); missing original_max_position_embeddings"),
+    ({"rope_type": "linear", "factor": 2.0, "original_max_position_embeddings": 64}, [],
+     r"'linear' takes factor; unknown original_max_position_embeddings"),
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "attention_factor": -1}, [],
+     r"attention_factor=-1 must be a positive number"),
     ({"factor": 4.0}, [], r"rope_type=None"),
     ({**LLAMA3, "beta_fast": 32}, [], r"rope_type 'llama3' takes factor, .*; unknown beta_fast"),
     ({"rope_type": "llama3", "factor": 8.0}, [], r"missing low_freq_factor, high_freq_factor, original_max"),

@@ -60,10 +60,11 @@ def _tokens(seed: int, B: int = 2, n: int = T):
 
 LLAMA3 = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 16}
+SCALINGS = {"llama3": LLAMA3, "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}}
 
 
 @pytest.mark.parametrize("kind,rope_full", [(k, True) for k in sorted(EFFICIENT)] + [("swa", False)]  # NoPE full layers
-                         + [("swa", "llama3")]  # Llama 3.1's RoPE scaling on the full layers
+                         + [("swa", "llama3"), ("swa", "yarn")]  # Llama 3.1's, YaRN's RoPE scaling on the full layers
                          + [(k, True) for k in sorted(SSA)])  # SSA sits in the full slot
 @pytest.mark.integration
 def test_prefill_then_steps_equal_the_forward_pass(kind, rope_full):
@@ -71,7 +72,7 @@ def test_prefill_then_steps_equal_the_forward_pass(kind, rope_full):
         model = _model(kind)
     else:  # NoPE or scaled RoPE on the full layers too
         model = _model(kind, full=MixerConfig(kind="attention", rope=rope_full is not False,
-                                              rope_scaling=LLAMA3 if rope_full == "llama3" else {}))
+                                              rope_scaling=SCALINGS.get(rope_full, {})))
     tokens = _tokens(3)
     want = jax.jit(lambda tok: model(tok, _eval_ctx(tok)))(tokens)
     logits, cache = jax.jit(lambda tok: model.prefill(tok, max_len=T))(tokens[:, :PROMPT])

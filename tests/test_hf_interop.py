@@ -12,7 +12,7 @@ import json
 import jax
 import numpy as np
 import pytest
-from hf_families import LLAMA3, OURS, THEIRS, WINDOW, hf_dict, layer_summary, random_params, tiny_model
+from hf_families import LLAMA3, OURS, THEIRS, WINDOW, YARN, hf_dict, layer_summary, random_params, tiny_model
 
 from hybrid_lm.config import Config, MixerConfig, ModelConfig, run_id_of
 from hybrid_lm.errors import ConfigError, WorkdirError
@@ -85,6 +85,8 @@ def test_export_config_per_family():
     assert "rope_scaling" not in c
     c = hf_config(tiny_model("llama31"), max_position_embeddings=32)  # 5.x's rope_parameters, 4.x's rope_scaling
     assert c["rope_parameters"] == {"rope_theta": 5e5, **LLAMA3} and c["rope_scaling"] == LLAMA3
+    c = hf_config(tiny_model("qwen3_yarn"), max_position_embeddings=32)
+    assert c["rope_parameters"] == {"rope_theta": 1e6, **YARN} and c["rope_scaling"] == YARN
     c = hf_config(tiny_model("llama_tied"), max_position_embeddings=32)
     assert (c["tie_word_embeddings"], c["num_key_value_heads"], c["head_dim"]) == (True, 1, 24)
     c = hf_config(tiny_model("ministral"), max_position_embeddings=32)
@@ -169,6 +171,18 @@ def test_released_configs_import():
     assert (m.full.rope_theta, m.full.rope_scaling) == (5e5, LLAMA32_1B["rope_scaling"])
     five = {k: v for k, v in LLAMA32_1B.items() if k not in ("rope_scaling", "rope_theta")}  # 5.x: one dict
     assert model_config_from_hf({**five, "rope_parameters": {"rope_theta": 5e5, **LLAMA32_1B["rope_scaling"]}}) == m
+    # Qwen3's model card enables YaRN for 131,072 tokens with this entry (4.x's rope_scaling; its "type" key
+    # as older cards write it): the scaling goes to every RoPE slot, nulls mean transformers' defaults
+    card = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    m = model_config_from_hf({**QWEN3_06B, "rope_scaling": card})
+    assert m.full.rope_scaling == card and m.full.rope_theta == 1e6
+    older = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768, "attention_factor": None}
+    assert model_config_from_hf({**QWEN3_06B, "rope_scaling": older}) == m
+    five = {k: v for k, v in QWEN3_06B.items() if k not in ("rope_scaling", "rope_theta")}
+    assert model_config_from_hf({**five, "rope_parameters": {"rope_theta": 1e6, **card}}) == m
+    # without original_max_position_embeddings, transformers takes the config's max_position_embeddings
+    m = model_config_from_hf({**QWEN3_06B, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    assert m.full.rope_scaling["original_max_position_embeddings"] == 40960
     m = model_config_from_hf(SMOLLM3_3B)  # NoPE every 4th layer (3, 7, ...): the full slot; tied by default
     assert m.layer_pattern == "EEEF" and m.full == MixerConfig(kind="attention", rope=False, rope_theta=5e6)
     assert (m.efficient.kind, m.efficient.rope, m.efficient.rope_theta, m.tie_embeddings) == ("attention", True, 5e6, True)
@@ -255,8 +269,13 @@ def _llama(**kw):
     (_llama(rope_scaling={"rope_type": "llama3", "factor": 8.0}), "'llama3' takes factor.*; missing low_freq_factor"),
     (_llama(rope_scaling={**LLAMA3, "attention_factor": 1.0}), "unknown attention_factor"),
     (_llama(rope_scaling={**LLAMA3, "factor": 0}), "factor=0 must be a positive number"),
-    (_llama(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}), "no yarn scaling"),
-    (_llama(rope_scaling={"type": "linear", "factor": 2.0}), "rope_type='linear'"),
+    (_llama(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 4.0}), "no dynamic scaling"),
+    (_llama(rope_scaling={"type": "longrope", "factor": 2.0}), "rope_type='longrope'"),
+    (_llama(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}),  # nor max_position_embeddings
+     "'yarn' takes factor, original_max_position_embeddings .*; missing original_max_position_embeddings"),
+    (_llama(rope_scaling={**YARN, "truncate": "yes"}), "truncate='yes' must be true or false"),
+    (_llama(rope_scaling={**YARN, "beta_fast": 0}), "beta_fast=0 must be a positive number"),
+    (_llama(rope_scaling={**YARN, "low_freq_factor": 1.0}), "'yarn' takes .*; unknown low_freq_factor"),
     (_llama(attention_bias=True), "attention_bias=true"),
     (_llama(mlp_bias=True), "mlp_bias=true"),
     (_llama(hidden_act="gelu_pytorch_tanh"), "hidden_act='gelu_pytorch_tanh'"),

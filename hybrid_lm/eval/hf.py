@@ -296,6 +296,9 @@ def _rope(hf: dict, family: str, where: str) -> tuple[float, dict]:
                           f"'default') and {', '.join(map(repr, ROPE_SCALINGS))} scaling, no {rope_type} scaling")
     scaling = {"rope_type": rope_type, **{k: v for k, v in rp.items()
                                           if k not in ("rope_type", "type", "rope_theta", "partial_rotary_factor")}}
+    if rope_type == "yarn" and scaling.get("original_max_position_embeddings") is None \
+            and hf.get("max_position_embeddings"):  # transformers' fallback: the context the config states
+        scaling["original_max_position_embeddings"] = hf["max_position_embeddings"]
     return theta, check_rope_scaling(scaling, f"{where}: rope_parameters")
 
 
