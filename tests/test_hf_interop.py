@@ -93,6 +93,13 @@ def test_export_config_per_family():
     assert (c["model_type"], c["sliding_window"], c["layer_types"]) == ("ministral", WINDOW, [F, S, F, S])
     c = hf_config(tiny_model("qwen3"), max_position_embeddings=32)
     assert (c["use_sliding_window"], c["sliding_window"], c["layer_types"]) == (True, WINDOW, [F, S, F, S])
+    assert c["max_window_layers"] == 4  # interleaved: no prefix of full layers says it; layer_types does
+    prefix = tiny_model("qwen3", layer_pattern="FFEE")  # full layers first, as Qwen's configs have them
+    c = hf_config(prefix, max_position_embeddings=32)
+    assert c["max_window_layers"] == 2 and c["layer_types"] == [F, F, S, S]
+    # an engine that reads max_window_layers alone sees the same layers
+    engine = model_config_from_hf({k: v for k, v in c.items() if k != "layer_types"})
+    assert layer_summary(engine) == layer_summary(prefix)
     c = hf_config(tiny_model("smollm3"), max_position_embeddings=32)
     assert (c["no_rope_layers"], c["use_sliding_window"], c["layer_types"]) == ([0, 1, 1, 1], False, [F] * 4)
     assert c["rope_parameters"]["rope_theta"] == 2e6

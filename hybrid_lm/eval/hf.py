@@ -255,7 +255,11 @@ def hf_config(model: ModelConfig, *, max_position_embeddings: int, bos_token_id=
     if family == "ministral":
         d.update(sliding_window=window, layer_types=layer_types)
     if family == "qwen3":
-        d.update(use_sliding_window=sliding, sliding_window=window, max_window_layers=model.n_layers,
+        # transformers reads layer_types; engines that derive the sliding layers from max_window_layers
+        # (layers from that index on slide) agree where the full layers come first, as in Qwen's own configs
+        full = layer_types.index(SLIDING) if SLIDING in layer_types else model.n_layers
+        prefix = all(t == SLIDING for t in layer_types[full:])
+        d.update(use_sliding_window=sliding, sliding_window=window, max_window_layers=full if prefix else model.n_layers,
                  layer_types=layer_types)
     if family == "smollm3":
         d.update(no_rope_layers=[int(r) for _, r in kinds], use_sliding_window=sliding, sliding_window=window,
