@@ -89,15 +89,17 @@ def check_rope_scaling(scaling, where: str) -> dict:
                           + (f"; unknown {', '.join(extra)}" if extra else ""))
     for k in [*need, *optional]:
         v = d.get(k)
-        if k == "truncate":
-            if k in d and not isinstance(v, bool):
+        if k == "truncate":  # null: no truncation, as transformers' `if truncate` reads it
+            if k in d and not isinstance(v, bool) and v is not None:
                 raise ConfigError(f"{where}: rope_type {kind!r}: truncate={v!r} must be true or false")
         elif (k in need or v is not None) and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0):
             raise ConfigError(f"{where}: rope_type {kind!r}: {k}={v!r} must be a positive number")
     if kind == "llama3" and not d["low_freq_factor"] < d["high_freq_factor"]:
         raise ConfigError(f"{where}: rope_type {kind!r}: low_freq_factor={d['low_freq_factor']} must be below "
                           f"high_freq_factor={d['high_freq_factor']}")
-    return {k: v for k, v in d.items() if not (k in optional and v is None)}  # null: transformers' default
+    # a null number means transformers' default (it reads them with `or`), kept out of the config
+    return {k: (False if k == "truncate" and v is None else v) for k, v in d.items()
+            if not (k in optional and k != "truncate" and v is None)}
 
 
 @gin.configurable
@@ -110,8 +112,8 @@ class MixerConfig:
     rope: bool = True  # False = NoPE
     rope_theta: float = 10000.0
     # RoPE's frequencies rescaled for a longer context, as transformers' ``rope_parameters`` spells it:
-    # {} (plain RoPE) or {"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
-    # "original_max_position_embeddings"} (Llama 3.1+; hybrid_lm/model/layers.py::rope_frequencies)
+    # {} (plain RoPE) or {"rope_type": "llama3" | "linear" | "yarn", "factor", ...} with the keys of
+    # ROPE_SCALINGS (Llama 3.1+, linear interpolation, YaRN; hybrid_lm/model/layers.py::rope_frequencies)
     rope_scaling: dict = _added(default_factory=dict)
     options: dict = field(default_factory=dict)  # mixer-specific; checked against the mixer's Options
 

@@ -279,6 +279,21 @@ def test_yarn_frequencies_equal_the_per_frequency_formula(head_dim, theta, facto
         np.testing.assert_allclose(ours[slow], plain[slow] / factor, rtol=2e-6)  # under one: interpolated
 
 
+def test_yarn_nulls_read_as_transformers_reads_them():
+    """A null beta or attention factor is the default (transformers reads them with `or`), a null truncate
+    is no truncation (`if truncate`): in a gin config as it stands, and as the config check stores it."""
+    from hybrid_lm.config import check_rope_scaling
+
+    base = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096}
+    nulls = {**base, "beta_fast": None, "beta_slow": None, "attention_factor": None, "mscale": None}
+    np.testing.assert_array_equal(rope_frequencies(24, 1e6, nulls), rope_frequencies(24, 1e6, base))
+    assert rope_attention_factor(nulls) == rope_attention_factor(base)
+    np.testing.assert_array_equal(rope_frequencies(24, 1e6, {**base, "truncate": None}),
+                                  rope_frequencies(24, 1e6, {**base, "truncate": False}))
+    assert not np.array_equal(rope_frequencies(24, 1e6, {**base, "truncate": False}), rope_frequencies(24, 1e6, base))
+    assert check_rope_scaling({**nulls, "truncate": None}, "x") == {**base, "truncate": False}
+
+
 def test_rope_attention_factor_and_linear_scaling():
     yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
     assert rope_attention_factor(yarn) == pytest.approx(0.1 * math.log(4.0) + 1.0)

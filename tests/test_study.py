@@ -318,7 +318,7 @@ def test_claims_pooled_over_two_study_roots(tmp_path):
            ("sa_swa128", 0): 2.08}
     a, b = _fake_study(tmp_path / "h100" / "study", one), _fake_study(tmp_path / "h200" / "study", two)
     st = S.Settings(ruler_length=0, claims=("C1",), table=False)
-    alone = S.run_claims(a, st, evaluate=False)  # one root: unchanged, written into the root
+    alone = S.run_claims(a, st, evaluate=False)  # one root: its own numbers, written into the root
     assert {p["part"]: p["d"] for p in alone["claims"]["C1"]["parts"]} == pytest.approx({"a": 0.5, "b": 0.58, "c": 0.02})
     out = tmp_path / "pooled"
     doc = S.run_claims([a, b], st, evaluate=False, out=out)

@@ -91,7 +91,8 @@ def rope_frequencies(head_dim: int, theta: float, scaling=None):
         def index(rotations):  # the dimension index whose wavelength fits ``rotations`` times into ``original``
             return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
 
-        low, high = index(s.get("beta_fast", 32.0)), index(s.get("beta_slow", 1.0))
+        # transformers reads beta_fast and beta_slow with `or` (null: the default) and truncate with `if`
+        low, high = index(s.get("beta_fast") or 32.0), index(s.get("beta_slow") or 1.0)
         if s.get("truncate", True):
             low, high = math.floor(low), math.ceil(high)
         low, high = max(low, 0), min(high, head_dim - 1)
