@@ -87,6 +87,7 @@ def test_export_config_per_family():
     assert c["rope_parameters"] == {"rope_theta": 5e5, **LLAMA3} and c["rope_scaling"] == LLAMA3
     c = hf_config(tiny_model("qwen3_yarn"), max_position_embeddings=32)
     assert c["rope_parameters"] == {"rope_theta": 1e6, **YARN} and c["rope_scaling"] == YARN
+    assert c["max_position_embeddings"] == 4 * 4096  # YaRN's own context, as transformers 5.x expects it
     c = hf_config(tiny_model("llama_tied"), max_position_embeddings=32)
     assert (c["tie_word_embeddings"], c["num_key_value_heads"], c["head_dim"]) == (True, 1, 24)
     c = hf_config(tiny_model("ministral"), max_position_embeddings=32)

@@ -234,6 +234,9 @@ def hf_config(model: ModelConfig, *, max_position_embeddings: int, bos_token_id=
     roped = [mc for mc in used if mc.rope]
     theta = float((roped or used)[0].rope_theta)
     scaling = dict(roped[0].rope_scaling) if roped else {}
+    if scaling.get("rope_type") == "yarn":  # YaRN's context: transformers warns unless it is factor x original
+        max_position_embeddings = max(int(max_position_embeddings),
+                                      int(scaling["factor"] * scaling["original_max_position_embeddings"]))
     window = next((mc.window for mc in used if mc.kind == "swa"), None)
     sliding = any(s for s, _ in kinds)
     d = {"architectures": [ARCHITECTURES[family]], "model_type": family, "vocab_size": model.vocab_size,
