@@ -340,6 +340,23 @@ def test_claims_pooled_over_two_study_roots(tmp_path):
     assert "| sa128 | 0 | 2 | 2.5000 | 2.4000 | 2.6000 | 0.2000 |" in md
     assert (out / "plots" / "study_loss.png").stat().st_size > 0
     assert json.loads((out / "claims.json").read_text())["roots"] == [str(a), str(b)]
+    # evaluations are planned per root (each its own rows) and read back pooled: C2a over all six full runs
+    from hybrid_lm.eval.suite import eval_key
+
+    st2 = S.Settings(ruler_length=0, claims=("C2",), table=False, mc_context=0)
+    evals = [e for rs in S.pooled_runs([a, b], checkpoints=True) for e in S.plan(rs, st2.resolved(32))]
+    assert len(evals) == 12 and {e.run.study for e in evals} == {str(a), str(b)}
+    for i, e in enumerate(evals):  # d = loss(SWA) - loss(SA) per run: -1.0 on the first root, -2.0 on the second
+        conf = e.request.config("loss")
+        sa = e.key.endswith("/sa")
+        loss = 3.0 + (sa * (1.0 if e.run.study == str(a) else 2.0))
+        with (e.run.dir / "eval.jsonl").open("a") as fh:
+            fh.write(json.dumps({"task": "loss", "kind": "loss", "checkpoint_step": 8, "eval_key": eval_key(conf),
+                                 "eval_config": conf, "loss": loss}) + "\n")
+    doc = S.run_claims([a, b], st2, out=tmp_path / "c2")
+    assert doc["evaluation_stats"] == {"done": 0, "skipped": 12, "left": 0, "failed": {}}
+    c2a = doc["claims"]["C2"]["parts"][0]
+    assert c2a["d"] == pytest.approx(-1.5) and c2a["band"] == pytest.approx(1.0) and "runs evaluated" not in c2a["why"]
     # through the command line
     assert main(["claims", str(a), str(b), "--no-eval", "--claims", "C1", "--no-table", "--ruler-length", "0",
                  "--out", str(tmp_path / "cli")]) == 0
