@@ -346,7 +346,7 @@ def test_claims_pooled_over_two_study_roots(tmp_path):
     st2 = S.Settings(ruler_length=0, claims=("C2",), table=False, mc_context=0)
     evals = [e for rs in S.pooled_runs([a, b], checkpoints=True) for e in S.plan(rs, st2.resolved(32))]
     assert len(evals) == 12 and {e.run.study for e in evals} == {str(a), str(b)}
-    for i, e in enumerate(evals):  # d = loss(SWA) - loss(SA) per run: -1.0 on the first root, -2.0 on the second
+    for e in evals:  # d = loss(SWA) - loss(SA) per run: -1.0 on the first root, -2.0 on the second
         conf = e.request.config("loss")
         sa = e.key.endswith("/sa")
         loss = 3.0 + (sa * (1.0 if e.run.study == str(a) else 2.0))
