@@ -53,27 +53,4 @@ for model in "${MODELS[@]}"; do
     done
   done
 done
-$PY - "$ROOT" "${MODELS[@]}" <<'PY'
-import json, re, statistics, sys
-from pathlib import Path
-root = Path(sys.argv[1])
-def rows(run):
-    return [r for r in map(json.loads, (root / run / "metrics.jsonl").read_text().splitlines()) if r.get("kind") == "train"]
-def compile_s(run):
-    m = re.search(r"compiled in ([0-9.]+) s", (root / f"{run}.log").read_text())
-    return float(m.group(1)) if m else float("nan")
-for model in sys.argv[2:]:
-    speed = {}
-    for mode in ("default", "deterministic"):
-        runs = [f"{model}-{mode}{i}" for i in (1, 2)]
-        a, b = map(rows, runs)
-        diff = [x["step"] for x, y in zip(a, b) if (x["loss"], x["grad_norm"]) != (y["loss"], y["grad_norm"])]
-        speed[mode] = [statistics.median(r["tokens_per_sec"] for r in rs if r["step"] >= 20) for rs in (a, b)]
-        print(f"{model:10s} {mode:13s} bitwise equal: {str(not diff):5s} first differing logged step: "
-              f"{diff[0] if diff else '-'}  loss at step {a[-1]['step']}: {a[-1]['loss']!r} / {b[-1]['loss']!r}  "
-              f"median tokens/s: {speed[mode][0]:,.0f} / {speed[mode][1]:,.0f}  "
-              f"compile s: {compile_s(runs[0]):.1f} / {compile_s(runs[1]):.1f}  "
-              f"attention: {a[0].get('attention_backends')}")
-    ratio = statistics.mean(speed["deterministic"]) / statistics.mean(speed["default"])
-    print(f"{model:10s} deterministic / default tokens/s: {ratio:.3f}")
-PY
+$PY experiments/determinism.py "$ROOT" "${MODELS[@]}"  # the summary: bitwise equal, tokens/s, the ratio

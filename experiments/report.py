@@ -46,6 +46,9 @@ BENCHES = {
              "bash experiments/gpu.sh bench eval"),
     "data": ("Data path", "`data prepare` against `tokenizers`, and the loader against the fastest train step",
              "bash experiments/gpu.sh bench data"),
+    "determinism": ("Deterministic GPU training: its cost", "tokens/s of `HYBRID_LM_DETERMINISTIC=1` against XLA's "
+                    "default GPU ops on three S1 models, and whether two runs of each are bitwise equal",
+                    "bash experiments/determinism.sh"),
     "study": ("One-GPU study: training speed", "tokens/s and MFU of each arm of the S1 study (docs/RESULTS.md), "
               "against full attention trained in the same call", "bash experiments/study.sh"),
 }
@@ -265,7 +268,38 @@ def study_result(root: Path, command: str) -> dict:
                       "vs_anchor": r["tokens_per_sec"] / anchor["tokens_per_sec"]} for r in rows]}
 
 
-RENDER = {"study": render_study, "train": render_train, "decode": render_decode, "attention": render_attention, "sparse": render_sparse,
+def render_determinism(doc) -> list[str]:
+    out = [f"S1, T = 4096, 32 x 4096 tokens per step, {doc['steps']} steps, two runs per model and mode; tokens/s "
+           f"the mean of the two runs' medians over steps >= {doc['from_step']}; the anchor is the same model with "
+           "XLA's default GPU ops, trained in the same call.", ""]
+    return out + table(["model", "mode", "bitwise equal", "first differing step", "tokens/s", "x default",
+                        "attention"],
+                       [[r["model"], r["mode"], "yes" if r["bitwise_equal"] else "no",
+                         r["first_difference"] if r["first_difference"] is not None else "—",
+                         f(r["tokens_per_sec"], ",.0f"), f(r["vs_default"], ".3f"),
+                         ", ".join(f"{k}: {v}" for k, v in (r["attention"] or {}).items())] for r in doc["rows"]])
+
+
+def determinism_result(root: Path, command: str) -> dict:
+    """``experiments/determinism.sh``'s runs under ``root`` as a result file (experiments/determinism.py's
+    rows; the device and packages from the first run's ``provenance.json``, the date from its metrics file)."""
+    import datetime
+
+    sys.path.insert(0, str(EXPERIMENTS))
+    from determinism import FROM_STEP, summary
+
+    rows = summary(root)
+    first = root / f"{rows[0]['model']}-{rows[0]['mode']}1"
+    prov = json.loads((first / "provenance.json").read_text())
+    when_run = datetime.datetime.fromtimestamp((first / "metrics.jsonl").stat().st_mtime, datetime.timezone.utc)
+    git = os.environ.get("HYBRID_LM_COMMIT") or prov.get("git", {}).get("sha", "")  # a copied checkout's .git can lag
+    return {"bench": "determinism", "command": command, "device_kind": prov.get("device_kind"), "devices": 1,
+            "jax": prov.get("packages", {}).get("jax"), "date": when_run.strftime("%Y-%m-%dT%H:%M:%S"),
+            "git": git[:7], "wall_s": None, "steps": rows[0]["steps"], "from_step": FROM_STEP,
+            "anchor": {"mode": "default"}, "rows": rows}
+
+
+RENDER = {"determinism": render_determinism, "study": render_study, "train": render_train, "decode": render_decode, "attention": render_attention, "sparse": render_sparse,
           "mixers": render_mixers, "kernels": render_kernels, "eval": render_eval, "data": render_data}
 
 
@@ -306,7 +340,7 @@ def benchmarks_md(data: dict, results: Path) -> str:
         for bench, (title, question, cmd) in BENCHES.items():
             doc = docs.get(bench)
             if doc is None:
-                if dev != "cpu" and bench != "study":  # the study is no benchmark of its own: shown once it ran
+                if dev != "cpu" and bench not in ("study", "determinism"):  # no benchmarks: shown once they ran
                     missing.append(f"{title} (`{cmd}`)")
                 continue
             lines += [f"### {title}", "", f"{question[0].upper()}{question[1:]}.", ""] + provenance(doc)
@@ -376,13 +410,19 @@ def main(argv=None) -> int:
     ap.add_argument("--print", action="store_true", help="print the README table")
     ap.add_argument("--study", default=None, metavar="ROOT",
                     help="first write the study's speeds (ROOT/claims.json) as <results>/<device>/study.json")
+    ap.add_argument("--determinism", default=None, metavar="ROOT",
+                    help="first write determinism.sh's runs under ROOT as <results>/<device>/determinism.json")
     args = ap.parse_args(argv)
     results = Path(args.results)
+    made = []
     if args.study:
-        doc = study_result(Path(args.study), "bash experiments/study.sh")
+        made.append(study_result(Path(args.study), "bash experiments/study.sh"))
+    if args.determinism:
+        made.append(determinism_result(Path(args.determinism), "bash experiments/determinism.sh"))
+    for doc in made:
         dev = "h200" if "H200" in doc["device_kind"] else "h100" if "H100" in doc["device_kind"] else "gpu"
         (results / dev).mkdir(parents=True, exist_ok=True)
-        (results / dev / "study.json").write_text(json.dumps(doc, indent=1) + "\n")
+        (results / dev / f"{doc['bench']}.json").write_text(json.dumps(doc, indent=1) + "\n")
     files = sorted(results.glob("*/*.json")) if results.exists() else []
     if len(files) > MAX_FILES:
         raise SystemExit(f"{results}: {len(files)} result files, more than {MAX_FILES}: delete the stale ones")

@@ -277,3 +277,49 @@ def test_study_speeds_become_a_result_file(tmp_path, monkeypatch):
     assert rows[("ssa", 0)]["vs_anchor"] == pytest.approx(rows[("ssa", 0)]["tokens_per_sec"] / rows[("full", 0)]["tokens_per_sec"])
     md = out.read_text()
     assert "### One-GPU study: training speed" in md and "commit 568bf7e" in md and "2026-12-06 19:13 UTC" in md
+
+
+def test_determinism_runs_become_a_result_file(tmp_path, monkeypatch, capsys):
+    """`determinism.py ROOT` summarises determinism.sh's runs (here the committed docs/results/determinism-h100):
+    bitwise equality from every logged loss and gradient norm, tokens/s against the default mode; `report.py
+    --determinism ROOT` turns the rows into <device>/determinism.json and its table."""
+    import shutil
+
+    import determinism
+
+    src = ROOT / "docs" / "results" / "determinism-h100"
+    rows = {(r["model"], r["mode"]): r for r in determinism.summary(src)}
+    assert {m for m, _ in rows} == {"full", "sa_swa128", "ssa"}
+    for model in ("full", "sa_swa128", "ssa"):
+        det, default = rows[(model, "deterministic")], rows[(model, "default")]
+        assert det["bitwise_equal"] and det["first_difference"] is None and det["final_loss"][0] == det["final_loss"][1]
+        assert not default["bitwise_equal"] and default["first_difference"] is not None
+        assert det["vs_default"] == pytest.approx(det["tokens_per_sec"] / default["tokens_per_sec"])
+        assert default["vs_default"] == 1.0 and "cudnn" not in det["attention"].values()
+    assert rows[("full", "deterministic")]["compile_s"] == [13.4, 14.9]  # read from each run's train.log
+    # a pair that differs at one logged step only is not bitwise equal, and says which step
+    work = tmp_path / "runs"
+    shutil.copytree(src, work)
+    path = work / "full-deterministic2" / "metrics.jsonl"
+    lines = path.read_text().splitlines()
+    i = next(k for k, line in enumerate(lines) if json.loads(line).get("step") == 30 and '"train"' in line)
+    row = json.loads(lines[i])
+    row["grad_norm"] = math.nextafter(row["grad_norm"], math.inf)
+    lines[i] = json.dumps(row)
+    path.write_text("\n".join(lines) + "\n")
+    changed = {(r["model"], r["mode"]): r for r in determinism.summary(work, ["full"])}[("full", "deterministic")]
+    assert not changed["bitwise_equal"] and changed["first_difference"] == 30
+    assert determinism.main([str(work), "full"]) == 0
+    assert "full       deterministic / default tokens/s: 0.645" in capsys.readouterr().out
+    for bad in ([str(tmp_path / "none")], [str(work), "nope"], []):
+        assert determinism.main(bad) == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1, err
+    monkeypatch.setenv("HYBRID_LM_COMMIT", "0eec293")
+    out = tmp_path / "BENCHMARKS.md"
+    assert report.main(["--determinism", str(src), "--results", str(tmp_path / "r"), "--out", str(out),
+                        "--readme", "none"]) == 0
+    doc = json.loads((tmp_path / "r" / "h100" / "determinism.json").read_text())
+    assert doc["device_kind"] == "NVIDIA H100 80GB HBM3" and doc["git"] == "0eec293" and len(doc["rows"]) == 6
+    md = out.read_text()
+    assert "### Deterministic GPU training: its cost" in md and "| full | deterministic | yes | — | 1,087,301 | 0.645 |" in md
