@@ -44,7 +44,7 @@ for model in "${MODELS[@]}"; do
       HYBRID_LM_DETERMINISTIC=$det $PY -m hybrid_lm.cli train configs/base.gin configs/scale/s1.gin ${MODEL[$model]} "${PARAMS[@]}" \
         --workdir "$ROOT/$run" > "$ROOT/$run.log" 2>&1
       rc=$?
-      grep -E "^backend .*attention|compiled in" "$ROOT/$run.log"
+      grep -E "^backend  layer|compiled in" "$ROOT/$run.log"
       if [ $rc != 0 ]; then
         echo "== $run failed (exit status $rc); the end of $ROOT/$run.log:"
         grep -v -e "^W0000" -e "^I0000" "$ROOT/$run.log" | tail -n 40
