@@ -70,6 +70,7 @@ def lines(rows: list[dict]) -> list[str]:
     def s(x, spec):
         return "—" if x is None else format(x, spec)
 
+    ratio = {r["model"]: r["vs_default"] for r in rows if r["mode"] == "deterministic"}
     out = []
     for r in rows:
         out.append(f"{r['model']:10s} {r['mode']:13s} bitwise equal: {str(r['bitwise_equal']):5s} first differing "
@@ -78,8 +79,7 @@ def lines(rows: list[dict]) -> list[str]:
                    f"{r['run_tokens_per_sec'][0]:,.0f} / {r['run_tokens_per_sec'][1]:,.0f}  compile s: "
                    f"{s(r['compile_s'][0], '.1f')} / {s(r['compile_s'][1], '.1f')}  attention: {r['attention']}")
         if r["mode"] == "default":
-            out.append(f"{r['model']:10s} deterministic / default tokens/s: "
-                       f"{next(x for x in rows if x['model'] == r['model'] and x['mode'] == 'deterministic')['vs_default']:.3f}")
+            out.append(f"{r['model']:10s} deterministic / default tokens/s: {ratio[r['model']]:.3f}")
     return out
 
 

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hybrid_lm.config import ModelConfig
+from hybrid_lm.config import ROPE_SCALINGS, ModelConfig
 from hybrid_lm.ops.norm import rms_norm
 
 
@@ -92,8 +92,9 @@ def rope_frequencies(head_dim: int, theta: float, scaling=None):
             return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
 
         # transformers reads beta_fast and beta_slow with `or` (null: the default) and truncate with `if`
-        low, high = index(s.get("beta_fast") or 32.0), index(s.get("beta_slow") or 1.0)
-        if s.get("truncate", True):
+        default = ROPE_SCALINGS["yarn"][1]
+        low, high = index(s.get("beta_fast") or default["beta_fast"]), index(s.get("beta_slow") or default["beta_slow"])
+        if s.get("truncate", default["truncate"]):
             low, high = math.floor(low), math.ceil(high)
         low, high = max(low, 0), min(high, head_dim - 1)
         high = high + 0.001 if low == high else high
