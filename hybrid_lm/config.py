@@ -251,7 +251,12 @@ class OptimConfig:
 class TrainConfig:
     steps: int = field(default=1000, metadata=_meta(False))  # run length; extending it on resume is allowed
     global_batch: int = 16  # sequences per optimizer step
+    # the model's randomness: parameter init and the stochastic mixers' draws (SA's permutations, SSA's
+    # stream coin); also the order of the training windows unless data_seed is set
     seed: int = 0
+    # the order of the training windows (and of a mixture's blocks); None: `seed`. Set it to vary the
+    # initialisation and the data order apart (a value equal to `seed` is the same experiment as None)
+    data_seed: int | None = _added(None)
     log_every: int = _nid(10)
     eval_every: int = _nid(200)
     progress: bool = _nid(True)
@@ -268,6 +273,15 @@ class TrainConfig:
     max_consecutive_skips: int = _nid(10)  # under nan_policy='skip', this many in a row stop the run (train/loop.py)
     profile_start: int = _nid(-1)  # trace steps [profile_start, profile_start + profile_steps) (-1: off)
     profile_steps: int = _nid(5)
+
+    def __post_init__(self):
+        if self.data_seed is not None and not isinstance(self.data_seed, bool) and self.data_seed == self.seed:
+            object.__setattr__(self, "data_seed", None)  # one experiment, one run id
+
+    @property
+    def data_order_seed(self) -> int:
+        """The seed of the training windows' order: ``data_seed``, else ``seed``."""
+        return self.seed if self.data_seed is None else self.data_seed
 
 
 @gin.configurable
@@ -611,6 +625,9 @@ def check_config(cfg: Config) -> None:
     for name, v in (("TrainConfig.steps", t.steps), ("TrainConfig.global_batch", t.global_batch)):
         if not isinstance(v, int) or isinstance(v, bool):
             raise ConfigError(f"{name}={v!r} must be an integer")
+    for name, v in (("TrainConfig.seed", t.seed), ("TrainConfig.data_seed", t.data_seed)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+            raise ConfigError(f"{name}={v!r} must be an integer >= 0")
     if t.steps < 1 or t.global_batch < 1:
         raise ConfigError("train steps and global_batch must be >= 1")
     if t.microbatches < 1 or t.global_batch % t.microbatches:

@@ -57,6 +57,27 @@ def test_run_id_ignores_logging_paths_cadence_and_steps():
     assert len({run_id(base), run_id(other), run_id(other2)}) == 3
 
 
+def test_data_seed_enters_the_run_id_only_when_it_differs_from_seed():
+    base = load_config(["quickstart.gin"])
+    assert "train.data_seed" not in experiment_fields(base, {}) and base.train.data_order_seed == 0
+    same = load_config(["quickstart.gin"], ["TrainConfig.seed = 3", "TrainConfig.data_seed = 3"])
+    assert same.train.data_seed is None and run_id(same) == run_id(load_config(["quickstart.gin"], ["TrainConfig.seed = 3"]))
+    init_only = load_config(["quickstart.gin"], ["TrainConfig.seed = 1", "TrainConfig.data_seed = 0"])
+    data_only = load_config(["quickstart.gin"], ["TrainConfig.data_seed = 1"])
+    both = load_config(["quickstart.gin"], ["TrainConfig.seed = 1"])
+    assert len({run_id(base), run_id(init_only), run_id(data_only), run_id(both)}) == 4
+    assert (init_only.train.data_order_seed, data_only.train.data_order_seed) == (0, 1)
+    assert config_from_dict(config_record(init_only)).train.data_seed == 0
+
+
+@pytest.mark.parametrize("binding", ["TrainConfig.data_seed = -1", "TrainConfig.data_seed = 1.5",
+                                     "TrainConfig.data_seed = True", "TrainConfig.seed = -2"])
+def test_bad_seeds_are_one_line(binding):
+    with pytest.raises(ConfigError, match="must be an integer >= 0") as e:
+        load_config(["quickstart.gin"], [binding])
+    assert "\n" not in str(e.value)
+
+
 def test_config_json_round_trip():
     cfg = load_config(["quickstart.gin"], ["efficient/MixerConfig.window = 5"])
     d = json.loads(json.dumps(config_record(cfg)))

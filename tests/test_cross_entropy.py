@@ -5,7 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hybrid_lm.ops.cross_entropy import chunked_cross_entropy, cross_entropy, head_logits, logits_bytes
+from hybrid_lm.ops.cross_entropy import (chunked_cross_entropy, chunked_token_cross_entropy, cross_entropy, head_logits,
+                                         logits_bytes, token_cross_entropy)
 
 
 def _inputs(N, d, V, dtype, seed=0):
@@ -53,6 +54,29 @@ def test_chunked_matches_reference_bf16():
     gc = jax.grad(lambda w: chunked_cross_entropy(h, w, t, chunk=128)[0])(w)
     rel = float(jnp.linalg.norm(gc - gr) / jnp.linalg.norm(gr))
     assert rel < 1e-2, rel
+
+
+@pytest.mark.parametrize("N,d,V,chunk", [(256, 32, 512, 64), (300, 16, 1000, 128), (64, 8, 77, 1000), (37, 8, 50, 1)])
+def test_token_cross_entropy_matches_float64_and_the_mean(N, d, V, chunk):
+    """Per-token CE (the eval's per-window losses): against a float64 numpy log-softmax, chunked equal to
+    whole logits, and its mean equal to cross_entropy's ce."""
+    h, w, t = _inputs(N, d, V, jnp.float32, seed=N + V)
+    logits = np.asarray(h, np.float64) @ np.asarray(w, np.float64)
+    m = logits.max(-1, keepdims=True)
+    ref = (np.log(np.exp(logits - m).sum(-1)) + m[:, 0]) - logits[np.arange(N), np.asarray(t)]
+    whole = np.asarray(token_cross_entropy(head_logits(h, w), t))
+    chunked = np.asarray(jax.jit(lambda h: chunked_token_cross_entropy(h, w, t, chunk))(h))
+    assert whole.shape == chunked.shape == (N,)
+    np.testing.assert_allclose(whole, ref, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(chunked, whole, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(chunked.mean(), float(cross_entropy(head_logits(h, w), t)[1]), rtol=1e-6)
+
+
+def test_chunked_token_cross_entropy_never_holds_whole_logits():
+    N, d, V, chunk = 8192, 32, 4096, 256
+    h, w, t = _inputs(N, d, V, jnp.float32)
+    temp = jax.jit(lambda h: chunked_token_cross_entropy(h, w, t, chunk)).lower(h).compile()
+    assert temp.memory_analysis().temp_size_in_bytes < 4 * logits_bytes(chunk, V) + 8 * N
 
 
 def test_chunked_never_materialises_whole_logits():

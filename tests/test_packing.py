@@ -74,6 +74,20 @@ def test_batches_are_a_pure_function_of_config_and_step_and_rows_split_across_ho
     assert not np.array_equal(other_seed.batch(0), a.batch(0))
 
 
+def test_data_seed_sets_the_order_alone_and_the_val_windows_never_move(tmp_path):
+    path = make_store(tmp_path)
+    base = DataStreams(cfg_for(path))
+    init_only = DataStreams(cfg_for(path, "TrainConfig.seed=1", "TrainConfig.data_seed=0"))
+    data_only = DataStreams(cfg_for(path, "TrainConfig.data_seed=1"))
+    both = DataStreams(cfg_for(path, "TrainConfig.seed=1"))
+    for step in (0, 3):
+        assert np.array_equal(init_only.batch(step), base.batch(step))  # another init, the same order
+        assert np.array_equal(data_only.batch(step), both.batch(step))  # data_seed 1 = seed 1's order
+    assert not np.array_equal(data_only.batch(0), base.batch(0))
+    for other in (init_only, data_only, both):  # one fixed val set for every seed
+        assert np.array_equal(other.eval_tokens, base.eval_tokens)
+
+
 def test_long_short_ratio_by_tokens(tmp_path):
     rng = np.random.default_rng(1)
     lengths = np.concatenate([rng.integers(5, 60, 300), rng.integers(200, 400, 60)])

@@ -162,7 +162,7 @@ class DataStreams:
                 self.components.append(PackedWindows(view, d.seq_len, label))
                 weights.append(w)
         self.weights = np.asarray(weights, np.float64) / np.sum(weights)
-        seed = cfg.train.seed
+        seed = cfg.train.data_order_seed
         # window order per component: grain's index shuffle, a new permutation each epoch
         self._indices = [grain.MapDataset.range(len(c)).shuffle(seed=seed + 7919 * k).repeat()
                          for k, c in enumerate(self.components)]

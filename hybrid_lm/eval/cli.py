@@ -21,15 +21,17 @@ from __future__ import annotations
 import argparse
 import json
 
+from hybrid_lm.eval.loss import format_se, paired_difference
+
 
 def _fmt(row: dict) -> str:
     what = ", ".join(row["swaps"]) or "no swap"
     if row.get("horizon") is not None:
         what += f"; full attention limited to {row['horizon']} tokens + {row['sinks']} sinks"
     line = (f"step {row['checkpoint_step']}  seq_len {row['seq_len']}  windows {row['eval_windows']}  "
-            f"[{what}]  val loss {row['loss']:.4f} nats  {row['bpb']:.4f} bits/byte")
+            f"[{what}]  val loss {row['loss']:.4f}{format_se(row.get('loss_se'))} nats  {row['bpb']:.4f} bits/byte")
     if "delta_loss" in row:
-        line += f"  ({row['delta_loss']:+.4f} vs the trainer's eval)"
+        line += f"  ({row['delta_loss']:+.4f}{format_se(row.get('delta_loss_se'))} vs the trainer's eval)"
     return line
 
 
@@ -179,7 +181,8 @@ def _run(args) -> int:
         for r in rows:
             print(_fmt(r))
         if args.baseline:
-            print(f"swap - baseline: {rows[1]['loss'] - rows[0]['loss']:+.4f} nats/token, "
+            d, se = paired_difference(rows[1]["window_losses"], rows[0]["window_losses"])
+            print(f"swap - baseline: {d:+.4f}{format_se(se)} nats/token (paired over the same windows), "
                   f"{rows[1]['bpb'] - rows[0]['bpb']:+.4f} bits/byte")
     if not args.no_record:  # after printing: a workdir that cannot be written loses nothing
         record_rows(ev, rows, quiet=args.json)

@@ -33,9 +33,14 @@ def _rows(windows, start: int, stop: int):
 
 def evaluate(eval_fn, params, windows, batch_shard, *, global_batch: int, n_batch_shards: int,
              bytes_per_token: float) -> dict:
-    """``{"loss", "bpb", "eval_windows"}`` of ``eval_fn(params, batch) -> mean CE`` over ``windows``
-    ``[N, T+1]`` (or a dict of such arrays, ``{"tokens", "segment_ids"}``, cut into batches row-wise
-    together): the mean of the per-batch losses (nats/token) and bits/byte.
+    """The loss of ``eval_fn(params, batch) -> [rows]`` (each window's mean CE, nats/token) over
+    ``windows`` ``[N, T+1]`` (or a dict of such arrays, ``{"tokens", "segment_ids"}``, cut into batches
+    row-wise together): ``{"loss", "loss_se", "bpb", "bpb_se", "eval_windows", "window_losses"}``.
+
+    ``loss`` is the mean over the windows (every window has T targets, so it is the mean over tokens);
+    ``loss_se`` its standard error over windows (:func:`standard_error`); bits/byte and its error from the
+    bytes of all evaluated targets; ``window_losses`` each window's loss (float64 array), for paired
+    differences between models on the same windows (:func:`paired_difference`).
 
     ``eval_fn`` is jitted with ``batch_shard`` as its token sharding; call under the mesh
     (``jax.set_mesh``). Raises ``ValueError`` when the windows cannot fill one batch.
@@ -47,6 +52,36 @@ def evaluate(eval_fn, params, windows, batch_shard, *, global_batch: int, n_batc
     if n == 0:
         raise ValueError(f"{n_windows} eval windows cannot fill one batch of {per} rows on "
                          f"{n_batch_shards} batch shards; use a shorter seq_len or more eval windows")
-    losses = [float(eval_fn(params, put_batch(_rows(windows, i, i + per), batch_shard))) for i in range(0, n, per)]
-    ce = float(np.mean(losses))
-    return {"loss": ce, "bpb": bits_per_byte(ce, bytes_per_token), "eval_windows": n}
+    # every batch dispatched before the first is read back: the host never waits between batches
+    outs = [eval_fn(params, put_batch(_rows(windows, i, i + per), batch_shard)) for i in range(0, n, per)]
+    losses = np.concatenate([np.asarray(o, np.float64).reshape(-1) for o in outs])
+    ce, se = float(np.mean(losses)), standard_error(losses)
+    return {"loss": ce, "loss_se": se, "bpb": bits_per_byte(ce, bytes_per_token),
+            "bpb_se": None if se is None else bits_per_byte(se, bytes_per_token), "eval_windows": n,
+            "window_losses": losses}
+
+
+def standard_error(values) -> float | None:
+    """The standard error of the mean of ``values`` (sample standard deviation / sqrt(n)); None for
+    fewer than two. Windows are treated as independent draws of the held-out text."""
+    v = np.asarray(values, np.float64)
+    return float(np.std(v, ddof=1) / np.sqrt(v.size)) if v.size >= 2 else None
+
+
+def paired_difference(a, b) -> tuple[float, float | None]:
+    """``(mean(a - b), its standard error)`` of two models' per-window losses on the same windows (the
+    paired difference: what the windows share cancels, so it is far smaller than either loss's error)."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    if a.shape != b.shape or a.ndim != 1:
+        raise ValueError(f"paired windows need two equal 1-d lists of window losses, got {a.shape} and {b.shape}")
+    return float(np.mean(a - b)), standard_error(a - b)
+
+
+def row_window_losses(losses) -> list[float]:
+    """Per-window losses as stored in a results row: a JSON list, rounded to 1e-6 nats."""
+    return [round(float(x), 6) for x in losses]
+
+
+def format_se(se: float | None, digits: int = 4) -> str:
+    """`` ± 0.0012`` for a printed loss, or nothing without an error."""
+    return "" if se is None else f" ± {se:.{digits}f}"

@@ -221,7 +221,7 @@ class RestoredRun:
                "sinks": sinks if horizon is not None else None,
                "seq_len": data.seq_len, "trained_seq_len": self.cfg.data.seq_len, "eval_windows": n,
                "data": data.path if data.path != self.cfg.data.path or data.source != self.cfg.data.source else None,
-               "loss": ce, "bpb": metrics["bpb"],
+               "loss": ce, "loss_se": metrics["loss_se"], "bpb": metrics["bpb"], "bpb_se": metrics["bpb_se"],
                "layer_types": "".join(model.layer_types()), "mixers": describe(model),
                "trained_mixers": describe(self.cfg.model), "attention_impl": model.attention_impl,
                "attention_backends": recorded_backends(), "devices": int(self.mesh.devices.size),
@@ -230,6 +230,9 @@ class RestoredRun:
         if ref is not None and ref.get("eval_windows", n) == n:
             row["trained_eval_loss"] = ref["loss"]
             row["delta_loss"] = ce - ref["loss"]
+            if len(ref.get("window_losses") or ()) == n:  # paired on the same windows
+                row["delta_loss_se"] = loss.paired_difference(metrics["window_losses"], ref["window_losses"])[1]
+        row["window_losses"] = loss.row_window_losses(metrics["window_losses"])
         if record:
             self.record(row)
         return row

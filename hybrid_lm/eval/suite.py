@@ -35,6 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from hybrid_lm.errors import ConfigError, WorkdirError
+from hybrid_lm.eval.loss import format_se
 from hybrid_lm.experiment import run_id
 
 log = logging.getLogger(__name__)
@@ -404,7 +405,7 @@ def format_rows(task: str, rows: list[dict]) -> str:
     for r in rows:
         if task == "loss":
             lines.append(f"loss      step {r['checkpoint_step']:>7}  tokens {r['tokens_seen']:>14,}  seq_len "
-                         f"{r['seq_len']}  windows {r['eval_windows']}  val loss {r['loss']:.4f} nats  "
+                         f"{r['seq_len']}  windows {r['eval_windows']}  val loss {r['loss']:.4f}{format_se(r.get('loss_se'))} nats  "
                          f"{r['bpb']:.4f} bits/byte" + (f"  data {r['data']}" if r.get("data") else ""))
         elif task == "longppl":
             lp = "—" if r["longppl"] is None else f"{r['longppl']:.3f}"

@@ -25,6 +25,21 @@ def cross_entropy(logits, targets, z_loss: float = 0.0):
     return loss, ce
 
 
+def token_cross_entropy(logits, targets):
+    """Each token's cross-entropy (nats) of fp32 ``logits [..., V]``: ``[...]``, forward only (eval)."""
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    return lse - jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+
+
+def chunked_token_cross_entropy(h, w, targets, chunk: int = 8192):
+    """:func:`token_cross_entropy` of ``head_logits(h, w)`` for ``h [N, d]``, ``targets [N]``: ``[N]``,
+    ``chunk`` tokens of logits at a time (forward only: the eval's per-window losses)."""
+    N = h.shape[0]
+    hs, ts, _ = _chunk(h, targets, chunk)
+    ce = jax.lax.map(lambda x: token_cross_entropy(head_logits(x[0], w), x[1]), (hs, ts))
+    return ce.reshape(-1)[:N]
+
+
 def head_logits(h, w):
     """fp32 logits ``h @ w`` in ``h``'s dtype, as the model's head computes them."""
     return (h @ w.astype(h.dtype)).astype(jnp.float32)

@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 
 from hybrid_lm import backends
 from hybrid_lm.describe import describe_layers
+from hybrid_lm.eval.loss import format_se, row_window_losses
 from hybrid_lm.config import Config, TrainConfig
 from hybrid_lm.model.accounting import PEAK_FLOPS_H200_BF16, count_params, flops_per_token
 from hybrid_lm.optional import optional_import
@@ -180,11 +181,13 @@ class StepLogger:
     def eval_row(self, step: int, result: dict, order0_entropy_bits=None) -> dict:
         """An eval row from :func:`hybrid_lm.eval.loss.evaluate`'s result; refreshes ``loss_curve.png``."""
         row = {"kind": "eval", "step": step, "tokens": step * self.tokens_per_step, "loss": result["loss"],
-               "bpb": result["bpb"], "order0_entropy_bits": order0_entropy_bits,
-               "eval_windows": result["eval_windows"]}
+               "loss_se": result["loss_se"], "bpb": result["bpb"], "bpb_se": result["bpb_se"],
+               "order0_entropy_bits": order0_entropy_bits, "eval_windows": result["eval_windows"],
+               "window_losses": row_window_losses(result["window_losses"])}
         self._write(row)
         if self.record is not None:
-            self.say(f"step {step}: val loss {row['loss']:.4f} nats, {row['bpb']:.3f} bits/byte")
+            self.say(f"step {step}: val loss {row['loss']:.4f}{format_se(row['loss_se'])} nats, {row['bpb']:.3f} bits/byte "
+                     f"({row['eval_windows']} windows)")
             self._plot()
         return row
 

@@ -20,7 +20,8 @@ from hybrid_lm.backends import loss_backend, loss_kernel_backend
 from hybrid_lm.model.transformer import HybridLM, ParamInit
 from hybrid_lm.errors import DataError
 from hybrid_lm.ops.attention import default_positions, segment_positions
-from hybrid_lm.ops.cross_entropy import chunked_cross_entropy, cross_entropy
+from hybrid_lm.ops.cross_entropy import (chunked_cross_entropy, chunked_token_cross_entropy, cross_entropy,
+                                         token_cross_entropy)
 
 
 def split_batch(batch, document_mask: bool) -> tuple[jax.Array, jax.Array | None]:
@@ -73,6 +74,13 @@ class ModelFns:
         nnx.replace_by_pure_dict(state, params)
         return nnx.merge(self.graphdef, state)
 
+    def _context(self, B: int, T: int, segment_ids, *, step, example_ids, train: bool, micro_index=0) -> MixerContext:
+        """The mixers' context for inputs ``[B, T]`` (``segment_ids [B, T+1]`` or None)."""
+        seg = None if segment_ids is None else segment_ids[:, :-1]
+        return MixerContext(positions=default_positions(B, T) if seg is None else segment_positions(seg),
+                            attention_impl=self.cfg.model.attention_impl, step=step, seed=self.cfg.train.seed,
+                            example_ids=example_ids, train=train, micro_index=micro_index, segment_ids=seg)
+
     def loss(self, params, tokens, step, example_ids, *, segment_ids=None, micro_index=0, train: bool = True):
         """(objective, aux) of next-token prediction on ``tokens [B, T+1]``.
 
@@ -88,10 +96,7 @@ class ModelFns:
         cfg = self.cfg
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
         B, T = inputs.shape
-        seg = None if segment_ids is None else segment_ids[:, :-1]
-        ctx = MixerContext(positions=default_positions(B, T) if seg is None else segment_positions(seg),
-                           attention_impl=cfg.model.attention_impl, step=step, seed=cfg.train.seed,
-                           example_ids=example_ids, train=train, micro_index=micro_index, segment_ids=seg)
+        ctx = self._context(B, T, segment_ids, step=step, example_ids=example_ids, train=train, micro_index=micro_index)
         model = self.model(params)
         z_loss = cfg.optim.z_loss if train else 0.0
         if loss_backend(cfg.model.loss_impl, B * T, cfg.model.vocab_size)[0] == "chunked":  # never more than loss_chunk tokens of logits at a time
@@ -111,6 +116,24 @@ class ModelFns:
             obj = obj + totals.pop("aux_loss")
         aux.update(totals)
         return obj, aux
+
+    def window_losses(self, params, tokens, *, segment_ids=None):
+        """Each row's mean next-token cross-entropy (nats) on ``tokens [B, T+1]``: ``[B]`` fp32, the
+        eval's per-window losses (no z-loss, eval mode; whole logits or chunks as :meth:`loss` picks)."""
+        cfg = self.cfg
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        B, T = inputs.shape
+        ctx = self._context(B, T, segment_ids, step=jnp.zeros((), jnp.int32), example_ids=jnp.arange(B, dtype=jnp.int32),
+                            train=False)
+        model = self.model(params)
+        if loss_backend(cfg.model.loss_impl, B * T, cfg.model.vocab_size)[0] == "chunked":
+            h, _ = nnx.capture(model, nnx.Intermediate)(inputs, ctx, features=True)
+            ce = chunked_token_cross_entropy(h.reshape(B * T, -1), model.head_matrix(), targets.reshape(-1),
+                                             cfg.model.loss_chunk)
+        else:
+            logits, _ = nnx.capture(model, nnx.Intermediate)(inputs, ctx)
+            ce = token_cross_entropy(logits, targets)
+        return jnp.mean(ce.reshape(B, T), axis=1)
 
 
 class StateInit:
@@ -211,10 +234,8 @@ def make_train_step(fns: ModelFns, optimizer_for):
 
 
 def make_eval_step(fns: ModelFns):
-    """``eval_loss(params, batch) -> mean CE`` (``batch`` as :func:`make_train_step`'s)."""
-    def eval_loss(params, batch):
+    """``eval_losses(params, batch) -> [B]``: each window's mean CE (``batch`` as :func:`make_train_step`'s)."""
+    def eval_losses(params, batch):
         tokens, segment_ids = split_batch(batch, fns.cfg.data.document_mask)
-        B = tokens.shape[0]
-        return fns.loss(params, tokens, jnp.zeros((), jnp.int32), jnp.arange(B, dtype=jnp.int32),
-                        segment_ids=segment_ids, train=False)[1]["ce"]
-    return eval_loss
+        return fns.window_losses(params, tokens, segment_ids=segment_ids)
+    return eval_losses

@@ -19,6 +19,7 @@ from flax import nnx
 from hybrid_lm.config import MixerConfig, ModelConfig
 from hybrid_lm.experiment import load_config
 from hybrid_lm.errors import ConfigError
+from hybrid_lm.eval.loss import paired_difference
 from hybrid_lm.eval.restore import RestoredRun, evaluate_checkpoint, read_eval_rows
 from hybrid_lm.eval.swap import SwapError, apply_swaps, parse_swap
 from hybrid_lm.model.accounting import flops_per_token
@@ -230,6 +231,8 @@ def test_unswapped_eval_reproduces_the_trainer(trained):
     r = ev.evaluate()
     assert r["loss"] == final["loss"] and r["bpb"] == final["bpb"] and r["eval_windows"] == final["eval_windows"]
     assert r["delta_loss"] == 0.0 and r["trained_eval_loss"] == final["loss"]
+    assert r["delta_loss_se"] == 0.0 and r["loss_se"] == final["loss_se"] > 0  # paired: the same windows
+    assert r["window_losses"] == final["window_losses"] and len(r["window_losses"]) == r["eval_windows"]
     assert r["attention_backends"] == {"full": "xla", "swa w=8": "xla"}  # what each call resolved to
     assert final["loss"] < 3.0  # the model learnt context (uniform: 5.55; unigram: ~3.1 nats)
 
@@ -240,6 +243,10 @@ def test_shrinking_the_full_layers_context_raises_the_loss(trained):
     w1, w2, w4 = (ev.evaluate([f"full=swa:{w}"])["loss"] for w in (1, 2, 4))
     assert w1 > w2 > base + 0.02, (w1, w2, base)  # less context, higher loss
     assert w4 > base
+    # paired over the same windows, the difference is known far better than either loss
+    swapped = ev.evaluate(["full=swa:4"], record=False)
+    d, se = paired_difference(swapped["window_losses"], final["window_losses"])
+    assert abs(d - (w4 - base)) < 1e-5 and 0 < se < np.hypot(swapped["loss_se"], final["loss_se"])
     # the constraint without sinks is SWA of window H (the same call), and a horizon >= seq_len is
     # no constraint at all: exactly the unswapped numbers
     assert ev.evaluate(horizon=4)["loss"] == w4
