@@ -49,8 +49,6 @@ BENCHES = {
     "determinism": ("Deterministic GPU training: its cost", "tokens/s of `HYBRID_LM_DETERMINISTIC=1` against XLA's "
                     "default GPU ops on three S1 models, and whether two runs of each are bitwise equal",
                     "bash experiments/determinism.sh"),
-    "study": ("One-GPU study: training speed", "tokens/s and MFU of each arm of the S1 study (docs/RESULTS.md), "
-              "against full attention trained in the same call", "bash experiments/study.sh"),
 }
 ARCH_LABEL = {"full": "full attention", "swa": "SWA-128 hybrid", "sa": "SA-128 hybrid", "sa_swa": "SA+SWA-128 hybrid",
               "lightning": "Lightning hybrid", "mamba2": "Mamba-2 hybrid", "gdn": "GDN hybrid", "moba": "MoBA hybrid",
@@ -244,30 +242,6 @@ def render_data(doc) -> list[str]:
     return out
 
 
-def render_study(doc) -> list[str]:
-    out = [f"S1, T = {doc['seq_len']}, 32 x {doc['seq_len']} tokens per step, median over the second half of each "
-           "run's training; the anchor is full attention (seed 0) trained in the same call.", ""]
-    return out + table(["arm", "seed", "tokens/s", "MFU", "x full"],
-                       [[r["arch"], r["seed"], f(r["tokens_per_sec"], ",.0f"), pct(r["mfu"]), f(r["vs_anchor"], ".2f")]
-                        for r in doc["rows"]])
-
-
-def study_result(root: Path, command: str) -> dict:
-    """The study's speeds as a result file (from ``claims.json`` and the anchor run's ``provenance.json``)."""
-    claims = json.loads((root / "claims.json").read_text())
-    rows = claims["table"]
-    anchor = next(r for r in rows if r["arch"] == "full" and r["seed"] == 0)
-    prov = json.loads((root / anchor["run"] / "provenance.json").read_text())
-    # the date of the runs: their first evaluation (claims.json may be rewritten later by --no-eval)
-    first = json.loads((root / anchor["run"] / "eval.jsonl").read_text().splitlines()[0])
-    git = os.environ.get("HYBRID_LM_COMMIT") or prov.get("git", {}).get("sha", "")  # a copied checkout's .git can lag
-    return {"bench": "study", "command": command, "device_kind": anchor["device"], "devices": 1,
-            "jax": prov.get("packages", {}).get("jax"), "date": first.get("time", claims["created"]), "git": git[:7],
-            "wall_s": None, "seq_len": claims["seq_len"], "anchor": {"arch": "full", "seed": 0},
-            "rows": [{"arch": r["arch"], "seed": r["seed"], "tokens_per_sec": r["tokens_per_sec"], "mfu": r["mfu"],
-                      "vs_anchor": r["tokens_per_sec"] / anchor["tokens_per_sec"]} for r in rows]}
-
-
 def render_determinism(doc) -> list[str]:
     out = [f"S1, T = 4096, 32 x 4096 tokens per step, {doc['steps']} steps, two runs per model and mode; tokens/s "
            f"the mean of the two runs' medians over steps >= {doc['from_step']}; the anchor is the same model with "
@@ -299,7 +273,7 @@ def determinism_result(root: Path, command: str) -> dict:
             "anchor": {"mode": "default"}, "rows": rows}
 
 
-RENDER = {"determinism": render_determinism, "study": render_study, "train": render_train, "decode": render_decode, "attention": render_attention, "sparse": render_sparse,
+RENDER = {"determinism": render_determinism, "train": render_train, "decode": render_decode, "attention": render_attention, "sparse": render_sparse,
           "mixers": render_mixers, "kernels": render_kernels, "eval": render_eval, "data": render_data}
 
 
@@ -340,7 +314,7 @@ def benchmarks_md(data: dict, results: Path) -> str:
         for bench, (title, question, cmd) in BENCHES.items():
             doc = docs.get(bench)
             if doc is None:
-                if dev != "cpu" and bench not in ("study", "determinism"):  # no benchmarks: shown once they ran
+                if dev != "cpu" and bench != "determinism":  # no benchmarks: shown once they ran
                     missing.append(f"{title} (`{cmd}`)")
                 continue
             lines += [f"### {title}", "", f"{question[0].upper()}{question[1:]}.", ""] + provenance(doc)
@@ -408,15 +382,11 @@ def main(argv=None) -> int:
     ap.add_argument("--readme", default=str(ROOT / "README.md"), help="README with the results block ('none': skip)")
     ap.add_argument("--readme-device", default=None, help="the device of the README's table (default: newest GPU)")
     ap.add_argument("--print", action="store_true", help="print the README table")
-    ap.add_argument("--study", default=None, metavar="ROOT",
-                    help="first write the study's speeds (ROOT/claims.json) as <results>/<device>/study.json")
     ap.add_argument("--determinism", default=None, metavar="ROOT",
                     help="first write determinism.sh's runs under ROOT as <results>/<device>/determinism.json")
     args = ap.parse_args(argv)
     results = Path(args.results)
     made = []
-    if args.study:
-        made.append(study_result(Path(args.study), "bash experiments/study.sh"))
     if args.determinism:
         made.append(determinism_result(Path(args.determinism), "bash experiments/determinism.sh"))
     for doc in made:

@@ -1,29 +1,35 @@
 #!/usr/bin/env bash
-# The one-GPU study (docs/RESULTS.md), in calls of at most 10 minutes: run it again until it prints
-# "study complete". Every step is idempotent, so each call continues where the last stopped and a call
-# on a finished study does nothing but rewrite the summaries. From the repo root:
+# The one-GPU study (docs/RESULTS.md) in parts: each call trains and evaluates the next part of
+# configs/sweeps/study.claims.toml's `parts` (whole arms), then judges every claim on the rows of all the
+# parts landed so far. From the repo root:
 #
-#   bash experiments/study.sh                 # corpus -> tokenizer -> store -> sweep -> claims
+#   bash experiments/study.sh            # the next part; its rows, with the landed ones, end in $STUDY_ROOT
+#   STUDY_PART=3 bash experiments/study.sh                 # a given part
+#
+# The parts landed so far live in docs/results/study (the rows of every run, no checkpoints); they are
+# copied into the sweep root first, so the sweep skips their runs and the claims judge them with the new
+# part's. Landing a part: unpack its archive (study_results.tar.gz) into docs/results/study and commit it;
+# then `hybrid-lm claims docs/results/study --no-eval` rejudges everything without a GPU.
 #
 # Settings (environment):
-#   STUDY_ROOT=runs/study                     the sweep root
-#   STUDY_SPEC=configs/sweeps/study.toml      the sweep spec (e.g. a copy with budgets = [4] to save time)
-#   STUDY_CLAIMS_ARGS="--no-table"            extra options of `hybrid-lm claims` (here: the claims' evaluations only)
+#   STUDY_ROOT=runs/study                  the sweep root
+#   STUDY_LANDED=docs/results/study        the landed parts' rows
+#   STUDY_PART=N                           this part instead of the first not yet complete
+#   STUDY_SECONDS=1500                     stop starting work after this long (a part of the study takes
+#                                          10 to 22 minutes on one H100; a call keeps its last 100 s for the
+#                                          evaluations and the archive)
 #   STUDY_STORE=DIR STUDY_TOKENIZER=TOK.json STUDY_VOCAB=V
-#                                             your own prepared store instead of the Python corpus (all three)
-#   STUDY_SECONDS=570                         this call's budget (the device machine stops a command at 600)
-#   HYBRID_LM_DETERMINISTIC=1                 deterministic GPU ops (docs/TRAINING.md); use a fresh STUDY_ROOT
-#   OUT=DIR                                   also copy the results there (one archive: study_results.tar.gz)
+#                                          your own prepared store instead of the Python corpus (all three)
+#   OUT=DIR                                also write the results there (one archive: study_results.tar.gz)
 #
 # Without a .venv, wheels carried in .whl/ (beside or inside the repo) are installed into /tmp/site first, as
 # gpu.sh does.
 set -u
 cd "$(dirname "$0")/.."
-END=${STUDY_SECONDS:-570}
+END=${STUDY_SECONDS:-1500}
 ROOT=${STUDY_ROOT:-runs/study}
-SPEC=${STUDY_SPEC:-configs/sweeps/study.toml}
-# the project's venv where there is one (make install); else the machine's python3 (the GPU image) with the
-# wheels carried in .whl/
+LANDED=${STUDY_LANDED:-docs/results/study}
+SPEC=configs/sweeps/study.toml
 PY=${PY:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
 if [ "$PY" = python3 ]; then
   source experiments/wheels.sh
@@ -31,11 +37,11 @@ if [ "$PY" = python3 ]; then
 else
   export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 fi
-# a set fraction wins (a smaller one leaves room for another process on the GPU)
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.95}
 HLM="$PY -m hybrid_lm.cli"
 left() { echo $(( END - SECONDS )); }
-minutes() { $PY -c "print(max(0.5, ($1) / 60))"; }   # --max-minutes from seconds
+minutes() { $PY -c "print(max(0.5, ($1) / 60))"; }
+quiet() { grep -v -e "^W0000" -e "^I0000"; }
 date -u +"start %Y-%m-%dT%H:%M:%SZ"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null
 
@@ -48,7 +54,7 @@ if [ -n "${STUDY_STORE:-}" ]; then
   EXTRA=(--gin_param "DataConfig.path = '$STUDY_STORE'" --gin_param "DataConfig.tokenizer = '$STUDY_TOKENIZER'"
          --gin_param "ModelConfig.vocab_size = $STUDY_VOCAB")
 else
-  # the pilot's corpus: the .py files of this Python and of its torch, transformers and sympy packages
+  # the corpus: the .py files of this Python and of its torch, transformers and sympy packages
   $HLM data python-corpus --out $DATA/corpus --no-progress || exit 1
   if [ ! -f $DATA/tokenizer/tokenizer.json ]; then
     echo "== tokenizer (32,768 ids) on $DATA/corpus/python.jsonl"
@@ -59,37 +65,37 @@ else
     --out $DATA/store --no-progress || exit 1
 fi
 
-# training: a part stops by itself (saving the running job) early enough to leave room for its last compile,
-# step and save; the next call continues
-if [ "$(left)" -gt 120 ]; then
-  echo "== sweep ($(left) s left)"
-  $HLM sweep "$SPEC" --launch local --root "$ROOT" --max-minutes "$(minutes "$(left) - 100")" \
-    "${EXTRA[@]}" 2>&1 | grep -v -e "^W0000" -e "^I0000"
+# the landed parts' rows (never over a run that is here already: a part in progress keeps its checkpoints)
+mkdir -p "$ROOT"
+if [ -d "$LANDED" ]; then
+  for d in "$LANDED"/*/; do
+    n=$(basename "$d")
+    [ -f "$d/config.json" ] && [ ! -e "$ROOT/$n" ] && cp -r "$d" "$ROOT/$n"
+  done
+  [ -f "$LANDED/sweep.json" ] && [ ! -f "$ROOT/sweep.json" ] && cp "$LANDED/sweep.json" "$ROOT/sweep.json"
 fi
-# training is over when every job finished or failed (sweep_error.txt: the claims then report its arm missing)
-DONE=$($PY -c "import json, pathlib, sys; r = pathlib.Path(sys.argv[1]); f = r / 'sweep.json'
-m = json.loads(f.read_text()) if f.exists() else {'jobs': [{'name': ''}]}
-bad = [j['name'] for j in m['jobs'] if j['name'] and (r / j['name'] / 'sweep_error.txt').exists()]
-[print('failed run (traceback in its sweep_error.txt):', n, file=sys.stderr) for n in bad]
-print(all((r / j['name'] / 'sweep_done.json').exists() or j['name'] in bad for j in m['jobs']))" "$ROOT")
-COMPLETE=0
-if [ "$DONE" = "True" ] && [ "$(left)" -gt 130 ]; then
-  echo "== claims ($(left) s left)"
-  $HLM claims "$ROOT" ${STUDY_CLAIMS_ARGS:-} --max-minutes "$(minutes "$(left) - 100")" 2>&1 | grep -v -e "^W0000" -e "^I0000" | tee /tmp/claims.log
-  grep -qx "claims complete" /tmp/claims.log && COMPLETE=1
-  # each arm's speed for docs/BENCHMARKS.md (experiments/results/<device>/study.json)
-  [ $COMPLETE = 1 ] && $PY experiments/report.py --study "$ROOT" --readme none >/dev/null
-  $HLM collect "$ROOT" >/dev/null && $HLM eval-report "$ROOT" --out "$ROOT/plots" >/dev/null 2>&1
-elif [ "$DONE" != "True" ]; then
-  echo "training not finished: run this script again"
+PART=${STUDY_PART:-$($HLM claims "$ROOT" --next-part 2>/dev/null | tail -1)}
+if [ "$PART" = 0 ]; then
+  echo "every part is landed: the study is complete ($LANDED/claims.md)"; exit 0
+fi
+ARMS=$($PY -c "import sys, tomllib; p = tomllib.load(open('configs/sweeps/study.claims.toml', 'rb'))['parts']
+print('|'.join(p[int(sys.argv[1]) - 1]))" "$PART") || { echo "no part $PART in configs/sweeps/study.claims.toml"; exit 2; }
+echo "== part $PART: $ARMS ($(left) s left)"
+
+# training: stops by itself early enough to leave room for the evaluations; a later call continues it
+$HLM sweep "$SPEC" --launch local --root "$ROOT" --only "^s1-($ARMS)-" --max-minutes "$(minutes "$(left) - 420")" \
+  "${EXTRA[@]}" 2>&1 | quiet
+echo "== claims: part $PART's evaluations, every landed part judged ($(left) s left)"
+$HLM claims "$ROOT" --part "$PART" --max-minutes "$(minutes "$(left) - 100")" 2>&1 | quiet | tee /tmp/claims.log
+if [ -n "${OUT:-}" ]; then  # one archive of every run's results files (no checkpoints), the claims and plots
+  (cd "$ROOT" && tar -czf "$OUT/study_results.tar.gz" --exclude='*/checkpoints' --exclude='*/checkpoints_corrupt*' \
+     --exclude='*/eval' --exclude='*/tb' --exclude='*/loss_curve.png' sweep.json claims.json claims.md plots next_line_* */ 2>/dev/null)
+  cp "$DATA/corpus/corpus.json" "$OUT/corpus.json" 2>/dev/null
+fi
+NEXT=$($HLM claims "$ROOT" --next-part 2>/dev/null | tail -1)
+if [ "$NEXT" = "$PART" ]; then
+  echo "part $PART not complete: run this script again (on the same machine it continues)"
 else
-  echo "training finished, too little time left for the evaluations: run this script again"
+  echo "part $PART complete: land it (unpack study_results.tar.gz into $LANDED and commit)"
 fi
-if [ -n "${OUT:-}" ] && [ -d "$ROOT" ]; then  # one archive: the device machine returns few files
-  REPO=$PWD
-  (cd "$ROOT" && tar -czf "$OUT/study_results.tar.gz" --ignore-failed-read sweep.json claims.json claims.md \
-     table.csv plots */metrics.jsonl */eval.jsonl */config.json */provenance.json */sweep_done.json */sweep_run.json \
-     "$REPO/$DATA/corpus/corpus.json" "$REPO"/experiments/results/*/study.json 2>/dev/null)
-fi
-[ $COMPLETE = 1 ] && echo "study complete: $ROOT/claims.md (docs/RESULTS.md includes it)"
 date -u +"end %Y-%m-%dT%H:%M:%SZ ($SECONDS s)"

@@ -195,6 +195,8 @@ def _main(argv=None) -> int:
     add_eval_commands(sub)
     from hybrid_lm.scaling.cli import add_scaling_commands
     add_scaling_commands(sub)
+    from hybrid_lm.study.cli import add_claims_command
+    add_claims_command(sub)
 
     args = ap.parse_args(argv)
     debug = args.debug or os.environ.get("HYBRID_LM_DEBUG") == "1"

@@ -21,7 +21,8 @@ LAYERS = [
     {"hybrid_lm.model"},
     {"hybrid_lm.validate", "hybrid_lm.describe"},
     {"hybrid_lm.data", "hybrid_lm.train", "hybrid_lm.eval", "hybrid_lm.scaling", "hybrid_lm.experiment"},
-    {"hybrid_lm.cli", "hybrid_lm.data.cli", "hybrid_lm.eval.cli", "hybrid_lm.scaling.cli"},
+    {"hybrid_lm.study"},
+    {"hybrid_lm.cli", "hybrid_lm.data.cli", "hybrid_lm.eval.cli", "hybrid_lm.scaling.cli", "hybrid_lm.study.cli"},
 ]
 
 

@@ -1,11 +1,12 @@
 """The one-GPU study's CPU-side parts (docs/RESULTS.md): the Python corpus builder, the sweep spec's
-per-arch seeds and equal tokens, ``--max-minutes``'s checks, HYBRID_LM_DETERMINISTIC, and the claims
-glue's verdict rule, on hand-made numbers and on hand-made result rows of a fake study root."""
+per-arch seeds, budgets and equal tokens, ``--max-minutes``'s checks, HYBRID_LM_DETERMINISTIC, and the claims
+engine: the verdict rule on hand-made numbers, the claims file's bad input, the rows found after a move."""
 
 import hashlib
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from hybrid_lm.errors import ConfigError, DataError
@@ -129,8 +130,21 @@ def test_per_arch_seeds_and_equal_tokens():
     assert len({j.D for j in eq.jobs}) == 1
 
 
+def test_per_arch_budgets_with_wsd_branching():
+    from hybrid_lm.scaling.sweep import expand, spec_from_dict
+
+    raw = _tiny_spec(wsd={"branch": True, "decay_fraction": 0.2})
+    raw["archs"]["full"]["budgets"] = [10, 20, 40]
+    plan = expand(spec_from_dict(raw), root="/tmp/s3")
+    full0 = [j for j in plan.jobs if (j.arch, j.seed) == ("full", 0)]
+    assert [(j.kind, j.budget) for j in full0] == [("stable", None), ("branch", 10), ("branch", 20), ("branch", 40)]
+    assert full0[0].steps == max(j.branch_from["step"] for j in full0[1:])  # one stable run to the last branch point
+    assert {j.budget for j in plan.jobs if j.arch == "gated" and j.kind == "branch"} == {20}  # the top-level list
+
+
 @pytest.mark.parametrize("change, match", [
     ({"equal_tokens": "yes"}, "equal_tokens='yes' must be true or false"),
+    ({"archs": {"a": {"budgets": [4, -1]}}}, "archs.a.budgets"),
     ({"archs": {"a": {"seeds": []}}}, "archs.a.seeds must be a non-empty list of integers"),
     ({"archs": {"a": {"seeds": [0, True]}}}, "archs.a.seeds must be a non-empty list of integers"),
     ({"equal_tokens": True, "archs": {"a": {}}}, "equal_tokens needs the reference arch"),
@@ -143,12 +157,11 @@ def test_bad_spec_keys_are_one_line(change, match):
 
 
 def test_study_spec_parses_with_its_arms():
-    from hybrid_lm.scaling.study import ARMS
     from hybrid_lm.scaling.sweep import load_spec
 
     spec = load_spec(REPO / "configs" / "sweeps" / "study.toml")
-    assert tuple(spec.archs) == ARMS and spec.equal_tokens and not spec.branch and spec.budgets == [4]
-    assert spec.archs["full"]["seeds"] == [0, 1] and spec.archs["full_rerun"]["seeds"] is None
+    assert spec.equal_tokens and spec.branch and spec.budgets == [12] and spec.seeds == [0, 1]
+    assert spec.archs["full"]["seeds"] == [0, 1, 2] and spec.archs["full"]["budgets"] == [4, 12]
 
 
 def test_max_minutes_checks(tmp_path, capsys):
@@ -199,271 +212,136 @@ def test_deterministic_ops_are_read_from_xla_flags():
 
 # ----------------------------------------------------------------------------- the verdict rule
 
-def test_verdict_rule_on_hand_made_numbers():
-    from hybrid_lm.scaling import study as S
+def test_verdict_rule():
+    from hybrid_lm.study import verdict as V
 
-    assert S.verdict_greater(0.05, 0.02) == S.REPRODUCED
-    assert S.verdict_greater(-0.05, 0.02) == S.NOT_REPRODUCED
-    assert S.verdict_greater(0.01, 0.02) == S.verdict_greater(-0.02, 0.02) == S.INCONCLUSIVE
-    assert S.verdict_greater(0.5, None) == S.verdict_greater(None, 0.1) == S.INCONCLUSIVE
-    assert S.verdict_close(0.01, 0.02) == S.REPRODUCED and S.verdict_close(-0.03, 0.02) == S.NOT_REPRODUCED
-    assert S.verdict_close(0.0, None) == S.INCONCLUSIVE
-    assert S.combine([S.REPRODUCED, S.REPRODUCED]) == S.REPRODUCED
-    assert S.combine([S.REPRODUCED, S.INCONCLUSIVE]) == S.INCONCLUSIVE
-    assert S.combine([S.REPRODUCED, S.NOT_REPRODUCED, S.INCONCLUSIVE]) == S.NOT_REPRODUCED
-    assert S.combine([S.NOT_EVALUATED, S.REPRODUCED]) == S.REPRODUCED and S.combine([S.NOT_EVALUATED]) == S.NOT_EVALUATED
-    assert S.spread([1.0, 1.5, 1.2]) == pytest.approx(0.5) and S.spread([1.0]) is None
-    assert S.spread([1.0, None, float("nan")]) is None
+    assert V.verdict(0.05, 0.02, "greater", 2.0, 0.0) == V.REPRODUCED
+    assert V.verdict(0.039, 0.02, "greater", 2.0, 0.0) == V.INCONCLUSIVE
+    assert V.verdict(-0.05, 0.02, "greater", 2.0, 0.0) == V.NOT_REPRODUCED
+    assert V.verdict(0.005, 0.005, "close", 2.0, 0.02) == V.REPRODUCED  # 0.005 + 0.01 <= 0.02
+    assert V.verdict(0.015, 0.005, "close", 2.0, 0.02) == V.INCONCLUSIVE  # the interval crosses the margin
+    assert V.verdict(-0.05, 0.005, "close", 2.0, 0.02) == V.NOT_REPRODUCED  # 0.05 - 0.01 > 0.02
+    assert V.combine([V.REPRODUCED, V.REPRODUCED]) == V.REPRODUCED
+    assert V.combine([V.REPRODUCED, V.INCONCLUSIVE]) == V.INCONCLUSIVE
+    assert V.combine([V.REPRODUCED, V.NOT_REPRODUCED, V.INCONCLUSIVE]) == V.NOT_REPRODUCED
+    assert V.combine([V.NOT_EVALUATED, V.REPRODUCED]) == V.REPRODUCED and V.combine([V.NOT_EVALUATED]) == V.NOT_EVALUATED
 
 
-def _fake_run(root: Path, name: str, arch: str, seed: int, loss: float, T: int = 32, steps=(8,)):
-    d = root / name
-    (d / "checkpoints").mkdir(parents=True)
-    for s in steps:
-        (d / "checkpoints" / str(s)).mkdir()
-    (d / "sweep_done.json").write_text("{}")
-    (d / "config.json").write_text(json.dumps({"data": {"seq_len": T}}))
-    rows = [{"kind": "train", "step": s, "loss": 3.0, "tokens_per_sec": 1000.0 + s, "mfu": 0.3} for s in (2, 4, 6, 8)]
-    rows.append({"kind": "eval", "step": steps[-1], "loss": loss, "bpb": loss / 2})
-    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (d / "provenance.json").write_text(json.dumps({"device_kind": "cpu", "xla_flags": ""}))
-    return {"name": name, "kind": "independent", "arch": arch, "seed": seed}
+def _values(rng, arms: dict, n_windows: int = 400):
+    """values[arm][seed]['loss'] with per-window losses: a shared window profile (what the windows share),
+    an arm offset, a seed offset and a little per-window noise."""
+    from hybrid_lm.study.runs import Value
+
+    profile = rng.normal(2.0, 0.5, n_windows)
+    out = {}
+    for arm, (offset, seeds) in arms.items():
+        out[arm] = {}
+        for s in seeds:
+            w = profile + offset + rng.normal(0, 0.02) + rng.normal(0, 0.01, n_windows)
+            out[arm][s] = {"loss": Value(float(w.mean()), list(w), float(w.std(ddof=1) / np.sqrt(n_windows)))}
+    return out
 
 
-def test_claims_from_hand_made_rows(tmp_path):
-    """A fake study root with made-up losses: C1 and C2a follow the rule from exactly these numbers, every
-    number names its row, arms that are missing make their claims 'not evaluated', and nothing runs."""
-    from hybrid_lm.eval.suite import eval_key
-    from hybrid_lm.scaling import study as S
+def test_judge_pools_the_seed_variance_and_pairs_the_windows():
+    from hybrid_lm.study import verdict as V
 
-    root = tmp_path / "study"
-    jobs = [_fake_run(root, "full-0", "full", 0, 2.00), _fake_run(root, "full-1", "full", 1, 2.03),
-            _fake_run(root, "full_rerun-0", "full_rerun", 0, 2.01), _fake_run(root, "swa-0", "swa128", 0, 2.10),
-            _fake_run(root, "sa-0", "sa128", 0, 2.60), _fake_run(root, "gated-0", "sa_swa128", 0, 2.02)]
-    (root / "sweep.json").write_text(json.dumps({"jobs": jobs}))
-    st = S.Settings(ruler_length=0, claims=("C1", "C2", "C3"), table=False, mc_context=0).resolved(32)
-    runs = S.study_runs(root)
-    assert [r.arch for r in runs] == ["full", "full", "full_rerun", "swa128", "sa128", "sa_swa128"]
-    evals = S.plan(runs, st)
-    assert {e.key for e in evals} == {"c2/loss/sa", "c2/loss/swa"}  # C3 needs the ssa arm; no RULER, no table
-    assert st.window == 4 and all(e.request.swaps[0].endswith(":4") for e in evals)
-    c2 = {("full-0", "sa"): 5.0, ("full-0", "swa"): 3.0, ("full-1", "sa"): 5.2, ("full-1", "swa"): 3.1,
-          ("full_rerun-0", "sa"): 5.1, ("full_rerun-0", "swa"): 3.05}
-    for e in evals:
-        conf = e.request.config("loss")
-        row = {"task": "loss", "kind": "loss", "checkpoint_step": 8, "eval_key": eval_key(conf), "eval_config": conf,
-               "loss": c2[(e.run.name, e.key.rsplit("/", 1)[1])]}
-        with (e.run.dir / "eval.jsonl").open("a") as fh:
-            fh.write(json.dumps(row) + "\n")
-    doc = S.run_claims(root, S.Settings(ruler_length=0, claims=("C1", "C2", "C3"), table=False, mc_context=0))
-    assert doc["evaluation_stats"] == {"done": 0, "skipped": 6, "left": 0, "failed": {}}
-    band = 0.03  # full: 2.00, 2.03, 2.01
-    assert doc["noise"]["bands"]["loss"] == pytest.approx(band)
-    c1 = {p["part"]: p for p in doc["claims"]["C1"]["parts"]}
-    assert c1["a"]["d"] == pytest.approx(0.5) and c1["a"]["verdict"] == S.REPRODUCED
-    assert c1["b"]["d"] == pytest.approx(0.58) and c1["b"]["verdict"] == S.REPRODUCED
-    assert c1["c"]["d"] == pytest.approx(0.02) and c1["c"]["verdict"] == S.REPRODUCED  # |0.02| <= 0.03
-    assert doc["claims"]["C1"]["verdict"] == S.REPRODUCED
-    c2a = doc["claims"]["C2"]["parts"][0]
-    assert c2a["d"] == pytest.approx(-2.05) and c2a["band"] == pytest.approx(0.1)  # d per run: -2, -2.1, -2.05
-    assert c2a["verdict"] == S.NOT_REPRODUCED and doc["claims"]["C2"]["verdict"] == S.NOT_REPRODUCED
-    assert doc["claims"]["C2"]["parts"][1]["verdict"] == S.NOT_EVALUATED  # no RULER here
-    src = doc["number_sources"]["c2/loss/sa@full-1"]  # every evaluated number names its row
-    assert src["file"].endswith("full-1/eval.jsonl") and src["task"] == "loss" and src["checkpoint_step"] == 8
-    assert doc["claims"]["C3"]["verdict"] == S.NOT_EVALUATED and "ssa missing" in doc["claims"]["C3"]["parts"][0]["why"]
-    t = {r["run"]: r for r in doc["table"]}
-    assert t["sa-0"]["loss"] == 2.60 and t["sa-0"]["tokens_per_sec"] == pytest.approx(1007.0)  # median of steps 6, 8
-    src = t["sa-0"]["sources"]["training"]["loss_source"]
-    assert src["file"].endswith("sa-0/metrics.jsonl") and src["step"] == 8
-    on_disk = json.loads((root / "claims.json").read_text())
-    assert on_disk["claims"]["C1"]["verdict"] == S.REPRODUCED
-    md = (root / "claims.md").read_text()
-    assert "| C1 | reproduced |" in md and "Verdict rule:" in md
-    # a made-up spread that swallows C1a's difference makes it inconclusive
-    (root / "full-1" / "metrics.jsonl").write_text((root / "full-1" / "metrics.jsonl").read_text()
-                                                    .replace('"loss": 2.03', '"loss": 2.7'))
-    doc = S.run_claims(root, S.Settings(ruler_length=0, claims=("C1",), table=False), evaluate=False)
-    assert {p["part"]: p["verdict"] for p in doc["claims"]["C1"]["parts"]}["a"] == S.INCONCLUSIVE
+    rng = np.random.default_rng(0)
+    values = _values(rng, {"a": (0.1, [0, 1]), "b": (0.0, [0, 1]), "c": (0.05, [0, 1, 2])})
+    j = V.judge(((1.0, "a", "loss"), (-1.0, "b", "loss")), values)
+    mean = lambda arm: np.mean([v["loss"].value for v in values[arm].values()])  # noqa: E731
+    assert j.d == pytest.approx(mean("a") - mean("b"))
+    # the seed variance pooled over the three arms: dof (2 - 1) + (2 - 1) + (3 - 1)
+    ss = sum(np.var([v["loss"].value for v in values[a].values()], ddof=1) * (len(values[a]) - 1) for a in values)
+    assert j.seed_dof == 4 and j.se_seed == pytest.approx(np.sqrt(ss / 4 * (1 / 2 + 1 / 2)))
+    # paired over the windows: far below either arm's own error over windows (0.5 / sqrt(400) = 0.025)
+    dw = np.mean([v["loss"].windows for v in values["a"].values()], 0) - np.mean([v["loss"].windows for v in values["b"].values()], 0)
+    assert j.paired and j.se_val == pytest.approx(dw.std(ddof=1) / np.sqrt(dw.size)) and j.se_val < 0.005
+    assert j.se == pytest.approx(np.hypot(j.se_seed, j.se_val))
+    # one half of the seeds: each arm's first seed, the variance still pooled over all
+    first, second = V.halves(values, ("a", "b"))
+    assert first == {"a": [0], "b": [0]} and second == {"a": [1], "b": [1]}
+    h = V.judge(((1.0, "a", "loss"), (-1.0, "b", "loss")), values, first)
+    assert h.d == pytest.approx(values["a"][0]["loss"].value - values["b"][0]["loss"].value)
+    assert h.se_seed == pytest.approx(np.sqrt(ss / 4 * 2))
+    # windows of another count (a loss at 2T against one at T): not paired, each term's own error adds
+    values["b"][0]["loss"].windows = values["b"][0]["loss"].windows[:200]
+    u = V.judge(((1.0, "a", "loss"), (-1.0, "b", "loss")), values)
+    assert not u.paired and u.se_val > 5 * j.se_val
+    assert V.judge(((1.0, "missing", "loss"),), values) is None
 
 
-def test_claims_bad_input_is_one_line(tmp_path, capsys):
-    from hybrid_lm.cli import main
+@pytest.mark.parametrize("edit, match", [
+    (lambda t: t.replace('budget = 12', 'budget = -1'), "budget = -1: must be a number > 0"),
+    (lambda t: t.replace('["full"],', '["full", "sa128"],'), "arm 'sa128' is in two parts"),
+    (lambda t: t.replace('["mamba2", "gdn"],', '["mamba2"],'), "parts must hold the sweep's arms exactly: missing gdn"),
+    (lambda t: t.replace('d = "sa128.loss - swa128.loss"', 'd = "sa128.loss -- swa128.loss"'), "cannot read it from"),
+    (lambda t: t.replace('d = "sa128.loss - swa128.loss"', 'd = "sa128.nothing - swa128.loss"'), "no metric 'nothing'"),
+    (lambda t: t.replace('d = "sa128.loss - swa128.loss"', 'd = "sa128.sa_swap - swa128.loss"'),
+     "metric 'sa_swap' is not recorded on 'sa128'"),
+    (lambda t: t.replace('predict = "greater"}', 'predict = "bigger"}', 1), "predict = 'bigger': choose greater or close"),
+    (lambda t: t.replace('eval = {task = "loss", seq_len = 8192}', 'eval = {task = "loss", seq_len = 0}'),
+     "eval.seq_len = 0: must be an integer >= 1"),
+    (lambda t: t.replace('eval = {task = "loss", seq_len = 8192}', 'eval = {task = "ruler"}'), "task must be one of"),
+    (lambda t: t.replace('untested = ', 'report = "loss"\nuntested = '), "give exactly one of parts, untested, report"),
+    (lambda t: t + "\n[extra]\n", "unknown key 'extra'"),
+    (lambda t: t + "\n[[", "not TOML"),
+])
+def test_claims_file_bad_input_is_one_line(tmp_path, edit, match):
+    from hybrid_lm.scaling.sweep import load_spec
+    from hybrid_lm.study.spec import load_claims
 
-    rc = main(["claims", str(tmp_path)])
-    assert rc == 2 and "holds no sweep.json" in capsys.readouterr().err
-    root = tmp_path / "s"
-    (root / "x").mkdir(parents=True)
-    (root / "sweep.json").write_text(json.dumps({"jobs": [_fake_run(root, "r", "full", 0, 2.0)]}))
-    rc = main(["claims", str(root), "--claims", "C9", "--no-eval"])
-    assert rc == 2 and "unknown C9" in capsys.readouterr().err
-
-
-
-def _fake_study(root: Path, losses: dict, T: int = 32) -> Path:
-    """A study root whose runs are named ``<arch>-<seed>`` with the given final val losses."""
-    jobs = [_fake_run(root, f"{arch}-{seed}", arch, seed, loss, T) for (arch, seed), loss in losses.items()]
-    (root / "sweep.json").write_text(json.dumps({"jobs": jobs}))
-    return root
-
-
-def test_claims_pooled_over_two_study_roots(tmp_path):
-    """Two runs of one study judged together: an arm's number is its mean over the roots, every run is a
-    replicate in the band, the table names each run's study, and the pooled files go to --out."""
-    from hybrid_lm.cli import main
-    from hybrid_lm.scaling import study as S
-
-    one = {("full", 0): 2.00, ("full", 1): 2.03, ("full_rerun", 0): 2.01, ("swa128", 0): 2.10, ("sa128", 0): 2.60,
-           ("sa_swa128", 0): 2.02}
-    two = {("full", 0): 2.10, ("full", 1): 2.05, ("full_rerun", 0): 2.04, ("swa128", 0): 2.20, ("sa128", 0): 2.40,
-           ("sa_swa128", 0): 2.08}
-    a, b = _fake_study(tmp_path / "h100" / "study", one), _fake_study(tmp_path / "h200" / "study", two)
-    st = S.Settings(ruler_length=0, claims=("C1",), table=False)
-    alone = S.run_claims(a, st, evaluate=False)  # one root: its own numbers, written into the root
-    assert {p["part"]: p["d"] for p in alone["claims"]["C1"]["parts"]} == pytest.approx({"a": 0.5, "b": 0.58, "c": 0.02})
-    out = tmp_path / "pooled"
-    doc = S.run_claims([a, b], st, evaluate=False, out=out)
-    # every arm is now replicated: the band is the widest spread, sa128's 2.40 .. 2.60 (full's is 0.10)
-    assert doc["noise"]["bands"]["loss"] == pytest.approx(0.20)
-    c1 = {p["part"]: p for p in doc["claims"]["C1"]["parts"]}
-    assert c1["a"]["d"] == pytest.approx((2.60 + 2.40) / 2 - (2.10 + 2.20) / 2)  # 0.35
-    assert c1["b"]["d"] == pytest.approx(2.50 - 2.05) and c1["c"]["d"] == pytest.approx(2.05 - 2.05)
-    assert c1["a"]["band"] == pytest.approx(0.20) and c1["a"]["verdict"] == S.REPRODUCED
-    assert c1["a"]["numbers"]["sa128"] == pytest.approx(2.50)
-    # labelled by their directories; two roots named alike are told apart by their paths
-    assert S.study_labels([a, b]) == [str(a), str(b)] and S.study_labels([a, tmp_path / "x"]) == ["study", "x"]
-    assert doc["runs"][0] == f"{a}/full-0" and {t["study"] for t in doc["table"]} == {str(a), str(b)}
-    cell = next(c for c in doc["cells"] if (c["arch"], c["seed"]) == ("sa128", 0))
-    assert cell["loss_mean"] == pytest.approx(2.50) and (cell["loss_min"], cell["loss_max"]) == (2.40, 2.60)
-    assert len(cell["runs"]) == 2
-    md = (out / "claims.md").read_text()
-    assert md.startswith(f"Generated by `hybrid-lm claims {a} {b} --out {out}`") and "| study | arch |" in md
-    assert "| sa128 | 0 | 2 | 2.5000 | 2.4000 | 2.6000 | 0.2000 |" in md
-    assert (out / "plots" / "study_loss.png").stat().st_size > 0
-    assert json.loads((out / "claims.json").read_text())["roots"] == [str(a), str(b)]
-    # evaluations are planned per root (each its own rows) and read back pooled: C2a over all six full runs
-    from hybrid_lm.eval.suite import eval_key
-
-    st2 = S.Settings(ruler_length=0, claims=("C2",), table=False, mc_context=0)
-    evals = [e for rs in S.pooled_runs([a, b], checkpoints=True) for e in S.plan(rs, st2.resolved(32))]
-    assert len(evals) == 12 and {e.run.study for e in evals} == {str(a), str(b)}
-    for e in evals:  # d = loss(SWA) - loss(SA) per run: -1.0 on the first root, -2.0 on the second
-        conf = e.request.config("loss")
-        sa = e.key.endswith("/sa")
-        loss = 3.0 + (sa * (1.0 if e.run.study == str(a) else 2.0))
-        with (e.run.dir / "eval.jsonl").open("a") as fh:
-            fh.write(json.dumps({"task": "loss", "kind": "loss", "checkpoint_step": 8, "eval_key": eval_key(conf),
-                                 "eval_config": conf, "loss": loss}) + "\n")
-    doc = S.run_claims([a, b], st2, out=tmp_path / "c2")
-    assert doc["evaluation_stats"] == {"done": 0, "skipped": 12, "left": 0, "failed": {}}
-    c2a = doc["claims"]["C2"]["parts"][0]
-    assert c2a["d"] == pytest.approx(-1.5) and c2a["band"] == pytest.approx(1.0) and "runs evaluated" not in c2a["why"]
-    # through the command line
-    assert main(["claims", str(a), str(b), "--no-eval", "--claims", "C1", "--no-table", "--ruler-length", "0",
-                 "--out", str(tmp_path / "cli")]) == 0
-    assert json.loads((tmp_path / "cli" / "claims.json").read_text())["claims"]["C1"]["parts"][0]["d"] == \
-        pytest.approx(0.35)
-
-
-def test_claims_pooled_bad_input_is_one_line(tmp_path, capsys):
-    from hybrid_lm.cli import main
-
-    losses = {("full", 0): 2.0, ("full", 1): 2.1}
-    a, b = _fake_study(tmp_path / "a", losses), _fake_study(tmp_path / "b", losses)
-    for args, match in [([a, b], "several study roots need --out DIR"),
-                        ([a, a, "--out", tmp_path / "o"], "a study root is given twice"),
-                        ([a, tmp_path / "none", "--out", tmp_path / "o"], "none holds no sweep.json")]:
-        assert main(["claims", *map(str, args), "--no-eval"]) == 2
-        err = capsys.readouterr().err
-        assert match in err and len(err.strip().splitlines()) == 1, err
-    other = tmp_path / "c"  # the same arm and seed under another name: another config, not a replicate
-    _fake_run(other, "full-0-deadbeef", "full", 0, 2.0)
-    (other / "sweep.json").write_text(json.dumps({"jobs": [_fake_run(other, "full-1", "full", 1, 2.1),
-                                                           {"name": "full-0-deadbeef", "kind": "independent",
-                                                            "arch": "full", "seed": 0}]}))
-    assert main(["claims", str(a), str(other), "--no-eval", "--out", str(tmp_path / "o")]) == 2
-    assert "are not replicates of one study: full seed 0 is full-0-deadbeef" in capsys.readouterr().err
-    longer = _fake_study(tmp_path / "d", losses, T=64)
-    assert main(["claims", str(a), str(longer), "--no-eval", "--out", str(tmp_path / "o")]) == 2
-    assert "runs trained at several lengths [32, 64]" in capsys.readouterr().err
+    f = tmp_path / "study.claims.toml"
+    f.write_text(edit((REPO / "configs" / "sweeps" / "study.claims.toml").read_text()))
+    arms = tuple(load_spec(REPO / "configs" / "sweeps" / "study.toml").archs)
+    with pytest.raises(ConfigError, match=match) as e:
+        load_claims(f, arms)
+    assert "\n" not in str(e.value)
 
 
 def test_the_studys_swaps_resolve_on_its_configs():
-    """The swaps `hybrid-lm claims` asks for are valid on the study's S1 configs at T = 4096 (checked without a
+    """The swaps of the claims file are valid on the study's S1 configs at T = 4096 (checked without a
     checkpoint: the rewritten config takes the same parameters)."""
     from hybrid_lm.eval.swap import swapped_config
     from hybrid_lm.experiment import load_config
-    from hybrid_lm.scaling.study import MOBA_SSA, SSA_SPARSE
+    from hybrid_lm.study.spec import load_claims
 
+    spec = load_claims(REPO / "configs" / "sweeps" / "study.claims.toml")
     common = ["scale/s1.gin"], ["ModelConfig.vocab_size = 256", "DataConfig.seq_len = 4096"]
-    full = load_config(["base.gin", *common[0]], common[1] + ["ModelConfig.layer_pattern = 'F'"])
-    for swap in ("full=sa:128", "full=swa:128", MOBA_SSA):
-        cfg = swapped_config(full, [swap])
-        assert cfg.model.full.kind == swap.split("=")[1].split(":")[0]
-    assert swapped_config(full, [MOBA_SSA]).model.full.options == {"block_size": 16, "gate": "ssa", "top_k": 16}
-    ssa = load_config(["base.gin", *common[0], "arch/ssa.gin"], common[1])
-    assert ssa.model.full.options["eval_stream"] == "full"  # evaluated with full attention by default
-    assert swapped_config(ssa, [SSA_SPARSE]).model.full.options["eval_stream"] == "sparse"
+    cfgs = {"full": load_config(["base.gin", *common[0]], common[1] + ["ModelConfig.layer_pattern = 'F'"]),
+            "ssa": load_config(["base.gin", *common[0], "arch/ssa.gin"], common[1])}
+    checked = 0
+    for m in spec.metrics.values():
+        for swap in (m.eval or {}).get("swaps", []):
+            for arm in m.arms:
+                cfg = swapped_config(cfgs[arm], [swap])
+                assert cfg.model.full.kind == swap.split("=")[1].split(":")[0].split(",")[0]
+                checked += 1
+    assert checked == 6
+    moba = swapped_config(cfgs["full"], [spec.metrics["sparse_swap"].eval["swaps"][0]])
+    assert moba.model.full.options == {"block_size": 16, "gate": "ssa", "top_k": 16}
+    assert cfgs["ssa"].model.full.options["eval_stream"] == "full"  # evaluated with full attention by default
+    assert swapped_config(cfgs["ssa"], spec.metrics["sparse_stream"].eval["swaps"]).model.full.options["eval_stream"] == "sparse"
 
 
-def test_c3_band_is_the_spread_of_the_degradation(tmp_path):
-    """C3a compares degradations (sparse minus own loss): its band is their spread over the full replicates,
-    not the spread of the val loss, as for every other metric."""
-    from hybrid_lm.eval.suite import eval_key
-    from hybrid_lm.scaling import study as S
-
-    root = tmp_path / "study"
-    jobs = [_fake_run(root, "full-0", "full", 0, 2.00), _fake_run(root, "full-1", "full", 1, 2.30),
-            _fake_run(root, "full_rerun-0", "full_rerun", 0, 2.05), _fake_run(root, "ssa-0", "ssa", 0, 2.10)]
-    (root / "sweep.json").write_text(json.dumps({"jobs": jobs}))
-    st = S.Settings(ruler_length=0, claims=("C3",), table=False)
-    runs = S.study_runs(root)
-    sparse = {"full-0": 2.10, "full-1": 2.42, "full_rerun-0": 2.16, "ssa-0": 2.12}  # degradations .10 .12 .11 / .02
-    for e in S.plan(runs, st.resolved(32)):
-        conf = e.request.config("loss")
-        row = {"task": "loss", "kind": "loss", "checkpoint_step": 8, "eval_key": eval_key(conf), "eval_config": conf,
-               "loss": sparse[e.run.name]}
-        with (e.run.dir / "eval.jsonl").open("a") as fh:
-            fh.write(json.dumps(row) + "\n")
-    a, b = S.run_claims(root, st)["claims"]["C3"]["parts"]
-    assert a["d"] == pytest.approx(0.11 - 0.02) and a["band"] == pytest.approx(0.02)  # not the loss band, 0.30
-    assert a["verdict"] == S.REPRODUCED
-    assert b["d"] == pytest.approx(0.10) and b["band"] == pytest.approx(0.30) and b["verdict"] == S.REPRODUCED
-
-
-def test_longppl_rows_are_found_after_the_study_root_moved(tmp_path):
-    """LongPPL's rows name the evaluator by its path at evaluation time; judging a moved copy of the
-    results (docs/results/study) finds them through the evaluator run's directory name."""
+def test_rows_are_found_after_the_study_root_moved(tmp_path):
+    """LongPPL's rows name the evaluator by its path at evaluation time; a moved copy of the results
+    (docs/results/study) finds them through the evaluator run's directory name, and a row of other settings
+    is not the metric's."""
     import dataclasses
 
-    from hybrid_lm.eval.suite import eval_key
-    from hybrid_lm.scaling import study as S
+    from hybrid_lm.eval.suite import EvalRequest, eval_key
+    from hybrid_lm.study.evaluations import Evaluation, rows_for
+    from hybrid_lm.study.runs import Run
 
-    root = tmp_path / "moved"
-    jobs = [_fake_run(root, "full-0", "full", 0, 2.00), _fake_run(root, "full-1", "full", 1, 2.30)]
-    (root / "sweep.json").write_text(json.dumps({"jobs": jobs}))
-    st = S.Settings(ruler_length=0, claims=("C6",), table=False)
-    runs = S.study_runs(root)
-    for e, lp in zip(S.plan(runs, st.resolved(32)), (3.0, 40.0)):
-        old = dataclasses.replace(e.request, evaluator="/gpu-machine/runs/study/full-0").config("longppl")
-        row = {"task": "longppl", "kind": "longppl", "checkpoint_step": 8, "eval_key": eval_key(old),
-               "eval_config": old, "longppl": lp}
-        (e.run.dir / "eval.jsonl").write_text(json.dumps(row) + "\n")
-    doc = S.run_claims(root, st, evaluate=False)
-    assert doc["claims"]["C6"]["parts"][0]["numbers"] == {"full-0": 3.0, "full-1": 40.0}
-    assert all(e["done"] for e in doc["evaluations"])
-    other = dataclasses.replace(S.plan(runs, st.resolved(32))[1].request, evaluator="/gpu-machine/runs/study/full-0",
-                                longppl_docs=7).config("longppl")  # a row of other settings is not the claim's
-    (root / "full-1" / "eval.jsonl").write_text(json.dumps(
-        {"task": "longppl", "kind": "longppl", "checkpoint_step": 8, "eval_key": eval_key(other), "eval_config": other,
-         "longppl": 40.0}) + "\n")
-    assert S.run_claims(root, st, evaluate=False)["claims"]["C6"]["parts"][0]["numbers"]["full-1"] is None
-
-
-def test_c2c_settings_are_checked():
-    from hybrid_lm.scaling import study as S
-
-    assert S.Settings().resolved(4096).mc_context == 2048 and S.Settings(mc_context=0).resolved(64).mc_context == 0
-    with pytest.raises(ConfigError, match="--mc-items 0: must be >= 1"):
-        S.Settings(mc_items=0).resolved(64)
-    with pytest.raises(ConfigError, match="--mc-context 64: must be below the trained length 64"):
-        S.Settings(mc_context=64).resolved(64)
+    run = Run("full-1", "full", 1, 12.0, tmp_path / "full-1", 32, [8], False)
+    run.dir.mkdir()
+    req = EvalRequest(tasks=("longppl",), evaluator=str(tmp_path / "moved" / "full-0"), evaluator_step=8,
+                      trunc_len=8, window=4, progress=False)
+    old = dataclasses.replace(req, evaluator="/gpu-machine/runs/study/full-0").config("longppl")
+    other = dataclasses.replace(req, evaluator="/gpu-machine/runs/study/full-0", longppl_docs=7).config("longppl")
+    rows = [{"task": "longppl", "kind": "longppl", "checkpoint_step": 8, "eval_key": eval_key(c), "eval_config": c,
+             "longppl": v} for c, v in ((other, 99.0), (old, 40.0))]
+    (run.dir / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    found = rows_for(Evaluation("longppl", run, req))
+    assert [r["longppl"] for r in found] == [40.0]
+    assert rows_for(Evaluation("longppl", run, dataclasses.replace(req, evaluator_step=4))) == []

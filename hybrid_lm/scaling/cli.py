@@ -1,4 +1,4 @@
-"""``hybrid-lm sweep | collect | fit | report | claims`` (registered by :func:`add_scaling_commands`)."""
+"""``hybrid-lm sweep | collect | fit | report`` (registered by :func:`add_scaling_commands`)."""
 
 from __future__ import annotations
 
@@ -202,37 +202,6 @@ def cmd_report(args) -> int:
     return 0
 
 
-def cmd_claims(args) -> int:
-    from hybrid_lm.scaling.study import CLAIMS, Settings, run_claims
-
-    st = Settings(window=args.window, ruler_length=args.ruler_length,
-                  ruler_tasks=tuple(t.strip() for t in args.ruler_tasks.split(",") if t.strip()) if args.ruler_tasks
-                  else None, ruler_samples=args.ruler_samples, heads_samples=args.heads_samples,
-                  longppl_docs=args.longppl_docs,
-                  claims=tuple(c.strip().upper() for c in args.claims.split(",") if c.strip()) if args.claims
-                  else CLAIMS, table=not args.no_table, mc_items=args.mc_items, mc_context=args.mc_context)
-    doc = run_claims(args.root, st, evaluate=not args.no_eval, max_minutes=args.max_minutes, out=args.out)
-    ev = doc["evaluation_stats"]
-    print(f"evaluations: {ev['done']} run now, {ev['skipped']} already recorded, {ev['left']} left, "
-          f"{len(ev['failed'])} failed")
-    for k, why in ev["failed"].items():
-        print(f"  failed {k}: {why}")
-    for name, c in doc["claims"].items():
-        print(f"{name}: {c['verdict']}  ({c['title']})")
-        for p in c["parts"]:
-            print(f"    {p['part']}: {p['verdict']}" + (f"  {p['why']}" if p.get("why") else ""))
-    out = Path(doc["out"])
-    print(f"wrote {out / 'claims.json'} and {out / 'claims.md'}")
-    if ev["left"] and args.no_eval:
-        print(f"{ev['left']} evaluation(s) not recorded: the claims and columns that need them are incomplete "
-              "(run without --no-eval, where the checkpoints are, to evaluate them)")
-    elif ev["left"]:
-        print(f"{ev['left']} evaluation(s) left (--max-minutes): run the same command to continue")
-    else:
-        print("claims complete" if not ev["failed"] else "claims complete, with failed evaluations (above)")
-    return 1 if ev["failed"] else 0
-
-
 def _wrap(fn):
     def run(args):
         from hybrid_lm.scaling.fit import FitError
@@ -318,37 +287,6 @@ def add_scaling_commands(sub) -> None:
     p.add_argument("--no-plots", action="store_true")
     p.set_defaults(fn=_wrap(cmd_fit))
 
-    p = sub.add_parser("claims", help="the one-GPU study: evaluate the papers' claims on its runs (docs/RESULTS.md)",
-                       description="Run the evaluations each claim needs on a launched study's runs (rows in each "
-                                   "run's eval.jsonl, skipped when recorded), judge each claim against the "
-                                   "run-to-run noise band, write ROOT/claims.json and ROOT/claims.md. Idempotent; "
-                                   "--max-minutes bounds a call, the next continues. Several roots (runs of the "
-                                   "same study) are judged together: each arm's mean over them, every run a "
-                                   "replicate in the bands, written to --out. docs/RESULTS.md.")
-    p.add_argument("root", nargs="+", help="the study's sweep root (configs/sweeps/study.toml: runs/study), or "
-                                           "several runs of the study")
-    p.add_argument("--out", default=None, metavar="DIR",
-                   help="where claims.json, claims.md and plots/ go (default the root; required with several)")
-    p.add_argument("--claims", default=None, metavar="C1,C2", help="claims to test (default all: C1..C6)")
-    p.add_argument("--max-minutes", dest="max_minutes", type=float, default=None, metavar="M",
-                   help="start no evaluation after M minutes (the verdicts so far are written)")
-    p.add_argument("--no-eval", dest="no_eval", action="store_true",
-                   help="run no evaluation: judge from the rows recorded so far")
-    p.add_argument("--no-table", dest="no_table", action="store_true",
-                   help="only the evaluations the claims need, not every arm's table columns")
-    p.add_argument("--window", type=int, default=None, help="C2's swap window W (default min(128, T/8))")
-    p.add_argument("--ruler-length", dest="ruler_length", type=int, default=None,
-                   help="RULER's length (default T; 0: no RULER)")
-    p.add_argument("--ruler-tasks", dest="ruler_tasks", default=None, help="RULER tasks (default all seven)")
-    p.add_argument("--ruler-samples", dest="ruler_samples", type=int, default=8, help="RULER items per task (8)")
-    p.add_argument("--heads-samples", dest="heads_samples", type=int, default=100,
-                   help="heads prompts per checkpoint (100; the task's own default is 500)")
-    p.add_argument("--longppl-docs", dest="longppl_docs", type=int, default=None, help="LongPPL documents (default 50)")
-    p.add_argument("--mc-items", dest="mc_items", type=int, default=200,
-                   help="C2(c): items of the next_line task built from the runs' val split (200)")
-    p.add_argument("--mc-context", dest="mc_context", type=int, default=None,
-                   help="C2(c): its context in tokens (default T/2; 0: no C2(c))")
-    p.set_defaults(fn=_wrap(cmd_claims))
 
     p = sub.add_parser("report", help="markdown report: sweep state + fits per architecture side by side")
     p.add_argument("fit", help="fit.json or the directory holding it")

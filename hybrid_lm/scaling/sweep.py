@@ -51,7 +51,7 @@ PASSES_WARN = 4
 _TOP_KEYS = {"name", "description", "root", "gin", "params", "seeds", "budgets", "n_definition", "mfu",
              "peak_flops", "wsd", "param_match", "scales", "archs", "slurm", "equal_tokens"}
 _SCALE_KEYS = {"gin", "params", "budgets", "description"}
-_ARCH_KEYS = {"gin", "params", "mfu", "param_match", "description", "seeds"}
+_ARCH_KEYS = {"gin", "params", "mfu", "param_match", "description", "seeds", "budgets"}
 _WSD_KEYS = {"branch", "decay_fraction"}
 _PM_KEYS = {"enabled", "reference", "d_ff_multiple"}
 _SLURM_KEYS = {"partition", "account", "qos", "time", "gpus_per_task", "cpus_per_task", "mem", "max_parallel",
@@ -74,7 +74,7 @@ class Spec:
     seeds: list
     budgets: list
     scales: dict  # name -> {"gin": [...], "params": [...], "budgets": [...] | None}
-    archs: dict  # name -> {"gin": [...], "params": [...], "mfu": float | None, "param_match": bool, "seeds": [...] | None}
+    archs: dict  # name -> {"gin", "params", "mfu": float | None, "param_match": bool, "seeds": [...] | None, "budgets": [...] | None}
     n_definition: str = "non_embedding"
     mfu: float = MFU_H200_MEASURED
     peak_flops: float = PEAK_FLOPS
@@ -175,7 +175,8 @@ def spec_from_dict(raw: dict, path: str | None = None) -> Spec:
         archs[a] = {"gin": _str_list(d.get("gin"), f"archs.{a}.gin"),
                     "params": _str_list(d.get("params"), f"archs.{a}.params"), "mfu": mfu,
                     "param_match": bool(d.get("param_match", a != reference)),
-                    "seeds": list(arch_seeds) if arch_seeds is not None else None}
+                    "seeds": list(arch_seeds) if arch_seeds is not None else None,
+                    "budgets": _num_list(d["budgets"], f"{where}: archs.{a}.budgets") if "budgets" in d else None}
     slurm = raw.get("slurm", {})
     _check_keys(slurm, _SLURM_KEYS, f"{where}: slurm")
     n_def = raw.get("n_definition", "non_embedding")
@@ -389,7 +390,7 @@ def expand(spec: Spec, root: str | Path | None = None, extra_params: list[str] |
         if spec.branch and not 0 < f < 1:
             raise SweepError(f"sweep {spec.name}: scale {s!r} x arch {a!r}: WSD branching needs a decay fraction "
                              f"in (0, 1), the recipe has {f}; set [wsd] decay_fraction")
-        budgets = spec.scales[s]["budgets"] or spec.budgets
+        budgets = spec.archs[a]["budgets"] or spec.scales[s]["budgets"] or spec.budgets
 
         def hours(flops, mfu=mfu):
             return flops / (mfu * spec.peak_flops) / 3600.0

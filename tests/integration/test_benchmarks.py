@@ -264,21 +264,6 @@ def test_report_refuses_more_than_40_result_files(tmp_path):
         report.main(["--results", str(results), "--out", str(tmp_path / "B.md"), "--readme", "none"])
 
 
-def test_study_speeds_become_a_result_file(tmp_path, monkeypatch):
-    """`report.py --study ROOT` turns the study's claims.json (here the committed docs/results/study) into
-    <device>/study.json: each arm's tokens/s against full attention seed 0 of the same call."""
-    monkeypatch.setenv("HYBRID_LM_COMMIT", "568bf7e")
-    out = tmp_path / "BENCHMARKS.md"
-    assert report.main(["--study", str(report.ROOT / "docs" / "results" / "study"), "--results", str(tmp_path / "r"),
-                        "--out", str(out), "--readme", "none"]) == 0
-    doc = json.loads((tmp_path / "r" / "h100" / "study.json").read_text())
-    rows = {(r["arch"], r["seed"]): r for r in doc["rows"]}
-    assert rows[("full", 0)]["vs_anchor"] == 1.0 and len(rows) == 13
-    assert rows[("ssa", 0)]["vs_anchor"] == pytest.approx(rows[("ssa", 0)]["tokens_per_sec"] / rows[("full", 0)]["tokens_per_sec"])
-    md = out.read_text()
-    assert "### One-GPU study: training speed" in md and "commit 568bf7e" in md and "2026-12-06 19:13 UTC" in md
-
-
 def test_determinism_runs_become_a_result_file(tmp_path, monkeypatch, capsys):
     """`determinism.py ROOT` summarises determinism.sh's runs (here the committed docs/results/determinism-h100):
     bitwise equality from every logged loss and gradient norm, tokens/s against the default mode; `report.py

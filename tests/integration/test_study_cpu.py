@@ -1,11 +1,13 @@
-"""The one-GPU study on the CPU: the study spec's dry run (13 runs of S1 at T = 4096, equal tokens), and a
-tiny version of it end to end: `sweep --max-minutes` stops and the same command continues, a finished
-sweep launches nothing, `hybrid-lm claims` evaluates, judges by the rule from the recorded rows, and a
-rerun evaluates nothing."""
+"""The one-GPU study on the CPU: the study spec's dry run, and a tiny version of it end to end through
+experiments/study.sh's steps: parts trained by `sweep --only`, `hybrid-lm claims --part` recording each
+part's evaluations, `--next-part`, a rerun that evaluates nothing, and the verdicts read back from the
+results files alone (`--no-eval`), equal to the numbers in the rows."""
 
 import json
+import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from hybrid_lm.cli import main
@@ -20,15 +22,27 @@ def test_study_spec_dry_run(capsys):
     rc = main(["sweep", str(REPO / "configs" / "sweeps" / "study.toml"), "--dry-run", "--json", *EMBEDDED])
     assert rc == 0
     plan = json.loads(capsys.readouterr().out)
-    jobs = plan["jobs"]
-    assert [(j["arch"], j["seed"]) for j in jobs] == [
-        ("full", 0), ("full", 1), ("full_rerun", 0), ("swa128", 0), ("swa512", 0), ("swa128_nope", 0), ("sa128", 0),
-        ("sa_swa128", 0), ("moba", 0), ("ssa", 0), ("mamba2", 0), ("gdn", 0), ("lightning", 0)]
-    assert {j["steps"] for j in jobs} == {458} and {j["D"] for j in jobs} == {458 * 32 * 4096}  # equal tokens
-    assert {j["kind"] for j in jobs} == {"independent"} and jobs[0]["N"] == 14_999_424
-    assert jobs[0]["config_run_id"] == jobs[2]["config_run_id"] != jobs[1]["config_run_id"]
-    assert all("DataConfig.seq_len = 4096" in j["gin_params"] for j in jobs)
-    assert plan["summary"]["planned_gpu_hours"] * 60 < 30  # the estimate the spec's comment quotes
+    jobs = [j for j in plan["jobs"] if j["kind"] == "branch"]
+    full = [j for j in jobs if j["arch"] == "full"]
+    assert sorted({(j["seed"], j["budget"]) for j in full}) == [(s, b) for s in (0, 1, 2) for b in (4, 12)]
+    others = [j for j in jobs if j["arch"] != "full"]
+    assert {(j["seed"], j["budget"]) for j in others} == {(0, 12), (1, 12)} and len(others) == 20
+    at12 = [j for j in jobs if j["budget"] == 12]
+    assert {j["steps"] for j in at12} == {1373} and {j["D"] for j in at12} == {1373 * 32 * 4096}  # equal tokens
+    assert full[0]["N"] == 14_999_424
+    assert all("DataConfig.seq_len = 4096" in j["gin_params"] for j in plan["jobs"])
+    assert all(j["branch_from"]["step"] == round(0.8 * j["steps"]) for j in jobs)
+
+
+def test_study_claims_file_matches_the_sweep():
+    from hybrid_lm.scaling.sweep import load_spec
+    from hybrid_lm.study.spec import load_claims
+
+    sweep = load_spec(REPO / "configs" / "sweeps" / "study.toml")
+    spec = load_claims(REPO / "configs" / "sweeps" / "study.claims.toml", tuple(sweep.archs))
+    assert spec.sweep.resolve() == (REPO / "configs" / "sweeps" / "study.toml").resolve()
+    assert spec.budget == 12 and all(spec.budget in (sweep.archs[a]["budgets"] or sweep.budgets) for a in sweep.archs)
+    assert spec.parts[0] == ("full",) and set(spec.claims) == {"C1", "C2", "C3", "C4", "C5", "C6"}
 
 
 TINY_STUDY = """
@@ -41,120 +55,118 @@ params = ["ModelConfig.vocab_size = 256", "ModelConfig.n_kv_heads = 1", "ModelCo
           "CheckpointConfig.every_steps = 8", "CheckpointConfig.async_save = False",
           "ModelConfig.d_model = 16", "ModelConfig.n_layers = 2", "ModelConfig.n_heads = 2",
           "ModelConfig.head_dim = 8", "ModelConfig.d_ff = 32"]
+seeds = [0, 1]
 budgets = [0.25]
 equal_tokens = true
 [wsd]
-branch = false
+branch = true
+decay_fraction = 0.25
 [scales.t1]
-# arm names as in configs/sweeps/study.toml (the claims find the arms by name); windows scaled to T = 32
 [archs.full]
 params = ["ModelConfig.layer_pattern = 'F'"]
-seeds = [0, 1]
-[archs.swa128]
+budgets = [0.125, 0.25]
+[archs.swa]
 params = ["efficient/MixerConfig.kind = 'swa'", "efficient/MixerConfig.window = 4"]
-[archs.sa128]
+[archs.sa]
 params = ["efficient/MixerConfig.kind = 'sa'", "efficient/MixerConfig.window = 4"]
 """
 
+TINY_CLAIMS = """
+sweep = "tiny_study.toml"
+budget = 0.25
+k = 2.0
+margin = 0.5
+parts = [["full"], ["swa", "sa"]]
+[metrics.loss]
+what = "val loss"
+[metrics.sa_swap]
+what = "SA-4 swapped in"
+eval = {task = "loss", swaps = ["full=sa:4"]}
+arms = ["full"]
+[metrics.swa_swap]
+what = "SWA-4 swapped in"
+eval = {task = "loss", swaps = ["full=swa:4"]}
+arms = ["full"]
+[metrics.loss_2T]
+what = "val loss at 64 tokens"
+eval = {task = "loss", seq_len = 64}
+arms = "all"
+[claims.C1]
+title = "SA costs perplexity against SWA; SWA is close to full"
+parts = [
+  {part = "a", statement = "SA above SWA", d = "sa.loss - swa.loss", predict = "greater"},
+  {part = "c", statement = "SWA close to full", d = "swa.loss - full.loss", predict = "close"},
+  {part = "2T", statement = "full above SWA at 2T", d = "full.loss_2T - swa.loss_2T", predict = "greater"},
+]
+[claims.C2]
+title = "swaps on the full model"
+parts = [{part = "a", statement = "SA swap loses less", d = "full.swa_swap - full.sa_swap", predict = "greater"}]
+[claims.C5]
+title = "not here"
+untested = "no heads at this size"
+"""
 
-def test_tiny_study_end_to_end(tmp_path, capsys):
+
+def test_tiny_study_in_parts(tmp_path, capsys):
+    from hybrid_lm.study import verdict as V
+
     spec = tmp_path / "tiny_study.toml"
     spec.write_text(TINY_STUDY)
+    claims_file = tmp_path / "tiny_study.claims.toml"
+    claims_file.write_text(TINY_CLAIMS)
     root = tmp_path / "study"
+    claims = ["claims", str(root), "--claims-file", str(claims_file)]
+    assert main(claims + ["--next-part"]) == 0 and capsys.readouterr().out.strip() == "1"  # nothing launched yet
     sweep = ["sweep", str(spec), "--launch", "local", "--root", str(root)]
-    # a deadline that has passed before the first step: the part stops cleanly, nothing is lost
-    assert main(sweep + ["--max-minutes", "0.0001"]) == 0
+    assert main(sweep + ["--only", "^t1-full-"]) == 0  # part 1: full, two seeds, two budgets
+    capsys.readouterr()
+    assert main(claims + ["--next-part"]) == 0 and capsys.readouterr().out.strip() == "1"  # not evaluated yet
+    assert main(claims + ["--part", "1"]) == 0
     out = capsys.readouterr().out
-    assert "stopped at --max-minutes 0.0001" in out and "run the same command to continue" in out
-    assert not list(root.glob("*/sweep_done.json"))
-    assert main(sweep) == 0
-    assert "4 jobs, 0 already done, 4 launched, 4 finished now" in capsys.readouterr().out
-    done = sorted(root.glob("*/sweep_done.json"))
-    assert len(done) == 4
-    def stamps():  # sweep.json, the plan, is rewritten by every launch (as in test_scaling_sweep.py)
-        return {p: p.stat().st_mtime_ns for p in root.rglob("*") if p.is_file() and p != root / "sweep.json"}
-
-    before = stamps()
-    assert main(sweep) == 0  # a finished study launches nothing and touches no run
-    assert "4 jobs, 4 already done, 0 launched" in capsys.readouterr().out
-    assert stamps() == before
-
-    claims = ["claims", str(root), "--claims", "C1,C2", "--no-table", "--ruler-length", "0", "--mc-items", "2",
-              "--mc-context", "8"]
-    assert main(claims) == 0
-    out = capsys.readouterr().out
-    assert "evaluations: 10 run now, 0 already recorded, 0 left, 0 failed" in out and "claims complete" in out
+    assert "evaluations: 6 run now, 0 already recorded, 0 not recorded" in out  # 3 metrics x 2 seeds of full
+    assert main(claims + ["--next-part"]) == 0 and capsys.readouterr().out.strip() == "2"
     doc = json.loads((root / "claims.json").read_text())
-    from hybrid_lm.scaling import study as S
-
-    full = [r for r in doc["table"] if r["arch"] == "full"]
-    band = abs(full[0]["loss"] - full[1]["loss"])
-    assert doc["noise"]["bands"]["loss"] == pytest.approx(band)
-    loss = {r["arch"]: r["loss"] for r in doc["table"] if r["seed"] == 0}
-    c1a = doc["claims"]["C1"]["parts"][0]
-    assert c1a["d"] == pytest.approx(loss["sa128"] - loss["swa128"])
-    assert c1a["verdict"] == S.verdict_greater(c1a["d"], band)
-    assert doc["claims"]["C1"]["parts"][1]["verdict"] == S.NOT_EVALUATED  # no sa_swa128 arm here
+    assert doc["claims"]["C1"]["verdict"] == V.NOT_EVALUATED and doc["claims"]["C5"]["verdict"] == V.NOT_TESTED
     c2a = doc["claims"]["C2"]["parts"][0]
-    per_run = [n["loss_swa"] - n["loss_sa"] for n in c2a["numbers"].values()]
-    assert c2a["d"] == pytest.approx(sum(per_run) / 2) and c2a["band"] == pytest.approx(abs(per_run[0] - per_run[1]))
-    assert c2a["verdict"] == S.verdict_greater(c2a["d"], c2a["band"])
-    c2c = doc["claims"]["C2"]["parts"][2]  # the next_line task through lm-eval, contexts prefilled with the swap
-    per_run = [n["acc_norm_sa_prefill"] - n["acc_norm_swa_prefill"] for n in c2c["numbers"].values()]
-    assert len(per_run) == 2 and c2c["d"] == pytest.approx(sum(per_run) / 2)
-    assert all(0 <= n["acc_norm_own"] <= 1 for n in c2c["numbers"].values())  # the model unswapped, for scale
-    assert c2c["verdict"] == S.verdict_greater(c2c["d"], c2c["band"])
-    assert len((root / "next_line_c8_n2" / "next_line.jsonl").read_text().splitlines()) == 2
-    for r in (root / n for n in doc["runs"] if "-full-" in n):  # the swaps' rows, as `hybrid-lm eval` records them
-        rows = [json.loads(x) for x in (r / "eval.jsonl").read_text().splitlines()]
-        assert sorted(x["eval_config"]["swaps"][0] for x in rows if x["task"] == "loss") == ["full=sa:4", "full=swa:4"]
-        mc = [x for x in rows if x["task"] == "lm_eval/next_line"]
-        assert sorted(tuple(x["eval_config"]["swaps"]) for x in mc) == [(), ("full=sa:4",), ("full=swa:4",)]
-        assert [x["eval_config"]["swap_prefill_only"] for x in mc if x["eval_config"]["swaps"]] == [True, True]
+    assert c2a["verdict"] in (V.REPRODUCED, V.NOT_REPRODUCED, V.INCONCLUSIVE) and c2a["paired_windows"]
+    # d is the mean over the seeds of the two swaps' difference, read from the rows
+    rows = {}
+    for run in (root / n for n in doc["runs"] if "-full-" in n):
+        got = {tuple(r["eval_config"]["swaps"]): r for r in map(json.loads, (run / "eval.jsonl").read_text().splitlines())
+               if r["task"] == "loss" and r["eval_config"]["seq_len"] is None}
+        rows[run.name] = got[("full=swa:4",)]["loss"] - got[("full=sa:4",)]["loss"]
+    assert c2a["d"] == pytest.approx(np.mean(list(rows.values())), abs=1e-12)
+    assert [n["budget"] for n in doc["noise"]] == [0.125, 0.25] and len(doc["noise"][1]["loss"]) == 2
+
+    assert main(sweep) == 0  # part 2 (the sweep skips part 1's finished runs)
+    capsys.readouterr()
+    assert main(claims + ["--part", "2"]) == 0
+    assert "evaluations: 4 run now, 0 already recorded, 0 not recorded" in capsys.readouterr().out
+    assert main(claims + ["--next-part"]) == 0 and capsys.readouterr().out.strip() == "0"
     eval_files = {p: p.read_bytes() for p in root.glob("*/eval.jsonl")}
     assert main(claims) == 0  # everything recorded: nothing is evaluated again
     assert "evaluations: 0 run now, 10 already recorded" in capsys.readouterr().out
     assert {p: p.read_bytes() for p in root.glob("*/eval.jsonl")} == eval_files
-    assert (root / "plots" / "study_loss.png").stat().st_size > 10_000  # the overview figure
+    doc = json.loads((root / "claims.json").read_text())
+    c1 = doc["claims"]["C1"]
+    loss = {(t["arch"], t["seed"]): t["loss"] for t in doc["table"]}
+    a = c1["parts"][0]
+    assert a["d"] == pytest.approx(np.mean([loss["sa", s] - loss["swa", s] for s in (0, 1)]), abs=1e-12)
+    assert a["verdict"] == V.verdict(a["d"], a["se"], "greater", 2.0, 0.5)
+    assert a["se_seed"] > 0 and a["se_val"] > 0 and a["seed_dof"] == 3  # pooled over the three arms' two seeds
+    assert len(a["halves"]) == 2 and a["halves"][0]["seeds"] == {"sa": [0], "swa": [0]}
+    assert not c1["parts"][2]["paired_windows"] or c1["parts"][2]["se_val"] > 0
+    for png in ("study_loss.png", "noise.png"):
+        assert (root / "plots" / png).stat().st_size > 10_000
+    md = (root / "claims.md").read_text()
+    assert "| C1 |" in md and "not tested at this scale" in md and "first half / second half" in md
 
     # the results files alone (no checkpoints/, as docs/results/study): --no-eval judges the same
-    import shutil
-
     copy = tmp_path / "results_only"
     shutil.copytree(root, copy, ignore=shutil.ignore_patterns("checkpoints"))
-    assert main(["claims", str(copy), "--no-eval", "--claims", "C1,C2", "--no-table", "--ruler-length", "0",
-                 "--mc-items", "2", "--mc-context", "8"]) == 0
+    assert main(["claims", str(copy), "--claims-file", str(claims_file), "--no-eval"]) == 0
     again = json.loads((copy / "claims.json").read_text())
     assert {k: c["verdict"] for k, c in again["claims"].items()} == {k: c["verdict"] for k, c in doc["claims"].items()}
-    assert again["claims"]["C2"]["parts"][0]["d"] == c2a["d"]
-    assert again["claims"]["C2"]["parts"][2]["d"] == c2c["d"]  # lm-eval's rows name the task folder's old path
-    # a copy whose full replicates were never evaluated: C2 is judged not evaluated, and not complete
-    for n in doc["runs"]:
-        if "-full-" in n:
-            (copy / n / "eval.jsonl").unlink()
-    capsys.readouterr()
-    assert main(["claims", str(copy), "--no-eval", "--claims", "C2", "--no-table", "--ruler-length", "0",
-                 "--mc-items", "2", "--mc-context", "8"]) == 0
-    out = capsys.readouterr().out
-    assert "evaluations: 0 run now, 0 already recorded, 10 left" in out and "10 evaluation(s) not recorded" in out
-    assert "claims complete" not in out
-    part = json.loads((copy / "claims.json").read_text())["claims"]["C2"]["parts"][0]
-    assert part["verdict"] == S.NOT_EVALUATED and "not recorded" in part["why"]
-    assert main(["claims", str(copy), "--claims", "C1"]) == 2  # evaluating needs the checkpoints
-    assert "has no checkpoints/ directory" in capsys.readouterr().err
-
-
-def test_ruler_with_the_swap_on_the_prompt_only(tiny_run, capsys):
-    """`eval --tasks ruler --swap ... --swap-prefill-only` records answer log-likelihoods scored over the swapped
-    prompt (no generation); without --tasks the flag is a one-line error."""
-    run = tiny_run(5)  # TINY (conftest.py): full + SWA-8 hybrid, seq_len 32
-    rc = main(["eval", str(run), "--swap", "full=swa:4", "--swap-prefill-only"])
-    assert rc == 2 and "--swap-prefill-only applies to --tasks ruler and lm_eval" in capsys.readouterr().err
-    rc = main(["eval", str(run), "--tasks", "ruler", "--swap", "full=swa:4", "--swap-prefill-only", "--ruler-tasks",
-               "niah_single", "--ruler-lengths", "1K", "--allow-longer", "--samples", "2", "--no-plots"])
-    assert rc == 0, capsys.readouterr().err
-    rows = [json.loads(x) for x in (run / "eval.jsonl").read_text().splitlines()]
-    (row,) = [r for r in rows if r["task"] == "ruler/niah_single"]
-    assert row["eval_config"]["swap_prefill_only"] is True and row["eval_config"]["swaps"] == ["full=swa:4"]
-    assert row["exact_match"] is None and "swap-prefill-only" in row["generation"]
-    assert row["answer_scoring"].startswith("prefill with the swap") and 0 < row["answer_nll"] < 20
+    assert again["claims"]["C2"]["parts"][0]["d"] == doc["claims"]["C2"]["parts"][0]["d"]
+    assert main(["claims", str(copy), "--claims-file", str(claims_file), "--next-part"]) == 0
+    assert capsys.readouterr().out.strip().endswith("0")
