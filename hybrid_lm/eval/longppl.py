@@ -214,6 +214,8 @@ def resolve_evaluator(run, evaluator=None, evaluator_step: int | None = None) ->
         return Path(run.workdir), max(saved_steps(Path(run.workdir) / "checkpoints") or [run.step]), "newest"
     if evaluator == "self":
         return Path(run.workdir), run.step, "self"
+    if evaluator_step is not None:  # its keys may be cached without its checkpoints (a copy of its results)
+        return Path(evaluator), int(evaluator_step), str(evaluator)
     steps = saved_steps(Path(evaluator) / "checkpoints")
     if not steps:
         raise FileNotFoundError(f"--evaluator {evaluator}: the run has no checkpoint")

@@ -230,9 +230,9 @@ class RestoredRun:
         if ref is not None and ref.get("eval_windows", n) == n:
             row["trained_eval_loss"] = ref["loss"]
             row["delta_loss"] = ce - ref["loss"]
-            if len(ref.get("window_losses") or ()) == n:  # paired on the same windows
-                row["delta_loss_se"] = loss.paired_difference(metrics["window_losses"], ref["window_losses"])[1]
         row["window_losses"] = loss.row_window_losses(metrics["window_losses"])
+        if ref is not None and ref.get("eval_windows", n) == n and len(ref.get("window_losses") or ()) == n:
+            row["delta_loss_se"] = loss.paired_difference(row["window_losses"], ref["window_losses"])[1]  # same windows
         if record:
             self.record(row)
         return row

@@ -371,6 +371,18 @@ def test_longppl_on_the_trained_run(trained, capsys):
     third = evaluate_longppl(wd, evaluator=judge, length=48, docs=3, rule=KeyTokenRule(trunc_len=16, window=8,
                              alpha=0.2, beta=-3), record=False, progress=False)
     assert not third["keys_cached"] and third["n_key"] == fixed["n_key"]
+    # a copy of the evaluator's results without its checkpoints (a study part landed earlier): its step named,
+    # the cached keys score the run as the evaluator itself did; without the cache it says what is missing
+    landed = wd.parent / "longppl_judge_landed"
+    shutil.copytree(judge, landed, ignore=shutil.ignore_patterns("checkpoints"), dirs_exist_ok=True)
+    rule = KeyTokenRule(trunc_len=16, window=8, alpha=0.2, beta=-3)
+    copied = evaluate_longppl(wd, evaluator=landed, evaluator_step=ev.step, length=48, docs=3, rule=rule,
+                              record=False, progress=False)
+    assert copied["keys_cached"] and (copied["n_key"], copied["longppl"]) == (fixed["n_key"], fixed["longppl"])
+    shutil.rmtree(landed / "longppl_keys")
+    with pytest.raises(FileNotFoundError):
+        evaluate_longppl(wd, evaluator=landed, evaluator_step=ev.step, length=48, docs=3, rule=rule, record=False,
+                         progress=False)
     capsys.readouterr()
     assert main(["longppl", str(wd), "--evaluator", str(wd), "--length", "48", "--docs", "2",
                  "--trunc-len", "16", "--window", "8", "--alpha", "0.5"]) == 0
