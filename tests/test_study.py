@@ -345,3 +345,21 @@ def test_rows_are_found_after_the_study_root_moved(tmp_path):
     found = rows_for(Evaluation("longppl", run, req))
     assert [r["longppl"] for r in found] == [40.0]
     assert rows_for(Evaluation("longppl", run, dataclasses.replace(req, evaluator_step=4))) == []
+
+
+def test_row_values_of_each_task(tmp_path):
+    """What a metric reads from a task's row: a loss with its windows, lm-eval's acc_norm and RULER's
+    log-likelihood accuracy with their binomial errors, LongPPL; nothing from a row without the number."""
+    from hybrid_lm.study.runs import Run, row_value
+
+    run = Run("r", "full", 0, 12.0, tmp_path, 32, [8], False)
+    v = row_value(run, [{"loss": 2.0, "loss_se": 0.01, "window_losses": [1.9, 2.1], "eval_key": "k"}], "loss")
+    assert (v.value, v.se, v.windows) == (2.0, 0.01, [1.9, 2.1]) and v.source["eval_key"] == "k"
+    v = row_value(run, [{"score": 0.75, "n_samples": {"original": 200, "effective": 200}}], "next_line")
+    assert v.value == 0.75 and v.se == pytest.approx(np.sqrt(0.75 * 0.25 / 200))
+    v = row_value(run, [{"ll_chance": 0.25, "per_item": {"win": [True, False, True, True]}},
+                        {"ll_chance": 0.25, "per_item": {"win": [False, None]}}], "ruler")
+    assert v.value == pytest.approx(3 / 5) and v.source["chance"] == 0.25 and v.source["items"] == 5
+    assert row_value(run, [{"longppl": 12.5}], "longppl").value == 12.5
+    assert row_value(run, [{"longppl": None}], "longppl") is None and row_value(run, [], "loss") is None
+    assert row_value(run, [{"score": None}], "next_line") is None

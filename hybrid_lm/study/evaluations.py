@@ -36,11 +36,15 @@ class Evaluation:
         parts = [f"hybrid-lm eval {self.run.dir} --tasks {','.join(r.tasks)}"]
         parts += [f"--swap {s}" for s in r.swaps]
         for flag, v in (("--seq-len", r.seq_len), ("--evaluator", r.evaluator), ("--evaluator-step", r.evaluator_step),
-                        ("--docs", r.longppl_docs)):
+                        ("--docs", r.longppl_docs), ("--samples", r.samples)):
             if v is not None:
                 parts.append(f"{flag} {v}")
         if "longppl" in r.tasks:
             parts.append(f"--trunc-len {r.trunc_len} --window {r.window}")
+        if r.ruler_lengths:
+            parts.append(f"--ruler-lengths {','.join(map(str, r.ruler_lengths))}")
+        if r.ruler_tasks:
+            parts.append(f"--ruler-tasks {','.join(r.ruler_tasks)}")
         if "lm_eval" in r.tasks:
             parts.append(f"--lm-eval-include {r.lm_eval_include} --lm-eval-tasks {','.join(r.lm_eval_tasks)}")
         if r.swap_prefill_only:
@@ -91,6 +95,10 @@ def request(metric: Metric, run: Run, runs: list[Run], root: Path) -> EvalReques
         return EvalRequest(tasks=("lm_eval",), swaps=swaps, swap_prefill_only=bool(ev.get("prefill_only")),
                            lm_eval_tasks=(NEXT_LINE,), lm_eval_include=str(next_line_dir(root, ev, run.seq_len).resolve()),
                            progress=False)
+    if ev["task"] == "ruler":
+        return EvalRequest(tasks=("ruler",), ruler_tasks=tuple(ev["tasks"]) if "tasks" in ev else None,
+                           ruler_lengths=(ev.get("length", run.seq_len),), samples=ev.get("samples", 8),
+                           allow_longer=ev.get("length", run.seq_len) > run.seq_len, progress=False)
     judge = evaluator_run(runs, ev.get("evaluator", "full"))
     if judge is None:
         return None

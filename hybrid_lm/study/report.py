@@ -172,7 +172,8 @@ def format_markdown(doc: dict, command: str) -> str:
     untrained = [a for p in doc["parts"] for a in p["arms"] if a not in p["trained"]]
     if untrained:
         lines += ["", "Not trained yet: " + ", ".join(f"{a} (part {part_of[a]})" for a in untrained) + "."]
-    metric_cols = [k for k in ("loss_2T", "loss_4T", "longppl") if any(r.get(k) is not None for r in doc["table"])]
+    reported = {c["metric"] for c in doc["claims"].values() if c.get("metric")}
+    metric_cols = [k for k in ("loss_2T", "loss_4T", *sorted(reported)) if any(r.get(k) is not None for r in doc["table"])]
     lines += ["", "**Runs:**", "", "| run | arm | seed | val loss | bits/byte | "
               + " | ".join(metric_cols) + (" | " if metric_cols else "") + "tokens/s | MFU | device |",
               "|" + "---|" * (8 + len(metric_cols))]

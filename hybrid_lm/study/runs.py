@@ -106,7 +106,7 @@ def training_speed(run: Run) -> dict:
 
 def row_value(run: Run, rows: list[dict], task: str) -> Value | None:
     """The metric a task's eval row holds: a loss (with its windows), lm-eval's score (acc_norm, with its
-    binomial error over the items) or LongPPL."""
+    binomial error over the items), RULER's log-likelihood accuracy (gold above the distractors) or LongPPL."""
     if not rows:
         return None
     r = rows[-1]
@@ -119,6 +119,13 @@ def row_value(run: Run, rows: list[dict], task: str) -> Value | None:
         if not isinstance(p, (int, float)):
             return None
         return Value(p, None, math.sqrt(p * (1 - p) / n) if isinstance(n, int) and n > 1 else None, src)
+    if task == "ruler":  # the gold answer's log-likelihood above every distractor's, over the tasks' items
+        wins = [w for x in rows for w in ((x.get("per_item") or {}).get("win") or []) if w is not None]
+        if not wins:
+            return None
+        p = sum(wins) / len(wins)
+        return Value(p, None, math.sqrt(p * (1 - p) / len(wins)) if len(wins) > 1 else None,
+                     {**src, "chance": rows[-1].get("ll_chance"), "items": len(wins)})
     v = r.get("longppl")
     return Value(v, None, None, src) if isinstance(v, (int, float)) and math.isfinite(v) else None
 

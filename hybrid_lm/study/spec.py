@@ -5,7 +5,7 @@ compare), ``k`` (standard errors a difference must clear), ``margin`` (nats a ``
 ``parts`` (the study's GPU parts: lists of arms, in order), ``[metrics.<name>]`` and ``[claims.<name>]``.
 
 A metric is one number per run: ``loss`` is the trainer's final eval; any other has an ``eval`` table,
-the evaluation that records it (``task`` = ``loss``, ``next_line`` or ``longppl``, with its settings), and
+the evaluation that records it (``task`` = ``loss``, ``next_line``, ``longppl`` or ``ruler``, with its settings), and
 ``arms`` (a list, or ``"all"``) it is recorded on. A claim has a ``title`` and either ``parts`` (each
 ``{part, statement, d, predict[, margin]}``: ``d`` a sum of ``arm.metric`` terms, ``predict`` ``greater``
 or ``close``), ``untested`` (the reason this study cannot test it) or ``report`` (a metric reported per arm,
@@ -21,13 +21,14 @@ from pathlib import Path
 
 from hybrid_lm.errors import ConfigError
 
-TASKS = ("loss", "next_line", "longppl")
+TASKS = ("loss", "next_line", "longppl", "ruler")
 PREDICTS = ("greater", "close")
 _TOP = {"sweep", "budget", "k", "margin", "parts", "metrics", "claims"}
 _METRIC = {"what", "eval", "arms"}
 _EVAL = {"loss": {"task", "swaps", "seq_len"},
          "next_line": {"task", "swaps", "prefill_only", "items", "context"},
-         "longppl": {"task", "evaluator", "trunc_len", "window", "docs"}}
+         "longppl": {"task", "evaluator", "trunc_len", "window", "docs"},
+         "ruler": {"task", "tasks", "samples", "length"}}
 _CLAIM = {"title", "parts", "untested", "report"}
 _PART = {"part", "statement", "d", "predict", "margin"}
 _TERM = re.compile(r"\s*([+-])?\s*([A-Za-z0-9_]+)\.([A-Za-z0-9_]+)\s*")
@@ -145,7 +146,9 @@ def _metric(name: str, d: dict, where: str) -> Metric:
     swaps = ev.get("swaps", [])
     if not isinstance(swaps, list) or not all(isinstance(s, str) for s in swaps):
         raise ConfigError(f"{where}.eval.swaps: a list of swap strings (hybrid-lm eval --swap)")
-    for key in ("seq_len", "items", "context", "trunc_len", "window", "docs"):
+    if "tasks" in ev and not (isinstance(ev["tasks"], list) and ev["tasks"] and all(isinstance(t, str) for t in ev["tasks"])):
+        raise ConfigError(f"{where}.eval.tasks: a list of RULER task names")
+    for key in ("seq_len", "items", "context", "trunc_len", "window", "docs", "samples", "length"):
         if key in ev and (isinstance(ev[key], bool) or not isinstance(ev[key], int) or ev[key] < 1):
             raise ConfigError(f"{where}.eval.{key} = {ev[key]!r}: must be an integer >= 1")
     if ev.get("prefill_only") and not swaps:

@@ -42,7 +42,7 @@ def test_study_claims_file_matches_the_sweep():
     spec = load_claims(REPO / "configs" / "sweeps" / "study.claims.toml", tuple(sweep.archs))
     assert spec.sweep.resolve() == (REPO / "configs" / "sweeps" / "study.toml").resolve()
     assert spec.budget == 12 and all(spec.budget in (sweep.archs[a]["budgets"] or sweep.budgets) for a in sweep.archs)
-    assert spec.parts[0] == ("full",) and set(spec.claims) == {"C1", "C2", "C3", "C4", "C5", "C6"}
+    assert spec.parts[0] == ("full",) and set(spec.claims) == {"C1", "C2", "C3", "C4", "C5", "C6", "retrieval"}
 
 
 TINY_STUDY = """
