@@ -78,12 +78,13 @@ PART=${STUDY_PART:-$($HLM claims "$ROOT" --next-part 2>/dev/null | tail -1)}
 if [ "$PART" = 0 ]; then
   echo "every part is landed: the study is complete ($LANDED/claims.md)"; exit 0
 fi
-ARMS=$($PY -c "import sys, tomllib; p = tomllib.load(open('configs/sweeps/study.claims.toml', 'rb'))['parts']
-print('|'.join(p[int(sys.argv[1]) - 1]))" "$PART") || { echo "no part $PART in configs/sweeps/study.claims.toml"; exit 2; }
-echo "== part $PART: $ARMS ($(left) s left)"
+MEMBERS=$($PY -c "import sys, tomllib; p = tomllib.load(open('configs/sweeps/study.claims.toml', 'rb'))['parts']
+print(' '.join(p[int(sys.argv[1]) - 1]))" "$PART") || { echo "no part $PART in configs/sweeps/study.claims.toml"; exit 2; }
+echo "== part $PART: $MEMBERS ($(left) s left)"
+JOBS=$($HLM claims "$ROOT" --claims-file configs/sweeps/study.claims.toml --part-jobs "$PART" | tail -1) || exit 1
 
 # training: stops by itself early enough to leave room for the evaluations; a later call continues it
-$HLM sweep "$SPEC" --launch local --root "$ROOT" --only "^s1-($ARMS)-" --max-minutes "$(minutes "$(left) - 420")" \
+$HLM sweep "$SPEC" --launch local --root "$ROOT" --only "$JOBS" --max-minutes "$(minutes "$(left) - 480")" \
   "${EXTRA[@]}" 2>&1 | quiet
 echo "== claims: part $PART's evaluations, every landed part judged ($(left) s left)"
 $HLM claims "$ROOT" --part "$PART" --max-minutes "$(minutes "$(left) - 100")" 2>&1 | quiet | tee /tmp/claims.log

@@ -161,7 +161,7 @@ def test_study_spec_parses_with_its_arms():
 
     spec = load_spec(REPO / "configs" / "sweeps" / "study.toml")
     assert spec.equal_tokens and spec.branch and spec.budgets == [12] and spec.seeds == [0, 1]
-    assert spec.archs["full"]["seeds"] == [0, 1, 2] and spec.archs["full"]["budgets"] == [4, 12]
+    assert spec.archs["full"]["seeds"] == [0, 1, 2, 3] and spec.archs["full"]["budgets"] == [4, 12]
 
 
 def test_max_minutes_checks(tmp_path, capsys):
@@ -272,16 +272,20 @@ def test_judge_pools_the_seed_variance_and_pairs_the_windows():
 
 @pytest.mark.parametrize("edit, match", [
     (lambda t: t.replace('budget = 12', 'budget = -1'), "budget = -1: must be a number > 0"),
-    (lambda t: t.replace('["full"],', '["full", "sa128"],'), "arm 'sa128' is in two parts"),
+    (lambda t: t.replace('["ssa"],', '["ssa", "sa128"],'), "arm 'sa128' is in two parts: name its seeds in each"),
     (lambda t: t.replace('["mamba2", "gdn"],', '["mamba2"],'), "parts must hold the sweep's arms exactly: missing gdn"),
+    (lambda t: t.replace('["full:3", "swa128"],', '["full:2", "swa128"],'), "a seed of 'full' is in two parts"),
+    (lambda t: t.replace('["full:3", "swa128"],', '["swa128"],'), "'full' seed 3 of the sweep is in no part"),
+    (lambda t: t.replace('["full:3", "swa128"],', '["full:x", "swa128"],'), "a part member is an arm"),
     (lambda t: t.replace('d = "sa128.loss - swa128.loss"', 'd = "sa128.loss -- swa128.loss"'), "cannot read it from"),
     (lambda t: t.replace('d = "sa128.loss - swa128.loss"', 'd = "sa128.nothing - swa128.loss"'), "no metric 'nothing'"),
     (lambda t: t.replace('d = "sa128.loss - swa128.loss"', 'd = "sa128.sa_swap - swa128.loss"'),
      "metric 'sa_swap' is not recorded on 'sa128'"),
+    (lambda t: t.replace('arms = ["full:3"]', 'arms = ["nobody"]', 1), "metrics.mc.arms: 'nobody' is in no part"),
     (lambda t: t.replace('predict = "greater"}', 'predict = "bigger"}', 1), "predict = 'bigger': choose greater or close"),
     (lambda t: t.replace('eval = {task = "loss", seq_len = 8192}', 'eval = {task = "loss", seq_len = 0}'),
      "eval.seq_len = 0: must be an integer >= 1"),
-    (lambda t: t.replace('eval = {task = "loss", seq_len = 8192}', 'eval = {task = "ruler"}'), "task must be one of"),
+    (lambda t: t.replace('eval = {task = "loss", seq_len = 8192}', 'eval = {task = "probe"}'), "task must be one of"),
     (lambda t: t.replace('untested = ', 'report = "loss"\nuntested = '), "give exactly one of parts, untested, report"),
     (lambda t: t + "\n[extra]\n", "unknown key 'extra'"),
     (lambda t: t + "\n[[", "not TOML"),
@@ -292,7 +296,8 @@ def test_claims_file_bad_input_is_one_line(tmp_path, edit, match):
 
     f = tmp_path / "study.claims.toml"
     f.write_text(edit((REPO / "configs" / "sweeps" / "study.claims.toml").read_text()))
-    arms = tuple(load_spec(REPO / "configs" / "sweeps" / "study.toml").archs)
+    sweep = load_spec(REPO / "configs" / "sweeps" / "study.toml")
+    arms = {a: d["seeds"] or sweep.seeds for a, d in sweep.archs.items()}
     with pytest.raises(ConfigError, match=match) as e:
         load_claims(f, arms)
     assert "\n" not in str(e.value)
@@ -312,7 +317,7 @@ def test_the_studys_swaps_resolve_on_its_configs():
     checked = 0
     for m in spec.metrics.values():
         for swap in (m.eval or {}).get("swaps", []):
-            for arm in m.arms:
+            for arm, _ in m.arms:
                 cfg = swapped_config(cfgs[arm], [swap])
                 assert cfg.model.full.kind == swap.split("=")[1].split(":")[0].split(",")[0]
                 checked += 1

@@ -32,7 +32,11 @@ def load_study(root: Path, claims_file: str | Path | None = None):
     from hybrid_lm.study.spec import load_claims
 
     man = read_manifest(root)
-    arms = tuple(dict.fromkeys(j["arch"] for j in man["jobs"]))
+    arms: dict[str, list] = {}
+    for j in man["jobs"]:
+        arms.setdefault(j["arch"], [])
+        if j["seed"] not in arms[j["arch"]]:
+            arms[j["arch"]].append(j["seed"])
     path = Path(claims_file) if claims_file else claims_file_for(root)
     if not path.exists():
         raise ConfigError(f"{root}: no claims file {path} for the sweep {man['name']!r}: write one beside the sweep "
@@ -61,13 +65,26 @@ def next_part(root: Path, claims_file=None) -> int:
     except WorkdirError:  # nothing trained yet
         return 1
     evals = plan(spec, runs, root)
-    for i, arms in enumerate(spec.parts, 1):
-        jobs = [j for j in man["jobs"] if j["arch"] in arms and j["kind"] != "stable"]
+    for i in range(1, len(spec.parts) + 1):
+        jobs = [j for j in man["jobs"] if spec.in_part(i, j["arch"], j["seed"]) and j["kind"] != "stable"]
         if not all((root / j["name"] / DONE).exists() for j in jobs):
             return i
-        if not all(is_done(e) for e in evals if e.run.arch in arms):
+        if not all(is_done(e) for e in evals if spec.in_part(i, e.run.arch, e.run.seed)):
             return i
     return 0
+
+
+def part_jobs(root: Path, n: int, claims_file=None) -> str:
+    """A regex of part ``n``'s job names (``<scale>-<arch>-<stable|dn...>-seed<k>-<hash>``), for
+    ``hybrid-lm sweep --only``."""
+    from hybrid_lm.study.spec import load_claims
+
+    spec = load_claims(Path(claims_file) if claims_file else claims_file_for(root))
+    if not 1 <= n <= len(spec.parts):
+        raise ConfigError(f"--part-jobs {n}: the study has parts 1 to {len(spec.parts)}")
+    alts = [f"{arm}-[^-]+-seed[0-9]+" if seeds is None else f"{arm}-[^-]+-seed({'|'.join(map(str, seeds))})"
+            for arm, seeds in spec.parts[n - 1]]
+    return f"^[^-]+-({'|'.join(alts)})-[0-9a-f]{{8}}$"
 
 
 def run_claims(root, claims_file=None, *, part: int | None = None, evaluate: bool = True,
@@ -85,7 +102,7 @@ def run_claims(root, claims_file=None, *, part: int | None = None, evaluate: boo
     evals = E.plan(spec, runs, root)
     stats = {"done": 0, "skipped": 0, "left": 0, "failed": {}}
     if evaluate:
-        mine = [e for e in evals if e.run.checkpoints and (part is None or e.run.arch in spec.parts[part - 1])]
+        mine = [e for e in evals if e.run.checkpoints and (part is None or spec.in_part(part, e.run.arch, e.run.seed))]
         for name, m in spec.metrics.items():  # next_line tasks are built from the store before they are used
             if m.task == E.NEXT_LINE and any(e.metric == name for e in mine):
                 why = E.build_next_line(root, runs, m.eval)
@@ -96,6 +113,8 @@ def run_claims(root, claims_file=None, *, part: int | None = None, evaluate: boo
         got = E.run_evaluations(mine, max_minutes, printer)
         stats.update(done=got["done"], skipped=got["skipped"], failed={**stats["failed"], **got["failed"]})
     stats["left"] = sum(not E.is_done(e) for e in evals)
+    if not evaluate:
+        stats["skipped"] = len(evals) - stats["left"]
     doc = R.document(spec, root, runs, runs_all, evals, stats)
     out = Path(out) if out is not None else root
     out.mkdir(parents=True, exist_ok=True)
@@ -116,6 +135,9 @@ def cmd_claims(args) -> int:
     root = Path(args.root)
     if args.next_part:
         print(next_part(root, args.claims_file))
+        return 0
+    if args.part_jobs is not None:
+        print(part_jobs(root, args.part_jobs, args.claims_file))
         return 0
     doc = run_claims(root, args.claims_file, part=args.part, evaluate=not args.no_eval,
                      max_minutes=args.max_minutes, out=args.out)
@@ -147,6 +169,8 @@ def add_claims_command(sub) -> None:
     p.add_argument("--part", type=int, default=None, metavar="N", help="evaluate only the arms of GPU part N")
     p.add_argument("--next-part", dest="next_part", action="store_true",
                    help="print the first GPU part not yet trained and evaluated (0: the study is complete) and stop")
+    p.add_argument("--part-jobs", dest="part_jobs", type=int, default=None, metavar="N",
+                   help="print a regex of part N's job names for `hybrid-lm sweep --only` and stop")
     p.add_argument("--out", default=None, metavar="DIR", help="where claims.json, claims.md and plots/ go (default ROOT)")
     p.add_argument("--max-minutes", dest="max_minutes", type=float, default=None, metavar="M",
                    help="start no evaluation after M minutes (the verdicts so far are written)")

@@ -79,9 +79,12 @@ def build_next_line(root: Path, runs: list[Run], ev: dict) -> str | None:
     return None
 
 
-def evaluator_run(runs: list[Run], arm: str) -> Run | None:
-    """LongPPL's evaluator: the arm's first seed."""
-    mine = sorted((r for r in runs if r.arch == arm), key=lambda r: r.seed)
+def evaluator_run(runs: list[Run], member: str) -> Run | None:
+    """LongPPL's evaluator: ``"arm:seed"``'s run, or the arm's first seed."""
+    from hybrid_lm.study.spec import parse_member
+
+    arm, seeds = parse_member(member, "longppl evaluator")
+    mine = sorted((r for r in runs if r.arch == arm and (seeds is None or r.seed in seeds)), key=lambda r: r.seed)
     return mine[0] if mine else None
 
 
@@ -114,7 +117,7 @@ def plan(spec: ClaimsSpec, runs: list[Run], root: Path) -> list[Evaluation]:
         if m.eval is None:
             continue
         for run in runs:
-            if m.on(run.arch):
+            if m.on(run.arch, run.seed):
                 req = request(m, run, runs, root)
                 if req is not None:
                     out.append(Evaluation(m.name, run, req))

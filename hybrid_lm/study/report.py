@@ -26,7 +26,7 @@ def metric_values(spec: ClaimsSpec, runs: list[Run], evals) -> dict:
         row = out.setdefault(r.arch, {}).setdefault(r.seed, {})
         row[TRAIN_METRIC] = final_eval(r)
         for m in spec.metrics.values():
-            if m.eval is not None and m.on(r.arch):
+            if m.eval is not None and m.on(r.arch, r.seed):
                 ev = by_key.get((m.name, r.key))
                 row[m.name] = row_value(r, rows_for(ev), m.task) if ev is not None else None
     return out
@@ -95,7 +95,8 @@ def arm_table(spec: ClaimsSpec, runs: list[Run], values: dict) -> list[dict]:
     rows = []
     for r in runs:
         v = values.get(r.arch, {}).get(r.seed, {})
-        row = {"run": r.key, "arch": r.arch, "seed": r.seed, "part": spec.part_of(r.arch) if r.arch in spec.arms else None,
+        row = {"run": r.key, "arch": r.arch, "seed": r.seed,
+               "part": next((i for i in range(1, len(spec.parts) + 1) if spec.in_part(i, r.arch, r.seed)), None),
                **training_speed(r)}
         for m in spec.metrics:
             x: Value | None = v.get(m)
@@ -130,9 +131,11 @@ def document(spec: ClaimsSpec, root: Path, runs: list[Run], runs_all: list[Run],
             "seq_len": runs[0].seq_len if runs else None, "runs": [r.key for r in runs],
             "table": arm_table(spec, runs, values), "arms": means,
             "seed_sd_loss": seed_sd, "seed_dof_loss": dof,
-            "noise": noise_table(runs_all, spec.parts[0][0]),
+            "noise": noise_table(runs_all, spec.arms[0]),
             "claims": judge_claims(spec, values),
-            "parts": [{"part": i, "arms": list(p), "trained": [a for a in p if a in values]}
+            "parts": [{"part": i, "members": [a if s is None else f"{a}:{','.join(map(str, s))}" for a, s in p],
+                       "trained": [a if s is None else f"{a}:{','.join(map(str, s))}" for a, s in p
+                                   if a in values and (s is None or set(s) <= set(values[a]))]}
                       for i, p in enumerate(spec.parts, 1)],
             "evaluations": [{"metric": e.metric, "run": e.run.key, "command": e.command(), "done": bool(d)}
                             for e, d in evals_done(evals)],
@@ -165,13 +168,16 @@ def format_markdown(doc: dict, command: str) -> str:
     lines += ["**Arms** (D/N = %g; mean over seeds, ± the seeds' standard error and the mean error over windows):"
               % doc["budget"], "", "| arm | part | seeds | val loss | ± seeds | ± windows | range over seeds |",
               "|---|---|---|---|---|---|---|"]
-    part_of = {a: p["part"] for p in doc["parts"] for a in p["arms"]}
+    part_of: dict[str, list] = {}
+    for p in doc["parts"]:
+        for m in p["members"]:
+            part_of.setdefault(m.split(":")[0], []).append(str(p["part"]))
     for a in doc["arms"]:
-        lines.append(f"| {a['arch']} | {part_of.get(a['arch'], '—')} | {', '.join(map(str, a['seeds']))} | {_f(a['mean'])} "
+        lines.append(f"| {a['arch']} | {', '.join(part_of.get(a['arch'], ['—']))} | {', '.join(map(str, a['seeds']))} | {_f(a['mean'])} "
                      f"| {_f(a['se_seed'])} | {_f(a['se_val'])} | {_f(a['min'])}–{_f(a['max'])} |")
-    untrained = [a for p in doc["parts"] for a in p["arms"] if a not in p["trained"]]
+    untrained = [(m, p["part"]) for p in doc["parts"] for m in p["members"] if m not in p["trained"]]
     if untrained:
-        lines += ["", "Not trained yet: " + ", ".join(f"{a} (part {part_of[a]})" for a in untrained) + "."]
+        lines += ["", "Not trained yet: " + ", ".join(f"{m} (part {n})" for m, n in untrained) + "."]
     reported = {c["metric"] for c in doc["claims"].values() if c.get("metric")}
     metric_cols = [k for k in ("loss_2T", "loss_4T", *sorted(reported)) if any(r.get(k) is not None for r in doc["table"])]
     lines += ["", "**Runs:**", "", "| run | arm | seed | val loss | bits/byte | "

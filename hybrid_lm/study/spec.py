@@ -2,11 +2,11 @@
 
 Top-level keys: ``sweep`` (the sweep file, relative to the claims file), ``budget`` (the D/N the claims
 compare), ``k`` (standard errors a difference must clear), ``margin`` (nats a ``close`` part allows),
-``parts`` (the study's GPU parts: lists of arms, in order), ``[metrics.<name>]`` and ``[claims.<name>]``.
+``parts`` (the study's GPU parts: lists of arms or ``"arm:seeds"``, in order), ``[metrics.<name>]`` and ``[claims.<name>]``.
 
 A metric is one number per run: ``loss`` is the trainer's final eval; any other has an ``eval`` table,
 the evaluation that records it (``task`` = ``loss``, ``next_line``, ``longppl`` or ``ruler``, with its settings), and
-``arms`` (a list, or ``"all"``) it is recorded on. A claim has a ``title`` and either ``parts`` (each
+``arms`` (a list of arms or ``"arm:seeds"``, or ``"all"``) it is recorded on. A claim has a ``title`` and either ``parts`` (each
 ``{part, statement, d, predict[, margin]}``: ``d`` a sum of ``arm.metric`` terms, ``predict`` ``greater``
 or ``close``), ``untested`` (the reason this study cannot test it) or ``report`` (a metric reported per arm,
 no direction claimed). Every error is one line naming the file and the key.
@@ -40,10 +40,12 @@ class Metric:
     name: str
     what: str
     eval: dict | None = None  # None: the trainer's final eval (``loss``)
-    arms: tuple | str = "all"  # the arms it is recorded on ("all": every arm)
+    arms: tuple | str = "all"  # ((arm, seeds or None), ...) it is recorded on, or "all" (every run)
 
-    def on(self, arm: str) -> bool:
-        return self.arms == "all" or arm in self.arms
+    def on(self, arm: str, seed: int | None = None) -> bool:
+        """Recorded on ``arm`` (its seed ``seed``; None: any of its seeds)."""
+        return self.arms == "all" or any(a == arm and (seed is None or seeds is None or seed in seeds)
+                                         for a, seeds in self.arms)
 
     @property
     def task(self) -> str:
@@ -85,18 +87,21 @@ class ClaimsSpec:
     budget: float
     k: float
     margin: float
-    parts: tuple  # ((arm, ...), ...): the study's GPU parts
+    parts: tuple  # (((arm, seeds or None), ...), ...): the study's GPU parts (None: every seed of the arm)
     metrics: dict = field(default_factory=dict)  # name -> Metric
     claims: dict = field(default_factory=dict)  # name -> Claim
     text: str = ""  # the file as read (claims.json keeps it)
 
     @property
     def arms(self) -> tuple:
-        return tuple(a for p in self.parts for a in p)
+        return tuple(dict.fromkeys(a for p in self.parts for a, _ in p))
 
-    def part_of(self, arm: str) -> int:
-        """The 1-based GPU part that trains ``arm``."""
-        return next(i for i, p in enumerate(self.parts, 1) if arm in p)
+    def in_part(self, n: int, arm: str, seed: int) -> bool:
+        """Whether GPU part ``n`` (1-based) trains ``arm``'s seed ``seed``."""
+        return any(a == arm and (seeds is None or seed in seeds) for a, seeds in self.parts[n - 1])
+
+    def parts_of(self, arm: str) -> list[int]:
+        return [i for i, p in enumerate(self.parts, 1) if any(a == arm for a, _ in p)]
 
 
 def parse_d(expr: str, where: str) -> tuple:
@@ -151,16 +156,50 @@ def _metric(name: str, d: dict, where: str) -> Metric:
     for key in ("seq_len", "items", "context", "trunc_len", "window", "docs", "samples", "length"):
         if key in ev and (isinstance(ev[key], bool) or not isinstance(ev[key], int) or ev[key] < 1):
             raise ConfigError(f"{where}.eval.{key} = {ev[key]!r}: must be an integer >= 1")
+    if ev["task"] == "longppl":
+        parse_member(ev.get("evaluator", "full"), f"{where}.eval.evaluator")
     if ev.get("prefill_only") and not swaps:
         raise ConfigError(f"{where}.eval: prefill_only needs swaps (what the context is prefilled with)")
     arms = d.get("arms")
     if arms != "all" and not (isinstance(arms, list) and arms and all(isinstance(a, str) for a in arms)):
-        raise ConfigError(f"{where}.arms: a list of arms or \"all\"")
-    return Metric(name, what, dict(ev), "all" if arms == "all" else tuple(arms))
+        raise ConfigError(f"{where}.arms: a list of arms (or 'arm:seeds') or \"all\"")
+    return Metric(name, what, dict(ev), "all" if arms == "all" else
+                  tuple(parse_member(a, f"{where}.arms") for a in arms))
 
 
-def load_claims(path: str | Path, arms: tuple | None = None) -> ClaimsSpec:
-    """The claims file at ``path``; ``arms`` (the sweep's, when known) must be exactly the parts' arms."""
+def parse_member(text, where: str) -> tuple:
+    """A part's member: ``"arm"`` (every seed) or ``"arm:3"`` / ``"arm:0,1,2"`` (those seeds)."""
+    m = re.fullmatch(r"([A-Za-z0-9_]+)(?::(\d+(?:,\d+)*))?", text) if isinstance(text, str) else None
+    if m is None:
+        raise ConfigError(f"{where}: {text!r}: a part member is an arm, or an arm and its seeds as 'arm:0,1'")
+    return m.group(1), (tuple(int(x) for x in m.group(2).split(",")) if m.group(2) else None)
+
+
+def _check_parts(parts: tuple, arms, where: str) -> None:
+    """Every arm of the sweep in the parts; an arm in several parts names disjoint seeds in each, and together
+    they are its seeds (``arms``: the sweep's arms, or a mapping arm -> its seeds)."""
+    by_arm: dict[str, list] = {}
+    for p in parts:
+        for arm, seeds in p:
+            by_arm.setdefault(arm, []).append(seeds)
+    for arm, lists in by_arm.items():
+        if len(lists) > 1 and any(x is None for x in lists):
+            raise ConfigError(f"{where}: parts: arm {arm!r} is in two parts: name its seeds in each ('{arm}:0,1')")
+        flat = [s for x in lists if x for s in x]
+        if len(set(flat)) < len(flat):
+            raise ConfigError(f"{where}: parts: a seed of {arm!r} is in two parts")
+        if isinstance(arms, dict) and arm in arms and flat and not set(arms[arm]) <= set(flat):
+            raise ConfigError(f"{where}: parts: {arm!r} seed {min(set(arms[arm]) - set(flat))} of the sweep is in no "
+                              f"part (the parts name {sorted(flat)})")
+    if arms is not None and set(by_arm) != set(arms):
+        miss, extra = sorted(set(arms) - set(by_arm)), sorted(set(by_arm) - set(arms))
+        raise ConfigError(f"{where}: parts must hold the sweep's arms exactly: "
+                          + (f"missing {', '.join(miss)}" if miss else f"not in the sweep: {', '.join(extra)}"))
+
+
+def load_claims(path: str | Path, arms=None) -> ClaimsSpec:
+    """The claims file at ``path``; ``arms`` (the sweep's arms, or a mapping arm -> seeds, when known) must be
+    exactly the parts' arms."""
     p = Path(path)
     try:
         text = p.read_text()
@@ -174,23 +213,18 @@ def load_claims(path: str | Path, arms: tuple | None = None) -> ClaimsSpec:
     if not isinstance(raw.get("sweep"), str):
         raise ConfigError(f"{w}: sweep = the sweep file beside it, e.g. 'study.toml'")
     parts = raw.get("parts")
-    if not (isinstance(parts, list) and parts and all(isinstance(x, list) and x and all(isinstance(a, str) for a in x)
-                                                      for x in parts)):
+    if not (isinstance(parts, list) and parts and all(isinstance(x, list) and x for x in parts)):
         raise ConfigError(f"{w}: parts = a list of lists of arms (the study's GPU parts)")
-    flat = [a for x in parts for a in x]
-    if len(set(flat)) < len(flat):
-        raise ConfigError(f"{w}: parts: arm {next(a for a in flat if flat.count(a) > 1)!r} is in two parts")
-    if arms is not None and set(flat) != set(arms):
-        miss, extra = sorted(set(arms) - set(flat)), sorted(set(flat) - set(arms))
-        raise ConfigError(f"{w}: parts must hold the sweep's arms exactly: "
-                          + (f"missing {', '.join(miss)}" if miss else f"not in the sweep: {', '.join(extra)}"))
+    parts = tuple(tuple(parse_member(a, f"{w}: parts") for a in x) for x in parts)
+    _check_parts(parts, arms, w)
+    flat = [a for x in parts for a, _ in x]
     metrics_raw = raw.get("metrics", {})
     _keys(metrics_raw, set(metrics_raw), f"{w}: metrics")
     metrics = {n: _metric(n, d, f"{w}: metrics.{n}") for n, d in metrics_raw.items()}
     if TRAIN_METRIC not in metrics:
         raise ConfigError(f"{w}: [metrics.loss] is required (the trainer's final eval)")
     for m in metrics.values():
-        unknown = [a for a in (() if m.arms == "all" else m.arms) if a not in flat]
+        unknown = [a for a, _ in (() if m.arms == "all" else m.arms) if a not in flat]
         if unknown:
             raise ConfigError(f"{w}: metrics.{m.name}.arms: {unknown[0]!r} is in no part")
     margin = _number(raw.get("margin", 0.02), f"{w}: margin")
@@ -235,4 +269,4 @@ def load_claims(path: str | Path, arms: tuple | None = None) -> ClaimsSpec:
         claims[name] = Claim(name, c["title"], tuple(out))
     return ClaimsSpec(path=p, sweep=(p.parent / raw["sweep"]), budget=_number(raw.get("budget"), f"{w}: budget"),
                       k=_number(raw.get("k", 2.0), f"{w}: k"), margin=margin,
-                      parts=tuple(tuple(x) for x in parts), metrics=metrics, claims=claims, text=text)
+                      parts=parts, metrics=metrics, claims=claims, text=text)

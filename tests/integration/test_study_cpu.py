@@ -24,7 +24,7 @@ def test_study_spec_dry_run(capsys):
     plan = json.loads(capsys.readouterr().out)
     jobs = [j for j in plan["jobs"] if j["kind"] == "branch"]
     full = [j for j in jobs if j["arch"] == "full"]
-    assert sorted({(j["seed"], j["budget"]) for j in full}) == [(s, b) for s in (0, 1, 2) for b in (4, 12)]
+    assert sorted({(j["seed"], j["budget"]) for j in full}) == [(s, b) for s in (0, 1, 2, 3) for b in (4, 12)]
     others = [j for j in jobs if j["arch"] != "full"]
     assert {(j["seed"], j["budget"]) for j in others} == {(0, 12), (1, 12)} and len(others) == 20
     at12 = [j for j in jobs if j["budget"] == 12]
@@ -39,10 +39,15 @@ def test_study_claims_file_matches_the_sweep():
     from hybrid_lm.study.spec import load_claims
 
     sweep = load_spec(REPO / "configs" / "sweeps" / "study.toml")
-    spec = load_claims(REPO / "configs" / "sweeps" / "study.claims.toml", tuple(sweep.archs))
+    spec = load_claims(REPO / "configs" / "sweeps" / "study.claims.toml",
+                       {a: d["seeds"] or sweep.seeds for a, d in sweep.archs.items()})
     assert spec.sweep.resolve() == (REPO / "configs" / "sweeps" / "study.toml").resolve()
     assert spec.budget == 12 and all(spec.budget in (sweep.archs[a]["budgets"] or sweep.budgets) for a in sweep.archs)
-    assert spec.parts[0] == ("full",) and set(spec.claims) == {"C1", "C2", "C3", "C4", "C5", "C6", "retrieval"}
+    assert spec.parts[0] == (("full", (0, 1, 2)),) and set(spec.claims) == {"C1", "C2", "C3", "C4", "C5", "C6", "retrieval"}
+    # every metric a claim part reads is recorded on some run of each arm it names
+    for c in spec.claims.values():
+        for p in c.parts:
+            assert all(spec.metrics[m].on(a) for _, a, m in p.terms)
 
 
 TINY_STUDY = """
@@ -76,7 +81,7 @@ sweep = "tiny_study.toml"
 budget = 0.25
 k = 2.0
 margin = 0.5
-parts = [["full"], ["swa", "sa"]]
+parts = [["full:0,1"], ["swa", "sa"]]
 [metrics.loss]
 what = "val loss"
 [metrics.sa_swap]
@@ -118,7 +123,9 @@ def test_tiny_study_in_parts(tmp_path, capsys):
     claims = ["claims", str(root), "--claims-file", str(claims_file)]
     assert main(claims + ["--next-part"]) == 0 and capsys.readouterr().out.strip() == "1"  # nothing launched yet
     sweep = ["sweep", str(spec), "--launch", "local", "--root", str(root)]
-    assert main(sweep + ["--only", "^t1-full-"]) == 0  # part 1: full, two seeds, two budgets
+    only = main(claims + ["--part-jobs", "1"]) == 0 and capsys.readouterr().out.strip()
+    assert only == "^[^-]+-(full-[^-]+-seed(0|1))-[0-9a-f]{8}$"
+    assert main(sweep + ["--only", only]) == 0  # part 1: full, two seeds, two budgets
     capsys.readouterr()
     assert main(claims + ["--next-part"]) == 0 and capsys.readouterr().out.strip() == "1"  # not evaluated yet
     assert main(claims + ["--part", "1"]) == 0
