@@ -35,7 +35,8 @@ def evaluate(eval_fn, params, windows, batch_shard, *, global_batch: int, n_batc
              bytes_per_token: float) -> dict:
     """The loss of ``eval_fn(params, batch) -> [rows]`` (each window's mean CE, nats/token) over
     ``windows`` ``[N, T+1]`` (or a dict of such arrays, ``{"tokens", "segment_ids"}``, cut into batches
-    row-wise together): ``{"loss", "loss_se", "bpb", "bpb_se", "eval_windows", "window_losses"}``.
+    row-wise together): ``{"loss", "loss_se", "bpb", "bpb_se", "eval_windows", "window_losses", "eval_s"}``
+    (``eval_s``: its wall time, the first call's compile included).
 
     ``loss`` is the mean over the windows (every window has T targets, so it is the mean over tokens);
     ``loss_se`` its standard error over windows (:func:`standard_error`); bits/byte and its error from the
@@ -45,8 +46,11 @@ def evaluate(eval_fn, params, windows, batch_shard, *, global_batch: int, n_batc
     ``eval_fn`` is jitted with ``batch_shard`` as its token sharding; call under the mesh
     (``jax.set_mesh``). Raises ``ValueError`` when the windows cannot fill one batch.
     """
+    import time
+
     from hybrid_lm.train.sharding import put_batch
 
+    t0 = time.perf_counter()
     n_windows = window_count(windows)
     per, n = eval_batching(n_windows, global_batch, n_batch_shards)
     if n == 0:
@@ -58,7 +62,7 @@ def evaluate(eval_fn, params, windows, batch_shard, *, global_batch: int, n_batc
     ce, se = float(np.mean(losses)), standard_error(losses)
     return {"loss": ce, "loss_se": se, "bpb": bits_per_byte(ce, bytes_per_token),
             "bpb_se": None if se is None else bits_per_byte(se, bytes_per_token), "eval_windows": n,
-            "window_losses": losses}
+            "window_losses": losses, "eval_s": time.perf_counter() - t0}
 
 
 def standard_error(values) -> float | None:

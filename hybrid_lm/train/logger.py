@@ -183,6 +183,7 @@ class StepLogger:
         row = {"kind": "eval", "step": step, "tokens": step * self.tokens_per_step, "loss": result["loss"],
                "loss_se": result["loss_se"], "bpb": result["bpb"], "bpb_se": result["bpb_se"],
                "order0_entropy_bits": order0_entropy_bits, "eval_windows": result["eval_windows"],
+               "eval_s": round(result["eval_s"], 3),
                "window_losses": row_window_losses(result["window_losses"])}
         self._write(row)
         if self.record is not None:

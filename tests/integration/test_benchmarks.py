@@ -308,3 +308,28 @@ def test_determinism_runs_become_a_result_file(tmp_path, monkeypatch, capsys):
     assert doc["device_kind"] == "NVIDIA H100 80GB HBM3" and doc["git"] == "0eec293" and len(doc["rows"]) == 6
     md = out.read_text()
     assert "### Deterministic GPU training: its cost" in md and "| full | deterministic | yes | — | 1,087,301 | 0.645 |" in md
+
+
+def test_eval_cost_from_the_rows(tmp_path, capsys):
+    """experiments/eval_cost.py: an eval's cost is its row's eval_s, else what the log interval holding it
+    took beyond the run's median interval; a run with only a final eval is skipped; no run is one line."""
+    import eval_cost
+
+    run = tmp_path / "r1"
+    run.mkdir()
+    tps = 1000.0  # tokens/s; 10 steps of 100 tokens per interval: 1 s
+    rows = [{"kind": "train", "step": s, "tokens": 100 * s, "tokens_per_sec": tps} for s in range(10, 60, 10)]
+    rows[2]["tokens_per_sec"] = tps / 3  # the interval (20, 30] took 3 s: the eval at step 20 cost 2 s
+    rows.insert(2, {"kind": "eval", "step": 20, "eval_windows": 8})
+    rows.append({"kind": "eval", "step": 40, "eval_windows": 8, "eval_s": 0.5})
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"torn')
+    c = eval_cost.run_cost(run)
+    assert c["eval_s"] == pytest.approx([2.0, 0.5]) and c["windows"] == 8 and c["train_s"] == pytest.approx(4.0)
+    only_final = tmp_path / "r2"
+    only_final.mkdir()
+    (only_final / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:2] + rows[3:5]) +
+                                              json.dumps({"kind": "eval", "step": 50}) + "\n")
+    assert eval_cost.run_cost(only_final) is None
+    assert eval_cost.main([str(tmp_path)]) == 0 and "2 evals: median 1.25 s" in capsys.readouterr().out
+    assert eval_cost.main([str(tmp_path / "r2")]) == 2
+    assert capsys.readouterr().err.startswith("error: no run with eval and train rows")
