@@ -1,5 +1,5 @@
 """A study judged: ``claims.json`` (every number with the row it came from), ``claims.md`` (the tables
-docs/RESULTS.md includes) and the figures (``plots/study_loss.png``, ``plots/noise.png``)."""
+docs/RESULTS.md quotes) and the figures (``plots/study_loss.png``, ``plots/noise.png``)."""
 
 from __future__ import annotations
 
@@ -211,8 +211,9 @@ def format_markdown(doc: dict, command: str) -> str:
 # ----------------------------------------------------------------------------- figures
 
 def plot_study(doc: dict, runs: list[Run], out_png: Path) -> Path:
-    """Left: each run's training loss against tokens; right: each arm's final val loss, the mean over its seeds
-    with each seed as a dot and a bar of ± k SE (seeds and val set)."""
+    """Left: each run's val loss against tokens (the trainer's evals, every val window); right: each arm's
+    final val loss, the mean over its seeds with each seed as a cross and a bar of ± k seed standard errors
+    (the error of a paired difference between arms is about sqrt(2) times it: the val-set term cancels)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -222,28 +223,26 @@ def plot_study(doc: dict, runs: list[Run], out_png: Path) -> Path:
     colors = plt.get_cmap("tab10").colors + plt.get_cmap("Dark2").colors
     arms = [a["arch"] for a in doc["arms"]]
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 5.2), gridspec_kw={"width_ratios": [1.4, 1]})
-    lows, highs = [], []
+    highs, lows = [], []
     for r in runs:
         if r.arch not in arms:
             continue
-        rows = [x for x in read_metrics(r.dir / "metrics.jsonl", "train") if isinstance(x.get("loss"), (int, float))]
+        rows = [x for x in read_metrics(r.dir / "metrics.jsonl", "eval")
+                if isinstance(x.get("loss"), (int, float)) and x.get("step", 0) > 0]
         if not rows:
             continue
         x = np.array([x["tokens"] for x in rows], float) / 1e6
         y = np.array([x["loss"] for x in rows], float)
-        edges = np.linspace(0, x.max(), 41)
-        which = np.clip(np.searchsorted(edges, x, side="right") - 1, 0, 39)
-        keep = [b for b in range(40) if (which == b).any()]
-        xs, ys = np.array([x[which == b].mean() for b in keep]), np.array([y[which == b].mean() for b in keep])
-        ax.plot(xs, ys, lw=1.0, color=colors[arms.index(r.arch) % len(colors)], ls=("-", "--", ":")[r.seed % 3],
-                label=r.arch if r.seed == min(s.seed for s in runs if s.arch == r.arch) else None)
-        lows.append(ys.min())
-        highs.append(ys[len(ys) // 4])
+        first = min(s.seed for s in runs if s.arch == r.arch)
+        ax.plot(x, y, lw=1.0, marker=".", ms=4, color=colors[arms.index(r.arch) % len(colors)],
+                ls=("-", "--", ":", "-.")[r.seed % 4], label=r.arch if r.seed == first else None)
+        highs.append(y[min(1, len(y) - 1)])
+        lows.append(y.min())
     if lows:
-        ax.set_ylim(min(lows) - 0.05, max(highs))
+        ax.set_ylim(min(lows) - 0.05, max(highs) + 0.05)
     ax.set_xlabel("tokens seen (millions)")
-    ax.set_ylabel("train loss (nats/token, mean over each 1/40 of the run)")
-    ax.set_title("training (line style: seed)", fontsize=10)
+    ax.set_ylabel(f"val loss at T = {doc['seq_len']} (nats/token)")
+    ax.set_title("val loss during training (line style: seed)", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
     k = doc["k"]
@@ -251,15 +250,15 @@ def plot_study(doc: dict, runs: list[Run], out_png: Path) -> Path:
     per_run = {(t["arch"], t["seed"]): t["loss"] for t in doc["table"]}
     for yy, a in zip(ys, doc["arms"]):
         c = colors[arms.index(a["arch"]) % len(colors)]
-        se = math.hypot(a["se_seed"] or 0.0, a["se_val"] if math.isfinite(a["se_val"]) else 0.0)
+        se = a["se_seed"] or 0.0
         bx.errorbar([a["mean"]], [yy], xerr=[[k * se], [k * se]], fmt="o", color=c, capsize=3, ms=6)
         bx.scatter([per_run[(a["arch"], s)] for s in a["seeds"]], [yy - 0.25] * len(a["seeds"]), color=c, marker="x",
                    s=18, lw=1)
         bx.text(a["mean"], yy + 0.12, f"{a['mean']:.3f}", fontsize=7, ha="center", va="bottom")
     bx.set_yticks(ys, [a["arch"] for a in doc["arms"]], fontsize=8)
     bx.set_ylim(-0.7, len(ys) - 0.4)
-    bx.set_xlabel(f"val loss at T = {doc['seq_len']} (nats/token, lower is better)")
-    bx.set_title(f"final val loss: mean over seeds ± {k:g} SE; x: each seed", fontsize=10)
+    bx.set_xlabel(f"final val loss at T = {doc['seq_len']} (nats/token, lower is better)")
+    bx.set_title(f"mean over seeds ± {k:g} seed SE; x: each seed", fontsize=10)
     bx.grid(alpha=0.3, axis="x")
     fig.tight_layout()
     out_png.parent.mkdir(parents=True, exist_ok=True)
