@@ -10,7 +10,7 @@ import sys
 
 from hybrid_lm.experiment import load_config, run_id
 from hybrid_lm.errors import ConfigError, DataError, WorkdirError
-from hybrid_lm.train.compile_cache import enable_compilation_cache
+from hybrid_lm.compile_cache import enable_compilation_cache
 from hybrid_lm.train.distributed import ClusterError
 
 
@@ -29,10 +29,10 @@ def order0_comparison(bpb: float, h0: float) -> str:
 
 
 def cmd_train(args) -> int:
-    from hybrid_lm.train import signals
+    from hybrid_lm import signals
 
     # SIGTERM, SIGUSR1 and Ctrl-C are caught from here to the end: one during start-up stops the run
-    # cleanly rather than killing it (train/signals.py)
+    # cleanly rather than killing it (signals.py)
     with signals.catching():
         from hybrid_lm.train.loop import NonFiniteError, train
 
@@ -153,7 +153,7 @@ def main(argv=None) -> int:
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's own flush writes nowhere
         return 141
-    except KeyboardInterrupt:  # Ctrl-C outside a run (a run catches it: train/signals.py)
+    except KeyboardInterrupt:  # Ctrl-C outside a run (a run catches it: signals.py)
         print("\ninterrupted", file=sys.stderr)
         return 130
 

@@ -8,7 +8,7 @@ read by :func:`read_run_config`.
 
 Warnings depend on the purpose: a config loaded to train (``train``, ``sweep``) gets all of them;
 ``info`` prints the vocabulary note as a line of its report; an eval of a trained run
-(``eval/swap.py``) gets none about the training setup (warmup, vocabulary), which it cannot change.
+(``run/swap.py``) gets none about the training setup (warmup, vocabulary), which it cannot change.
 """
 
 from __future__ import annotations

@@ -286,7 +286,7 @@ def _one_line_error(capsys, *argv) -> str:
 @pytest.mark.integration
 def test_hybrid_lm_ruler_end_to_end(run_dir, tmp_path, capsys):
     from hybrid_lm.cli import main
-    from hybrid_lm.eval.restore import read_eval_rows
+    from hybrid_lm.run.directory import read_eval_rows
 
     wd = tmp_path / "run"
     shutil.copytree(run_dir, wd)
@@ -344,7 +344,7 @@ def test_scores_are_computed_on_the_right_tokens(run_dir, monkeypatch):
 
     from hybrid_lm.eval import generate as gen
     from hybrid_lm.eval.longppl import _nll_fn
-    from hybrid_lm.eval.restore import RestoredRun
+    from hybrid_lm.run.restore import RestoredRun
 
     run = RestoredRun(run_dir)
     items, _ = R.load_items("niah_multikey", 768, 0, 3, run.tokenizer, R.haystack_for("noise", run.tokenizer))
@@ -373,9 +373,9 @@ def test_scores_are_computed_on_the_right_tokens(run_dir, monkeypatch):
 
 @pytest.mark.integration
 def test_mixers_without_a_decode_path_get_log_likelihood_scores_only(run_dir):
-    from hybrid_lm.eval.restore import RestoredRun
-    from hybrid_lm.eval.swap import swapped_config
-    from hybrid_lm.train.step import ModelFns
+    from hybrid_lm.run.restore import RestoredRun
+    from hybrid_lm.run.swap import swapped_config
+    from hybrid_lm.step import ModelFns
 
     run = RestoredRun(run_dir)
     assert R.decode_unavailable(run.model()) is None
@@ -392,9 +392,9 @@ def test_mixers_without_a_decode_path_get_log_likelihood_scores_only(run_dir):
 @pytest.mark.integration
 def test_sa_layers_are_scored_by_generation_too(run_dir):
     """SA decodes (docs/STOCHASTIC_ATTENTION.md §9): exact match as well as the log-likelihood scores."""
-    from hybrid_lm.eval.restore import RestoredRun
-    from hybrid_lm.eval.swap import swapped_config
-    from hybrid_lm.train.step import ModelFns
+    from hybrid_lm.run.restore import RestoredRun
+    from hybrid_lm.run.swap import swapped_config
+    from hybrid_lm.step import ModelFns
 
     run = RestoredRun(run_dir)
     for spec in ("efficient=sa:8", "efficient=sa:8,decode=swa"):
@@ -457,7 +457,7 @@ def test_niah_oracle_scores_one_when_it_sees_the_needle_and_chance_when_it_canno
     exact match 0 and gold-beats-distractors at chance (1/4 for niah_multikey's 3 distractors)."""
     from hybrid_lm.eval import generate as gen_mod
     from hybrid_lm.eval import ruler
-    from hybrid_lm.eval.restore import RestoredRun
+    from hybrid_lm.run.restore import RestoredRun
 
     oracle = _NeedleOracle(horizon)
     monkeypatch.setattr(gen_mod, "generate", oracle.generate)

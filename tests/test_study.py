@@ -390,7 +390,7 @@ def test_claims_pooled_bad_input_is_one_line(tmp_path, capsys):
 def test_the_studys_swaps_resolve_on_its_configs():
     """The swaps `hybrid-lm claims` asks for are valid on the study's S1 configs at T = 4096 (checked without a
     checkpoint: the rewritten config takes the same parameters)."""
-    from hybrid_lm.eval.swap import swapped_config
+    from hybrid_lm.run.swap import swapped_config
     from hybrid_lm.experiment import load_config
     from hybrid_lm.scaling.study import MOBA_SSA, SSA_SPARSE
 

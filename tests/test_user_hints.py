@@ -114,7 +114,7 @@ def test_refusing_to_shorten_a_run_names_the_eval_option_that_exists(tmp_path, m
 
     from hybrid_lm.errors import WorkdirError
     from hybrid_lm.eval.cli import add_eval_commands
-    from hybrid_lm.train import checkpoint
+    from hybrid_lm.run import checkpoint
     from hybrid_lm.train.rundir import check_run_length
 
     monkeypatch.setattr(checkpoint, "saved_steps", lambda path: [5, 10])

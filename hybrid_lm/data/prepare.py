@@ -236,7 +236,7 @@ def prepare(source_spec, out: str | Path, settings: PrepareSettings = PrepareSet
     """Build (or confirm) the token store at ``out`` from ``source_spec``; see the module docstring.
     One prepare at a time per ``out`` (a lock beside it)."""
     from hybrid_lm.errors import WorkdirError
-    from hybrid_lm.train.lock import WorkdirLock
+    from hybrid_lm.lock import WorkdirLock
 
     out = Path(out)
     lock_dir = out.parent / f".{out.name}.lock"

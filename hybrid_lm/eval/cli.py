@@ -12,8 +12,8 @@ without ``--tasks`` the loss of a swapped / constrained model; ``hybrid-lm eval-
     hybrid-lm longppl WORKDIR [--evaluator RUN] [--length T --docs N] [--trunc-len K --window W]
 
 Registered by ``add_eval_commands(sub)`` in ``hybrid_lm/cli.py``. Each restores the checkpoint as a
-``hybrid_lm/eval/restore.py`` ``RestoredRun``; the work is ``RestoredRun.evaluate`` (swaps parsed by
-``hybrid_lm/eval/swap.py``), ``hybrid_lm/eval/generate.py`` and ``hybrid_lm/eval/longppl.py``.
+``hybrid_lm/run/restore.py`` ``RestoredRun``; the work is ``RestoredRun.evaluate`` (swaps parsed by
+``hybrid_lm/run/swap.py``), ``hybrid_lm/eval/generate.py`` and ``hybrid_lm/eval/longppl.py``.
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def _generate(args) -> int:
     import numpy as np
 
     from hybrid_lm.eval.generate import generate
-    from hybrid_lm.eval.restore import RestoredRun
+    from hybrid_lm.run.restore import RestoredRun
 
     run = RestoredRun(args.workdir, step=args.step)
     tok = run.tokenizer
@@ -162,8 +162,9 @@ def cmd_eval_report(args) -> int:
 
 
 def _run(args) -> int:
-    from hybrid_lm.eval.restore import RestoredRun, load_run_config, record_rows
-    from hybrid_lm.eval.swap import swapped_config
+    from hybrid_lm.run.restore import RestoredRun, record_rows
+    from hybrid_lm.run.directory import load_run_config
+    from hybrid_lm.run.swap import swapped_config
 
     overrides = dict(seq_len=args.seq_len, eval_windows=args.eval_windows, attention_impl=args.attention_impl)
     # check the settings before restoring anything: a bad swap fails in a second, not after a restore
@@ -190,7 +191,8 @@ def cmd_ruler(args) -> int:
     """``hybrid-lm ruler``: RULER-offline on a checkpoint; the table is printed before the rows are recorded."""
     from hybrid_lm.errors import ConfigError, WorkdirError
     from hybrid_lm.eval import ruler
-    from hybrid_lm.eval.restore import RestoredRun, load_run_config, record_rows
+    from hybrid_lm.run.restore import RestoredRun, record_rows
+    from hybrid_lm.run.directory import load_run_config
 
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()] if args.tasks else None
     lengths = ruler.parse_lengths(args.lengths) if args.lengths else None
@@ -434,7 +436,7 @@ def add_eval_commands(sub) -> None:
     p.add_argument("--json", action="store_true", help="print the rows (and skipped pairs) as JSON")
     p.set_defaults(fn=cmd_ruler)
 
-    from hybrid_lm.eval.export import add_export_command
+    from hybrid_lm.run.export import add_export_command
     add_export_command(sub)
     from hybrid_lm.eval.lm_eval_model import add_lm_eval_command
     add_lm_eval_command(sub)

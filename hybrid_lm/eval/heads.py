@@ -76,7 +76,7 @@ def qk_host(run, cfg, params, layers) -> list[tuple[np.ndarray, np.ndarray]]:
     """``(wq, wk)`` per layer of ``layers`` from ``params`` (the run's parameter tree), on the host."""
     import jax
 
-    from hybrid_lm.train.sharding import replicated
+    from hybrid_lm.sharding import replicated
 
     fn = I.jitted("qk_weights", run, cfg, _qk_fn, tuple(layers), out_shardings=replicated(run.mesh))
     with jax.set_mesh(run.mesh):
@@ -86,8 +86,8 @@ def qk_host(run, cfg, params, layers) -> list[tuple[np.ndarray, np.ndarray]]:
 
 def reference_qk(run, cfg, layers, reference_params=None, reference_step: int | None = None):
     """``(Q/K weights per layer, reference step or None)`` of the reference (see the module doc)."""
-    from hybrid_lm.eval.restore import RestoredRun
-    from hybrid_lm.train.checkpoint import saved_steps
+    from hybrid_lm.run.restore import RestoredRun
+    from hybrid_lm.run.checkpoint import saved_steps
 
     if reference_params is not None:
         if reference_step is not None:
@@ -144,9 +144,9 @@ def evaluate_heads(run, cfg=None, *, samples: int = SAMPLES, seq_len: int | None
     from tqdm import tqdm
 
     from hybrid_lm.eval import ruler as R
-    from hybrid_lm.eval.swap import describe
+    from hybrid_lm.run.swap import describe
     from hybrid_lm.progress import bar_disabled
-    from hybrid_lm.train.sharding import put_batch
+    from hybrid_lm.sharding import put_batch
 
     t0 = time.time()
     cfg = cfg or run.cfg

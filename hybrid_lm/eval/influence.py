@@ -130,7 +130,7 @@ def _pick(n_available: int, samples: int, seed: int) -> np.ndarray:
 def evaluate_influence(run, cfg=None, *, windows=None, samples: int = SAMPLES, seq_len: int | None = None,
                        last: int = LAST, seed: int = 0, progress: bool = True, batch_size: int | None = None,
                        inputs: str = "documents", data=None) -> list[dict]:
-    """G(d) of ``run`` (a :class:`~hybrid_lm.eval.restore.RestoredRun`) with the model of ``cfg``
+    """G(d) of ``run`` (a :class:`~hybrid_lm.run.restore.RestoredRun`) with the model of ``cfg``
     (default the run's; e.g. ``run.task_config(horizon=H)``): ``[row]``, nothing recorded.
 
     ``inputs``: ``documents`` (whole val documents of the store ``data``, default the run's own, after
@@ -147,9 +147,9 @@ def evaluate_influence(run, cfg=None, *, windows=None, samples: int = SAMPLES, s
 
     from hybrid_lm.backends import recorded_backends
     from hybrid_lm.eval.ruler import batch_rows
-    from hybrid_lm.eval.swap import describe, swapped_config
+    from hybrid_lm.run.swap import describe, swapped_config
     from hybrid_lm.progress import bar_disabled
-    from hybrid_lm.train.sharding import put_batch
+    from hybrid_lm.sharding import put_batch
 
     t0 = time.time()
     cfg = cfg or run.cfg

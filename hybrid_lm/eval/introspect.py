@@ -371,9 +371,9 @@ MAX_JITTED = 32
 
 
 def model_fns(run, cfg):
-    """The :class:`~hybrid_lm.train.step.ModelFns` of ``cfg`` (the run's own when the model is the
+    """The :class:`~hybrid_lm.step.ModelFns` of ``cfg`` (the run's own when the model is the
     run's), built once per model config."""
-    from hybrid_lm.train.step import ModelFns
+    from hybrid_lm.step import ModelFns
 
     if cfg.model == run.cfg.model:
         return run.fns

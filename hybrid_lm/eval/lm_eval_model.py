@@ -167,10 +167,11 @@ class _HybridLMEvalImpl:
         and ``attention_impl`` are not used, and ``answer_cfg`` (the run's own config at that length)
         scores the continuations of ``swap_prefill_only``."""
         super().__init__()
-        from hybrid_lm.eval.restore import RestoredRun, load_run_config
+        from hybrid_lm.run.restore import RestoredRun
+        from hybrid_lm.run.directory import load_run_config
         from hybrid_lm.eval.ruler import decode_unavailable
-        from hybrid_lm.eval.swap import swapped_config
-        from hybrid_lm.train.step import ModelFns
+        from hybrid_lm.run.swap import swapped_config
+        from hybrid_lm.step import ModelFns
 
         unknown = sorted(k for k in extra if k not in _IGNORED_ARGS)
         if unknown:
@@ -289,7 +290,7 @@ class _HybridLMEvalImpl:
         return self._jitted[kind]
 
     def _put(self, a: np.ndarray):
-        from hybrid_lm.train.sharding import put_batch
+        from hybrid_lm.sharding import put_batch
         return put_batch(np.ascontiguousarray(a), self.run.batch_shard)
 
     # -- scoring

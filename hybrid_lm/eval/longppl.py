@@ -124,11 +124,11 @@ def longppl(nll_full, key) -> dict:
 # ----------------------------------------------------------------------------- runs
 
 def _nll_fn(evaluator, cfg=None):
-    """Per-token NLL of a :class:`~hybrid_lm.eval.restore.RestoredRun` (with ``cfg``'s model: a
+    """Per-token NLL of a :class:`~hybrid_lm.run.restore.RestoredRun` (with ``cfg``'s model: a
     swapped config of the same parameters), eval mode."""
     from hybrid_lm.model.registry import MixerContext
     from hybrid_lm.ops.attention import default_positions
-    from hybrid_lm.train.step import ModelFns
+    from hybrid_lm.step import ModelFns
 
     cfg = cfg or evaluator.cfg
     fns = evaluator.fns if cfg.model == evaluator.cfg.model else ModelFns(cfg)
@@ -206,7 +206,7 @@ def resolve_evaluator(run, evaluator=None, evaluator_step: int | None = None) ->
     ``evaluator_step``, default its newest)."""
     from pathlib import Path
 
-    from hybrid_lm.train.checkpoint import saved_steps
+    from hybrid_lm.run.checkpoint import saved_steps
 
     if evaluator in (None, "newest"):
         if evaluator_step is not None:
@@ -224,7 +224,7 @@ def run_documents(run, *, length: int | None, docs: int | None, rule: KeyTokenRu
                   inputs: str = "documents", min_tokens: int | None = None) -> tuple[list[np.ndarray], dict]:
     """The documents LongPPL reads (the module doc) and what describes them."""
     from hybrid_lm.errors import ConfigError, DataError
-    from hybrid_lm.eval.swap import swapped_config
+    from hybrid_lm.run.swap import swapped_config
 
     if inputs not in INPUTS:
         raise ConfigError(f"longppl: inputs={inputs!r}; choose one of {', '.join(INPUTS)}")
@@ -267,7 +267,8 @@ def longppl_of_run(run, cfg=None, *, evaluator=None, evaluator_step: int | None 
 
     from tqdm import tqdm
 
-    from hybrid_lm.eval.restore import RestoredRun, load_run_config
+    from hybrid_lm.run.restore import RestoredRun
+    from hybrid_lm.run.directory import load_run_config
     from hybrid_lm.progress import bar_disabled
 
     t0 = time.time()
@@ -312,7 +313,7 @@ def evaluate_longppl(workdir, *, evaluator=None, length: int | None = None, docs
                      data=None, inputs: str = "documents", min_tokens: int | None = None) -> dict:
     """LongPPL of ``workdir``'s checkpoint (:func:`longppl_of_run`); appends a ``kind: longppl`` row to
     ``workdir/eval.jsonl``."""
-    from hybrid_lm.eval.restore import RestoredRun
+    from hybrid_lm.run.restore import RestoredRun
 
     run = RestoredRun(workdir, step=step)
     row = longppl_of_run(run, evaluator=evaluator, evaluator_step=evaluator_step, length=length, docs=docs,

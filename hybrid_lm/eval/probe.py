@@ -113,7 +113,7 @@ def probe_features(run, cfg, items, *, batch_size: int | None = None, progress: 
 
     from hybrid_lm.eval import ruler as R
     from hybrid_lm.progress import bar_disabled
-    from hybrid_lm.train.sharding import put_batch
+    from hybrid_lm.sharding import put_batch
 
     T = max(len(it.ids) for it in items)
     tokens = np.zeros((len(items), T), np.int32)
@@ -140,7 +140,7 @@ def evaluate_probe(run, cfg=None, *, samples: int = SAMPLES, seq_len: int | None
     prompts' exact length (``"exact"``); ``haystack`` default ``noise`` (the official ``repeat``).
     Nothing is recorded."""
     from hybrid_lm.eval import ruler as R
-    from hybrid_lm.eval.swap import describe
+    from hybrid_lm.run.swap import describe
 
     t0 = time.time()
     cfg = cfg or run.cfg

@@ -1,9 +1,9 @@
 """``hybrid-lm eval-report SWEEP_ROOT|RUN_DIRS...``: runs' eval results overlaid, one curve per architecture.
 
-For every run found (``hybrid_lm.scaling.collect.find_run_dirs``: a sweep root, run directories, or
+For every run found (``hybrid_lm.run.directory.find_run_dirs``: a sweep root, run directories, or
 folders searched), the current rows of its ``eval.jsonl`` (``suite.current_rows``) are grouped by
 (task, eval_key): one figure per group, the task's headline number (``suite.headline``) against
-tokens seen, one curve per run labelled by its architecture (``collect.arch_label``) and size; a
+tokens seen, one curve per run labelled by its architecture (``model/architecture.py``) and size; a
 horizontal bar per run where every run has one checkpoint. RULER rows are split per RULER task and
 length; rows without exact match (``--ruler-no-generation``, ``--swap-prefill-only``) are plotted as
 their answer NLL, in a figure of their own. Runs whose rows were evaluated with other settings land
@@ -173,9 +173,9 @@ def run_label(d: Path) -> str:
     where the sweep wrote them)."""
     import json
 
-    from hybrid_lm.scaling.collect import _arch_of
+    from hybrid_lm.run.directory import run_architecture
 
-    arch, _ = _arch_of(d)
+    arch, _ = run_architecture(d)
     meta, m = d / "sweep_run.json", None
     if meta.exists():
         m = json.loads(meta.read_text())
@@ -190,7 +190,7 @@ def run_label(d: Path) -> str:
         return f"{m.get('arch') or arch or d.name} {m.get('scale') or ''}".strip() + seed
     size = ""
     try:
-        from hybrid_lm.eval.restore import load_run_config
+        from hybrid_lm.run.directory import load_run_config
         c = load_run_config(d).model
         size = f"d{c.d_model}L{c.n_layers}"
     except (OSError, ValueError):
@@ -226,7 +226,7 @@ def collect_eval(paths: list[str | Path], tasks: tuple[str, ...] | None = None,
     """``{Group: {label: [(tokens_seen, value, step), ...]}}`` over the runs under ``paths``; a line per
     run and per task left out, with the reason, is appended to ``skipped``."""
     from hybrid_lm.eval.suite import check_tasks, current_rows, task_of
-    from hybrid_lm.scaling.collect import find_run_dirs
+    from hybrid_lm.run.directory import find_run_dirs
 
     if tasks:
         check_tasks(tasks)
@@ -289,8 +289,8 @@ def nothing_to_report(paths: list[str | Path], tasks: tuple[str, ...] | None = N
     """Why :func:`collect_eval` found no curve: what the run dirs under ``paths`` hold (eval-suite
     rows per task, the trainer's periodic eval rows) and the command that writes suite results."""
     from hybrid_lm.eval.suite import current_rows, task_of
-    from hybrid_lm.scaling.collect import find_run_dirs
-    from hybrid_lm.train.metrics import read_metrics
+    from hybrid_lm.run.directory import find_run_dirs
+    from hybrid_lm.run.metrics import read_metrics
 
     dirs = find_run_dirs(list(paths))
     per_task: dict[str, int] = {}

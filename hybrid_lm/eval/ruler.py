@@ -343,7 +343,7 @@ def corpus_haystack(tok, store) -> Haystack:
 
 def haystack_for(name: str, tok, run=None) -> Haystack:
     """The ``name`` haystack (one of ``HAYSTACKS``) in ``tok``'s ids; ``corpus`` needs the
-    :class:`~hybrid_lm.eval.restore.RestoredRun` whose token store it reads."""
+    :class:`~hybrid_lm.run.restore.RestoredRun` whose token store it reads."""
     if name == "essays":
         return essays_haystack(tok)
     if name == "noise":
@@ -996,7 +996,7 @@ def evaluate_ruler(run, *, tasks=None, lengths=None, samples: int = 8, haystack:
                    allow_longer: bool = False, batch_size: int | None = None, cfg=None, cache_root=None,
                    progress: bool = True, lengths_flag: str = "--lengths",
                    answer_cfg=None, generate_answers: bool = True) -> tuple[list[dict], list[dict]]:
-    """RULER on ``run`` (a :class:`~hybrid_lm.eval.restore.RestoredRun`) with the model of ``cfg``
+    """RULER on ``run`` (a :class:`~hybrid_lm.run.restore.RestoredRun`) with the model of ``cfg``
     (default the run's; a swapped config of the same parameters works): ``(rows, skipped)``, a row
     per (task, length) evaluated (``kind: ruler``, ``task: ruler/<name>``, scores, settings) and a
     ``{task, length, reason}`` per pair too short to generate (``lengths_flag``: the option the lengths
@@ -1012,10 +1012,10 @@ def evaluate_ruler(run, *, tasks=None, lengths=None, samples: int = 8, haystack:
 
     from hybrid_lm.backends import recorded_backends
     from hybrid_lm.eval.generate import generate
-    from hybrid_lm.eval.swap import describe
+    from hybrid_lm.run.swap import describe
     from hybrid_lm.progress import bar_disabled
-    from hybrid_lm.train.sharding import put_batch
-    from hybrid_lm.train.step import ModelFns
+    from hybrid_lm.sharding import put_batch
+    from hybrid_lm.step import ModelFns
 
     cfg = cfg or run.cfg
     tasks, lengths = check_request(cfg, tasks, lengths, haystack, allow_longer, samples, lengths_flag)

@@ -1,7 +1,7 @@
 """``hybrid-lm eval RUN_DIR --tasks ... --steps ...``: every evaluation task over a run's checkpoints.
 
 One entry point for the tasks of ``docs/EVAL.md``. Each task is a function of a restored checkpoint
-(:class:`~hybrid_lm.eval.restore.RestoredRun`) and the config it runs (the run's, or the run's with
+(:class:`~hybrid_lm.run.restore.RestoredRun`) and the config it runs (the run's, or the run's with
 ``--swap`` / ``--horizon`` applied by :meth:`RestoredRun.task_config`), and returns rows:
 
 =========== ============================================== =====================================
@@ -151,7 +151,7 @@ class EvalRequest:
                 raise ConfigError(f"longppl: {e} (--longppl-length, --longppl-min-tokens, --trunc-len)") from None
             if self.evaluator is not None:
                 from hybrid_lm.eval.longppl import check_evaluator_tokenizer
-                from hybrid_lm.eval.restore import load_run_config
+                from hybrid_lm.run.directory import load_run_config
                 try:
                     check_evaluator_tokenizer(load_run_config(self.evaluator), base)
                 except FileNotFoundError as e:
@@ -207,7 +207,7 @@ def eval_key(config: dict) -> str:
 def checkpoint_steps(workdir: Path | str) -> list[int]:
     """Finalised checkpoint steps of a run, ascending (``*.orbax-checkpoint-tmp`` dirs are not steps);
     a Hugging Face folder (``hf:DIR``) has one, step 0."""
-    from hybrid_lm.eval.hf import hf_folder
+    from hybrid_lm.run.hf import hf_folder
 
     if hf_folder(workdir) is not None:
         return [0]
@@ -366,7 +366,7 @@ def task_of(row: dict) -> str:
 def current_rows(workdir: Path | str) -> list[dict]:
     """eval.jsonl with superseded rows dropped: the last row per (task, eval_key, checkpoint_step), and
     per length for RULER (one request writes a row per task and length)."""
-    from hybrid_lm.eval.restore import read_eval_rows
+    from hybrid_lm.run.directory import read_eval_rows
 
     latest: dict = {}
     for r in read_eval_rows(workdir):
@@ -534,8 +534,9 @@ def evaluate_run(workdir: Path | str, req: EvalRequest, steps: str | None = None
     over every current row of its eval config into ``workdir/eval/``. Returns the new rows."""
     from tqdm import tqdm
 
-    from hybrid_lm.eval.restore import record_rows
-    from hybrid_lm.eval.restore import RestoredRun, load_run_config, run_path
+    from hybrid_lm.run.restore import record_rows
+    from hybrid_lm.run.restore import RestoredRun
+    from hybrid_lm.run.directory import load_run_config, run_path
     from hybrid_lm.progress import bar_disabled
 
     req.check()
@@ -544,7 +545,7 @@ def evaluate_run(workdir: Path | str, req: EvalRequest, steps: str | None = None
         base = load_run_config(spec)
     except FileNotFoundError as e:
         raise WorkdirError(str(e)) from None
-    from hybrid_lm.eval.swap import swapped_config
+    from hybrid_lm.run.swap import swapped_config
     # bad swaps and task options fail before a restore, an item built or a row recorded
     req.check_options(base, swapped_config(base, req.swaps, req.horizon, req.sinks, seq_len=req.seq_len,
                                            attention_impl=req.attention_impl))

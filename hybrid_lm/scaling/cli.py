@@ -101,7 +101,8 @@ def cmd_sweep(args) -> int:
 
 
 def cmd_collect(args) -> int:
-    from hybrid_lm.scaling.collect import collect, find_run_dirs
+    from hybrid_lm.scaling.collect import collect
+    from hybrid_lm.run.directory import find_run_dirs
 
     missing = [p for p in args.paths if not Path(p).exists()]
     if missing:

@@ -23,7 +23,7 @@ the scripts never changes what an already submitted task runs. Logs go to
 task's log keeps every segment. Chosen over submitit: no extra dependency, the scripts are plain
 files that can be read, edited and resubmitted, and a resubmission lists only the unfinished jobs.
 ``--signal=B:USR1@<s>`` + ``--requeue`` let the trainer save and requeue its own array task
-(``<array job>_<task>``) before the time limit (``train/signals.py``).
+(``<array job>_<task>``) before the time limit (``signals.py``).
 
 **Micro-batches.** Each run's ``TrainConfig.microbatches`` comes from the micro-batch rule
 (``hybrid_lm/train/microbatch.py``): the fewest gradient-accumulation steps that put at most the
@@ -141,7 +141,7 @@ def microbatch_plan(cfg, devices=None):
     """``(cfg, reason)``: ``cfg`` with ``TrainConfig.microbatches`` from the micro-batch rule on the
     mesh that ``train()`` builds from ``cfg.mesh`` and ``devices`` (default: all of this process's), fitted
     to the smallest memory limit among the mesh's devices."""
-    from hybrid_lm.train import sharding as shd
+    from hybrid_lm import sharding as shd
     from hybrid_lm.train.microbatch import apply_rule, device_memory_limit
 
     mesh = shd.make_mesh(cfg.mesh, devices)
@@ -185,7 +185,7 @@ def seed_branch(root: Path, stable: Job, branch: Job) -> bool:
     # the stable phase of the loss curve, so the branch's metrics read like an independent run's
     src_metrics, dst_metrics = sdir / "metrics.jsonl", bdir / "metrics.jsonl"
     if src_metrics.exists() and not dst_metrics.exists():
-        from hybrid_lm.train.metrics import read_metrics
+        from hybrid_lm.run.metrics import read_metrics
 
         rows = [r for r in read_metrics(src_metrics) if r.get("step", 0) <= step]
         with dst_metrics.open("w") as fh:
@@ -343,7 +343,7 @@ def launch_local(plan: Plan, gpus: list[str] | None = None, only: str | None = N
         return summary
     if gpus and len(gpus) > 1:
         return _gpu_pool(plan, todo, gpus, summary, progress, max_minutes)
-    from hybrid_lm.train import signals
+    from hybrid_lm import signals
 
     with signals.catching():  # Ctrl-C / SIGTERM: the running job saves and stops, and so does the sweep
         with _deadline(max_minutes, summary):
@@ -361,7 +361,7 @@ def _deadline(max_minutes: float | None, summary: dict):
         return
     import signal as _signal
 
-    from hybrid_lm.train import signals
+    from hybrid_lm import signals
 
     def fire():
         summary["deadline"] = {"minutes": max_minutes, "at": _now()}
@@ -442,7 +442,7 @@ def _gpu_pool(plan: Plan, todo: list[Job], gpus: list[str], summary: dict, progr
     """One worker subprocess per GPU (CUDA_VISIBLE_DEVICES); branches start as soon as they are seeded.
     A stop signal (Ctrl-C, SIGTERM) or the deadline starts no new job and sends SIGTERM to the running
     workers, which save and stop."""
-    from hybrid_lm.train import signals
+    from hybrid_lm import signals
 
     with signals.catching() as flag, _deadline(max_minutes, summary):
         return _pool(plan, todo, gpus, summary, progress, flag)
@@ -620,7 +620,8 @@ def main(argv=None) -> int:
     ap.add_argument("--root", required=True, help="sweep root (holds sweep.json)")
     ap.add_argument("--job", required=True, help="job name (run id) from sweep.json")
     args = ap.parse_args(argv)
-    from hybrid_lm.train import distributed, signals
+    from hybrid_lm.train import distributed
+    from hybrid_lm import signals
 
     with signals.catching():  # for the whole job: a signal between two segments is seen by the next one
         try:

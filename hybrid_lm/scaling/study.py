@@ -410,7 +410,7 @@ def _src(run: Run, file: str, **what) -> dict:
 def training_numbers(run: Run) -> dict:
     """Final val loss and bits/byte, median tokens/s and MFU over the train rows of the run's second
     half, and the device, each with its source (metrics.jsonl / provenance.json)."""
-    from hybrid_lm.train.metrics import read_metrics
+    from hybrid_lm.run.metrics import read_metrics
 
     rows = read_metrics(run.dir / "metrics.jsonl")
     evals = [r for r in rows if r.get("kind") == "eval" and isinstance(r.get("loss"), (int, float))]
@@ -800,7 +800,7 @@ def plot_overview(doc: dict, runs: list[Run], out_png: Path) -> Path:
     import matplotlib.pyplot as plt
     import numpy as np
 
-    from hybrid_lm.train.metrics import read_metrics
+    from hybrid_lm.run.metrics import read_metrics
 
     colors = plt.get_cmap("tab20").colors  # 20 distinct colours: the study has 13 arms and seeds
     styles = ("-", "--", ":", "-.")

@@ -2,7 +2,7 @@
 --init-from RUN_DIR[@STEP]``, ``TrainConfig.init_from``), with a fresh optimizer state and schedule.
 
 A Hugging Face model folder is a source too (``--init-from hf:DIR``): the model comes from its
-config.json (``hybrid_lm/eval/hf.py``; what the gin sets must agree where it fixes a parameter's
+config.json (``hybrid_lm/run/hf.py``; what the gin sets must agree where it fixes a parameter's
 shape, the rest it sets is kept and named in one warning), the tokenizer from the folder unless the
 gin names one, and the identity is ``hf:<sha256 of the weights>``.
 
@@ -34,9 +34,9 @@ import jax
 from hybrid_lm.config import Config, gin_binds
 from hybrid_lm.errors import ConfigError, WorkdirError
 from hybrid_lm.experiment import diff_experiments, config_record, run_id
-from hybrid_lm.train.checkpoint import Checkpointer, abstract_with_shardings, saved_steps
+from hybrid_lm.run.checkpoint import Checkpointer, abstract_with_shardings, saved_steps
 from hybrid_lm.train.rundir import accepted_run_ids, recorded_init_source
-from hybrid_lm.train.step import ModelFns
+from hybrid_lm.step import ModelFns
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ def resolve(cfg: Config, init_from: str | Path | None, workdir: Path | str | Non
     spec = init_from if init_from is not None else cfg.train.init_from
     if spec is None:
         return cfg, None
-    from hybrid_lm.eval.hf import hf_folder
+    from hybrid_lm.run.hf import hf_folder
 
     if hf_folder(spec) is not None:
         if init_from is not None and cfg.train.init_from not in (None, str(init_from)):
@@ -102,7 +102,7 @@ def resolve_hf_source(cfg: Config, spec: str) -> tuple[Config, InitSource]:
     One-line errors for a folder that is missing, unreadable or holds what hybrid_lm cannot express."""
     from hybrid_lm.config import bound_model_fields
     from hybrid_lm.experiment import validate_experiment
-    from hybrid_lm.eval.hf import HFCheckpoint, merge_model
+    from hybrid_lm.run.hf import HFCheckpoint, merge_model
 
     try:
         ck = HFCheckpoint(spec)
@@ -145,8 +145,8 @@ def resolve_init_source(spec: str, workdir: Path | None = None) -> InitSource:
     line) for a missing source, a directory without config.json or checkpoints, or a step that was
     not saved (listing the saved ones).
     """
-    from hybrid_lm.eval.restore import load_run_config  # the one reader of a run's config.json
-    from hybrid_lm.train.checkpoint import saved_steps
+    from hybrid_lm.run.directory import load_run_config  # the one reader of a run's config.json
+    from hybrid_lm.run.checkpoint import saved_steps
 
     path, step = parse_init_spec(spec)
     src = path.expanduser().resolve()
@@ -185,7 +185,7 @@ def source_params(source: InitSource | None, abstract_params, shardings):
         raise WorkdirError(f"{source.spec if source else 'TrainConfig.init_from'}: the source run is not there "
                            "and this run has no checkpoint of its own to resume")
     if source.kind == "hf":
-        from hybrid_lm.eval.hf import HFCheckpoint
+        from hybrid_lm.run.hf import HFCheckpoint
 
         ck = HFCheckpoint(source.workdir)
         if ck.identity != source.run_id:

@@ -41,8 +41,9 @@ from dataclasses import dataclass
 import jax
 
 from hybrid_lm.errors import ConfigError, DataError, WorkdirError
-from hybrid_lm.train import coordinator_loss, signals
-from hybrid_lm.train.signals import PreemptionFlag  # noqa: F401  (the flag's old home)
+from hybrid_lm.train import coordinator_loss
+from hybrid_lm import signals
+from hybrid_lm.signals import PreemptionFlag  # noqa: F401  (the flag's old home)
 
 log = logging.getLogger(__name__)
 

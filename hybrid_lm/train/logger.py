@@ -23,7 +23,7 @@ from hybrid_lm.describe import describe_layers
 from hybrid_lm.config import Config, TrainConfig
 from hybrid_lm.model.accounting import PEAK_FLOPS_H200_BF16, count_params, flops_per_token
 from hybrid_lm.optional import optional_import
-from hybrid_lm.train.metrics import MetricsWriter, plot_loss_curve, read_metrics
+from hybrid_lm.run.metrics import MetricsWriter, plot_loss_curve, read_metrics
 from hybrid_lm.experiment import config_record, run_id
 
 if TYPE_CHECKING:
@@ -178,7 +178,7 @@ class StepLogger:
             self.say(f"step {done}/{tc.steps}  loss {loss:.4f}  lr {row['lr']:.3g}  {tps:,.0f} tok/s")
 
     def eval_row(self, step: int, result: dict, order0_entropy_bits=None) -> dict:
-        """An eval row from :func:`hybrid_lm.eval.loss.evaluate`'s result; refreshes ``loss_curve.png``."""
+        """An eval row from :func:`hybrid_lm.run.loss.evaluate`'s result; refreshes ``loss_curve.png``."""
         row = {"kind": "eval", "step": step, "tokens": step * self.tokens_per_step, "loss": result["loss"],
                "bpb": result["bpb"], "order0_entropy_bits": order0_entropy_bits,
                "eval_windows": result["eval_windows"]}

@@ -5,7 +5,7 @@ mesh, the data and the jitted program, the newest checkpoint) and runs :func:`_r
 in this order: **batch** (a pure function of the step) -> **step** (dispatched, not awaited) ->
 **log** the *previous* step's metrics (fetched one step late, so the host never blocks dispatch; the
 NaN policy's halt is seen here, ``train/nonfinite.py``) -> **eval** -> **checkpoint** -> **signals**
-(``train/signals.py``, caught from the start of :func:`train`: SIGTERM and a first Ctrl-C save and exit
+(``signals.py``, caught from the start of :func:`train`: SIGTERM and a first Ctrl-C save and exit
 cleanly; SIGUSR1, SLURM's ``--signal``, saves, requeues and exits; one that arrives during start-up
 stops the run before its first step, one after the last step lets the run finish its epilogue: final
 checkpoint, loss curve). A step's metrics are fetched before the state after it is evaluated or saved.
@@ -14,7 +14,7 @@ Nothing is written to the workdir before the config and the data are checked (me
 program); a multi-process run tells its other processes when one fails (``train/distributed.py``).
 
 Continued pretraining (``--init-from``) is ``train/continued.py``; the run dir and its identity
-check ``train/rundir.py``; checkpoints ``train/checkpoint.py``.
+check ``train/rundir.py``; checkpoints ``run/checkpoint.py``.
 """
 
 from __future__ import annotations
@@ -34,19 +34,20 @@ from hybrid_lm.config import Config
 from hybrid_lm.experiment import run_id
 from hybrid_lm.data.pipeline import DataStreams
 from hybrid_lm.errors import WorkdirError
-from hybrid_lm.eval.loss import evaluate
+from hybrid_lm.run.loss import evaluate
 from hybrid_lm.train import distributed
-from hybrid_lm.train import sharding as shd
-from hybrid_lm.train import continued, nonfinite, signals
-from hybrid_lm.train.checkpoint import Checkpointer, abstract_with_shardings, params_fingerprint, saved_steps
+from hybrid_lm import sharding as shd
+from hybrid_lm.train import continued, nonfinite
+from hybrid_lm import signals
+from hybrid_lm.run.checkpoint import Checkpointer, abstract_with_shardings, params_fingerprint, saved_steps
 from hybrid_lm.train.continued import InitSource
-from hybrid_lm.train.lock import workdir_lock
+from hybrid_lm.lock import workdir_lock
 from hybrid_lm.train.logger import StepLogger, check_extras, startup_summary
 from hybrid_lm.train.nonfinite import NonFiniteError  # noqa: F401  (raised by train(); part of its API)
 from hybrid_lm.train.optim import optimizer_for_bounds, wsd_bounds
 from hybrid_lm.train.rundir import (RECORDS_BESIDE_CHECKPOINTS, accepted_run_ids, archive_run, prepare_run_dir,
                                     record_init_fingerprint)
-from hybrid_lm.train.step import ModelFns, StateInit, make_eval_step
+from hybrid_lm.step import ModelFns, StateInit, make_eval_step
 
 log = logging.getLogger(__name__)
 
@@ -178,7 +179,7 @@ def train(cfg: Config, workdir: Path | str | None = None, *, force: bool = False
     ``ConfigError``) before the run dir is touched. Raises :class:`NonFiniteError` when the NaN
     policy stopped the run.
 
-    SIGTERM, SIGUSR1 and SIGINT are caught from the start (``train/signals.py``); one that arrives
+    SIGTERM, SIGUSR1 and SIGINT are caught from the start (``signals.py``); one that arrives
     before the first step returns a result with ``before_training`` set. SIGUSR1 requeues the SLURM
     job (``requeued``)."""
     t_start = time.time()

@@ -1,4 +1,4 @@
-"""``hybrid-lm export`` (hybrid_lm/eval/export.py): a checkpoint as safetensors + config.json, read back
+"""``hybrid-lm export`` (hybrid_lm/run/export.py): a checkpoint as safetensors + config.json, read back
 into a HybridLM with the checkpoint's logits; bf16; atomic, never overwriting without --force; bad
 inputs in one line."""
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from hybrid_lm.errors import ConfigError, WorkdirError
-from hybrid_lm.eval import export as X
+from hybrid_lm.run import export as X
 from hybrid_lm.experiment import run_id
 
 
@@ -42,8 +42,8 @@ def _logits(model, tokens):
 
 
 def test_round_trip(run_dir, tmp_path):
-    from hybrid_lm.eval.restore import RestoredRun
-    from hybrid_lm.train.checkpoint import params_fingerprint
+    from hybrid_lm.run.restore import RestoredRun
+    from hybrid_lm.run.checkpoint import params_fingerprint
 
     wd = tmp_path / "run"
     shutil.copytree(run_dir, wd)

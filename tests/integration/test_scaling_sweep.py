@@ -395,7 +395,7 @@ def test_tiny_sweep_end_to_end(tmp_path, tiny_sweep):
         assert (d / "sweep_done.json").exists() and (d / "sweep_run.json").exists()
         if j["kind"] == "branch":
             assert json.loads((d / "branch.json").read_text())["step"] == j["branch_from"]["step"]
-            from hybrid_lm.train.metrics import read_metrics
+            from hybrid_lm.run.metrics import read_metrics
             rows = read_metrics(d / "metrics.jsonl")
             copied = [x for x in rows if x.get("copied_from") == j["branch_from"]["run"]]
             assert copied and max(x["step"] for x in copied) == j["branch_from"]["step"]

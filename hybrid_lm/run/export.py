@@ -3,7 +3,7 @@
     hybrid-lm export RUN_DIR[@STEP] [--format safetensors|hf] [--dtype fp32|bf16] [--out DIR] [--force]
 
 ``--format hf`` writes a folder transformers loads with ``AutoModelForCausalLM.from_pretrained``
-(``hybrid_lm/eval/hf.py``: transformers' names and config, the run's tokenizer files,
+(``hybrid_lm/run/hf.py``: transformers' names and config, the run's tokenizer files,
 ``generation_config.json``; the run, step and hybrid_lm's config under the ``hybrid_lm`` key of
 config.json); layers transformers has no counterpart for are refused before anything is restored.
 Default output: ``RUN_DIR/export/step_<N>-hf``. The rest of this docstring is the default format.
@@ -12,7 +12,7 @@ The parameters of checkpoint STEP (default: the newest that restores) are writte
 joined from their NNX state paths (``blocks.0.mixer.wq``, ``embed.table``, ``lm_head``), fp32 as
 stored or cast to bf16. ``config.json`` is the run's ``config.json`` with an ``export`` entry: step,
 run id, source directory, dtype, the hybrid_lm version, the parameters' fingerprint
-(``train/checkpoint.py::params_fingerprint`` of the restored tree) and, per parameter, its shape,
+(``run/checkpoint.py::params_fingerprint`` of the restored tree) and, per parameter, its shape,
 dtype and logical axes. The default output is ``RUN_DIR/export/step_<N>/``. The directory is
 written under a temporary name beside it and renamed when complete; an existing export is replaced
 only with ``force``.
@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from hybrid_lm.errors import ConfigError, WorkdirError
-from hybrid_lm.eval.param_names import flatten_params, param_name, unflatten_params  # noqa: F401  (re-exported)
+from hybrid_lm.run.param_names import flatten_params, param_name, unflatten_params  # noqa: F401  (re-exported)
 from hybrid_lm.experiment import run_id
 
 FORMATS = ("safetensors", "hf")
@@ -98,9 +98,10 @@ def export_checkpoint(run_spec: str, out=None, fmt: str = "safetensors", dtype: 
     import jax
 
     from hybrid_lm.experiment import read_run_config
-    from hybrid_lm.eval.restore import RestoredRun, load_run_config
+    from hybrid_lm.run.restore import RestoredRun
+    from hybrid_lm.run.directory import load_run_config
     from hybrid_lm.optional import optional_import
-    from hybrid_lm.train.checkpoint import params_fingerprint, saved_steps
+    from hybrid_lm.run.checkpoint import params_fingerprint, saved_steps
 
     if fmt not in FORMATS:
         raise ConfigError(f"export format {fmt!r} is not supported; formats: {', '.join(FORMATS)}")
@@ -114,7 +115,7 @@ def export_checkpoint(run_spec: str, out=None, fmt: str = "safetensors", dtype: 
     except FileNotFoundError as e:
         raise WorkdirError(str(e)) from None
     if fmt == "hf":
-        from hybrid_lm.eval.hf import check_exportable
+        from hybrid_lm.run.hf import check_exportable
         check_exportable(cfg.model)  # a layer transformers has no counterpart for: refused before the restore
     saved = saved_steps(run_dir / "checkpoints")
     if not saved:
@@ -156,7 +157,7 @@ def export_checkpoint(run_spec: str, out=None, fmt: str = "safetensors", dtype: 
                        for name, a in flat.items()}}
 
     if fmt == "hf":
-        from hybrid_lm.eval.hf import write_hf_folder
+        from hybrid_lm.run.hf import write_hf_folder
 
         record = {k: v for k, v in meta.items() if k not in ("params", "weights")}
         record.update(model=dataclasses.asdict(run.cfg.model),
@@ -232,7 +233,7 @@ def exported_model(path):
     import jax.numpy as jnp
 
     from hybrid_lm.config import config_from_dict
-    from hybrid_lm.train.step import ModelFns
+    from hybrid_lm.step import ModelFns
     from hybrid_lm.validate import read_fields_only
 
     params, d = load_exported(path)

@@ -15,7 +15,7 @@ A trained run's config is rewritten, without retraining, with
 
 :func:`swapped_config` applies swaps, constraint and eval overrides (``seq_len``, ``eval_windows``,
 ``attention_impl``) to a run's config and validates them; nothing is restored or allocated. The
-evaluation on the checkpoint is :meth:`hybrid_lm.eval.restore.RestoredRun.evaluate`.
+evaluation on the checkpoint is :meth:`hybrid_lm.run.restore.RestoredRun.evaluate`.
 """
 
 from __future__ import annotations
@@ -196,7 +196,7 @@ def _flat_shapes(tree) -> dict[str, tuple]:
 def check_params_match(trained: Config, swapped: Config) -> None:
     """Raise :class:`SwapError` unless the swapped model's parameters are the checkpoint's (same
     paths, shapes and dtypes)."""
-    from hybrid_lm.train.step import ModelFns
+    from hybrid_lm.step import ModelFns
 
     a = _flat_shapes(ModelFns(trained).abstract_params)
     b = _flat_shapes(ModelFns(swapped).abstract_params)

@@ -1,5 +1,5 @@
 """Flat parameter names: ``"blocks.0.mixer.wq"`` for a parameter tree's paths, the names of hybrid_lm's
-own export (``eval/export.py``) and the keys of the transformers mapping (``eval/hf.py``)."""
+own export (``run/export.py``) and the keys of the transformers mapping (``run/hf.py``)."""
 
 from __future__ import annotations
 

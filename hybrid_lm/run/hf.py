@@ -47,7 +47,7 @@ from hybrid_lm.config import (ROPE_SCALINGS, SLOT_DEFAULTS, Config, DataConfig, 
                               check_rope_scaling)
 from hybrid_lm.errors import ConfigError, WorkdirError
 from hybrid_lm.files import atomic_write_json
-from hybrid_lm.train.compile_cache import OFF, user_cache_root
+from hybrid_lm.compile_cache import OFF, user_cache_root
 
 log = logging.getLogger(__name__)
 
@@ -154,9 +154,9 @@ def from_hf(layout: str, t: np.ndarray, shape: tuple) -> np.ndarray:
 
 def params_to_hf(params, model: ModelConfig) -> dict[str, np.ndarray]:
     """transformers' state dict (numpy, each tensor contiguous) of hybrid_lm ``params`` (a nested tree of
-    host arrays, e.g. ``jax.device_get`` of a checkpoint, or :func:`~hybrid_lm.eval.param_names.flatten_params`
+    host arrays, e.g. ``jax.device_get`` of a checkpoint, or :func:`~hybrid_lm.run.param_names.flatten_params`
     of one). A tied head writes no ``lm_head.weight``."""
-    from hybrid_lm.eval.param_names import flatten_params
+    from hybrid_lm.run.param_names import flatten_params
 
     out = {}
     for name, leaf in flatten_params(params).items():
@@ -168,7 +168,7 @@ def params_to_hf(params, model: ModelConfig) -> dict[str, np.ndarray]:
 def expected_tensors(abstract) -> dict[str, tuple[str, str, tuple]]:
     """``{transformers name: (hybrid_lm name, layout, hybrid_lm shape)}`` of the parameters ``abstract``
     (a tree of shapes, e.g. ``ModelFns.abstract_params``)."""
-    from hybrid_lm.eval.param_names import flatten_params
+    from hybrid_lm.run.param_names import flatten_params
 
     out = {}
     for name, leaf in flatten_params(abstract).items():
@@ -680,7 +680,7 @@ class HFCheckpoint:
         import jax
         from safetensors import safe_open
 
-        from hybrid_lm.eval.param_names import param_name
+        from hybrid_lm.run.param_names import param_name
 
         want = self.check_tensors(abstract)
         by_name = {name: (hf, layout) for hf, (name, layout, _) in want.items()}

@@ -40,7 +40,7 @@ def evaluate(eval_fn, params, windows, batch_shard, *, global_batch: int, n_batc
     ``eval_fn`` is jitted with ``batch_shard`` as its token sharding; call under the mesh
     (``jax.set_mesh``). Raises ``ValueError`` when the windows cannot fill one batch.
     """
-    from hybrid_lm.train.sharding import put_batch
+    from hybrid_lm.sharding import put_batch
 
     n_windows = window_count(windows)
     per, n = eval_batching(n_windows, global_batch, n_batch_shards)
