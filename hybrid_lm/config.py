@@ -27,6 +27,7 @@ import difflib
 import hashlib
 import json
 import logging
+import math
 import re
 import tokenize
 from dataclasses import InitVar, dataclass, field
@@ -351,8 +352,6 @@ def expand_pattern(pattern: str, n_layers: int) -> list[str]:
 def _ratios_for(n_layers: int, most: int = 6) -> list[str]:
     """Ratios 'a:b' (a, b >= 1, in lowest terms) whose group of a + b layers divides ``n_layers``, fewest
     layers per group first."""
-    import math
-
     out = [f"{a}:{n - a}" for n in range(2, n_layers + 1) if n_layers % n == 0
            for a in range(1, n) if math.gcd(a, n - a) == 1]
     return out[:most]

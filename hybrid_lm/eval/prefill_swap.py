@@ -32,6 +32,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from hybrid_lm.model.registry import MixerContext
+from hybrid_lm.ops.attention import default_positions
+
 
 def split_answer_nll_fn(own_fns, swapped_fns, own_cfg, swapped_cfg, span: int, vocab: int | None = None):
     """Jitted ``(params, tokens [B, L]) -> [B, span]``: the NLL of the last ``span`` tokens (the answer),
@@ -39,9 +42,6 @@ def split_answer_nll_fn(own_fns, swapped_fns, own_cfg, swapped_cfg, span: int, v
     and the answer scored by the run's own model (``own_fns`` / ``own_cfg``) over that context. Both
     configs take the same parameters (``run/swap.py`` checks it). With ``vocab``, also ``[B, span]``
     whether each answer token is the argmax over the first ``vocab`` ids (lm-eval's ``is_greedy``)."""
-    from hybrid_lm.model.registry import MixerContext
-    from hybrid_lm.ops.attention import default_positions
-
     def ctx_of(cfg, B, L, ids):
         return MixerContext(positions=default_positions(B, L), attention_impl=cfg.model.attention_impl,
                             seed=cfg.train.seed, example_ids=ids, train=False)

@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 from hybrid_lm.config import CheckpointConfig
 from hybrid_lm.errors import WorkdirError
@@ -112,7 +113,6 @@ class Checkpointer:
         if not due and self.cc.interval_minutes > 0:
             due = time.monotonic() - self._last_save >= 60.0 * self.cc.interval_minutes
             if jax.process_count() > 1:
-                from jax.experimental import multihost_utils
                 due = bool(multihost_utils.broadcast_one_to_all(np.asarray(due)))
         return due
 
@@ -196,7 +196,6 @@ class Checkpointer:
                 self.moved_aside.append(dest)
                 log.warning("moved the checkpoint at step %d, which does not restore, to %s", step, dest)
         if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
             multihost_utils.sync_global_devices("corrupt checkpoints moved aside")
         self.manager.reload()
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from hybrid_lm.data.corpus import bits_per_byte
+from hybrid_lm.sharding import put_batch
 
 
 def eval_batching(n_windows: int, global_batch: int, n_batch_shards: int) -> tuple[int, int]:
@@ -40,8 +41,6 @@ def evaluate(eval_fn, params, windows, batch_shard, *, global_batch: int, n_batc
     ``eval_fn`` is jitted with ``batch_shard`` as its token sharding; call under the mesh
     (``jax.set_mesh``). Raises ``ValueError`` when the windows cannot fill one batch.
     """
-    from hybrid_lm.sharding import put_batch
-
     n_windows = window_count(windows)
     per, n = eval_batching(n_windows, global_batch, n_batch_shards)
     if n == 0:

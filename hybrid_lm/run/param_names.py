@@ -3,6 +3,8 @@ own export (``run/export.py``) and the keys of the transformers mapping (``run/h
 
 from __future__ import annotations
 
+import jax
+
 
 def _key(k) -> str:
     return str(getattr(k, "key", getattr(k, "idx", k)))
@@ -16,7 +18,6 @@ def param_name(path) -> str:
 def flatten_params(tree) -> dict:
     """``{"blocks.0.mixer.wq": leaf, ...}`` of a nested parameter tree (NNX pure dict); a dict already
     flat under these names comes back as it is."""
-    import jax
     return {param_name(path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
 
 

@@ -26,10 +26,20 @@ from pathlib import Path
 
 import jax
 
+from hybrid_lm import sharding as shd
+from hybrid_lm.backends import recorded_backends
 from hybrid_lm.config import Config
+from hybrid_lm.data.pipeline import DataStreams
+from hybrid_lm.data.tokenizer import get_tokenizer
 from hybrid_lm.experiment import run_id
 from hybrid_lm.run.directory import load_run_config
-from hybrid_lm.errors import ConfigError, WorkdirError
+from hybrid_lm.errors import ConfigError, DataError, WorkdirError
+from hybrid_lm.run import loss
+from hybrid_lm.run.checkpoint import Checkpointer, abstract_with_shardings
+from hybrid_lm.run.hf import HFCheckpoint, hf_folder
+from hybrid_lm.run.metrics import read_metrics
+from hybrid_lm.run.swap import SwapError, describe, parse_swap, swapped_config
+from hybrid_lm.step import ModelFns, make_eval_step
 
 log = logging.getLogger(__name__)
 
@@ -43,11 +53,6 @@ class RestoredRun:
     """
 
     def __init__(self, workdir: Path | str, *, step: int | None = None, devices=None):
-        from hybrid_lm.run.hf import HFCheckpoint, hf_folder
-        from hybrid_lm import sharding as shd
-        from hybrid_lm.run.checkpoint import Checkpointer, abstract_with_shardings
-        from hybrid_lm.step import ModelFns
-
         self.hf = None
         if hf_folder(workdir) is not None:
             self.hf = HFCheckpoint(workdir)
@@ -90,30 +95,24 @@ class RestoredRun:
         (e.g. :meth:`task_config`'s swapped config) that config's model on the same parameters."""
         if cfg is None or cfg.model == self.cfg.model:
             return self.fns.model(self.params)
-        from hybrid_lm.step import ModelFns
         return ModelFns(cfg).model(self.params)
 
     def task_config(self, swaps=(), horizon: int | None = None, sinks: int = 0, *, seq_len: int | None = None,
                     attention_impl: str | None = None) -> Config:
         """The run's config with attention swaps / a receptive-field constraint applied
         (``hybrid_lm/run/swap.py``): what every eval task runs on (``--swap``, ``--horizon``)."""
-        from hybrid_lm.run.swap import parse_swap, swapped_config
-
         swaps = [parse_swap(s) if isinstance(s, str) else s for s in swaps]
         return swapped_config(self.cfg, swaps, horizon, sinks, seq_len=seq_len, attention_impl=attention_impl)
 
     @property
     def tokenizer(self):
         if self._tokenizer is None:
-            from hybrid_lm.data.tokenizer import get_tokenizer
             self._tokenizer = get_tokenizer(self.cfg.data.tokenizer)
         return self._tokenizer
 
     def streams(self, cfg: Config | None = None):
         """The :class:`~hybrid_lm.data.pipeline.DataStreams` of ``cfg`` (default: the run's), one per
         (seq_len, eval_windows)."""
-        from hybrid_lm.data.pipeline import DataStreams
-
         cfg = cfg or self.cfg
         d = cfg.data
         key = (d.seq_len, d.eval_windows, d.source, d.path, tuple(map(tuple, d.mixture or ())))
@@ -123,8 +122,6 @@ class RestoredRun:
 
     def trained_eval(self, seq_len: int) -> dict | None:
         """The trainer's eval row at the restored step (same windows), if metrics.jsonl has it."""
-        from hybrid_lm.run.metrics import read_metrics
-
         path = self.workdir / "metrics.jsonl"
         if seq_len != self.cfg.data.seq_len or not path.exists():
             return None
@@ -144,7 +141,6 @@ class RestoredRun:
         the run's data; the store must be tokenised with the run's tokenizer (checked when opened)."""
         if store is None:
             return cfg
-        from hybrid_lm.errors import DataError
         path = Path(store)
         if not (path / "manifest.json").is_file():
             raise DataError(f"--data {store}: no prepared token store there (manifest.json missing); build one "
@@ -159,12 +155,6 @@ class RestoredRun:
         """Loss (nats/token) and bits/byte on the run's fixed eval windows (or those of the token store
         ``data``'s val split), batched as the trainer does (``run/loss.py``), of the swapped /
         constrained model; appends a row to eval.jsonl."""
-        from hybrid_lm.backends import recorded_backends
-        from hybrid_lm.run import loss
-        from hybrid_lm.run.swap import SwapError, describe, parse_swap, swapped_config
-        from hybrid_lm import sharding as shd
-        from hybrid_lm.step import ModelFns, make_eval_step
-
         t0 = time.time()
         swaps = [parse_swap(s) if isinstance(s, str) else s for s in swaps]
         cfg = swapped_config(self.cfg, swaps, horizon, sinks, seq_len=seq_len, eval_windows=eval_windows,
@@ -212,8 +202,6 @@ def evaluate_checkpoint(workdir: Path | str, swaps=(), horizon: int | None = Non
                         attention_impl: str | None = None, record: bool = True) -> dict:
     """One :meth:`RestoredRun.evaluate` of ``workdir``'s checkpoint (``step`` or the latest). The
     settings are checked before the checkpoint is restored."""
-    from hybrid_lm.run.swap import swapped_config
-
     settings = dict(seq_len=seq_len, eval_windows=eval_windows, attention_impl=attention_impl)
     swapped_config(load_run_config(workdir), swaps, horizon, sinks, **settings)
     return RestoredRun(workdir, step=step).evaluate(swaps, horizon, sinks, **settings, record=record)

@@ -32,8 +32,14 @@ import math
 import re
 from pathlib import Path
 
+from tqdm.auto import tqdm
+
 from hybrid_lm.errors import DataError
-from hybrid_lm.run.directory import find_run_dirs, run_architecture
+from hybrid_lm.model.accounting import count_params, flops_per_token
+from hybrid_lm.progress import bar_disabled
+from hybrid_lm.run.directory import find_run_dirs, load_run_config, run_architecture
+from hybrid_lm.run.metrics import read_metrics
+from hybrid_lm.scaling.sweep import decay_start
 from hybrid_lm.scaling.table import BOOKKEEPING, write_table
 
 log = logging.getLogger(__name__)
@@ -191,8 +197,6 @@ def _run_meta(d: Path) -> dict:
         return json.loads(meta_path.read_text())
     if not (d / "config.json").exists():
         raise FileNotFoundError(f"{d} has neither sweep_run.json nor config.json")
-    from hybrid_lm.run.directory import load_run_config
-    from hybrid_lm.model.accounting import count_params, flops_per_token
 
     cfg = load_run_config(d)
     counts = count_params(cfg.model)
@@ -241,7 +245,6 @@ def _phase(step: int, meta: dict, steps: int) -> str:
         f = meta.get("decay_fraction")
         if f is None:
             return "-"
-        from hybrid_lm.scaling.sweep import decay_start
         bstep = decay_start(steps, f)
     return "stable" if step <= bstep else "decay"
 
@@ -249,8 +252,6 @@ def _phase(step: int, meta: dict, steps: int) -> str:
 def collect_run(d: Path, intermediate: bool = False, eval_rows: dict | None = None,
                 eval_names: dict | None = None, label: str | None = None) -> tuple[list[dict], set]:
     """Table rows of run ``d`` and the keys of ``eval_rows`` (from :func:`read_eval_rows`) it placed."""
-    from hybrid_lm.run.metrics import read_metrics
-
     d = Path(d)
     meta = _run_meta(d)
     rows = read_metrics(d / "metrics.jsonl")
@@ -324,9 +325,6 @@ def collect(paths: list[str | Path], out: str | Path | None = None, intermediate
 
     ``labels`` (``REGEX=LABEL``, on the run id, the first match wins) override the arch labels.
     """
-    from tqdm.auto import tqdm
-
-    from hybrid_lm.progress import bar_disabled
 
     overrides = parse_label_overrides(labels)
     dirs = find_run_dirs(paths, include_stable=include_stable)

@@ -55,16 +55,24 @@ import threading
 import time
 import traceback
 import contextlib
+import re
+import signal as _signal
+import signal
 from contextlib import contextmanager
 from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from hybrid_lm import sharding as shd, signals
 from hybrid_lm.errors import ConfigError, DataError, WorkdirError
 from hybrid_lm.files import atomic_write_json
 from hybrid_lm.progress import JobLines, bar_disabled
 from hybrid_lm.scaling.sweep import Job, Plan, SweepError, manifest_jobs, read_manifest, write_manifest
-from hybrid_lm.experiment import run_id
+from hybrid_lm.experiment import load_config, run_id
+from hybrid_lm.run.metrics import read_metrics
+from hybrid_lm.train import distributed
+from hybrid_lm.train.loop import train
+from hybrid_lm.train.microbatch import apply_rule, device_memory_limit
 
 DONE = "sweep_done.json"
 RUN_META = "sweep_run.json"
@@ -126,8 +134,6 @@ def _load(job: Job, extra: list[str] | None = None):
 
 def _config(job: Job, extra: list[str] | None = None):
     """``(config, micro-batch reason)`` of ``job``; a config that no longer matches the planned run id fails."""
-    from hybrid_lm.experiment import load_config
-
     cfg = load_config(job.gin_files, job.gin_params + list(extra or []))
     if run_id(cfg) != job.config_run_id:
         raise SweepError(
@@ -141,9 +147,6 @@ def microbatch_plan(cfg, devices=None):
     """``(cfg, reason)``: ``cfg`` with ``TrainConfig.microbatches`` from the micro-batch rule on the
     mesh that ``train()`` builds from ``cfg.mesh`` and ``devices`` (default: all of this process's), fitted
     to the smallest memory limit among the mesh's devices."""
-    from hybrid_lm import sharding as shd
-    from hybrid_lm.train.microbatch import apply_rule, device_memory_limit
-
     mesh = shd.make_mesh(cfg.mesh, devices)
     limits = [b for b in (device_memory_limit(d) for d in mesh.devices.flat) if b]
     return apply_rule(cfg, shd.n_batch_shards(mesh), memory_limit=min(limits, default=None))
@@ -185,8 +188,6 @@ def seed_branch(root: Path, stable: Job, branch: Job) -> bool:
     # the stable phase of the loss curve, so the branch's metrics read like an independent run's
     src_metrics, dst_metrics = sdir / "metrics.jsonl", bdir / "metrics.jsonl"
     if src_metrics.exists() and not dst_metrics.exists():
-        from hybrid_lm.run.metrics import read_metrics
-
         rows = [r for r in read_metrics(src_metrics) if r.get("step", 0) <= step]
         with dst_metrics.open("w") as fh:
             for r in rows:
@@ -240,8 +241,6 @@ def run_job(root: Path, job: Job, jobs: dict[str, Job] | None = None) -> dict:
 
 
 def _run_job(root: Path, job: Job, jobs: dict[str, Job] | None) -> dict:
-    from hybrid_lm.train.loop import train
-
     d = root / job.name
     if job.kind == "branch" and job_state(root, job) == "new":
         raise SweepError(f"branch {job.name} is not seeded: its stable run {job.branch_from['run']} has not reached "
@@ -299,7 +298,6 @@ def select_jobs(jobs: list[Job], only: str | None) -> list[Job]:
     """Jobs whose name matches the regex ``only``, plus the stable runs that matched branches need."""
     if not only:
         return list(jobs)
-    import re
 
     pat = re.compile(only)
     names = {j.name for j in jobs if pat.search(j.name)}
@@ -343,7 +341,6 @@ def launch_local(plan: Plan, gpus: list[str] | None = None, only: str | None = N
         return summary
     if gpus and len(gpus) > 1:
         return _gpu_pool(plan, todo, gpus, summary, progress, max_minutes)
-    from hybrid_lm import signals
 
     with signals.catching():  # Ctrl-C / SIGTERM: the running job saves and stops, and so does the sweep
         with _deadline(max_minutes, summary):
@@ -359,9 +356,7 @@ def _deadline(max_minutes: float | None, summary: dict):
     if max_minutes is None:
         yield
         return
-    import signal as _signal
 
-    from hybrid_lm import signals
 
     def fire():
         summary["deadline"] = {"minutes": max_minutes, "at": _now()}
@@ -442,15 +437,11 @@ def _gpu_pool(plan: Plan, todo: list[Job], gpus: list[str], summary: dict, progr
     """One worker subprocess per GPU (CUDA_VISIBLE_DEVICES); branches start as soon as they are seeded.
     A stop signal (Ctrl-C, SIGTERM) or the deadline starts no new job and sends SIGTERM to the running
     workers, which save and stop."""
-    from hybrid_lm import signals
-
     with signals.catching() as flag, _deadline(max_minutes, summary):
         return _pool(plan, todo, gpus, summary, progress, flag)
 
 
 def _pool(plan: Plan, todo: list[Job], gpus: list[str], summary: dict, progress: bool, flag) -> dict:
-    import signal
-
     root = plan.root
     logs = root / "logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -620,8 +611,6 @@ def main(argv=None) -> int:
     ap.add_argument("--root", required=True, help="sweep root (holds sweep.json)")
     ap.add_argument("--job", required=True, help="job name (run id) from sweep.json")
     args = ap.parse_args(argv)
-    from hybrid_lm.train import distributed
-    from hybrid_lm import signals
 
     with signals.catching():  # for the whole job: a signal between two segments is seen by the next one
         try:

@@ -31,10 +31,12 @@ from pathlib import Path
 
 import jax
 
-from hybrid_lm.config import Config, gin_binds
+from hybrid_lm.config import Config, bound_model_fields, gin_binds
 from hybrid_lm.errors import ConfigError, WorkdirError
-from hybrid_lm.experiment import diff_experiments, config_record, run_id
+from hybrid_lm.experiment import config_record, diff_experiments, run_id, validate_experiment
 from hybrid_lm.run.checkpoint import Checkpointer, abstract_with_shardings, saved_steps
+from hybrid_lm.run.directory import load_run_config
+from hybrid_lm.run.hf import HFCheckpoint, hf_folder, merge_model
 from hybrid_lm.train.rundir import accepted_run_ids, recorded_init_source
 from hybrid_lm.step import ModelFns
 
@@ -49,7 +51,6 @@ def resolve(cfg: Config, init_from: str | Path | None, workdir: Path | str | Non
     spec = init_from if init_from is not None else cfg.train.init_from
     if spec is None:
         return cfg, None
-    from hybrid_lm.run.hf import hf_folder
 
     if hf_folder(spec) is not None:
         if init_from is not None and cfg.train.init_from not in (None, str(init_from)):
@@ -100,10 +101,6 @@ def resolve_hf_source(cfg: Config, spec: str) -> tuple[Config, InitSource]:
     """``cfg`` with the model of the Hugging Face folder ``spec`` (``hf.merge_model``), its tokenizer
     unless the gin names one, and ``TrainConfig.init_from`` = the folder's identity; and the source.
     One-line errors for a folder that is missing, unreadable or holds what hybrid_lm cannot express."""
-    from hybrid_lm.config import bound_model_fields
-    from hybrid_lm.experiment import validate_experiment
-    from hybrid_lm.run.hf import HFCheckpoint, merge_model
-
     try:
         ck = HFCheckpoint(spec)
     except WorkdirError as e:
@@ -145,9 +142,6 @@ def resolve_init_source(spec: str, workdir: Path | None = None) -> InitSource:
     line) for a missing source, a directory without config.json or checkpoints, or a step that was
     not saved (listing the saved ones).
     """
-    from hybrid_lm.run.directory import load_run_config  # the one reader of a run's config.json
-    from hybrid_lm.run.checkpoint import saved_steps
-
     path, step = parse_init_spec(spec)
     src = path.expanduser().resolve()
     kept = recorded_init_source(workdir) if workdir is not None and saved_steps(Path(workdir) / "checkpoints") else None
@@ -185,8 +179,6 @@ def source_params(source: InitSource | None, abstract_params, shardings):
         raise WorkdirError(f"{source.spec if source else 'TrainConfig.init_from'}: the source run is not there "
                            "and this run has no checkpoint of its own to resume")
     if source.kind == "hf":
-        from hybrid_lm.run.hf import HFCheckpoint
-
         ck = HFCheckpoint(source.workdir)
         if ck.identity != source.run_id:
             raise WorkdirError(f"--init-from {source.spec}: the folder's weights changed since the run started "

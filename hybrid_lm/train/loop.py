@@ -28,6 +28,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 
 from hybrid_lm.backends import recorded_backends
 from hybrid_lm.config import Config
@@ -387,7 +388,6 @@ class _Profiler:
 
 def _sync(name: str) -> None:
     if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
         multihost_utils.sync_global_devices(name)
 
 
@@ -396,5 +396,4 @@ def _agreed_signal(sig: int | None) -> int | None:
     SIGTERM, then SIGINT), or None."""
     if jax.process_count() == 1:
         return sig
-    from jax.experimental import multihost_utils
     return signals.most_urgent(np.ravel(multihost_utils.process_allgather(np.asarray(sig or 0, np.int32))))

@@ -17,10 +17,13 @@ from pathlib import Path
 import jax
 
 from hybrid_lm.config import REMOVED_FIELDS, Config, operative_gin
+from hybrid_lm.data.identity import data_identity
 from hybrid_lm.experiment import config_record, diff_experiments, read_run_config, run_id
 from hybrid_lm.errors import ConfigError, WorkdirError
 from hybrid_lm.files import atomic_write_json, atomic_write_text
 from hybrid_lm.lock import LOCK_NAME
+from hybrid_lm.run.checkpoint import saved_steps
+from hybrid_lm.train.optim import wsd_schedule
 from hybrid_lm.validate import read_fields_only
 
 log = logging.getLogger(__name__)
@@ -81,7 +84,6 @@ def prepare_run_dir(cfg: Config, workdir: Path, force: bool = False, init_record
                         "into it anyway", workdir, len(others), sorted(others)[0].name)
     workdir.mkdir(parents=True, exist_ok=True)
     prov = provenance()
-    from hybrid_lm.data.identity import data_identity
     prov["data_identity"] = data_identity(cfg.data)  # store fingerprints and tokenizer hash ({} = embedded, byte)
     if cfg.train.init_from:
         kept = recorded_init_source(workdir)
@@ -116,8 +118,6 @@ def prepare_run_dir(cfg: Config, workdir: Path, force: bool = False, init_record
 def has_trained(workdir: Path) -> bool:
     """Whether ``workdir`` holds a record of training: a metrics row or a checkpoint (finished, or moved
     aside as corrupt)."""
-    from hybrid_lm.run.checkpoint import saved_steps
-
     workdir = Path(workdir)
     metrics = workdir / "metrics.jsonl"
     corrupt = workdir / "checkpoints" / "corrupt"
@@ -129,9 +129,6 @@ def check_run_length(workdir: Path, old_steps: int | None, cfg: Config) -> None:
     """A run may be extended, never shortened below its newest checkpoint: its record would then say
     fewer steps than it trained (``WorkdirError``). Extending a run whose LR decay had begun restarts the
     decay from the constant LR, which is said in a warning (WSD studies branch instead: ``hybrid-lm sweep``)."""
-    from hybrid_lm.run.checkpoint import saved_steps
-    from hybrid_lm.train.optim import wsd_schedule
-
     saved = saved_steps(workdir / "checkpoints")
     if not saved:
         return

@@ -119,17 +119,17 @@ def test_existing_out_and_atomic_write(run_dir, tmp_path, monkeypatch):
 @pytest.fixture
 def main_with_export(monkeypatch):
     """``hybrid_lm.cli.main`` with ``export`` registered as ``add_eval_commands`` will register it."""
-    from hybrid_lm.eval import cli as eval_cli
+    from hybrid_lm import cli
     from hybrid_lm.cli import main
 
-    original = eval_cli.add_eval_commands
+    original = cli.add_eval_commands
 
     def with_export(sub):
         original(sub)
         if "export" not in sub.choices:
             X.add_export_command(sub)
 
-    monkeypatch.setattr(eval_cli, "add_eval_commands", with_export)
+    monkeypatch.setattr(cli, "add_eval_commands", with_export)
     return main
 
 
