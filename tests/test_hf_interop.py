@@ -447,7 +447,7 @@ def test_a_folder_is_a_run_everywhere(tmp_path):
     """``hf:DIR`` (or the folder's path) restores as a run: step 0, its weights, a run id naming the weights."""
     from hybrid_lm.run.restore import RestoredRun
     from hybrid_lm.run.directory import load_run_config, run_path
-    from hybrid_lm.eval.suite import checkpoint_steps
+    from hybrid_lm.run.directory import checkpoint_steps
 
     model = tiny_model("ministral")
     params = random_params(model)

@@ -46,7 +46,7 @@ from hybrid_lm.errors import ConfigError
 from hybrid_lm.eval import introspect as I, ruler as R
 from hybrid_lm.experiment import run_id
 from hybrid_lm.progress import bar_disabled
-from hybrid_lm.run.checkpoint import saved_steps
+from hybrid_lm.run.directory import checkpoint_steps
 from hybrid_lm.run.restore import RestoredRun
 from hybrid_lm.run.swap import describe
 from hybrid_lm.sharding import put_batch, replicated
@@ -96,7 +96,7 @@ def reference_qk(run, cfg, layers, reference_params=None, reference_step: int | 
         return qk_host(run, cfg, reference_params, layers), None
     step = reference_step
     if step is None:
-        steps = saved_steps(run.workdir / "checkpoints")
+        steps = checkpoint_steps(run.workdir, missing_ok=True)
         step = max(steps) if steps else run.step
     if step == run.step:
         return qk_host(run, cfg, run.params, layers), run.step

@@ -54,8 +54,7 @@ from hybrid_lm.files import atomic_write
 from hybrid_lm.model.registry import MixerContext
 from hybrid_lm.ops.attention import default_positions
 from hybrid_lm.progress import bar_disabled
-from hybrid_lm.run.checkpoint import saved_steps
-from hybrid_lm.run.directory import load_run_config
+from hybrid_lm.run.directory import checkpoint_steps, load_run_config
 from hybrid_lm.run.restore import RestoredRun
 from hybrid_lm.run.swap import swapped_config
 from hybrid_lm.step import ModelFns
@@ -214,10 +213,10 @@ def resolve_evaluator(run, evaluator=None, evaluator_step: int | None = None) ->
     if evaluator in (None, "newest"):
         if evaluator_step is not None:
             return Path(run.workdir), int(evaluator_step), f"step {evaluator_step}"
-        return Path(run.workdir), max(saved_steps(Path(run.workdir) / "checkpoints") or [run.step]), "newest"
+        return Path(run.workdir), max(checkpoint_steps(run.workdir, missing_ok=True) or [run.step]), "newest"
     if evaluator == "self":
         return Path(run.workdir), run.step, "self"
-    steps = saved_steps(Path(evaluator) / "checkpoints")
+    steps = checkpoint_steps(evaluator, missing_ok=True)
     if not steps:
         raise FileNotFoundError(f"--evaluator {evaluator}: the run has no checkpoint")
     return Path(evaluator), int(evaluator_step) if evaluator_step is not None else max(steps), str(evaluator)

@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 from hybrid_lm.errors import WorkdirError
 from hybrid_lm.eval.suite import EvalRequest, HEADLINES, _task_module, check_tasks, current_rows, headline, task_of
-from hybrid_lm.run.directory import find_run_dirs, load_run_config, run_architecture
+from hybrid_lm.run.directory import eval_rows_path, find_run_dirs, load_run_config, metrics_path, run_architecture
 from hybrid_lm.run.metrics import read_metrics
 
 log = logging.getLogger(__name__)
@@ -234,7 +234,7 @@ def collect_eval(paths: list[str | Path], tasks: tuple[str, ...] | None = None,
         rows = current_rows(d)
         asked = [r for r in rows if not tasks or task_of(r) in tasks]
         if not asked:
-            why = ("no eval.jsonl" if not (d / "eval.jsonl").exists() else "its eval.jsonl holds no rows" if not rows
+            why = ("no eval.jsonl" if not eval_rows_path(d).exists() else "its eval.jsonl holds no rows" if not rows
                    else f"its eval.jsonl holds no {','.join(tasks)} rows (it holds "
                         f"{', '.join(sorted({task_of(r) for r in rows}))})")
             skipped.append(f"skipped run {d} ({label}): {why} (`hybrid-lm eval {d} --tasks "
@@ -284,7 +284,7 @@ def nothing_to_report(paths: list[str | Path], tasks: tuple[str, ...] | None = N
             if not tasks or fam in tasks:
                 asked += 1
                 scored += point(r) is not None and r.get("tokens_seen") is not None
-        trainer += len(read_metrics(d / "metrics.jsonl", "eval"))
+        trainer += len(read_metrics(metrics_path(d), "eval"))
     found = f"{len(dirs)} run dir{'s' if len(dirs) != 1 else ''}: "
     if per_task:
         found += "eval.jsonl holds " + ", ".join(f"{n} {t}" for t, n in sorted(per_task.items())) + " eval-suite rows"

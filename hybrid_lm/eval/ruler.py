@@ -74,6 +74,7 @@ from hybrid_lm.files import atomic_write_text
 from hybrid_lm.model.registry import MixerContext
 from hybrid_lm.ops.attention import default_positions
 from hybrid_lm.progress import bar_disabled
+from hybrid_lm.run.directory import checkpoint_meta
 from hybrid_lm.run.swap import describe
 from hybrid_lm.sharding import put_batch
 from hybrid_lm.step import ModelFns
@@ -955,9 +956,8 @@ def decode_unavailable(model) -> str | None:
 
 def tokens_seen(run) -> int:
     """Tokens the restored checkpoint was trained on: its saved metadata, else step x batch x seq_len."""
-    meta = run.workdir / "checkpoints" / str(run.step) / "meta" / "metadata"
     try:
-        return int(json.loads(meta.read_text())["tokens_seen"])
+        return int(checkpoint_meta(run.workdir, run.step)["tokens_seen"])
     except (OSError, ValueError, KeyError, TypeError):
         return run.step * run.cfg.train.global_batch * run.cfg.data.seq_len
 

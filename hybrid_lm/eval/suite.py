@@ -48,8 +48,7 @@ from hybrid_lm.eval.probe import check_samples
 from hybrid_lm.eval.ruler import check_request, format_table, tokens_seen
 from hybrid_lm.experiment import run_id
 from hybrid_lm.progress import bar_disabled
-from hybrid_lm.run.directory import load_run_config, read_eval_rows, run_path
-from hybrid_lm.run.hf import hf_folder
+from hybrid_lm.run.directory import checkpoint_steps, load_run_config, read_eval_rows, run_path
 from hybrid_lm.run.restore import RestoredRun, record_rows
 from hybrid_lm.run.swap import swapped_config
 
@@ -210,17 +209,6 @@ def eval_key(config: dict) -> str:
 
 
 # ----------------------------------------------------------------------------- checkpoints
-
-def checkpoint_steps(workdir: Path | str) -> list[int]:
-    """Finalised checkpoint steps of a run, ascending (``*.orbax-checkpoint-tmp`` dirs are not steps);
-    a Hugging Face folder (``hf:DIR``) has one, step 0."""
-    if hf_folder(workdir) is not None:
-        return [0]
-    d = Path(workdir) / "checkpoints"
-    if not d.is_dir():
-        raise WorkdirError(f"{workdir} has no checkpoints/ directory: train the run first")
-    return sorted(int(p.name) for p in d.iterdir() if p.is_dir() and p.name.isdigit())
-
 
 def parse_steps(spec: str | None, available: list[int]) -> list[int]:
     """``latest`` (default), ``all``, or comma-separated steps (each must be saved)."""

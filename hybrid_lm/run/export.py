@@ -39,10 +39,10 @@ import numpy as np
 from hybrid_lm.config import config_from_dict
 from hybrid_lm.errors import ConfigError, WorkdirError
 from hybrid_lm.run.param_names import flatten_params, param_name, unflatten_params  # noqa: F401  (re-exported)
-from hybrid_lm.experiment import read_run_config, run_id
+from hybrid_lm.experiment import run_id
 from hybrid_lm.optional import optional_import
-from hybrid_lm.run.checkpoint import params_fingerprint, saved_steps
-from hybrid_lm.run.directory import load_run_config
+from hybrid_lm.run.checkpoint import params_fingerprint
+from hybrid_lm.run.directory import checkpoint_steps, config_path, load_run_config, read_run_config
 from hybrid_lm.run.hf import check_exportable, write_hf_folder
 from hybrid_lm.run.restore import RestoredRun
 from hybrid_lm.step import ModelFns
@@ -120,7 +120,7 @@ def export_checkpoint(run_spec: str, out=None, fmt: str = "safetensors", dtype: 
         raise WorkdirError(str(e)) from None
     if fmt == "hf":
         check_exportable(cfg.model)  # a layer transformers has no counterpart for: refused before the restore
-    saved = saved_steps(run_dir / "checkpoints")
+    saved = checkpoint_steps(run_dir, missing_ok=True)
     if not saved:
         raise WorkdirError(f"{run_dir} holds no checkpoint: train the run first")
     if step is not None and step not in saved:
@@ -149,7 +149,7 @@ def export_checkpoint(run_spec: str, out=None, fmt: str = "safetensors", dtype: 
             arr = arr.astype(ml_dtypes.bfloat16)
         flat[name] = np.ascontiguousarray(arr)
     axes = _flat_axes(run.fns.axes)
-    raw = read_run_config(run_dir / "config.json")[0]
+    raw = read_run_config(config_path(run_dir))[0]
     raw.pop("export", None)
     meta = {"format": fmt, "weights": WEIGHTS, "step": run.step, "run_id": run_id(run.cfg),
             "source": str(run_dir.resolve()), "dtype": target, "hybrid_lm_version": _version(),

@@ -32,7 +32,7 @@ from hybrid_lm.config import Config
 from hybrid_lm.data.pipeline import DataStreams
 from hybrid_lm.data.tokenizer import get_tokenizer
 from hybrid_lm.experiment import run_id
-from hybrid_lm.run.directory import load_run_config
+from hybrid_lm.run.directory import checkpoint_dir, eval_rows_path, load_run_config, metrics_path
 from hybrid_lm.errors import ConfigError, DataError, WorkdirError
 from hybrid_lm.run import loss
 from hybrid_lm.run.checkpoint import Checkpointer, abstract_with_shardings
@@ -63,7 +63,7 @@ class RestoredRun:
         else:
             self.workdir = Path(workdir)
             self.cfg = load_run_config(self.workdir)
-        directory = self.workdir / "checkpoints"
+        directory = checkpoint_dir(self.workdir)
         if self.hf is None and not directory.is_dir():
             raise FileNotFoundError(f"{self.workdir} has no checkpoints/ directory")
         try:
@@ -122,7 +122,7 @@ class RestoredRun:
 
     def trained_eval(self, seq_len: int) -> dict | None:
         """The trainer's eval row at the restored step (same windows), if metrics.jsonl has it."""
-        path = self.workdir / "metrics.jsonl"
+        path = metrics_path(self.workdir)
         if seq_len != self.cfg.data.seq_len or not path.exists():
             return None
         rows = [r for r in read_metrics(path, "eval") if r["step"] == self.step]
@@ -131,7 +131,7 @@ class RestoredRun:
     def record(self, row: dict) -> None:
         """Append ``row`` to ``<workdir>/eval.jsonl`` (process 0 only)."""
         if jax.process_index() == 0:
-            with (self.workdir / "eval.jsonl").open("a") as fh:
+            with eval_rows_path(self.workdir).open("a") as fh:
                 fh.write(json.dumps(row) + "\n")
 
     # ------------------------------------------------------------------------- the trainer's eval

@@ -37,7 +37,8 @@ from tqdm.auto import tqdm
 from hybrid_lm.errors import DataError
 from hybrid_lm.model.accounting import count_params, flops_per_token
 from hybrid_lm.progress import bar_disabled
-from hybrid_lm.run.directory import find_run_dirs, load_run_config, run_architecture
+from hybrid_lm.run.directory import (config_path, eval_rows_path, find_run_dirs, load_run_config, metrics_path,
+                                     run_architecture)
 from hybrid_lm.run.metrics import read_metrics
 from hybrid_lm.scaling.sweep import decay_start
 from hybrid_lm.scaling.table import BOOKKEEPING, write_table
@@ -120,7 +121,7 @@ def read_eval_rows(d: Path) -> tuple[dict, dict]:
     """``<d>/eval.jsonl`` as ``{(task, settings, step): row}``, the last row of each key kept (an
     evaluation run again supersedes the earlier one), and counts ``{"read", "superseded", "bad_lines"}``.
     A line that is not a JSON object (a torn last line after a kill) is skipped and counted."""
-    path = d / "eval.jsonl"
+    path = eval_rows_path(d)
     out: dict = {}
     stats = {"read": 0, "superseded": 0, "bad_lines": 0}
     if not path.exists():
@@ -195,7 +196,7 @@ def _run_meta(d: Path) -> dict:
     meta_path = d / "sweep_run.json"
     if meta_path.exists():
         return json.loads(meta_path.read_text())
-    if not (d / "config.json").exists():
+    if not config_path(d).exists():
         raise FileNotFoundError(f"{d} has neither sweep_run.json nor config.json")
 
     cfg = load_run_config(d)
@@ -254,7 +255,7 @@ def collect_run(d: Path, intermediate: bool = False, eval_rows: dict | None = No
     """Table rows of run ``d`` and the keys of ``eval_rows`` (from :func:`read_eval_rows`) it placed."""
     d = Path(d)
     meta = _run_meta(d)
-    rows = read_metrics(d / "metrics.jsonl")
+    rows = read_metrics(metrics_path(d))
     evals = [r for r in rows if r.get("kind") == "eval" and isinstance(r.get("loss"), (int, float))]
     trains = [r for r in rows if r.get("kind") == "train"]
     if not evals:

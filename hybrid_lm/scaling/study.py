@@ -125,7 +125,7 @@ def study_runs(root: Path, *, checkpoints: bool = True, study: str = "") -> list
     from hybrid_lm.scaling.launch import DONE
     from hybrid_lm.scaling.sweep import read_manifest
 
-    from hybrid_lm.eval.suite import checkpoint_steps
+    from hybrid_lm.run.directory import checkpoint_steps
 
     man = read_manifest(root)
     out = []

@@ -34,10 +34,11 @@ import jax
 from hybrid_lm.config import Config, bound_model_fields, gin_binds
 from hybrid_lm.errors import ConfigError, WorkdirError
 from hybrid_lm.experiment import config_record, diff_experiments, run_id, validate_experiment
-from hybrid_lm.run.checkpoint import Checkpointer, abstract_with_shardings, saved_steps
+from hybrid_lm.run.checkpoint import Checkpointer, abstract_with_shardings
 from hybrid_lm.run.directory import load_run_config
 from hybrid_lm.run.hf import HFCheckpoint, hf_folder, merge_model
-from hybrid_lm.train.rundir import accepted_run_ids, recorded_init_source
+from hybrid_lm.run.directory import accepted_run_ids, checkpoint_dir, checkpoint_steps
+from hybrid_lm.train.rundir import recorded_init_source
 from hybrid_lm.step import ModelFns
 
 log = logging.getLogger(__name__)
@@ -144,7 +145,7 @@ def resolve_init_source(spec: str, workdir: Path | None = None) -> InitSource:
     """
     path, step = parse_init_spec(spec)
     src = path.expanduser().resolve()
-    kept = recorded_init_source(workdir) if workdir is not None and saved_steps(Path(workdir) / "checkpoints") else None
+    kept = recorded_init_source(workdir) if workdir is not None and checkpoint_steps(workdir, missing_ok=True) else None
     if kept and step in (None, kept["step"]) and not src.exists() and (
             kept["source_dir"] == str(src) or kept["identity"] == str(spec)):
         log.warning("--init-from %s: the source is gone; %s resumes from its own checkpoints (initialised "
@@ -157,7 +158,7 @@ def resolve_init_source(spec: str, workdir: Path | None = None) -> InitSource:
     except FileNotFoundError as e:
         raise WorkdirError(f"--init-from {spec}: {e}") from None
     src_id = run_id(cfg)
-    saved = tuple(saved_steps(src / "checkpoints"))
+    saved = tuple(checkpoint_steps(src, missing_ok=True))
     if step is None and kept and kept["source_run_id"] == src_id:
         step = int(kept["step"])
         if saved and saved[-1] != step:
@@ -184,7 +185,7 @@ def source_params(source: InitSource | None, abstract_params, shardings):
             raise WorkdirError(f"--init-from {source.spec}: the folder's weights changed since the run started "
                                f"({ck.identity} is not {source.run_id})")
         return ck.read_params(abstract_params, shardings)
-    ckpt = Checkpointer(source.workdir / "checkpoints", source.cfg.checkpoint, read_only=True)
+    ckpt = Checkpointer(checkpoint_dir(source.workdir), source.cfg.checkpoint, read_only=True)
     abstract = abstract_with_shardings(abstract_params, shardings)
     try:
         params, _ = ckpt.restore_params(abstract, source.step)
@@ -223,7 +224,7 @@ def _param_specs(cfg: Config) -> dict[str, str]:
 
 def refuse_foreign_checkpoints(cfg: Config, workdir: Path, source: InitSource) -> None:
     """A continued run starts from the source only in a workdir without checkpoints of another run."""
-    steps = saved_steps(workdir / "checkpoints")
+    steps = checkpoint_steps(workdir, missing_ok=True)
     if not steps or run_id(cfg) in accepted_run_ids(workdir):
         return
     rec = recorded_init_source(workdir)

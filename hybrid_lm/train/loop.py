@@ -40,14 +40,14 @@ from hybrid_lm.train import distributed
 from hybrid_lm import sharding as shd
 from hybrid_lm.train import continued, nonfinite
 from hybrid_lm import signals
-from hybrid_lm.run.checkpoint import Checkpointer, abstract_with_shardings, params_fingerprint, saved_steps
+from hybrid_lm.run.checkpoint import Checkpointer, abstract_with_shardings, params_fingerprint
 from hybrid_lm.train.continued import InitSource
 from hybrid_lm.lock import workdir_lock
 from hybrid_lm.train.logger import StepLogger, check_extras, startup_summary
 from hybrid_lm.train.nonfinite import NonFiniteError  # noqa: F401  (raised by train(); part of its API)
 from hybrid_lm.train.optim import optimizer_for_bounds, wsd_bounds
-from hybrid_lm.train.rundir import (RECORDS_BESIDE_CHECKPOINTS, accepted_run_ids, archive_run, prepare_run_dir,
-                                    record_init_fingerprint)
+from hybrid_lm.train.rundir import RECORDS_BESIDE_CHECKPOINTS, archive_run, prepare_run_dir, record_init_fingerprint
+from hybrid_lm.run.directory import accepted_run_ids, checkpoint_dir, checkpoint_steps, metrics_path
 from hybrid_lm.step import ModelFns, StateInit, make_eval_step
 
 log = logging.getLogger(__name__)
@@ -145,7 +145,7 @@ def _nothing_restored(ckpt: Checkpointer, main: bool) -> None:
     was ever committed but metrics rows exist (killed before the first save): nothing can be lost, so
     archive the rows (as ``--restart`` does) and train from step 0."""
     workdir = ckpt.directory.parent
-    metrics = workdir / "metrics.jsonl"
+    metrics = metrics_path(workdir)
     has_rows = metrics.exists() and metrics.stat().st_size > 0
     corrupt = ckpt.directory / "corrupt"
     moved = sorted(p.name for p in corrupt.iterdir()) if corrupt.is_dir() else []
@@ -196,7 +196,7 @@ def train(cfg: Config, workdir: Path | str | None = None, *, force: bool = False
             try:
                 res = _train(cfg, workdir, force, restart, devices, main, t_start, source, flag)
             except _Stopped as stop:
-                saved = saved_steps(workdir / "checkpoints")
+                saved = checkpoint_steps(workdir, missing_ok=True)
                 res = TrainResult(workdir=workdir, step=saved[-1] if saved else 0, final_eval=None,
                                   wall_seconds=time.time() - t_start, resumed_from=None, preempted=stop.name,
                                   before_training=True)
@@ -241,7 +241,7 @@ def _train(cfg: Config, workdir: Path, force: bool, restart: bool, devices, main
             prepare_run_dir(cfg, workdir, force=force, init_record=source.record() if source else None)
         _sync("run dir ready")
         with jax.set_mesh(mesh):
-            ckpt = Checkpointer(workdir / "checkpoints", cfg.checkpoint)
+            ckpt = Checkpointer(checkpoint_dir(workdir), cfg.checkpoint)
             try:
                 state, resumed_from = init_or_restore(cfg, prog, ckpt, source, main)
                 _stop_point(flag)  # before the first step (and its compile)

@@ -14,6 +14,7 @@ import pytest
 
 from hybrid_lm.scaling import launch as L
 from hybrid_lm.experiment import run_id
+from hybrid_lm.run.directory import checkpoint_steps
 from hybrid_lm.scaling.sweep import (
     MFU_H200_MEASURED,
     PEAK_FLOPS,
@@ -427,7 +428,7 @@ def test_tiny_sweep_end_to_end(tmp_path, tiny_sweep):
     #    branch is seeded again by its (finished) stable run, which still holds the checkpoint at 14
     d = root / big
     loss, t1_loss = _final_loss(d), _final_loss(root / t1)
-    ckpts = L.checkpoint_steps(d)
+    ckpts = checkpoint_steps(d)
     assert ckpts[-1] == jobs[big]["steps"] and len(ckpts) == 2
     shutil.rmtree(d / "checkpoints" / str(ckpts[-1]))
     (d / "sweep_done.json").unlink()
