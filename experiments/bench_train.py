@@ -46,7 +46,7 @@ from hybrid_lm.backends import recorded_backends  # noqa: E402
 from hybrid_lm.model.accounting import count_params, flops_per_token  # noqa: E402
 from hybrid_lm.train import microbatch  # noqa: E402
 from hybrid_lm.train.optim import optimizer_for_bounds, wsd_bounds  # noqa: E402
-from hybrid_lm.train.step import ModelFns, StateInit, make_train_step  # noqa: E402
+from hybrid_lm.step import ModelFns, StateInit, make_train_step  # noqa: E402
 
 BENCH = "train"
 # the README's architectures: the scale preset's 1:1 full + SWA-128 hybrid (swa), all full attention, and the

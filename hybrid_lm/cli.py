@@ -8,10 +8,18 @@ import logging
 import os
 import sys
 
-from hybrid_lm.experiment import load_config, run_id
+from hybrid_lm import backends, describe, determinism, signals
+from hybrid_lm.experiment import load_config, run_id, validate_experiment, vocab_note
 from hybrid_lm.errors import ConfigError, DataError, WorkdirError
-from hybrid_lm.train.compile_cache import enable_compilation_cache
+from hybrid_lm.compile_cache import enable_compilation_cache
+from hybrid_lm.data.cli import add_data_commands
+from hybrid_lm.eval.cli import add_eval_commands
+from hybrid_lm.model.accounting import count_params, flops_per_token
+from hybrid_lm.scaling.cli import add_scaling_commands
+from hybrid_lm.train import distributed
 from hybrid_lm.train.distributed import ClusterError
+from hybrid_lm.train.loop import NonFiniteError, train
+from hybrid_lm.train.microbatch import measured_per_device, rule_for
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -29,13 +37,9 @@ def order0_comparison(bpb: float, h0: float) -> str:
 
 
 def cmd_train(args) -> int:
-    from hybrid_lm.train import signals
-
     # SIGTERM, SIGUSR1 and Ctrl-C are caught from here to the end: one during start-up stops the run
-    # cleanly rather than killing it (train/signals.py)
+    # cleanly rather than killing it (signals.py)
     with signals.catching():
-        from hybrid_lm.train.loop import NonFiniteError, train
-
         cfg = load_config(args.config, args.gin_param)
         try:
             res = train(cfg, args.workdir, force=args.force, restart=args.restart, init_from=args.init_from)
@@ -73,16 +77,12 @@ def _report_train(res) -> int:
 
 
 def cmd_info(args) -> int:
-    from hybrid_lm.model.accounting import count_params, flops_per_token
-    from hybrid_lm.experiment import validate_experiment, vocab_note
-
     cfg = load_config(args.config, args.gin_param, validate=False)
     validate_experiment(cfg, purpose="info")  # the vocabulary note is a line of the report, not a warning
     if args.backends:
         return _info_backends(cfg, args.json)
     counts = count_params(cfg.model)
     flops = flops_per_token(cfg.model, cfg.data.seq_len)
-    from hybrid_lm.train.microbatch import measured_per_device, rule_for
 
     micro, why = rule_for(cfg, batch_shards=1)
     info = {"run_id": run_id(cfg), "layer_types": "".join(cfg.model.layer_types()),
@@ -123,8 +123,6 @@ def cmd_info(args) -> int:
 
 
 def _info_backends(cfg, as_json: bool) -> int:
-    from hybrid_lm import backends, describe
-
     m = cfg.model
     rows = describe.describe_layers(m, cfg.data.seq_len, document_mask=cfg.data.document_mask)
     head = {"platform": backends.current_platform(), "seq_len": cfg.data.seq_len, "compute_dtype": m.compute_dtype,
@@ -141,8 +139,6 @@ def main(argv=None) -> int:
     """The ``hybrid-lm`` command. A reader that leaves early (``hybrid-lm info ... --json | head``) ends it
     quietly with status 141, the 128 + SIGPIPE of any Unix filter whose reader left: ``set -o pipefail``
     scripts see what they see from ``cat``, and the output is known to be cut short (0 would hide that)."""
-    from hybrid_lm.train import distributed
-
     try:
         try:
             rc = _main(argv)
@@ -153,7 +149,7 @@ def main(argv=None) -> int:
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's own flush writes nowhere
         return 141
-    except KeyboardInterrupt:  # Ctrl-C outside a run (a run catches it: train/signals.py)
+    except KeyboardInterrupt:  # Ctrl-C outside a run (a run catches it: signals.py)
         print("\ninterrupted", file=sys.stderr)
         return 130
 
@@ -189,11 +185,8 @@ def _main(argv=None) -> int:
                    help="instead: the backend each layer's ops resolve to on this platform, and why")
     p.set_defaults(fn=cmd_info)
 
-    from hybrid_lm.data.cli import add_data_commands
     add_data_commands(sub)
-    from hybrid_lm.eval.cli import add_eval_commands
     add_eval_commands(sub)
-    from hybrid_lm.scaling.cli import add_scaling_commands
     add_scaling_commands(sub)
     from hybrid_lm.study.cli import add_claims_command
     add_claims_command(sub)
@@ -201,7 +194,6 @@ def _main(argv=None) -> int:
     args = ap.parse_args(argv)
     debug = args.debug or os.environ.get("HYBRID_LM_DEBUG") == "1"
     try:
-        from hybrid_lm import determinism
         determinism.apply()  # HYBRID_LM_DETERMINISTIC=1: into XLA_FLAGS before the XLA backend starts
         enable_compilation_cache()
         return args.fn(args)

@@ -27,6 +27,7 @@ import difflib
 import hashlib
 import json
 import logging
+import math
 import re
 import tokenize
 from dataclasses import InitVar, dataclass, field
@@ -44,14 +45,14 @@ def _meta(run_id: bool = True, **kw):
     return {"run_id": run_id, **kw}
 
 
-def _nid(default, **kw):
+def _not_in_run_id(default, **kw):
     """A field that does not define the experiment (left out of the run id)."""
     return field(default=default, metadata=_meta(False), **kw)
 
 
-def _added(default=dataclasses.MISSING, **kw):
-    """An experiment-defining field added after run ids were first published: it enters the run id
-    only when set to a non-default value, so the ids of configs that leave it alone do not change."""
+def _in_run_id_when_set(default=dataclasses.MISSING, **kw):
+    """An experiment-defining field that enters the run id only when set to a non-default value, so the
+    ids of the configs that leave it alone are those computed before the field existed."""
     return field(default=default, metadata=_meta(True, omit_default=True), **kw)
 
 
@@ -114,7 +115,7 @@ class MixerConfig:
     # RoPE's frequencies rescaled for a longer context, as transformers' ``rope_parameters`` spells it:
     # {} (plain RoPE) or {"rope_type": "llama3" | "linear" | "yarn", "factor", ...} with the keys of
     # ROPE_SCALINGS (Llama 3.1+, linear interpolation, YaRN; hybrid_lm/model/layers.py::rope_frequencies)
-    rope_scaling: dict = _added(default_factory=dict)
+    rope_scaling: dict = _in_run_id_when_set(default_factory=dict)
     options: dict = field(default_factory=dict)  # mixer-specific; checked against the mixer's Options
 
 
@@ -166,20 +167,19 @@ class ModelConfig:
     norm_eps: float = 1e-6
     # RMSNorm of each head's q and k (a learned scale of head_dim, eps norm_eps) before RoPE, as Qwen3;
     # every softmax-attention mixer takes it (hybrid_lm/model/attention.py), the other mixers refuse it
-    qk_norm: bool = _added(False)
+    qk_norm: bool = _in_run_id_when_set(False)
     init_std: float = 0.02
-    compute_dtype: DType = "bfloat16"
-    param_dtype: DType = "float32"
+    compute_dtype: DType = "bfloat16"  # parameters are float32 (model/layers.py); compute runs in this dtype
     attention_impl: AttentionImpl = "auto"
     # linear-attention ops of lightning/mamba2/gdn: auto | xla | jla (hybrid_lm/ops/linear_attention_gpu.py).
     # An execution detail (same math up to rounding), so not part of the run id; recorded in config.json.
-    linear_impl: LinearImpl = _nid("auto")
+    linear_impl: LinearImpl = _not_in_run_id("auto")
     remat: Remat = "none"
     # next-token loss: whole fp32 logits, or chunks of loss_chunk tokens (hybrid_lm/ops/cross_entropy.py);
     # the same math up to float rounding, so not part of the run id
-    loss_impl: LossImpl = _nid("auto")
-    loss_chunk: int = _nid(8192)
-    scan_layers: bool = _nid(False)  # lax.scan over repeated layer groups (same params; hybrid_lm/model/transformer.py)
+    loss_impl: LossImpl = _not_in_run_id("auto")
+    loss_chunk: int = _not_in_run_id(8192)
+    scan_layers: bool = _not_in_run_id(False)  # lax.scan over repeated layer groups (same params; hybrid_lm/model/transformer.py)
     full: MixerConfig = field(default_factory=lambda: SLOT_DEFAULTS["full"])
     efficient: MixerConfig = field(default_factory=lambda: SLOT_DEFAULTS["efficient"])
     # Removed backend settings (docs/KERNELS.md, "Removed settings"): still accepted, so that gin files
@@ -219,13 +219,13 @@ class DataConfig:
     eval_windows: int = field(default=64, metadata=_meta(False))  # fixed held-out windows for eval
     # several stores mixed by weight, e.g. (('data_cache/web', 0.7), ('data_cache/code', 0.3));
     # when set it replaces source/path (hybrid_lm/data/pipeline.py)
-    mixture: tuple = _added(())
+    mixture: tuple = _in_run_id_when_set(())
     # long/short mixing: documents of >= long_min_tokens tokens are "long"; long_fraction of the
     # training tokens come from them, the rest from the other documents (0: off, plain packing)
-    long_min_tokens: int = _added(0)
-    long_fraction: float = _added(0.5)
+    long_min_tokens: int = _in_run_id_when_set(0)
+    long_fraction: float = _in_run_id_when_set(0.5)
     # attention never crosses a document boundary and positions restart per document
-    document_mask: bool = _added(False)
+    document_mask: bool = _in_run_id_when_set(False)
 
 
 @gin.configurable
@@ -256,23 +256,23 @@ class TrainConfig:
     seed: int = 0
     # the order of the training windows (and of a mixture's blocks); None: `seed`. Set it to vary the
     # initialisation and the data order apart (a value equal to `seed` is the same experiment as None)
-    data_seed: int | None = _added(None)
-    log_every: int = _nid(10)
-    eval_every: int = _nid(200)
-    progress: bool = _nid(True)
-    tensorboard: bool = _nid(False)  # mirror metrics to <workdir>/tb (needs the [tb] extra)
-    wandb: bool = _nid(False)  # mirror metrics to Weights & Biases (needs the [wandb] extra; WANDB_MODE=offline works)
+    data_seed: int | None = _in_run_id_when_set(None)
+    log_every: int = _not_in_run_id(10)
+    eval_every: int = _not_in_run_id(200)
+    progress: bool = _not_in_run_id(True)
+    tensorboard: bool = _not_in_run_id(False)  # mirror metrics to <workdir>/tb (needs the [tb] extra)
+    wandb: bool = _not_in_run_id(False)  # mirror metrics to Weights & Biases (needs the [wandb] extra; WANDB_MODE=offline works)
     # Gradient accumulation: the global batch is split into this many equal micro-batches. It is an
     # execution detail (same math as the large batch), so it is not part of the run id.
-    microbatches: int = _nid(1)
+    microbatches: int = _not_in_run_id(1)
     # continued pretraining: start from another run's parameters, with a fresh optimizer state and
     # schedule. `hybrid-lm train --init-from RUN_DIR[@STEP]` sets it to "<source run id>@<step>"
     # (the identity: train/rundir.py; the path is in provenance.json)
-    init_from: str | None = _added(None)
-    nan_policy: NanPolicy = _nid("stop")
-    max_consecutive_skips: int = _nid(10)  # under nan_policy='skip', this many in a row stop the run (train/loop.py)
-    profile_start: int = _nid(-1)  # trace steps [profile_start, profile_start + profile_steps) (-1: off)
-    profile_steps: int = _nid(5)
+    init_from: str | None = _in_run_id_when_set(None)
+    nan_policy: NanPolicy = _not_in_run_id("stop")
+    max_consecutive_skips: int = _not_in_run_id(10)  # under nan_policy='skip', this many in a row stop the run (train/loop.py)
+    profile_start: int = _not_in_run_id(-1)  # trace steps [profile_start, profile_start + profile_steps) (-1: off)
+    profile_steps: int = _not_in_run_id(5)
 
     def __post_init__(self):
         if self.data_seed is not None and not isinstance(self.data_seed, bool) and self.data_seed == self.seed:
@@ -287,21 +287,21 @@ class TrainConfig:
 @gin.configurable
 @dataclass(frozen=True)
 class CheckpointConfig:
-    every_steps: int = _nid(200)  # rolling saves, the newest `keep` are kept
-    keep: int = _nid(3)
-    permanent_every: int = _nid(0)  # steps divisible by this are never deleted (0: off)
-    interval_minutes: float = _nid(0.0)  # extra temporary saves on a wall-clock interval (0: off)
-    async_save: bool = _nid(True)
+    every_steps: int = _not_in_run_id(200)  # rolling saves, the newest `keep` are kept
+    keep: int = _not_in_run_id(3)
+    permanent_every: int = _not_in_run_id(0)  # steps divisible by this are never deleted (0: off)
+    interval_minutes: float = _not_in_run_id(0.0)  # extra temporary saves on a wall-clock interval (0: off)
+    async_save: bool = _not_in_run_id(True)
 
 
 @gin.configurable
 @dataclass(frozen=True)
 class MeshConfig:
-    data: int = _nid(-1)  # -1: all remaining devices
-    fsdp: int = _nid(1)
-    tensor: int = _nid(1)
+    data: int = _not_in_run_id(-1)  # -1: all remaining devices
+    fsdp: int = _not_in_run_id(1)
+    tensor: int = _not_in_run_id(1)
     # logical axis -> mesh axis (or None = replicated); pure data parallelism by default
-    rules: tuple = _nid((
+    rules: tuple = _not_in_run_id((
         ("batch", ("data", "fsdp")),
         ("vocab", "tensor"),
         ("embed", "fsdp"),
@@ -365,8 +365,6 @@ def expand_pattern(pattern: str, n_layers: int) -> list[str]:
 def _ratios_for(n_layers: int, most: int = 6) -> list[str]:
     """Ratios 'a:b' (a, b >= 1, in lowest terms) whose group of a + b layers divides ``n_layers``, fewest
     layers per group first."""
-    import math
-
     out = [f"{a}:{n - a}" for n in range(2, n_layers + 1) if n_layers % n == 0
            for a in range(1, n) if math.gcd(a, n - a) == 1]
     return out[:most]
@@ -547,8 +545,12 @@ def operative_gin() -> str:
     return gin.config_str()
 
 
-# Fields older versions wrote to config.json that no longer exist (none defined the experiment).
-REMOVED_FIELDS = {"train": ("eval_batches",), "model": tuple(REMOVED_MODEL_SETTINGS)}
+# Fields older versions wrote to config.json that no longer exist: read and dropped.
+REMOVED_FIELDS = {"train": ("eval_batches",), "model": (*REMOVED_MODEL_SETTINGS, "param_dtype")}
+# Removed fields that entered the run id, at the one value they had in every run: they stay in the hashed
+# fields, so the run ids of earlier runs hold. ModelConfig.param_dtype (parameters are always float32) was
+# validated and hashed but read nowhere.
+FIXED_RUN_ID_FIELDS = {"model.param_dtype": "float32"}
 RUN_CONFIG_SECTIONS = ("model", "data", "optim", "train", "checkpoint", "mesh")
 
 
@@ -672,6 +674,7 @@ def experiment_fields(cfg: Config, data_identity: dict) -> dict[str, Any]:
     content (``data.identity``: store fingerprints and the tokenizer's hash, resolved from disk by
     :mod:`hybrid_lm.data.identity`), not by path."""
     out: dict[str, Any] = {"data.identity": data_identity} if data_identity else {}
+    out.update(FIXED_RUN_ID_FIELDS)
     for sec in dataclasses.fields(cfg):
         obj = getattr(cfg, sec.name)
         for f in dataclasses.fields(obj):

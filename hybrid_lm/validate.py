@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 
 from hybrid_lm.config import Config, MixerConfig, check_config, wsd_bounds
+from hybrid_lm.errors import ConfigError
+from hybrid_lm.model.attention import Attention
 from hybrid_lm.model.registry import MIXER_FIELDS, check_document_mask, get_mixer
 
 PURPOSES = ("train", "info", "eval")
@@ -32,9 +34,6 @@ def validate_model(cfg: Config) -> None:
 def check_qk_norm(m) -> None:
     """``ModelConfig.qk_norm`` normalises the q and k of softmax attention (``model.attention.Attention``
     and the mixers built on it); a layer whose mixer has no such q and k refuses it in one line."""
-    from hybrid_lm.errors import ConfigError
-    from hybrid_lm.model.attention import Attention
-
     for t in dict.fromkeys(m.layer_types()):
         slot = {"F": "full", "E": "efficient"}[t]
         kind = m.mixer(t).kind

@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from hybrid_lm.train.metrics import read_metrics
+from hybrid_lm.run.metrics import read_metrics
 
 SCONTROL = """#!/bin/bash
 # stand-in for SLURM's scontrol: record the call, then act as a requeue of a running job does
@@ -64,7 +64,8 @@ def fire():
             time.sleep(0.05)
 
 if spec:
-    from hybrid_lm.train import checkpoint, logger, loop
+    from hybrid_lm.run import checkpoint
+    from hybrid_lm.train import logger, loop
     if spec["where"] == "row":
         row = logger.StepLogger.train_row
         def train_row(self, done, *a, **k):

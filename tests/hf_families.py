@@ -1,4 +1,4 @@
-"""Tiny models of each transformers family that hybrid_lm maps (``hybrid_lm/eval/hf.py``), shared by the
+"""Tiny models of each transformers family that hybrid_lm maps (``hybrid_lm/run/hf.py``), shared by the
 CPU tests (``tests/test_hf_interop.py``: round trip, mapping, refusals) and the parity check against
 transformers (``tests/gpu/test_gpu_hf_parity.py``).
 
@@ -89,7 +89,7 @@ def random_params(model: ModelConfig, seed: int = 0) -> dict:
     norm scales U(0.5, 1.5)), never the init's ones and zeros."""
     import jax
 
-    from hybrid_lm.train.step import ModelFns
+    from hybrid_lm.step import ModelFns
 
     abstract = ModelFns(Config(model=model)).abstract_params
     rng = np.random.default_rng(seed)
@@ -113,7 +113,7 @@ def logits(model: ModelConfig, params, tokens) -> np.ndarray:
 
     from hybrid_lm.model.registry import MixerContext
     from hybrid_lm.ops.attention import default_positions
-    from hybrid_lm.train.step import ModelFns
+    from hybrid_lm.step import ModelFns
 
     fns = ModelFns(Config(model=dataclasses.replace(model, attention_impl="xla")))
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hybrid_lm.train.metrics import read_metrics
+from hybrid_lm.run.metrics import read_metrics
 
 
 def write_gin(path: Path, params: list[str]) -> Path:

@@ -9,7 +9,7 @@ import pytest
 from conftest import TINY, triton_calls_for_cuda
 
 from hybrid_lm.experiment import load_config
-from hybrid_lm.train.step import ModelFns
+from hybrid_lm.step import ModelFns
 
 
 def _triton_calls(n_layers: int, mixer: list[str]) -> int:

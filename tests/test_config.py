@@ -158,7 +158,6 @@ def test_run_ids_are_unchanged(files, expected_id):
     ("ModelConfig.linear_impl = 'magic'", "ModelConfig.linear_impl='magic'", "auto, xla, jla"),
     ("ModelConfig.remat = 'all'", "ModelConfig.remat='all'", "none, full, dots, dots_attn"),
     ("ModelConfig.compute_dtype = 'fp8'", "ModelConfig.compute_dtype='fp8'", "float32, bfloat16, float16"),
-    ("ModelConfig.param_dtype = 'int8'", "ModelConfig.param_dtype='int8'", "float32, bfloat16, float16"),
     ("DataConfig.source = 'web'", "DataConfig.source='web'", "embedded, tokens"),
     ("OptimConfig.name = 'sgd'", "OptimConfig.name='sgd'", "adamw, muon"),
     ("OptimConfig.decay_shape = 'exp'", "OptimConfig.decay_shape='exp'", "linear, cosine, 1-sqrt"),

@@ -7,7 +7,8 @@ import pytest
 
 from hybrid_lm.config import config_from_dict
 from hybrid_lm.experiment import config_record, load_config, run_id
-from hybrid_lm.train.rundir import accepted_run_ids, prepare_run_dir
+from hybrid_lm.run.directory import accepted_run_ids, load_run_config, migrate_run_config
+from hybrid_lm.train.rundir import prepare_run_dir
 
 # quickstart + kind=moba under the old rules: base/quickstart's window (32) stayed in the record and the run id
 OLD_ID = "8daad79730ce"
@@ -32,9 +33,9 @@ def test_old_run_dir_is_migrated_once(tmp_path, caplog):
     old = {**_old_config_json(new), "run_id": OLD_ID}
     old_text = json.dumps(old, indent=2)
     (tmp_path / "config.json").write_text(old_text)
-    with caplog.at_level(logging.WARNING, logger="hybrid_lm.train.rundir"):
+    with caplog.at_level(logging.WARNING, logger="hybrid_lm.run.directory"):
         prepare_run_dir(new, tmp_path)  # no "different experiment" error
-    lines = [r.getMessage() for r in caplog.records if r.name == "hybrid_lm.train.rundir"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "hybrid_lm.run.directory"]
     assert len(lines) == 1 and "model.efficient.window reset" in lines[0] and "train.eval_batches dropped" in lines[0]
     assert f"run id {OLD_ID} -> {run_id(new)}" in lines[0]
     assert (tmp_path / "config.json.bak").read_text() == old_text
@@ -43,7 +44,7 @@ def test_old_run_dir_is_migrated_once(tmp_path, caplog):
     assert stored["model"]["efficient"]["window"] is None and "eval_batches" not in stored["train"]
     assert accepted_run_ids(tmp_path) == {run_id(new), OLD_ID}
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="hybrid_lm.train.rundir"):
+    with caplog.at_level(logging.WARNING, logger="hybrid_lm.run.directory"):
         prepare_run_dir(load_config(["quickstart.gin"], ["efficient/MixerConfig.kind = 'moba'",
                                                          "TrainConfig.steps = 999"]), tmp_path)
     assert not caplog.records and accepted_run_ids(tmp_path) == {run_id(new), OLD_ID}
@@ -59,6 +60,25 @@ def test_removed_field_alone_keeps_the_run_id(tmp_path):
     stored = json.loads((tmp_path / "config.json").read_text())
     assert "eval_batches" not in stored["train"] and "previous_run_ids" not in stored
     assert accepted_run_ids(tmp_path) == {run_id(cfg)}
+
+
+@pytest.mark.parametrize("dtype,same_id", [("float32", True), ("bfloat16", False)])
+def test_a_config_json_with_param_dtype_reads_and_resumes(tmp_path, dtype, same_id):
+    """ModelConfig.param_dtype is gone (read nowhere: parameters are float32). A config.json that holds it
+    reads; with float32, the value every run had, the run id is the one it recorded (quickstart's golden id
+    in test_config.py); with bfloat16, which had another id for the same computation, the recorded id is
+    kept as a previous one, so the run's checkpoints resume."""
+    cfg = load_config(["quickstart.gin"])
+    d = json.loads(json.dumps(config_record(cfg), default=str))
+    d["model"]["param_dtype"] = dtype
+    recorded = run_id(cfg) if same_id else "0123456789ab"
+    (tmp_path / "config.json").write_text(json.dumps({**d, "run_id": recorded}))
+    assert run_id(load_run_config(tmp_path)) == run_id(cfg) == "bc91a0bd964d"
+    migrate_run_config(tmp_path)
+    stored = json.loads((tmp_path / "config.json").read_text())
+    assert "param_dtype" not in stored["model"] and stored["run_id"] == run_id(cfg)
+    assert stored["previous_run_ids"] == ([] if same_id else [recorded])
+    assert accepted_run_ids(tmp_path) == {run_id(cfg), recorded}
 
 
 def test_a_current_run_dir_is_not_migrated(tmp_path):

@@ -100,7 +100,7 @@ def test_train_loss_chunked_equals_full():
     z-loss on), and auto picks by the size of the whole logits."""
     from hybrid_lm.backends import CHUNKED_LOSS_MIN_BYTES, loss_backend
     from hybrid_lm.experiment import load_config
-    from hybrid_lm.train.step import ModelFns
+    from hybrid_lm.step import ModelFns
 
     assert loss_backend("auto", 4096, 256)[0] == "full"  # the quickstart: 4 MiB of logits
     assert loss_backend("auto", 131072, 73448)[0] == "chunked"  # 8 x 16K tokens at the presets' vocab

@@ -84,7 +84,7 @@ def test_an_unwritable_out_names_the_path_given(capsys, tmp_path, monkeypatch):
     assert msg == f"data error: cannot write --out {bad}: Not a directory (in {bad.parent}); choose another --out"
     assert ".lock" not in msg and "partial" not in msg
 
-    import hybrid_lm.train.lock as lock
+    import hybrid_lm.lock as lock
     real_open = lock.os.open
 
     def denied(path, *a, **k):  # a read-only directory (root can write anywhere, so it is simulated)

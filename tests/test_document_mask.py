@@ -19,7 +19,7 @@ from hybrid_lm.model.registry import MixerContext
 from hybrid_lm.model.transformer import HybridLM
 from hybrid_lm.ops import attention as ops
 from hybrid_lm.train.optim import optimizer_for_bounds, wsd_bounds
-from hybrid_lm.train.step import ModelFns, StateInit, make_eval_step, make_train_step, split_batch
+from hybrid_lm.step import ModelFns, StateInit, make_eval_step, make_train_step, split_batch
 
 TOL = dict(rtol=2e-5, atol=2e-5)
 
@@ -223,8 +223,8 @@ def test_document_mask_off_is_unchanged(tiny_params):
 @pytest.mark.integration
 def test_evaluate_and_put_batch_take_the_dict_windows(tiny_params):
     from hybrid_lm.config import MeshConfig
-    from hybrid_lm.eval.loss import evaluate, window_count
-    from hybrid_lm.train import sharding as shd
+    from hybrid_lm.run.loss import evaluate, window_count
+    from hybrid_lm import sharding as shd
 
     mesh = shd.make_mesh(MeshConfig())
     shard = shd.batch_sharding(mesh, MeshConfig().rules)

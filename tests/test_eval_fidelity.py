@@ -33,7 +33,7 @@ BYTE = load_tokenizer("byte")
 def _tiny(*extra, layers: int = 2, pattern: str = "F"):
     from conftest import TINY
     from hybrid_lm.experiment import load_config
-    from hybrid_lm.train.step import ModelFns
+    from hybrid_lm.step import ModelFns
 
     cfg = load_config([], list(TINY) + [f"ModelConfig.n_layers = {layers}", f"ModelConfig.layer_pattern = '{pattern}'",
                                         "ModelConfig.n_heads = 4", "ModelConfig.n_kv_heads = 2", *extra])

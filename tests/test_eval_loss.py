@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 
 from hybrid_lm.config import MeshConfig
-from hybrid_lm.eval.loss import evaluate, format_se, paired_difference, row_window_losses, standard_error
+from hybrid_lm.run.loss import evaluate, format_se, paired_difference, row_window_losses, standard_error
 from hybrid_lm.experiment import load_config
 from hybrid_lm.ops.cross_entropy import cross_entropy
-from hybrid_lm.train import sharding as shd
-from hybrid_lm.train.step import ModelFns, make_eval_step
+from hybrid_lm import sharding as shd
+from hybrid_lm.step import ModelFns, make_eval_step
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from hybrid_lm.eval import introspect as I
 def _one_layer(*extra):
     from conftest import TINY
     from hybrid_lm.experiment import load_config
-    from hybrid_lm.train.step import ModelFns
+    from hybrid_lm.step import ModelFns
 
     cfg = load_config([], list(TINY) + ["ModelConfig.n_layers = 1", "ModelConfig.layer_pattern = 'F'",
                                         "ModelConfig.n_heads = 4", "ModelConfig.n_kv_heads = 2", *extra])
@@ -28,8 +28,8 @@ def _one_layer(*extra):
 
 
 def _constrained(cfg, horizon, sinks):
-    from hybrid_lm.eval.swap import swapped_config
-    from hybrid_lm.train.step import ModelFns
+    from hybrid_lm.run.swap import swapped_config
+    from hybrid_lm.step import ModelFns
 
     cfg = swapped_config(cfg, (), horizon, sinks)
     return cfg, ModelFns(cfg)
@@ -159,7 +159,7 @@ def run_dir(tiny_run):
 
 @pytest.mark.integration  # a model's whole eval task
 def test_evaluate_heads_end_to_end(run_dir, tmp_path):
-    from hybrid_lm.eval.restore import RestoredRun
+    from hybrid_lm.run.restore import RestoredRun
 
     early, last = RestoredRun(run_dir, step=5), RestoredRun(run_dir)
     kw = dict(samples=6, seq_len=512, progress=False, batch_size=4)

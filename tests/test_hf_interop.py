@@ -1,4 +1,4 @@
-"""transformers interop without torch (``hybrid_lm/eval/hf.py``): export -> import is bitwise, the config
+"""transformers interop without torch (``hybrid_lm/run/hf.py``): export -> import is bitwise, the config
 mapping both ways for each family (hand-written config.json files of transformers' documented defaults
 included), every refusal in one line, and bad folders. The logits against transformers itself are
 ``tests/gpu/test_gpu_hf_parity.py``."""
@@ -16,9 +16,9 @@ from hf_families import LLAMA3, OURS, THEIRS, WINDOW, YARN, hf_dict, layer_summa
 
 from hybrid_lm.config import Config, MixerConfig, ModelConfig, run_id_of
 from hybrid_lm.errors import ConfigError, WorkdirError
-from hybrid_lm.eval.hf import (HFCheckpoint, check_exportable, hf_config, hf_folder, merge_model,
+from hybrid_lm.run.hf import (HFCheckpoint, check_exportable, hf_config, hf_folder, merge_model,
                                model_config_from_hf, params_to_hf, write_hf_folder)
-from hybrid_lm.train.step import ModelFns
+from hybrid_lm.step import ModelFns
 
 
 def _forward(model: ModelConfig):
@@ -253,7 +253,7 @@ def test_export_refuses_what_one_transformers_config_cannot_hold(fields, said):
 
 def test_export_of_a_run_refuses_before_restoring(tmp_path):
     """``hybrid-lm export RUN --format hf`` of an SA run fails on its config, before the checkpoint (here: none)."""
-    from hybrid_lm.eval.export import export_checkpoint
+    from hybrid_lm.run.export import export_checkpoint
     from hybrid_lm.experiment import config_record
 
     run = tmp_path / "run"
@@ -413,7 +413,7 @@ def test_the_weights_hash_is_kept_across_processes_until_a_file_changes(tmp_path
     new mtime hashes again. Off, or a torn cache file, changes nothing but the time it takes."""
     import os
 
-    from hybrid_lm.eval import hf
+    from hybrid_lm.run import hf
 
     out, _ = _export(tmp_path, tiny_model("llama"), random_params(tiny_model("llama")))
     weights = out / "model.safetensors"
@@ -445,8 +445,9 @@ def test_the_weights_hash_is_kept_across_processes_until_a_file_changes(tmp_path
 
 def test_a_folder_is_a_run_everywhere(tmp_path):
     """``hf:DIR`` (or the folder's path) restores as a run: step 0, its weights, a run id naming the weights."""
-    from hybrid_lm.eval.restore import RestoredRun, load_run_config, run_path
-    from hybrid_lm.eval.suite import checkpoint_steps
+    from hybrid_lm.run.restore import RestoredRun
+    from hybrid_lm.run.directory import load_run_config, run_path
+    from hybrid_lm.run.directory import checkpoint_steps
 
     model = tiny_model("ministral")
     params = random_params(model)
@@ -476,8 +477,8 @@ def test_a_run_directory_is_not_a_folder(tmp_path):
 
 def test_swaps_work_on_an_imported_qwen3(tmp_path):
     """The SA paper's training-free protocol on a pretrained model: ``--swap full=sa:W`` keeps its q/k norms."""
-    from hybrid_lm.eval.restore import load_run_config
-    from hybrid_lm.eval.swap import swapped_config
+    from hybrid_lm.run.directory import load_run_config
+    from hybrid_lm.run.swap import swapped_config
 
     model = tiny_model("qwen3", full=MixerConfig(kind="attention"), efficient=MixerConfig(kind="swa", window=WINDOW))
     out, _ = _export(tmp_path, model, random_params(model), record=False)

@@ -1,8 +1,10 @@
 """The package's layers import only downwards, and nothing imports in a cycle.
 
-config -> dispatch (backends) -> ops -> model -> validation and introspection -> data, train, eval,
-scaling -> the command lines. Every import counts, those inside functions too. The one edge allowed
-upwards is the mixer registry loading its plugins (``model.registry`` -> ``model.mixers``).
+base -> config -> data -> dispatch and layout (backends, sharding) -> ops -> model -> validation,
+introspection, the experiment and its step -> run (the run directory, restore, export) -> train ->
+eval -> scaling -> the study -> the command lines. Every import counts, those inside functions too.
+The one edge allowed upwards is the mixer registry loading its plugins (``model.registry`` ->
+``model.mixers``). docs/ARCHITECTURE.md gives each layer's reason.
 """
 
 import ast
@@ -14,13 +16,18 @@ PACKAGE = Path(__file__).resolve().parents[1] / "hybrid_lm"
 ALLOWED_BACK_EDGES = {("hybrid_lm.model.registry", "hybrid_lm.model.mixers")}
 # modules by layer, lowest first; a module not listed takes its package's layer
 LAYERS = [
-    {"hybrid_lm", "hybrid_lm.errors", "hybrid_lm.files", "hybrid_lm.optional", "hybrid_lm.progress"},
+    {"hybrid_lm", "hybrid_lm.errors", "hybrid_lm.files", "hybrid_lm.optional", "hybrid_lm.progress",
+     "hybrid_lm.determinism", "hybrid_lm.lock", "hybrid_lm.signals", "hybrid_lm.compile_cache"},
     {"hybrid_lm.config"},
-    {"hybrid_lm.backends"},
+    {"hybrid_lm.data"},
+    {"hybrid_lm.backends", "hybrid_lm.sharding"},
     {"hybrid_lm.ops"},
     {"hybrid_lm.model"},
-    {"hybrid_lm.validate", "hybrid_lm.describe"},
-    {"hybrid_lm.data", "hybrid_lm.train", "hybrid_lm.eval", "hybrid_lm.scaling", "hybrid_lm.experiment"},
+    {"hybrid_lm.validate", "hybrid_lm.describe", "hybrid_lm.experiment", "hybrid_lm.step"},
+    {"hybrid_lm.run"},
+    {"hybrid_lm.train"},
+    {"hybrid_lm.eval"},
+    {"hybrid_lm.scaling"},
     {"hybrid_lm.study"},
     {"hybrid_lm.cli", "hybrid_lm.data.cli", "hybrid_lm.eval.cli", "hybrid_lm.scaling.cli", "hybrid_lm.study.cli"},
 ]

@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from hybrid_lm.train.metrics import loss_curve_figure, loss_curve_series
+from hybrid_lm.run.metrics import loss_curve_figure, loss_curve_series
 
 LN2 = math.log(2)
 TOKENS_PER_STEP = 64
@@ -103,7 +103,7 @@ def test_a_run_without_eval_rows_plots_train_in_bits_per_token(tmp_path):
 def test_the_first_row_of_a_resumed_session_says_where_it_resumed(tmp_path):
     from hybrid_lm.experiment import load_config
     from hybrid_lm.train.logger import StepLogger
-    from hybrid_lm.train.metrics import read_metrics
+    from hybrid_lm.run.metrics import read_metrics
 
     cfg = load_config(["quickstart.gin"], ["TrainConfig.log_every = 5", "TrainConfig.progress = False"],
                       validate=False)

@@ -245,7 +245,7 @@ def test_rule_fits_the_entry_to_a_smaller_device(tmp_path, monkeypatch):
     monkeypatch.setattr(mb, "device_memory_limit", lambda device=None: next(limits))
     from types import SimpleNamespace
 
-    from hybrid_lm.train import sharding as shd
+    from hybrid_lm import sharding as shd
 
     mesh = SimpleNamespace(devices=SimpleNamespace(flat=[0, 1, 2]))
     monkeypatch.setattr(shd, "make_mesh", lambda mesh_cfg, devices=None: mesh)

@@ -30,7 +30,7 @@ from hybrid_lm.model import recurrent_common as rc
 from hybrid_lm.model.mamba2 import Mamba2
 from hybrid_lm.model.registry import MixerContext, get_mixer
 from hybrid_lm.model.transformer import HybridLM
-from hybrid_lm.train.metrics import read_metrics
+from hybrid_lm.run.metrics import read_metrics
 from hybrid_lm.train.optim import decay_mask
 
 B, T, D_MODEL, H, DH, N_LAYERS = 2, 19, 32, 2, 16, 4

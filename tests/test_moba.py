@@ -18,7 +18,7 @@ from hybrid_lm.model.registry import MixerContext
 from hybrid_lm.ops import block_sparse as bs
 from hybrid_lm.ops.attention import dense_attention
 from hybrid_lm.train.loop import train
-from hybrid_lm.train.metrics import read_metrics
+from hybrid_lm.run.metrics import read_metrics
 
 
 def _qkv(seed, b, t, h, kv, d):

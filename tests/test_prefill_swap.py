@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from hybrid_lm.eval.prefill_swap import split_answer_nll_fn
-from hybrid_lm.eval.swap import swapped_config
+from hybrid_lm.run.swap import swapped_config
 from hybrid_lm.experiment import load_config
 from hybrid_lm.ops.attention import default_positions
-from hybrid_lm.train.step import ModelFns
+from hybrid_lm.step import ModelFns
 
 L, SPAN, W = 24, 7, 3
 P = L - SPAN

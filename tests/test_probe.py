@@ -98,7 +98,7 @@ def test_items_are_deterministic_balanced_and_hold_the_number():
 
 @pytest.fixture(scope="module")
 def run(tiny_run):
-    from hybrid_lm.eval.restore import RestoredRun
+    from hybrid_lm.run.restore import RestoredRun
 
     return RestoredRun(tiny_run(5))  # TINY, 5 steps (conftest.py)
 

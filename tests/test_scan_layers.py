@@ -14,10 +14,10 @@ from hybrid_lm.experiment import load_config, run_id
 from hybrid_lm.model.registry import MixerContext
 from hybrid_lm.model.transformer import HybridLM, pattern_period
 from hybrid_lm.ops.attention import default_positions
-from hybrid_lm.train import compile_cache
-from hybrid_lm.train.checkpoint import Checkpointer, abstract_with_shardings
+from hybrid_lm import compile_cache
+from hybrid_lm.run.checkpoint import Checkpointer, abstract_with_shardings
 from hybrid_lm.train.loop import train
-from hybrid_lm.train.step import ModelFns
+from hybrid_lm.step import ModelFns
 
 NO_WINDOW = "efficient/MixerConfig.window = None"
 ARCHS = {

@@ -13,8 +13,8 @@ import pytest
 from cluster_sim import fake_slurm_bin, slurm_env
 from hybrid_lm.errors import ConfigError, WorkdirError
 from hybrid_lm.train import distributed as D
-from hybrid_lm.train import signals
-from hybrid_lm.train.lock import WorkdirLock
+from hybrid_lm import signals
+from hybrid_lm.lock import WorkdirLock
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -55,7 +55,8 @@ def test_run_dir_naming_removed_settings_keeps_resuming(tmp_path):
     warning beyond the dropped fields, same run id)."""
     import json
 
-    from hybrid_lm.experiment import config_record, read_run_config
+    from hybrid_lm.experiment import config_record
+    from hybrid_lm.run.directory import read_run_config
 
     cfg = load_config(["arch/ssa.gin"], TINY)
     old = json.loads(json.dumps(config_record(cfg), default=str))

@@ -9,7 +9,7 @@ from hybrid_lm.experiment import load_config
 from hybrid_lm.model.registry import MixerContext
 from hybrid_lm.model.ssa import SSAAttention, alignment_loss, smooth_l1, ssa_coin
 from hybrid_lm.train.loop import train
-from hybrid_lm.train.metrics import read_metrics
+from hybrid_lm.run.metrics import read_metrics
 
 
 def test_alignment_terms_send_gradients_only_where_the_stop_gradients_allow():

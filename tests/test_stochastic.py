@@ -19,7 +19,7 @@ from hybrid_lm.model.stochastic import (GatedSASWA, StochasticAttention, sa_flop
 from hybrid_lm.model.transformer import HybridLM
 from hybrid_lm.ops import permutation as P
 from hybrid_lm.train.loop import train
-from hybrid_lm.train.metrics import read_metrics
+from hybrid_lm.run.metrics import read_metrics
 
 B, T, D_MODEL, H, K, DH = 2, 19, 32, 4, 2, 8
 

@@ -306,7 +306,7 @@ def test_claims_file_bad_input_is_one_line(tmp_path, edit, match):
 def test_the_studys_swaps_resolve_on_its_configs():
     """The swaps of the claims file are valid on the study's S1 configs at T = 4096 (checked without a
     checkpoint: the rewritten config takes the same parameters)."""
-    from hybrid_lm.eval.swap import swapped_config
+    from hybrid_lm.run.swap import swapped_config
     from hybrid_lm.experiment import load_config
     from hybrid_lm.study.spec import load_claims
 

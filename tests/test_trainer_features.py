@@ -3,11 +3,11 @@ import numpy as np
 import pytest
 
 from hybrid_lm.experiment import load_config
-from hybrid_lm.train.checkpoint import Checkpointer
+from hybrid_lm.run.checkpoint import Checkpointer
 from hybrid_lm.train.loop import train
-from hybrid_lm.train.metrics import read_metrics
+from hybrid_lm.run.metrics import read_metrics
 from hybrid_lm.train.optim import make_optimizer, muon_routing, optimizer_for_bounds, wsd_bounds
-from hybrid_lm.train.step import ModelFns, StateInit, make_train_step
+from hybrid_lm.step import ModelFns, StateInit, make_train_step
 from resume_check import final_state  # test tooling in tests/
 
 
@@ -220,7 +220,7 @@ def test_model_on_the_loss_kernel_equals_xla(monkeypatch):
     import jax.numpy as jnp
     from conftest import TINY
 
-    from hybrid_lm.train import step as step_mod
+    from hybrid_lm import step as step_mod
 
     base = TINY + ["ModelConfig.vocab_size = 300", "DataConfig.seq_len = 48", "ModelConfig.loss_impl = 'chunked'",
                    "ModelConfig.loss_chunk = 40", "OptimConfig.z_loss = 1e-3"]

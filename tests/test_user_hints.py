@@ -114,10 +114,10 @@ def test_refusing_to_shorten_a_run_names_the_eval_option_that_exists(tmp_path, m
 
     from hybrid_lm.errors import WorkdirError
     from hybrid_lm.eval.cli import add_eval_commands
-    from hybrid_lm.train import checkpoint
+    from hybrid_lm.train import rundir
     from hybrid_lm.train.rundir import check_run_length
 
-    monkeypatch.setattr(checkpoint, "saved_steps", lambda path: [5, 10])
+    monkeypatch.setattr(rundir, "checkpoint_steps", lambda workdir, missing_ok=False: [5, 10])
     cfg = dataclasses.replace(Config(), train=dataclasses.replace(Config().train, steps=7))
     with pytest.raises(WorkdirError) as e:
         check_run_length(tmp_path, 10, cfg)

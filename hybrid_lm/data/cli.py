@@ -6,19 +6,26 @@ import json
 import os
 from pathlib import Path
 
+import numpy as np
+from tqdm import tqdm
+
+from hybrid_lm.data.corpus import default_dir, embedded_dir
+from hybrid_lm.data.prepare import DEFAULT_SHARD_TOKENS, PrepareSettings, prepare
+from hybrid_lm.data.pycorpus import DEFAULT_PACKAGES, JSONL, build_python_corpus, format_corpus
+from hybrid_lm.data.sources import add_source_args, open_source, spec_from_args
+from hybrid_lm.data.stats import format_stats
+from hybrid_lm.data.store import TokenStore
+from hybrid_lm.data.tokenizer import load_tokenizer, train_bpe
 from hybrid_lm.errors import DataError
+from hybrid_lm.eval.next_line import NAME, build_next_line_task
+from hybrid_lm.progress import bar_disabled
 
 
 def _default_out(spec, tokenizer: str) -> Path:
-    from hybrid_lm.data.corpus import default_dir, embedded_dir
     return embedded_dir(tokenizer) if spec.kind == "embedded" else default_dir("tokens")
 
 
 def cmd_prepare(args) -> int:
-    from hybrid_lm.data.prepare import DEFAULT_SHARD_TOKENS, PrepareSettings, prepare
-    from hybrid_lm.data.sources import spec_from_args
-    from hybrid_lm.data.stats import format_stats
-
     spec = spec_from_args(args)
     out = Path(args.out) if args.out else _default_out(spec, args.tokenizer)
     settings = PrepareSettings(tokenizer=args.tokenizer, val_every=args.val_every,
@@ -37,10 +44,6 @@ def cmd_prepare(args) -> int:
 
 
 def cmd_inspect(args) -> int:
-    import numpy as np
-
-    from hybrid_lm.data.stats import format_stats
-    from hybrid_lm.data.store import TokenStore
 
     store = TokenStore(args.store)
     stats = store.stats()
@@ -62,8 +65,6 @@ def cmd_inspect(args) -> int:
 
 def _store_tokenizer(store):
     """The store's tokenizer if it can be loaded here and matches the manifest's fingerprint."""
-    from hybrid_lm.data.tokenizer import load_tokenizer
-
     spec = store.tokenizer.get("spec", "byte")
     try:
         tok = load_tokenizer(spec)
@@ -77,8 +78,6 @@ def _store_tokenizer(store):
 
 
 def cmd_verify(args) -> int:
-    from hybrid_lm.data.store import TokenStore
-
     store = TokenStore(args.store)
     counts = store.verify(progress=not args.no_progress)
     print(f"{store.path}: OK   fingerprint {store.fingerprint[:16]}   "
@@ -87,11 +86,6 @@ def cmd_verify(args) -> int:
 
 
 def cmd_train_tokenizer(args) -> int:
-    from tqdm import tqdm
-
-    from hybrid_lm.data.sources import open_source, spec_from_args
-    from hybrid_lm.data.tokenizer import load_tokenizer, train_bpe
-    from hybrid_lm.progress import bar_disabled
 
     spec = spec_from_args(args)
     source = open_source(spec)
@@ -118,8 +112,6 @@ def cmd_train_tokenizer(args) -> int:
 
 
 def cmd_python_corpus(args) -> int:
-    from hybrid_lm.data.pycorpus import DEFAULT_PACKAGES, JSONL, build_python_corpus, format_corpus
-
     packages = DEFAULT_PACKAGES if args.package is None else tuple(p for p in args.package if p != "none")
     meta = build_python_corpus(args.out, packages=packages, roots=args.root, stdlib=not args.no_stdlib,
                                progress=not args.no_progress)
@@ -131,8 +123,6 @@ def cmd_python_corpus(args) -> int:
 
 
 def cmd_next_line_task(args) -> int:
-    from hybrid_lm.eval.next_line import NAME, build_next_line_task
-
     meta = build_next_line_task(args.store, args.tokenizer, args.out, items=args.items,
                                 context_tokens=args.context_tokens, choices=args.choices, seed=args.seed,
                                 max_line_chars=args.max_line_chars)
@@ -144,8 +134,6 @@ def cmd_next_line_task(args) -> int:
 
 
 def add_data_commands(sub) -> None:
-    from hybrid_lm.data.sources import add_source_args
-
     p = sub.add_parser("data", help="prepare, inspect and verify token stores; train a tokenizer")
     dsub = p.add_subparsers(dest="data_cmd", required=True)
 

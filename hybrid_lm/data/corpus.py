@@ -9,11 +9,16 @@ validation. ``HYBRID_LM_DATA_DIR`` moves ``data_cache``.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import time
 from pathlib import Path
 
+from hybrid_lm.data.prepare import PrepareBusy, PrepareSettings, prepare
+from hybrid_lm.data.sources import SourceSpec, embedded_documents
+from hybrid_lm.data.store import is_store
+from hybrid_lm.data.tokenizer import load_tokenizer
 from hybrid_lm.errors import DataError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -32,7 +37,6 @@ def default_dir(source: str) -> Path:
 def embedded_dir(tokenizer: str) -> Path:
     if tokenizer == "byte":
         return default_dir("embedded")
-    from hybrid_lm.data.tokenizer import load_tokenizer
     return data_root() / f"embedded-{load_tokenizer(tokenizer).fingerprint[:12]}"
 
 
@@ -43,13 +47,9 @@ def ensure_store(source: str, path: str | None, tokenizer: str) -> Path:
     """The store directory for a config, preparing the embedded corpus on first use. Several trainers
     starting at once (the processes of one run, or separate runs) prepare it once: the others wait for
     the one holding the prepare lock, then open what it wrote."""
-    from hybrid_lm.data.store import is_store
-
     if source == "embedded":
         directory = Path(path) if path else embedded_dir(tokenizer)
         if not is_store(directory):
-            from hybrid_lm.data.prepare import PrepareBusy, PrepareSettings, prepare
-            from hybrid_lm.data.sources import SourceSpec
             t0 = time.monotonic()
             while not is_store(directory):
                 try:
@@ -91,8 +91,6 @@ def train_split_tokens(d) -> list[tuple[str, float, int | None]]:
 
 
 def _manifest_train_tokens(directory: Path) -> int | None:
-    import json
-
     try:
         return int(json.loads((directory / "manifest.json").read_text())["splits"]["train"]["tokens"])
     except (OSError, ValueError, KeyError, TypeError):
@@ -103,9 +101,6 @@ def embedded_byte_train_tokens(val_every: int = 10) -> int:
     """Training-split tokens of the embedded corpus at the byte level, counted from the essays as
     ``data prepare`` splits and packs them: document ``i`` goes to val when ``i % val_every ==
     val_every - 1``; a train document is its UTF-8 bytes plus the separator."""
-    from hybrid_lm.data.sources import embedded_documents
-    from hybrid_lm.data.tokenizer import load_tokenizer
-
     sep = load_tokenizer("byte").separator.size
     sizes = [len(text.encode("utf-8")) for _, text in embedded_documents()]
     return sum(n + sep for i, n in enumerate(sizes) if n and i % val_every != val_every - 1)

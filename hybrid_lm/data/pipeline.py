@@ -31,6 +31,7 @@ import numpy as np
 from hybrid_lm.config import Config
 from hybrid_lm.data import store as st
 from hybrid_lm.data.corpus import ensure_store
+from hybrid_lm.data.tokenizer import load_tokenizer
 from hybrid_lm.errors import DataError
 
 MIX_BLOCK = 4096
@@ -135,7 +136,6 @@ class DataStreams:
 
     def __init__(self, cfg: Config):
         d, self.cfg = cfg.data, cfg
-        from hybrid_lm.data.tokenizer import load_tokenizer
 
         self.tokenizer = load_tokenizer(d.tokenizer)
         entries = d.mixture or ((None, 1.0),)

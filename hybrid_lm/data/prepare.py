@@ -29,10 +29,16 @@ import time
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 
 from hybrid_lm.data import store as st
-from hybrid_lm.errors import DataError
+from hybrid_lm.data.sources import open_source
+from hybrid_lm.data.stats import write_stats
+from hybrid_lm.data.tokenizer import load_tokenizer
+from hybrid_lm.errors import DataError, WorkdirError
 from hybrid_lm.files import atomic_write_json
+from hybrid_lm.lock import WorkdirLock
+from hybrid_lm.progress import bar_disabled
 
 CHUNK_BYTES = 1 << 20  # text per encode task
 CHUNK_DOCS = 1024
@@ -78,7 +84,6 @@ _WORKER_TOK = None
 def _init_worker(spec: str) -> None:
     global _WORKER_TOK
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one thread per worker: workers are the parallelism
-    from hybrid_lm.data.tokenizer import load_tokenizer
     _WORKER_TOK = load_tokenizer(spec)
 
 
@@ -235,9 +240,6 @@ def prepare(source_spec, out: str | Path, settings: PrepareSettings = PrepareSet
             overwrite: bool = False, progress: bool = True) -> PrepareResult:
     """Build (or confirm) the token store at ``out`` from ``source_spec``; see the module docstring.
     One prepare at a time per ``out`` (a lock beside it)."""
-    from hybrid_lm.errors import WorkdirError
-    from hybrid_lm.train.lock import WorkdirLock
-
     out = Path(out)
     lock_dir = out.parent / f".{out.name}.lock"
     try:
@@ -264,11 +266,6 @@ def _unwritable(out: Path, e: OSError) -> DataError:
 
 def _prepare(source_spec, out: Path, settings: PrepareSettings, *, workers: int, overwrite: bool,
              progress: bool) -> PrepareResult:
-    from tqdm import tqdm
-
-    from hybrid_lm.data.sources import open_source
-    from hybrid_lm.data.tokenizer import load_tokenizer
-    from hybrid_lm.progress import bar_disabled
 
     settings.check()
     if workers < 1:
@@ -330,7 +327,6 @@ def _prepare(source_spec, out: Path, settings: PrepareSettings, *, workers: int,
     }
     manifest["fingerprint"] = st.content_fingerprint(tok.fingerprint, dtype.name, manifest["splits"])
     atomic_write_json(tmp / st.MANIFEST, manifest, indent=2)
-    from hybrid_lm.data.stats import write_stats
     stats = write_stats(st.TokenStore(tmp), tok, source.stats, b.no_tokens, time.perf_counter() - t0, out.name)
     (tmp / "progress.json").unlink()
     _swap_into_place(tmp, out)

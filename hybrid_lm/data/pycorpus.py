@@ -35,8 +35,11 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
+from tqdm import tqdm
+
 from hybrid_lm.errors import DataError
 from hybrid_lm.files import atomic_write, atomic_write_json
+from hybrid_lm.progress import bar_disabled
 
 DEFAULT_PACKAGES = ("torch", "transformers", "sympy")
 JSONL = "python.jsonl"
@@ -137,9 +140,7 @@ def build_python_corpus(out: str | Path, packages=DEFAULT_PACKAGES, roots=(), st
     if not os.access(out, os.W_OK):
         raise DataError(f"--out {out}: the folder is not writable")
 
-    from tqdm import tqdm
 
-    from hybrid_lm.progress import bar_disabled
 
     h = hashlib.sha256()
     stats = {"files": 0, "bytes": 0, "empty_skipped": 0, "invalid_utf8_replaced": 0, "unreadable_skipped": 0}

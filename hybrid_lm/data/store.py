@@ -24,8 +24,10 @@ from functools import cached_property
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 
 from hybrid_lm.errors import DataError
+from hybrid_lm.progress import bar_disabled
 
 FORMAT = "hybrid_lm.token_store/1"
 MANIFEST = "manifest.json"
@@ -184,9 +186,6 @@ class TokenStore:
     def verify(self, progress: bool = False) -> dict:
         """Hash every shard and check its ids and index; raise :class:`DataError` naming the first
         bad shard (and offset). Returns per-split token and document counts."""
-        from tqdm import tqdm
-
-        from hybrid_lm.progress import bar_disabled
 
         vocab = int(self.tokenizer["vocab_size"])
         total = sum(s["tokens"] for sp in SPLITS for s in self.manifest["splits"][sp]["shards"])

@@ -12,16 +12,34 @@ without ``--tasks`` the loss of a swapped / constrained model; ``hybrid-lm eval-
     hybrid-lm longppl WORKDIR [--evaluator RUN] [--length T --docs N] [--trunc-len K --window W]
 
 Registered by ``add_eval_commands(sub)`` in ``hybrid_lm/cli.py``. Each restores the checkpoint as a
-``hybrid_lm/eval/restore.py`` ``RestoredRun``; the work is ``RestoredRun.evaluate`` (swaps parsed by
-``hybrid_lm/eval/swap.py``), ``hybrid_lm/eval/generate.py`` and ``hybrid_lm/eval/longppl.py``.
+``hybrid_lm/run/restore.py`` ``RestoredRun``; the work is ``RestoredRun.evaluate`` (swaps parsed by
+``hybrid_lm/run/swap.py``), ``hybrid_lm/eval/generate.py`` and ``hybrid_lm/eval/longppl.py``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
+import sys
 
-from hybrid_lm.eval.loss import format_se, paired_difference
+import jax
+import numpy as np
+
+from hybrid_lm.errors import ConfigError, WorkdirError
+from hybrid_lm.eval import ruler, suite
+from hybrid_lm.eval.generate import generate
+from hybrid_lm.eval.lm_eval_model import add_lm_eval_command
+from hybrid_lm.eval.longppl import KeyTokenRule, evaluate_longppl
+from hybrid_lm.eval.report import eval_report
+from hybrid_lm.eval.ruler import HAYSTACKS, TASKS as RULER_TASKS, parse_lengths
+from hybrid_lm.model.registry import registered_mixers
+from hybrid_lm.run.directory import load_run_config
+from hybrid_lm.run.export import add_export_command
+from hybrid_lm.run.restore import RestoredRun, record_rows
+from hybrid_lm.run.swap import swapped_config
+
+from hybrid_lm.run.loss import format_se, paired_difference
 
 
 def _fmt(row: dict) -> str:
@@ -37,7 +55,6 @@ def _fmt(row: dict) -> str:
 
 def cmd_eval(args) -> int:
     if args.swap_prefill_only and args.tasks is None:
-        from hybrid_lm.errors import ConfigError
         raise ConfigError("--swap-prefill-only applies to --tasks ruler and lm_eval (answer log-likelihoods after a "
                           "context); the loss without --tasks scores every token, so it has no prompt to prefill")
     if args.tasks is not None or args.steps is not None or args.data is not None:
@@ -45,7 +62,6 @@ def cmd_eval(args) -> int:
     try:
         return _run(args)
     except FileNotFoundError as e:  # not a run dir, no checkpoint, no such step: a message, not a traceback
-        import sys
         print(f"eval error: {e}", file=sys.stderr)
         return 2
 
@@ -54,20 +70,17 @@ def cmd_generate(args) -> int:
     try:
         return _generate(args)
     except (FileNotFoundError, ValueError, NotImplementedError) as e:  # a message, not a traceback
-        import sys
         print(f"generate error: {e}", file=sys.stderr)
         return 2
 
 
 def cmd_longppl(args) -> int:
-    from hybrid_lm.eval.longppl import KeyTokenRule, evaluate_longppl
     try:
         row = evaluate_longppl(args.workdir, evaluator=args.evaluator, length=args.length, docs=args.docs,
                                rule=KeyTokenRule(args.trunc_len, args.window, args.alpha, args.beta),
                                step=args.step, evaluator_step=args.evaluator_step, record=not args.no_record,
                                data=args.data, inputs=args.inputs, min_tokens=args.min_tokens)
     except (FileNotFoundError, ValueError) as e:
-        import sys
         print(f"longppl error: {e}", file=sys.stderr)
         return 2
     if args.json:
@@ -85,12 +98,6 @@ def cmd_longppl(args) -> int:
 
 
 def _generate(args) -> int:
-    import jax
-    import numpy as np
-
-    from hybrid_lm.eval.generate import generate
-    from hybrid_lm.eval.restore import RestoredRun
-
     run = RestoredRun(args.workdir, step=args.step)
     tok = run.tokenizer
     ids = tok.encode(args.prompt)
@@ -98,7 +105,6 @@ def _generate(args) -> int:
         raise ValueError("the prompt is empty: give at least one character")
     trained = run.cfg.data.seq_len
     if len(ids) + args.max_new > trained:
-        import logging
         logging.getLogger("hybrid_lm.generate").warning(
             "the prompt (%d tokens) + %d new tokens = %d exceeds the trained context (seq_len %d): positions "
             "beyond %d were never trained, expect the continuation to degrade there", len(ids), args.max_new,
@@ -123,9 +129,6 @@ def _csv(text: str | None) -> tuple[str, ...]:
 
 def _suite(args) -> int:
     """``hybrid-lm eval RUN --tasks ... --steps ...``: ``hybrid_lm/eval/suite.py``."""
-    from hybrid_lm.errors import ConfigError
-    from hybrid_lm.eval import suite
-
     if args.step is not None and args.steps is not None:
         raise ConfigError("give --step N or --steps S1,S2, not both")
     if args.baseline:
@@ -133,7 +136,6 @@ def _suite(args) -> int:
                           "with --tasks, run the suite once without --swap for the baseline")
     lengths = None
     if args.ruler_lengths:
-        from hybrid_lm.eval.ruler import parse_lengths
         lengths = tuple(parse_lengths(args.ruler_lengths, "--ruler-lengths"))
     req = suite.EvalRequest(
         tasks=_csv(args.tasks or "loss"), swaps=tuple(args.swap), horizon=args.horizon, sinks=args.sinks,
@@ -157,16 +159,11 @@ def _suite(args) -> int:
 
 
 def cmd_eval_report(args) -> int:
-    from hybrid_lm.eval.report import eval_report
-
     eval_report(args.runs, out_dir=args.out, tasks=_csv(args.tasks) or None)
     return 0
 
 
 def _run(args) -> int:
-    from hybrid_lm.eval.restore import RestoredRun, load_run_config, record_rows
-    from hybrid_lm.eval.swap import swapped_config
-
     overrides = dict(seq_len=args.seq_len, eval_windows=args.eval_windows, attention_impl=args.attention_impl)
     # check the settings before restoring anything: a bad swap fails in a second, not after a restore
     swapped_config(load_run_config(args.workdir), args.swap, args.horizon, args.sinks, **overrides)
@@ -191,10 +188,6 @@ def _run(args) -> int:
 
 def cmd_ruler(args) -> int:
     """``hybrid-lm ruler``: RULER-offline on a checkpoint; the table is printed before the rows are recorded."""
-    from hybrid_lm.errors import ConfigError, WorkdirError
-    from hybrid_lm.eval import ruler
-    from hybrid_lm.eval.restore import RestoredRun, load_run_config, record_rows
-
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()] if args.tasks else None
     lengths = ruler.parse_lengths(args.lengths) if args.lengths else None
     try:
@@ -229,8 +222,6 @@ _GENERATE_HELP = ("Tokenise PROMPT with the run's tokenizer, run it through WORK
 
 def _generate_description() -> str:
     """``generate``'s description, each registered mixer on the side of its decode path."""
-    from hybrid_lm.model.registry import registered_mixers
-
     mixers = registered_mixers().values()
     decodes = "; ".join(f"{m.name}: {m.decode or 'its decode state'}" for m in mixers if m.decodes)
     refused = ", ".join(m.name for m in mixers if not m.decodes)
@@ -317,7 +308,6 @@ def add_eval_commands(sub) -> None:
     g.add_argument("--window", type=int, default=1024, help="longppl: W, targets per short-context pass")
     g.add_argument("--ruler-tasks", dest="ruler_tasks", default=None, help="ruler: tasks (default all seven)")
     g.add_argument("--ruler-lengths", dest="ruler_lengths", default=None, metavar="L1,L2", help="ruler: lengths")
-    from hybrid_lm.eval.ruler import HAYSTACKS
     g.add_argument("--haystack", default=None, choices=HAYSTACKS,
                    help="ruler, probe, heads: filler text of the needle prompts (default: each task's official one: "
                         "RULER's per task (essays for niah, noise for vt), noise for the probe, essays for heads)")
@@ -407,7 +397,6 @@ def add_eval_commands(sub) -> None:
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_longppl)
 
-    from hybrid_lm.eval.ruler import HAYSTACKS, TASKS as RULER_TASKS  # no jax: cheap at start-up
     p = sub.add_parser(
         "ruler", help="RULER-offline: needle, variable-tracking and word-extraction tasks at long lengths",
         description="Generate RULER's synthetic tasks (deterministic from the seed, cached under data_cache/ruler/, "
@@ -437,7 +426,5 @@ def add_eval_commands(sub) -> None:
     p.add_argument("--json", action="store_true", help="print the rows (and skipped pairs) as JSON")
     p.set_defaults(fn=cmd_ruler)
 
-    from hybrid_lm.eval.export import add_export_command
     add_export_command(sub)
-    from hybrid_lm.eval.lm_eval_model import add_lm_eval_command
     add_lm_eval_command(sub)

@@ -38,11 +38,18 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
+from tqdm import tqdm
 
 from hybrid_lm.errors import ConfigError
-from hybrid_lm.eval import introspect as I
+from hybrid_lm.eval import introspect as I, ruler as R
 from hybrid_lm.experiment import run_id
+from hybrid_lm.progress import bar_disabled
+from hybrid_lm.run.directory import checkpoint_steps
+from hybrid_lm.run.restore import RestoredRun
+from hybrid_lm.run.swap import describe
+from hybrid_lm.sharding import put_batch, replicated
 
 HEADLINE = "top_head_mass"
 TOP = 8  # heads listed in ``top_heads``
@@ -74,9 +81,6 @@ def _qk_fn(fns, cfg, layers):
 
 def qk_host(run, cfg, params, layers) -> list[tuple[np.ndarray, np.ndarray]]:
     """``(wq, wk)`` per layer of ``layers`` from ``params`` (the run's parameter tree), on the host."""
-    import jax
-
-    from hybrid_lm.train.sharding import replicated
 
     fn = I.jitted("qk_weights", run, cfg, _qk_fn, tuple(layers), out_shardings=replicated(run.mesh))
     with jax.set_mesh(run.mesh):
@@ -86,16 +90,13 @@ def qk_host(run, cfg, params, layers) -> list[tuple[np.ndarray, np.ndarray]]:
 
 def reference_qk(run, cfg, layers, reference_params=None, reference_step: int | None = None):
     """``(Q/K weights per layer, reference step or None)`` of the reference (see the module doc)."""
-    from hybrid_lm.eval.restore import RestoredRun
-    from hybrid_lm.train.checkpoint import saved_steps
-
     if reference_params is not None:
         if reference_step is not None:
             raise ConfigError("heads: give reference_params or reference_step, not both")
         return qk_host(run, cfg, reference_params, layers), None
     step = reference_step
     if step is None:
-        steps = saved_steps(run.workdir / "checkpoints")
+        steps = checkpoint_steps(run.workdir, missing_ok=True)
         step = max(steps) if steps else run.step
     if step == run.step:
         return qk_host(run, cfg, run.params, layers), run.step
@@ -140,13 +141,6 @@ def evaluate_heads(run, cfg=None, *, samples: int = SAMPLES, seq_len: int | None
     d_QK against the reference, and the heads ranked by score. Prompts are ``seq_len`` tokens (default
     :data:`CONTEXT` capped at the run's trained seq_len). Nothing is recorded. Raises ConfigError when
     no layer of ``cfg`` is full attention."""
-    import jax
-    from tqdm import tqdm
-
-    from hybrid_lm.eval import ruler as R
-    from hybrid_lm.eval.swap import describe
-    from hybrid_lm.progress import bar_disabled
-    from hybrid_lm.train.sharding import put_batch
 
     t0 = time.time()
     cfg = cfg or run.cfg

@@ -28,14 +28,27 @@ one curve per row (the Rethinking paper's Fig. 5).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
+from tqdm import tqdm
 
+from hybrid_lm.backends import recorded_backends
 from hybrid_lm.errors import ConfigError, DataError
+from hybrid_lm.eval.longppl import val_documents
+from hybrid_lm.eval.ruler import batch_rows
 from hybrid_lm.experiment import run_id
+from hybrid_lm.model.registry import MixerContext
+from hybrid_lm.ops.attention import default_positions, segment_positions
+from hybrid_lm.progress import bar_disabled
+from hybrid_lm.run.swap import describe, swapped_config
+from hybrid_lm.sharding import put_batch
 
 log = logging.getLogger(__name__)
 
@@ -90,12 +103,6 @@ def _norms_fn(model, cfg, last: int):
     d = distance d from the last position, s the official ``logit_sum`` target: the last ``last``
     positions' logits averaged over the positions, summed over the vocabulary (per row: rows do not
     interact). ``model`` gives the graph; its state is an argument."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from hybrid_lm.model.registry import MixerContext
-    from hybrid_lm.ops.attention import default_positions, segment_positions
 
     graphdef, _ = nnx.split(model)
     dtype = jnp.dtype(cfg.model.compute_dtype)
@@ -130,7 +137,7 @@ def _pick(n_available: int, samples: int, seed: int) -> np.ndarray:
 def evaluate_influence(run, cfg=None, *, windows=None, samples: int = SAMPLES, seq_len: int | None = None,
                        last: int = LAST, seed: int = 0, progress: bool = True, batch_size: int | None = None,
                        inputs: str = "documents", data=None) -> list[dict]:
-    """G(d) of ``run`` (a :class:`~hybrid_lm.eval.restore.RestoredRun`) with the model of ``cfg``
+    """G(d) of ``run`` (a :class:`~hybrid_lm.run.restore.RestoredRun`) with the model of ``cfg``
     (default the run's; e.g. ``run.task_config(horizon=H)``): ``[row]``, nothing recorded.
 
     ``inputs``: ``documents`` (whole val documents of the store ``data``, default the run's own, after
@@ -141,20 +148,10 @@ def evaluate_influence(run, cfg=None, *, windows=None, samples: int = SAMPLES, s
     drawn by ``seed``. ``last``: how many final positions' logits make s. ``batch_size``: rows per
     gradient pass (default: the trainer's tokens per step at T).
     """
-    import jax
-    from flax import nnx
-    from tqdm import tqdm
-
-    from hybrid_lm.backends import recorded_backends
-    from hybrid_lm.eval.ruler import batch_rows
-    from hybrid_lm.eval.swap import describe, swapped_config
-    from hybrid_lm.progress import bar_disabled
-    from hybrid_lm.train.sharding import put_batch
 
     t0 = time.time()
     cfg = cfg or run.cfg
     if cfg.model.remat != "none":  # nnx.remat inside this jax.grad mutates Params across traces; same values
-        import dataclasses
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, remat="none"))
     if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
         raise ConfigError(f"influence: samples={samples!r} must be an int >= 1")
@@ -180,8 +177,6 @@ def evaluate_influence(run, cfg=None, *, windows=None, samples: int = SAMPLES, s
             segments = batch["segment_ids"][:, :-1]
         source = "windows"
     else:
-        from hybrid_lm.eval.longppl import val_documents
-
         T = seq_len if seq_len is not None else min(CONTEXT, cfg.data.seq_len)
         if isinstance(T, bool) or not isinstance(T, (int, np.integer)) or T < 2:
             raise ConfigError(f"influence: seq_len={seq_len!r} must be an int >= 2")
@@ -285,9 +280,9 @@ def plot_influence(rows: list[dict], out_dir) -> list[Path]:
     faint per-d curve and its log2-binned means (markers at the bins' geometric centres). Returns the paths written ([] without rows)."""
     if not rows:
         return []
-    import matplotlib
+    import matplotlib  # plots only (a slow import)
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # plots only (a slow import)
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -32,14 +32,22 @@ retrieval-head tracking (``eval/heads.py``), after the Rethinking-hybrids paper'
 
 from __future__ import annotations
 
+import logging
 import math
+import re
 from dataclasses import dataclass
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from hybrid_lm.errors import ConfigError
+from hybrid_lm.eval import ruler as R
+from hybrid_lm.eval.ruler import TooShort
+from hybrid_lm.model.registry import MixerContext
+from hybrid_lm.ops.attention import default_positions
+from hybrid_lm.step import ModelFns
 
 MAGIC_BASE = 31415920  # class c hides the number MAGIC_BASE + c (01_prepare_data.py MAGIC_NUMBERS_HARD)
 N_CLASSES = 8
@@ -59,8 +67,6 @@ ESSAY_DEPTHS = tuple(range(0, 100, 3))  # common.py build_depths(0, 99, 3): the 
 
 
 def _key_value(rng, index: int) -> tuple[str, str]:
-    from hybrid_lm.eval import ruler as R
-
     vocab = R.words()
     key = f"{vocab[rng.integers(len(vocab))]}-{vocab[rng.integers(len(vocab))]}"
     return key, str(MAGIC_BASE + index % N_CLASSES)
@@ -68,8 +74,6 @@ def _key_value(rng, index: int) -> tuple[str, str]:
 
 def simple_sent_tokenize(text: str) -> list[str]:
     """01_prepare_data.py simple_sent_tokenize (its sentence splitter without NLTK)."""
-    import re
-
     sentences = re.split(r"([.!?]+)\s+", text)
     result = []
     for i in range(0, len(sentences) - 1, 2):
@@ -85,8 +89,6 @@ _WORDS: dict = {}
 def haystack_words(haystack) -> list[str]:
     """The haystack's text as 01_prepare_data.py load_essay_haystack splits it: whitespace runs folded,
     split at spaces."""
-    import re
-
     if haystack.identity not in _WORDS:
         _WORDS.clear()
         _WORDS[haystack.identity] = re.sub(r"\s+", " ", " ".join(haystack.texts)).split(" ")
@@ -99,8 +101,6 @@ def probe_text(seq_len: int, seed: int, index: int, haystack) -> tuple[str, str,
     line drawn from ``[n // 4, 3n // 4]`` (generate_input_output_repeat), else ``max(1000, seq_len // 4)``
     words from a random start of essays / corpus with the needle before sentence
     ``int(n_sentences * depth / 100)``, depth drawn from 0, 3, ..., 99 (generate_input_output_essay)."""
-    from hybrid_lm.eval import ruler as R
-
     rng = R.item_rng(ITEM_TASK, seq_len, seed, index)
     key, value = _key_value(rng, index)
     needle = NEEDLE.format(key=key, value=value)
@@ -128,8 +128,6 @@ def probe_text(seq_len: int, seed: int, index: int, haystack) -> tuple[str, str,
 def probe_item(seq_len: int, seed: int, index: int, tok, haystack):
     """Item ``index`` (a :class:`~hybrid_lm.eval.ruler.Item`) of the official recipe
     (:func:`probe_text`) in ``tok``'s ids: its length follows from ``seq_len`` (nominal)."""
-    from hybrid_lm.eval import ruler as R
-
     text, key, value, depth = probe_text(seq_len, seed, index, haystack)
     ids = np.asarray(tok.encode(text), np.int32)
     return R.Item(ITEM_TASK, seq_len, seed, index, haystack.name, ids, 0, answers=(value,), gold=" " + value,
@@ -142,8 +140,6 @@ def needle_item(length: int, seed: int, index: int, tok, haystack, gen_tokens: i
     haystack at ``needle_spans[0]``, before unit ``int(n_units * depth)``, the depth drawn from
     :data:`DEPTH_RANGE`. Raises :class:`~hybrid_lm.eval.ruler.TooShort` when the template leaves no
     room for a haystack."""
-    from hybrid_lm.eval import ruler as R
-
     rng = R.item_rng(ITEM_TASK, length, seed, index)
     key, value = _key_value(rng, index)
     depth = float(rng.uniform(*DEPTH_RANGE))
@@ -158,8 +154,6 @@ def needle_items(tok, length: int, samples: int, seed: int, haystack, gen_tokens
                  prompt: str = "exact") -> list:
     """Items ``0 .. samples - 1`` of :func:`needle_item` (``prompt="exact"``) or :func:`probe_item`
     (``"official"``, ``length`` the nominal seq_len); ``what`` prefixes a too-short error."""
-    from hybrid_lm.eval.ruler import TooShort
-
     if prompt not in PROMPTS:
         raise ConfigError(f"{what or 'items'}: prompt={prompt!r}; choose one of {', '.join(PROMPTS)}")
     if prompt == "official":
@@ -201,9 +195,6 @@ def answer_positions(tok, ids, answers) -> np.ndarray:
 
 def eval_context(cfg, batch: int, length: int):
     """The eval-mode :class:`~hybrid_lm.model.registry.MixerContext` the trainer's eval uses."""
-    from hybrid_lm.model.registry import MixerContext
-    from hybrid_lm.ops.attention import default_positions
-
     return MixerContext(positions=default_positions(batch, length), attention_impl=cfg.model.attention_impl,
                         seed=cfg.train.seed, train=False)
 
@@ -371,10 +362,8 @@ MAX_JITTED = 32
 
 
 def model_fns(run, cfg):
-    """The :class:`~hybrid_lm.train.step.ModelFns` of ``cfg`` (the run's own when the model is the
+    """The :class:`~hybrid_lm.step.ModelFns` of ``cfg`` (the run's own when the model is the
     run's), built once per model config."""
-    from hybrid_lm.train.step import ModelFns
-
     if cfg.model == run.cfg.model:
         return run.fns
     key = ("fns", repr(cfg.model))
@@ -400,8 +389,6 @@ def jitted(name: str, run, cfg, build, *static, out_shardings=None):
 
 def check_length(cfg, seq_len: int | None, what: str) -> int:
     """``seq_len`` (default the config's) as an int >= 1; longer than the trained length is allowed."""
-    import logging
-
     n = cfg.data.seq_len if seq_len is None else seq_len
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
         raise ConfigError(f"{what}: seq_len={seq_len!r} must be a positive int")
@@ -421,11 +408,9 @@ __all__ = ["ATTENTION_KINDS", "AttentionLayer", "DEPTH_RANGE", "MAGIC_BASE", "N_
 def plot_setup(rows: list[dict], out_dir):
     """``(one row per checkpoint step in step order (the last given for a step), out_dir created,
     matplotlib.pyplot on the Agg backend)`` for a task's plots over checkpoints."""
-    from pathlib import Path
-
-    import matplotlib
+    import matplotlib  # plots only (a slow import)
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # plots only (a slow import)
 
     rows = sorted({r["checkpoint_step"]: r for r in rows}.values(), key=lambda r: r["checkpoint_step"])
     out_dir = Path(out_dir)

@@ -62,12 +62,28 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import time
 import zlib
+from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from tqdm import tqdm
 
 from hybrid_lm.errors import ConfigError, DataError, WorkdirError
+from hybrid_lm.eval.prefill_swap import split_answer_nll_fn
+from hybrid_lm.eval.ruler import decode_unavailable
 from hybrid_lm.experiment import run_id
+from hybrid_lm.model.registry import MixerContext
+from hybrid_lm.ops.attention import default_positions
+from hybrid_lm.optional import optional_import
+from hybrid_lm.progress import bar_disabled
+from hybrid_lm.run.directory import load_run_config
+from hybrid_lm.run.restore import RestoredRun
+from hybrid_lm.run.swap import swapped_config
+from hybrid_lm.sharding import put_batch
+from hybrid_lm.step import ModelFns
 
 log = logging.getLogger(__name__)
 
@@ -167,10 +183,6 @@ class _HybridLMEvalImpl:
         and ``attention_impl`` are not used, and ``answer_cfg`` (the run's own config at that length)
         scores the continuations of ``swap_prefill_only``."""
         super().__init__()
-        from hybrid_lm.eval.restore import RestoredRun, load_run_config
-        from hybrid_lm.eval.ruler import decode_unavailable
-        from hybrid_lm.eval.swap import swapped_config
-        from hybrid_lm.train.step import ModelFns
 
         unknown = sorted(k for k in extra if k not in _IGNORED_ARGS)
         if unknown:
@@ -232,7 +244,7 @@ class _HybridLMEvalImpl:
 
     @classmethod
     def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None):
-        from lm_eval.utils import simple_parse_args_string
+        from lm_eval.utils import simple_parse_args_string  # the [lm_eval] extra
         return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
 
     # -- what TemplateLM asks for
@@ -289,17 +301,11 @@ class _HybridLMEvalImpl:
         return self._jitted[kind]
 
     def _put(self, a: np.ndarray):
-        from hybrid_lm.train.sharding import put_batch
         return put_batch(np.ascontiguousarray(a), self.run.batch_shard)
 
     # -- scoring
 
     def _build_score(self):
-        import jax
-        import jax.numpy as jnp
-
-        from hybrid_lm.model.registry import MixerContext
-        from hybrid_lm.ops.attention import default_positions
 
         fns, cfg, vocab = self.fns, self.cfg, self.tokenizer.vocab_size
 
@@ -319,7 +325,6 @@ class _HybridLMEvalImpl:
                               f"task asks for {kind}: run it without swap_prefill_only")
 
     def _build_split_score(self, span: int):
-        from hybrid_lm.eval.prefill_swap import split_answer_nll_fn
         return split_answer_nll_fn(self.answer_fns, self.fns, self.answer_cfg, self.cfg, span,
                                    vocab=self.tokenizer.vocab_size)
 
@@ -327,8 +332,6 @@ class _HybridLMEvalImpl:
         """``swap_prefill_only``: rows ``(tokens, n_cont)`` grouped by their exact context length (the
         swapped prefill sees the context alone: SA's permutation is drawn over exactly it), continuations
         right-padded to a bucket (exact: the answer is causal). One compile per (context, bucket)."""
-        import jax
-
         res: list = [None] * len(rows)
         groups: dict = {}
         for i, (full, n_cont) in enumerate(rows):
@@ -356,11 +359,8 @@ class _HybridLMEvalImpl:
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs):
         """``[(logprob, is_greedy)]`` of ``[(request strings or None, context ids, continuation ids)]``."""
-        import jax
-        from lm_eval.models.utils import Collator
-        from tqdm import tqdm
+        from lm_eval.models.utils import Collator  # the [lm_eval] extra
 
-        from hybrid_lm.progress import bar_disabled
 
         def longest_first(req):
             toks = req[1] + req[2]
@@ -416,7 +416,7 @@ class _HybridLMEvalImpl:
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         """Each text's log-likelihood over lm-eval's disjoint rolling windows of ``max_length``."""
-        from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+        from lm_eval.utils import get_rolling_token_windows, make_disjoint_window  # the [lm_eval] extra
 
         self._refuse_under_prefill_only(requests, "loglikelihood_rolling")
 
@@ -439,9 +439,6 @@ class _HybridLMEvalImpl:
     # -- generation
 
     def _build_prefill(self):
-        import jax
-        import jax.numpy as jnp
-
         fns, impl, vocab = self.fns, self.cfg.model.attention_impl, self.tokenizer.vocab_size
 
         def prefill(params, head, *, max_len):
@@ -450,9 +447,6 @@ class _HybridLMEvalImpl:
         return jax.jit(prefill, static_argnames="max_len")
 
     def _build_chunk(self):
-        import jax
-        import jax.numpy as jnp
-
         fns, vocab = self.fns, self.tokenizer.vocab_size
 
         def chunk(params, cache, buf, lengths, pick, p):
@@ -480,7 +474,7 @@ class _HybridLMEvalImpl:
         return any(u and u in text for u in until)
 
     def _finish(self, gen: np.ndarray, until: list[str]) -> str:
-        from lm_eval.models.utils import postprocess_generated_text
+        from lm_eval.models.utils import postprocess_generated_text  # the [lm_eval] extra
 
         eos = self.tokenizer.eos_id
         if eos is not None and (gen == eos).any():
@@ -489,9 +483,6 @@ class _HybridLMEvalImpl:
 
     def _generate_batch(self, prompts: list[list[int]], budget: int, until: list[str], rows: int) -> list[str]:
         """Greedy continuations of ``prompts`` (one batch of ``rows``; the spare rows repeat the first)."""
-        import jax
-        import jax.numpy as jnp
-
         n = len(prompts)
         prompts = prompts + [prompts[0]] * (rows - n)
         lengths = np.array([len(p) for p in prompts], np.int32)
@@ -516,11 +507,8 @@ class _HybridLMEvalImpl:
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """Greedy continuations, stopped at the request's ``until`` strings or ``max_gen_toks``."""
-        import jax
-        from lm_eval.models.utils import Collator, handle_stop_sequences, normalize_gen_kwargs
-        from tqdm import tqdm
+        from lm_eval.models.utils import Collator, handle_stop_sequences, normalize_gen_kwargs  # the [lm_eval] extra
 
-        from hybrid_lm.progress import bar_disabled
 
         self._refuse_under_prefill_only(requests, "generate_until")
         if self.no_decode and requests:
@@ -569,12 +557,11 @@ def model_class():
     Imports lm-eval: ImportError with the install line if it is missing."""
     global _CLASS
     if _CLASS is None:
-        from hybrid_lm.optional import optional_import
-
         optional_import("lm_eval")
-        import lm_eval.models  # noqa: F401  the built-in models, which get_model imports only into an empty registry
-        from lm_eval.api.model import TemplateLM
-        from lm_eval.api.registry import register_model
+        # the [lm_eval] extra; the built-in models, which get_model imports only into an empty registry
+        import lm_eval.models  # noqa: F401
+        from lm_eval.api.model import TemplateLM  # the [lm_eval] extra
+        from lm_eval.api.registry import register_model  # the [lm_eval] extra
 
         doc = "A hybrid_lm checkpoint as an lm-eval model (``--model hybrid_lm``); see the module docstring."
         cls = type("HybridLMEval", (_HybridLMEvalImpl, TemplateLM), {"__module__": __name__, "__doc__": doc})
@@ -593,19 +580,15 @@ def evaluate_lm_eval(run, cfg=None, *, tasks, limit=None, num_fewshot=None, batc
     task: ``task: lm_eval/<name>``, every metric lm-eval reports, and ``score`` (the first of
     ``acc_norm, acc, exact_match, f1, bits_per_byte, word_perplexity`` the task has). ``answer_cfg``
     (``--swap-prefill-only``): ``cfg`` prefills the contexts, ``answer_cfg`` scores the continuations."""
-    import time
-
-    from hybrid_lm.optional import optional_import
 
     lm_eval = optional_import("lm_eval")
-    from lm_eval.tasks import TaskManager
+    from lm_eval.tasks import TaskManager  # the [lm_eval] extra
 
     t0 = time.time()
     lm = model_class()(restored=(run, cfg or run.cfg), batch_size=batch_size, progress=progress,
                        max_length=(cfg or run.cfg).data.seq_len, swap_prefill_only=answer_cfg is not None,
                        answer_cfg=answer_cfg)
     if include_path:  # lm-eval indexes its ~14k task files unless every task asked for is a local one
-        from pathlib import Path
         local = {p.stem for p in Path(include_path).rglob("*.yaml")}
         tm = TaskManager(include_path=str(include_path), include_defaults=not set(tasks) <= local)
     else:
@@ -659,7 +642,7 @@ def lm_eval_argv(args: list[str]) -> list[str]:
 def run_lm_eval_cli(args: list[str]) -> int:
     """lm-eval's own command line on ``args`` with the ``hybrid_lm`` model registered; its exit code."""
     model_class()
-    from lm_eval.__main__ import cli_evaluate
+    from lm_eval.__main__ import cli_evaluate  # the [lm_eval] extra
 
     saved = sys.argv
     sys.argv = ["lm-eval", *lm_eval_argv(args)]

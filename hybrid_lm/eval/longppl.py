@@ -36,13 +36,28 @@ positions in the run's tokenisation, so evaluator and evaluated model must share
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import logging
 import math
+import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tqdm import tqdm
 
+from hybrid_lm.data.store import TokenStore
+from hybrid_lm.errors import ConfigError, DataError
 from hybrid_lm.experiment import run_id
+from hybrid_lm.files import atomic_write
+from hybrid_lm.model.registry import MixerContext
+from hybrid_lm.ops.attention import default_positions
+from hybrid_lm.progress import bar_disabled
+from hybrid_lm.run.directory import checkpoint_steps, load_run_config
+from hybrid_lm.run.restore import RestoredRun
+from hybrid_lm.run.swap import swapped_config
+from hybrid_lm.step import ModelFns
 
 DOCS = 50  # run_ppl.sh: --samples 50
 MIN_TOKENS = 16384  # run_ppl.sh: --dataset-min-tokens 16384
@@ -124,12 +139,8 @@ def longppl(nll_full, key) -> dict:
 # ----------------------------------------------------------------------------- runs
 
 def _nll_fn(evaluator, cfg=None):
-    """Per-token NLL of a :class:`~hybrid_lm.eval.restore.RestoredRun` (with ``cfg``'s model: a
+    """Per-token NLL of a :class:`~hybrid_lm.run.restore.RestoredRun` (with ``cfg``'s model: a
     swapped config of the same parameters), eval mode."""
-    from hybrid_lm.model.registry import MixerContext
-    from hybrid_lm.ops.attention import default_positions
-    from hybrid_lm.train.step import ModelFns
-
     cfg = cfg or evaluator.cfg
     fns = evaluator.fns if cfg.model == evaluator.cfg.model else ModelFns(cfg)
 
@@ -156,9 +167,6 @@ def val_documents(store_path, tok, *, min_tokens: int, max_tokens: int, count: i
     tokens, each cut to its first ``max_tokens``; the first ``count`` (None: all) in store order, or
     with ``seed`` ``count`` drawn by it (kept in store order). Returns ``(documents, info)``, info
     ``{"store", "available", "longest"}``. Raises DataError when none qualifies (naming the longest)."""
-    from hybrid_lm.data.store import TokenStore
-    from hybrid_lm.errors import DataError
-
     store = TokenStore(store_path)
     if store.tokenizer.get("fingerprint") != tok.fingerprint:
         raise DataError(f"{what} {store_path} was prepared with another tokenizer than the run's: prepare it "
@@ -178,9 +186,6 @@ def val_documents(store_path, tok, *, min_tokens: int, max_tokens: int, count: i
 def store_documents(store_path, length: int, docs: int, tokenizer_fingerprint: str) -> np.ndarray:
     """``[docs, length]``: the first ``length`` tokens of the first ``docs`` val documents of at least
     ``length`` tokens (their trailing separator counted) of a prepared store, in store order."""
-    from hybrid_lm.data.store import TokenStore
-    from hybrid_lm.errors import DataError
-
     store = TokenStore(store_path)
     if store.tokenizer.get("fingerprint") != tokenizer_fingerprint:
         raise DataError(f"--data {store_path} was prepared with another tokenizer than the run's: prepare it "
@@ -204,19 +209,16 @@ def resolve_evaluator(run, evaluator=None, evaluator_step: int | None = None) ->
     """``(run directory, step, label)`` of the evaluator of ``run``'s checkpoint: ``None`` / ``"newest"``
     the run's newest checkpoint, ``"self"`` the checkpoint itself, else a run directory (its
     ``evaluator_step``, default its newest)."""
-    from pathlib import Path
-
-    from hybrid_lm.train.checkpoint import saved_steps
 
     if evaluator in (None, "newest"):
         if evaluator_step is not None:
             return Path(run.workdir), int(evaluator_step), f"step {evaluator_step}"
-        return Path(run.workdir), max(saved_steps(Path(run.workdir) / "checkpoints") or [run.step]), "newest"
+        return Path(run.workdir), max(checkpoint_steps(run.workdir, missing_ok=True) or [run.step]), "newest"
     if evaluator == "self":
         return Path(run.workdir), run.step, "self"
     if evaluator_step is not None:  # its keys may be cached without its checkpoints (a copy of its results)
         return Path(evaluator), int(evaluator_step), str(evaluator)
-    steps = saved_steps(Path(evaluator) / "checkpoints")
+    steps = checkpoint_steps(evaluator, missing_ok=True)
     if not steps:
         raise FileNotFoundError(f"--evaluator {evaluator}: the run has no checkpoint")
     return Path(evaluator), int(evaluator_step) if evaluator_step is not None else max(steps), str(evaluator)
@@ -225,9 +227,6 @@ def resolve_evaluator(run, evaluator=None, evaluator_step: int | None = None) ->
 def run_documents(run, *, length: int | None, docs: int | None, rule: KeyTokenRule, data=None,
                   inputs: str = "documents", min_tokens: int | None = None) -> tuple[list[np.ndarray], dict]:
     """The documents LongPPL reads (the module doc) and what describes them."""
-    from hybrid_lm.errors import ConfigError, DataError
-    from hybrid_lm.eval.swap import swapped_config
-
     if inputs not in INPUTS:
         raise ConfigError(f"longppl: inputs={inputs!r}; choose one of {', '.join(INPUTS)}")
     if inputs == "windows":
@@ -252,7 +251,6 @@ def run_documents(run, *, length: int | None, docs: int | None, rule: KeyTokenRu
         keep = len(d) if len(d) <= lo else lo + (len(d) - lo) // rule.window * rule.window
         out.append(d[:keep])
     if len(out) < (docs or DOCS):
-        import logging
         logging.getLogger(__name__).warning("longppl: %d documents of >= %d tokens in %s, fewer than the %d asked",
                                             len(out), lo, info["store"], docs or DOCS)
     return out, {"documents": "store val documents", "length": n, "min_tokens": lo, "store": info["store"],
@@ -265,12 +263,7 @@ def longppl_of_run(run, cfg=None, *, evaluator=None, evaluator_step: int | None 
     """LongPPL of a restored checkpoint (``run``, with ``cfg``'s model: default the run's, or a swapped
     config) on its documents (:func:`run_documents`; ``data``: a prepared token store). Key tokens are
     marked by ``evaluator`` (:func:`resolve_evaluator`; default the run's newest checkpoint)."""
-    import time
 
-    from tqdm import tqdm
-
-    from hybrid_lm.eval.restore import RestoredRun, load_run_config
-    from hybrid_lm.progress import bar_disabled
 
     t0 = time.time()
     judge_dir, judge_step, label = resolve_evaluator(run, evaluator, evaluator_step)
@@ -314,8 +307,6 @@ def evaluate_longppl(workdir, *, evaluator=None, length: int | None = None, docs
                      data=None, inputs: str = "documents", min_tokens: int | None = None) -> dict:
     """LongPPL of ``workdir``'s checkpoint (:func:`longppl_of_run`); appends a ``kind: longppl`` row to
     ``workdir/eval.jsonl``."""
-    from hybrid_lm.eval.restore import RestoredRun
-
     run = RestoredRun(workdir, step=step)
     row = longppl_of_run(run, evaluator=evaluator, evaluator_step=evaluator_step, length=length, docs=docs,
                          rule=rule, data=data, progress=progress, inputs=inputs, min_tokens=min_tokens)
@@ -330,8 +321,6 @@ def evaluate_longppl(workdir, *, evaluator=None, length: int | None = None, docs
 # evaluator's passes (one full + T/W short ones per document) run once.
 
 def _key_cache_path(judge_dir, judge_run_id: str, judge_step: int, documents, rule: KeyTokenRule):
-    import hashlib
-    from pathlib import Path
     h = hashlib.sha256()
     for d in documents:
         h.update(np.int64(len(d)).tobytes())
@@ -342,7 +331,6 @@ def _key_cache_path(judge_dir, judge_run_id: str, judge_step: int, documents, ru
 
 def _load_keys(path, lengths: list[int]):
     """The cached key masks (one per document), or None (absent or unreadable: recomputed)."""
-    import logging
     if not path.exists():
         return None
     try:
@@ -358,7 +346,6 @@ def _load_keys(path, lengths: list[int]):
 
 def _save_keys(path, keys) -> None:
     """Written atomically: a crash never leaves a torn cache."""
-    from hybrid_lm.files import atomic_write
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(path, lambda fh: np.savez(fh, keys=np.concatenate(keys).astype(bool),
                                            lengths=np.array([len(k) for k in keys], np.int64)))

@@ -23,12 +23,16 @@ and the counts). Run it with::
 
 from __future__ import annotations
 
+import inspect
 import json
 from pathlib import Path
 
 import numpy as np
 
+from hybrid_lm.data.store import TokenStore
+from hybrid_lm.data.tokenizer import load_tokenizer
 from hybrid_lm.errors import ConfigError, DataError
+from hybrid_lm.eval.longppl import val_documents
 from hybrid_lm.files import atomic_write_json, atomic_write_text
 
 NAME = "next_line"
@@ -89,9 +93,6 @@ def build_next_line_task(store_path, tokenizer: str, out, *, items: int = 200, c
     """Write the task to ``out`` (see the module doc); returns the settings and counts. DataError when the
     store's val split gives fewer than ``items`` items. ``max_continuation_tokens``: every choice (its line
     break included) at most this many tokens, so that context and choice fit a model's length."""
-    from hybrid_lm.data.tokenizer import load_tokenizer
-    from hybrid_lm.eval.longppl import val_documents
-
     for name, v, low in (("items", items, 1), ("context_tokens", context_tokens, 1), ("choices", choices, 2),
                          ("max_line_chars", max_line_chars, MIN_CHARS)):
         if not isinstance(v, int) or v < low:
@@ -140,7 +141,6 @@ def build_next_line_task(store_path, tokenizer: str, out, *, items: int = 200, c
     data = out / f"{NAME}.jsonl"
     atomic_write_text(data, "".join(json.dumps(m) + "\n" for m in made))
     atomic_write_text(out / f"{NAME}.yaml", YAML.format(name=NAME, data=json.dumps(str(data.resolve()))))
-    from hybrid_lm.data.store import TokenStore
 
     meta = {"schema": SCHEMA, "items": items, "context_tokens": context_tokens, "choices": choices, "seed": seed,
             "max_line_chars": max_line_chars, "max_continuation_tokens": max_continuation_tokens,
@@ -153,12 +153,8 @@ def build_next_line_task(store_path, tokenizer: str, out, *, items: int = 200, c
 
 def ensure_next_line_task(store_path, tokenizer: str, out, **settings) -> dict:
     """The task in ``out``, built unless ``out/next_line.json`` records these settings and this store."""
-    from hybrid_lm.data.store import TokenStore
-
     meta_path = Path(out) / f"{NAME}.json"
     if meta_path.exists() and (Path(out) / f"{NAME}.jsonl").exists():
-        import inspect
-
         meta = json.loads(meta_path.read_text())
         defaults = {k: v.default for k, v in inspect.signature(build_next_line_task).parameters.items()
                     if v.kind is v.KEYWORD_ONLY}

@@ -19,7 +19,7 @@ are discarded. The first answer token is predicted from the last context positio
 model (the prefill's last logits), the others from the answer rows. This equals a prefill of the
 context with the swap followed by teacher-forced decoding with the run's own mixers over a full
 cache of the context, and costs two forward passes (context, context + answer) per block instead of
-a prefill and one decode step per answer token. Any swap of ``eval/swap.py`` works (``sa``, ``swa``,
+a prefill and one decode step per answer token. Any swap of ``run/swap.py`` works (``sa``, ``swa``,
 ``moba``, ...); the own layers are the run's (its full attention, and its efficient layers as trained).
 
 Checked against a dense oracle in ``tests/test_prefill_swap.py``: with a SWA-w swap on a full-attention
@@ -32,16 +32,16 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from hybrid_lm.model.registry import MixerContext
+from hybrid_lm.ops.attention import default_positions
+
 
 def split_answer_nll_fn(own_fns, swapped_fns, own_cfg, swapped_cfg, span: int, vocab: int | None = None):
     """Jitted ``(params, tokens [B, L]) -> [B, span]``: the NLL of the last ``span`` tokens (the answer),
     the first ``L - span`` (the context) prefilled by the swapped model (``swapped_fns`` / ``swapped_cfg``)
     and the answer scored by the run's own model (``own_fns`` / ``own_cfg``) over that context. Both
-    configs take the same parameters (``eval/swap.py`` checks it). With ``vocab``, also ``[B, span]``
+    configs take the same parameters (``run/swap.py`` checks it). With ``vocab``, also ``[B, span]``
     whether each answer token is the argmax over the first ``vocab`` ids (lm-eval's ``is_greedy``)."""
-    from hybrid_lm.model.registry import MixerContext
-    from hybrid_lm.ops.attention import default_positions
-
     def ctx_of(cfg, B, L, ids):
         return MixerContext(positions=default_positions(B, L), attention_impl=cfg.model.attention_impl,
                             seed=cfg.train.seed, example_ids=ids, train=False)

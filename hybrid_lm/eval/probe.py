@@ -22,17 +22,24 @@ Python: ``rows = evaluate_probe(RestoredRun(wd), samples=10000)``; ``format_prob
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import time
 import warnings
 from pathlib import Path
 
+import jax
 import numpy as np
+from tqdm import tqdm
 
 from hybrid_lm.errors import ConfigError
-from hybrid_lm.eval import introspect as I
+from hybrid_lm.eval import introspect as I, ruler as R
 from hybrid_lm.experiment import run_id
+from hybrid_lm.optional import optional_import
+from hybrid_lm.progress import bar_disabled
+from hybrid_lm.run.swap import describe
+from hybrid_lm.sharding import put_batch
 
 log = logging.getLogger(__name__)
 
@@ -59,14 +66,12 @@ def official_classifier(C: float = C_REG):
     max_iter=1000, solver="liblinear", C=0.1, multi_class="ovr")``. scikit-learn 1.7 dropped
     ``multi_class``; liblinear's multiclass was one-vs-rest, which ``OneVsRestClassifier`` of the same
     binary liblinear problems is (predicting the class of the largest decision value)."""
-    import inspect
-
-    from sklearn.linear_model import LogisticRegression
+    from sklearn.linear_model import LogisticRegression  # the [eval] extra
 
     kw = dict(random_state=RANDOM_STATE, max_iter=MAX_ITER, solver=SOLVER, C=C)
     if "multi_class" in inspect.signature(LogisticRegression).parameters:
         return LogisticRegression(**kw, multi_class="ovr")
-    from sklearn.multiclass import OneVsRestClassifier
+    from sklearn.multiclass import OneVsRestClassifier  # the [eval] extra
     return OneVsRestClassifier(LogisticRegression(**kw))
 
 
@@ -74,12 +79,10 @@ def probe_accuracy(features: np.ndarray, labels, seed: int = RANDOM_STATE, *, C:
     """``[L]`` test accuracy of a linear probe per layer: ``features [N, L, d]``, ``labels [N]``;
     one stratified 80/20 split (``random_state=seed``, 42 as the official script) shared by all layers,
     features standardised on the train part, :func:`official_classifier`."""
-    from hybrid_lm.optional import optional_import
-
     optional_import("sklearn")  # one-line install hint when scikit-learn is missing
-    from sklearn.exceptions import ConvergenceWarning
-    from sklearn.model_selection import train_test_split
-    from sklearn.preprocessing import StandardScaler
+    from sklearn.exceptions import ConvergenceWarning  # the [eval] extra
+    from sklearn.model_selection import train_test_split  # the [eval] extra
+    from sklearn.preprocessing import StandardScaler  # the [eval] extra
 
     features = np.asarray(features, np.float64)
     labels = np.asarray(labels)
@@ -108,12 +111,6 @@ def _features_fn(fns, cfg):
 def probe_features(run, cfg, items, *, batch_size: int | None = None, progress: bool = True) -> np.ndarray:
     """``[N, n_layers, d]`` fp32 hidden states of ``items`` at their last prompt token (the prompts
     right-padded to the longest: a causal model's states at a position do not see what follows)."""
-    import jax
-    from tqdm import tqdm
-
-    from hybrid_lm.eval import ruler as R
-    from hybrid_lm.progress import bar_disabled
-    from hybrid_lm.train.sharding import put_batch
 
     T = max(len(it.ids) for it in items)
     tokens = np.zeros((len(items), T), np.int32)
@@ -139,9 +136,6 @@ def evaluate_probe(run, cfg=None, *, samples: int = SAMPLES, seq_len: int | None
     (default the config's) is the official recipe's nominal length (``prompt="official"``) or the
     prompts' exact length (``"exact"``); ``haystack`` default ``noise`` (the official ``repeat``).
     Nothing is recorded."""
-    from hybrid_lm.eval import ruler as R
-    from hybrid_lm.eval.swap import describe
-
     t0 = time.time()
     cfg = cfg or run.cfg
     check_samples(samples)

@@ -1,9 +1,9 @@
 """``hybrid-lm eval-report SWEEP_ROOT|RUN_DIRS...``: runs' eval results overlaid, one curve per architecture.
 
-For every run found (``hybrid_lm.scaling.collect.find_run_dirs``: a sweep root, run directories, or
+For every run found (``hybrid_lm.run.directory.find_run_dirs``: a sweep root, run directories, or
 folders searched), the current rows of its ``eval.jsonl`` (``suite.current_rows``) are grouped by
 (task, eval_key): one figure per group, the task's headline number (``suite.headline``) against
-tokens seen, one curve per run labelled by its architecture (``collect.arch_label``) and size; a
+tokens seen, one curve per run labelled by its architecture (``model/architecture.py``) and size; a
 horizontal bar per run where every run has one checkpoint. RULER rows are split per RULER task and
 length; rows without exact match (``--ruler-no-generation``, ``--swap-prefill-only``) are plotted as
 their answer NLL, in a figure of their own. Runs whose rows were evaluated with other settings land
@@ -15,12 +15,17 @@ the reason.
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 import re
 from pathlib import Path
 from typing import NamedTuple
 
 from hybrid_lm.errors import WorkdirError
+from hybrid_lm.eval.suite import EvalRequest, HEADLINES, _task_module, check_tasks, current_rows, headline, task_of
+from hybrid_lm.run.directory import eval_rows_path, find_run_dirs, load_run_config, metrics_path, run_architecture
+from hybrid_lm.run.metrics import read_metrics
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +58,6 @@ class Group(NamedTuple):
 
 def metric_name(fam: str) -> str:
     """The headline metric of a task family: ``suite.HEADLINES``, else the task module's ``HEADLINE``."""
-    from hybrid_lm.eval.suite import HEADLINES, _task_module
-
     key = HEADLINES.get(fam, (None, None))[0]
     if key is None and fam in ("probe", "heads", "influence"):
         try:
@@ -67,8 +70,6 @@ def metric_name(fam: str) -> str:
 def point(row: dict) -> tuple[str, float] | None:
     """(metric, value) a row is plotted by: its headline number, else RULER's answer NLL where the row has
     no exact match (log-likelihood scores only)."""
-    from hybrid_lm.eval.suite import headline, task_of
-
     fam = task_of(row)
     v = headline(row)
     if v is not None:
@@ -83,8 +84,6 @@ def eval_settings(row: dict) -> tuple[str, ...]:
     """The row's ``eval_config`` settings that differ from a plain ``hybrid-lm eval --tasks TASK``, as
     `hybrid-lm eval` options (``--swap full=sa:128``; ``alpha=2.5`` where no option sets it); RULER's
     lengths are left out (a figure holds one length, in its title)."""
-    from hybrid_lm.eval.suite import EvalRequest, task_of
-
     conf = row.get("eval_config")
     if not isinstance(conf, dict):
         return ()
@@ -141,8 +140,6 @@ def title(g: Group, width: int = 0) -> str:
 def file_name(g: Group) -> str:
     """``<task>[_<metric>][_<length>][_<settings>]_<eval key>.png``; the metric only where it is not the
     task's headline."""
-    from hybrid_lm.eval.suite import task_of
-
     parts = [g.task.replace("/", "_")]
     if g.metric != metric_name(task_of({"task": g.task})):
         parts.append(g.metric)
@@ -160,8 +157,6 @@ def file_name(g: Group) -> str:
 
 
 def y_label(g: Group) -> str:
-    from hybrid_lm.eval.suite import HEADLINES
-
     if g.metric == "answer_nll":
         return NLL_LABEL
     better = HEADLINES.get(g.task.split("/")[0], (None, None))[1]
@@ -171,11 +166,8 @@ def y_label(g: Group) -> str:
 def run_label(d: Path) -> str:
     """``<arch label> <size>`` of a run directory, e.g. ``full+swa128 d64L4`` (the sweep's names
     where the sweep wrote them)."""
-    import json
 
-    from hybrid_lm.scaling.collect import _arch_of
-
-    arch, _ = _arch_of(d)
+    arch, _ = run_architecture(d)
     meta, m = d / "sweep_run.json", None
     if meta.exists():
         m = json.loads(meta.read_text())
@@ -190,7 +182,6 @@ def run_label(d: Path) -> str:
         return f"{m.get('arch') or arch or d.name} {m.get('scale') or ''}".strip() + seed
     size = ""
     try:
-        from hybrid_lm.eval.restore import load_run_config
         c = load_run_config(d).model
         size = f"d{c.d_model}L{c.n_layers}"
     except (OSError, ValueError):
@@ -201,8 +192,6 @@ def run_label(d: Path) -> str:
 def why_no_headline(row: dict) -> str:
     """Why an eval.jsonl row gives no point to plot (no headline number, or no tokens seen), from what
     the row says."""
-    from hybrid_lm.eval.suite import HEADLINES, task_of
-
     fam = task_of(row)
     if point(row) is not None:
         return ("no tokens seen: written outside the suite (`hybrid-lm longppl`, or `hybrid-lm eval` without "
@@ -225,9 +214,6 @@ def collect_eval(paths: list[str | Path], tasks: tuple[str, ...] | None = None,
                  skipped: list[str] | None = None) -> dict:
     """``{Group: {label: [(tokens_seen, value, step), ...]}}`` over the runs under ``paths``; a line per
     run and per task left out, with the reason, is appended to ``skipped``."""
-    from hybrid_lm.eval.suite import check_tasks, current_rows, task_of
-    from hybrid_lm.scaling.collect import find_run_dirs
-
     if tasks:
         check_tasks(tasks)
     skipped = [] if skipped is None else skipped
@@ -248,7 +234,7 @@ def collect_eval(paths: list[str | Path], tasks: tuple[str, ...] | None = None,
         rows = current_rows(d)
         asked = [r for r in rows if not tasks or task_of(r) in tasks]
         if not asked:
-            why = ("no eval.jsonl" if not (d / "eval.jsonl").exists() else "its eval.jsonl holds no rows" if not rows
+            why = ("no eval.jsonl" if not eval_rows_path(d).exists() else "its eval.jsonl holds no rows" if not rows
                    else f"its eval.jsonl holds no {','.join(tasks)} rows (it holds "
                         f"{', '.join(sorted({task_of(r) for r in rows}))})")
             skipped.append(f"skipped run {d} ({label}): {why} (`hybrid-lm eval {d} --tasks "
@@ -288,10 +274,6 @@ def format_report(groups: dict) -> str:
 def nothing_to_report(paths: list[str | Path], tasks: tuple[str, ...] | None = None) -> str:
     """Why :func:`collect_eval` found no curve: what the run dirs under ``paths`` hold (eval-suite
     rows per task, the trainer's periodic eval rows) and the command that writes suite results."""
-    from hybrid_lm.eval.suite import current_rows, task_of
-    from hybrid_lm.scaling.collect import find_run_dirs
-    from hybrid_lm.train.metrics import read_metrics
-
     dirs = find_run_dirs(list(paths))
     per_task: dict[str, int] = {}
     asked = scored = trainer = 0
@@ -302,7 +284,7 @@ def nothing_to_report(paths: list[str | Path], tasks: tuple[str, ...] | None = N
             if not tasks or fam in tasks:
                 asked += 1
                 scored += point(r) is not None and r.get("tokens_seen") is not None
-        trainer += len(read_metrics(d / "metrics.jsonl", "eval"))
+        trainer += len(read_metrics(metrics_path(d), "eval"))
     found = f"{len(dirs)} run dir{'s' if len(dirs) != 1 else ''}: "
     if per_task:
         found += "eval.jsonl holds " + ", ".join(f"{n} {t}" for t, n in sorted(per_task.items())) + " eval-suite rows"
@@ -324,7 +306,7 @@ MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
 def series_styles(labels) -> dict[str, tuple]:
     """A (colour, marker) per label, none alike: tab20's dark shades (tab10's colours) then its light
     ones, then the colours again with another marker."""
-    from matplotlib import colormaps
+    from matplotlib import colormaps  # plots only (a slow import)
 
     cmap = colormaps["tab20"]
     colours = [cmap(i) for i in range(0, 20, 2)] + [cmap(i) for i in range(1, 20, 2)]
@@ -339,7 +321,6 @@ def _bars(ax, g: Group, series: dict, styles: dict) -> str:
     seen = {series[lb][0][0] for lb in labels}
     log = g.task == "longppl" and min(values) > 0
     if log:  # bars from a power of ten well below the smallest value: a log axis has no zero
-        import math
         base = 10 ** math.floor(math.log10(min(values) / 1.5))
         ax.set_xscale("log")
     else:
@@ -370,9 +351,9 @@ def _bars(ax, g: Group, series: dict, styles: dict) -> str:
 def plot_report(groups: dict, out_dir: Path) -> list[Path]:
     """One PNG per :class:`Group` of :func:`collect_eval`: curves against tokens seen, or bars where every
     run has one checkpoint; a run keeps its colour and marker across figures."""
-    import matplotlib
+    import matplotlib  # plots only (a slow import)
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # plots only (a slow import)
 
     out_dir.mkdir(parents=True, exist_ok=True)
     styles = series_styles({label for series in groups.values() for label in series})

@@ -51,15 +51,33 @@ import hashlib
 import json
 import logging
 import re
+import textwrap
 import time
 import zlib
 from functools import lru_cache
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from scipy.special import zeta
+from tqdm import tqdm
 
+from hybrid_lm.backends import recorded_backends
+from hybrid_lm.data.corpus import data_root
+from hybrid_lm.data.sources import embedded_documents
 from hybrid_lm.errors import ConfigError
+from hybrid_lm.eval.generate import generate
+from hybrid_lm.eval.prefill_swap import split_answer_nll_fn
 from hybrid_lm.experiment import run_id
+from hybrid_lm.files import atomic_write_text
+from hybrid_lm.model.registry import MixerContext
+from hybrid_lm.ops.attention import default_positions
+from hybrid_lm.progress import bar_disabled
+from hybrid_lm.run.directory import checkpoint_meta
+from hybrid_lm.run.swap import describe
+from hybrid_lm.sharding import put_batch
+from hybrid_lm.step import ModelFns
 
 log = logging.getLogger(__name__)
 
@@ -229,7 +247,6 @@ UPPER = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
 @lru_cache(maxsize=1)
 def essay_texts() -> tuple[tuple[str, str], ...]:
-    from hybrid_lm.data.sources import embedded_documents
     return tuple(embedded_documents())
 
 
@@ -343,7 +360,7 @@ def corpus_haystack(tok, store) -> Haystack:
 
 def haystack_for(name: str, tok, run=None) -> Haystack:
     """The ``name`` haystack (one of ``HAYSTACKS``) in ``tok``'s ids; ``corpus`` needs the
-    :class:`~hybrid_lm.eval.restore.RestoredRun` whose token store it reads."""
+    :class:`~hybrid_lm.run.restore.RestoredRun` whose token store it reads."""
     if name == "essays":
         return essays_haystack(tok)
     if name == "noise":
@@ -705,7 +722,6 @@ def _cwe(task, length, seed, index, tok, haystack=None, depths=None) -> Item:
 
 @lru_cache(maxsize=8)
 def _zeta(alpha: float) -> float:
-    from scipy.special import zeta
     return float(zeta(alpha))
 
 
@@ -786,7 +802,6 @@ def cache_key(task: str, length: int, seed: int, tok, haystack: Haystack | None)
 
 
 def cache_path(key: dict, root: Path | None = None) -> Path:
-    from hybrid_lm.data.corpus import data_root
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
     return (root or data_root() / "ruler") / f"{key['task']}-{key['length']}-{digest}.jsonl"
 
@@ -816,8 +831,6 @@ def load_items(task: str, length: int, seed: int, samples: int, tok, haystack: H
     """Items 0 .. samples - 1 of (task, length, seed) in ``tok``'s ids, from the cache under
     ``data_cache/ruler/`` (or ``root``), generating and caching the missing ones. Returns (items,
     cache file). A cache that cannot be written is a warning, not an error."""
-    from hybrid_lm.files import atomic_write_text
-
     key = cache_key(task, length, seed, tok, haystack)
     path = cache_path(key, root)
     items = _read_cache(path, key)
@@ -943,9 +956,8 @@ def decode_unavailable(model) -> str | None:
 
 def tokens_seen(run) -> int:
     """Tokens the restored checkpoint was trained on: its saved metadata, else step x batch x seq_len."""
-    meta = run.workdir / "checkpoints" / str(run.step) / "meta" / "metadata"
     try:
-        return int(json.loads(meta.read_text())["tokens_seen"])
+        return int(checkpoint_meta(run.workdir, run.step)["tokens_seen"])
     except (OSError, ValueError, KeyError, TypeError):
         return run.step * run.cfg.train.global_batch * run.cfg.data.seq_len
 
@@ -954,11 +966,6 @@ def _answer_nll_fn(fns, cfg, span: int):
     """Jitted ``(params, tokens [B, L], example_ids [B]) -> [B, span]``: NLL of the last ``span`` tokens
     given their prefixes, eval mode; logits only for those positions. ``example_ids``: SA's permutation
     per row (the gold and the distractors of one item share their item's)."""
-    import jax
-    import jax.numpy as jnp
-
-    from hybrid_lm.model.registry import MixerContext
-    from hybrid_lm.ops.attention import default_positions
 
     def nll(params, tokens, example_ids=None):
         B, L = tokens.shape
@@ -996,7 +1003,7 @@ def evaluate_ruler(run, *, tasks=None, lengths=None, samples: int = 8, haystack:
                    allow_longer: bool = False, batch_size: int | None = None, cfg=None, cache_root=None,
                    progress: bool = True, lengths_flag: str = "--lengths",
                    answer_cfg=None, generate_answers: bool = True) -> tuple[list[dict], list[dict]]:
-    """RULER on ``run`` (a :class:`~hybrid_lm.eval.restore.RestoredRun`) with the model of ``cfg``
+    """RULER on ``run`` (a :class:`~hybrid_lm.run.restore.RestoredRun`) with the model of ``cfg``
     (default the run's; a swapped config of the same parameters works): ``(rows, skipped)``, a row
     per (task, length) evaluated (``kind: ruler``, ``task: ruler/<name>``, scores, settings) and a
     ``{task, length, reason}`` per pair too short to generate (``lengths_flag``: the option the lengths
@@ -1007,15 +1014,6 @@ def evaluate_ruler(run, *, tasks=None, lengths=None, samples: int = 8, haystack:
     (``eval/prefill_swap.py``); greedy generation is not run under it (``exact_match`` null).
     ``generate_answers=False`` (``--ruler-no-generation``): the log-likelihood scores only, no greedy
     generation (``exact_match`` null)."""
-    import jax
-    from tqdm import tqdm
-
-    from hybrid_lm.backends import recorded_backends
-    from hybrid_lm.eval.generate import generate
-    from hybrid_lm.eval.swap import describe
-    from hybrid_lm.progress import bar_disabled
-    from hybrid_lm.train.sharding import put_batch
-    from hybrid_lm.train.step import ModelFns
 
     cfg = cfg or run.cfg
     tasks, lengths = check_request(cfg, tasks, lengths, haystack, allow_longer, samples, lengths_flag)
@@ -1056,7 +1054,6 @@ def evaluate_ruler(run, *, tasks=None, lengths=None, samples: int = 8, haystack:
         if answer_cfg is None:
             nll_fn = _answer_nll_fn(fns, cfg, span)
         else:
-            from hybrid_lm.eval.prefill_swap import split_answer_nll_fn
             nll_fn = split_answer_nll_fn(answer_fns, fns, answer_cfg, cfg, span)
         for task, (items, path) in sets.items():
             t0 = time.time()
@@ -1157,7 +1154,6 @@ def format_table(rows: list[dict], skipped: list[dict] = ()) -> str:
         for t in tasks:
             lines.append(f"  {t:<16}" + "".join(f"{fmt(t, L, what):>{width}}" for L in lengths))
     if any(r.get("ll_accuracy") is not None for r in rows):
-        import textwrap
         lines += textwrap.wrap(LL_LEGEND, 110)
     for s in skipped:
         lines.append(f"short: {s['reason']}")

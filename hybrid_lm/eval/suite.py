@@ -1,7 +1,7 @@
 """``hybrid-lm eval RUN_DIR --tasks ... --steps ...``: every evaluation task over a run's checkpoints.
 
 One entry point for the tasks of ``docs/EVAL.md``. Each task is a function of a restored checkpoint
-(:class:`~hybrid_lm.eval.restore.RestoredRun`) and the config it runs (the run's, or the run's with
+(:class:`~hybrid_lm.run.restore.RestoredRun`) and the config it runs (the run's, or the run's with
 ``--swap`` / ``--horizon`` applied by :meth:`RestoredRun.task_config`), and returns rows:
 
 =========== ============================================== =====================================
@@ -27,16 +27,31 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib
 import json
 import logging
 import time
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 
+from hybrid_lm.backends import recorded_backends
+from hybrid_lm.describe import describe_layers
 from hybrid_lm.errors import ConfigError, WorkdirError
-from hybrid_lm.eval.loss import format_se
+from hybrid_lm.eval import ruler
+from hybrid_lm.eval.heads import require_attention
+from hybrid_lm.eval.introspect import PROMPTS
+from hybrid_lm.eval.longppl import (INPUTS, KeyTokenRule, MAX_TOKENS, MIN_TOKENS, check_evaluator_tokenizer,
+                                    longppl_of_run)
+from hybrid_lm.eval.probe import check_samples
+from hybrid_lm.eval.ruler import check_request, format_table, tokens_seen
 from hybrid_lm.experiment import run_id
+from hybrid_lm.progress import bar_disabled
+from hybrid_lm.run.directory import checkpoint_steps, load_run_config, read_eval_rows, run_path
+from hybrid_lm.run.loss import format_se
+from hybrid_lm.run.restore import RestoredRun, record_rows
+from hybrid_lm.run.swap import swapped_config
 
 log = logging.getLogger(__name__)
 
@@ -106,8 +121,6 @@ class EvalRequest:
         check_tasks(self.tasks)
         if self.data is not None and not {"loss", "longppl", "influence"} & set(self.tasks):
             raise ConfigError("--data applies to the loss, longppl and influence tasks: add one of them to --tasks")
-        from hybrid_lm.eval.introspect import PROMPTS
-        from hybrid_lm.eval.longppl import INPUTS
         for flag, value, allowed in (("--longppl-inputs", self.longppl_inputs, INPUTS),
                                      ("--influence-inputs", self.influence_inputs, ("documents", "windows")),
                                      ("--probe-prompt", self.probe_prompt, PROMPTS)):
@@ -130,19 +143,15 @@ class EvalRequest:
         ``base`` is the run's config, ``cfg`` the one the tasks run on (``--swap`` ... applied).
         ``--samples`` is one number for every task that takes it."""
         if "probe" in self.tasks and self.samples is not None:
-            from hybrid_lm.eval.probe import check_samples
             try:
                 check_samples(self.samples)
             except ConfigError as e:
                 raise ConfigError(f"{e}; --samples applies to every task of --tasks: run the probe in a "
                                   "`hybrid-lm eval --tasks probe` of its own") from None
         if "ruler" in self.tasks:
-            from hybrid_lm.eval.ruler import check_request
             check_request(cfg, self.ruler_tasks, self.ruler_lengths, self.haystack, self.allow_longer,
                           1 if self.samples is None else self.samples, lengths_flag="--ruler-lengths")
         if "longppl" in self.tasks:
-            from hybrid_lm.eval.longppl import KeyTokenRule
-            from hybrid_lm.eval.longppl import MAX_TOKENS, MIN_TOKENS
             n = self.longppl_length or (base.data.seq_len + 1 if self.longppl_inputs == "windows" else
                                         min(MAX_TOKENS, base.data.seq_len + 1))
             shortest = n if self.longppl_inputs == "windows" else (self.longppl_min_tokens or min(MIN_TOKENS, n))
@@ -151,8 +160,6 @@ class EvalRequest:
             except ValueError as e:
                 raise ConfigError(f"longppl: {e} (--longppl-length, --longppl-min-tokens, --trunc-len)") from None
             if self.evaluator is not None:
-                from hybrid_lm.eval.longppl import check_evaluator_tokenizer
-                from hybrid_lm.eval.restore import load_run_config
                 try:
                     check_evaluator_tokenizer(load_run_config(self.evaluator), base)
                 except FileNotFoundError as e:
@@ -160,7 +167,6 @@ class EvalRequest:
                 except ValueError as e:
                     raise ConfigError(f"--evaluator {self.evaluator}: {e}") from None
         if "heads" in self.tasks:
-            from hybrid_lm.eval.heads import require_attention
             require_attention(cfg)
 
     def config(self, task: str) -> dict:
@@ -205,19 +211,6 @@ def eval_key(config: dict) -> str:
 
 # ----------------------------------------------------------------------------- checkpoints
 
-def checkpoint_steps(workdir: Path | str) -> list[int]:
-    """Finalised checkpoint steps of a run, ascending (``*.orbax-checkpoint-tmp`` dirs are not steps);
-    a Hugging Face folder (``hf:DIR``) has one, step 0."""
-    from hybrid_lm.eval.hf import hf_folder
-
-    if hf_folder(workdir) is not None:
-        return [0]
-    d = Path(workdir) / "checkpoints"
-    if not d.is_dir():
-        raise WorkdirError(f"{workdir} has no checkpoints/ directory: train the run first")
-    return sorted(int(p.name) for p in d.iterdir() if p.is_dir() and p.name.isdigit())
-
-
 def parse_steps(spec: str | None, available: list[int]) -> list[int]:
     """``latest`` (default), ``all``, or comma-separated steps (each must be saved)."""
     if not available:
@@ -246,8 +239,6 @@ def _task_loss(run, cfg, req: EvalRequest) -> list[dict]:
 
 
 def _task_longppl(run, cfg, req: EvalRequest) -> list[dict]:
-    from hybrid_lm.eval.longppl import KeyTokenRule, longppl_of_run
-
     rule = KeyTokenRule(req.trunc_len, req.window, req.alpha, req.beta)
     return [longppl_of_run(run, cfg, evaluator=req.evaluator, evaluator_step=req.evaluator_step,
                            length=req.longppl_length, docs=req.longppl_docs, rule=rule, data=req.data,
@@ -259,8 +250,6 @@ def _samples(req: EvalRequest) -> dict:
 
 
 def _task_ruler(run, cfg, req: EvalRequest) -> list[dict]:
-    from hybrid_lm.eval import ruler
-
     answer_cfg = None
     if req.swap_prefill_only:  # the run's own layers (constraint and seq_len kept), the swaps on the prompt only
         answer_cfg = run.task_config((), req.horizon, req.sinks, seq_len=req.seq_len, attention_impl=req.attention_impl)
@@ -280,7 +269,6 @@ def _task_ruler(run, cfg, req: EvalRequest) -> list[dict]:
 
 
 def _task_module(name: str):
-    import importlib
     return importlib.import_module({"probe": "hybrid_lm.eval.probe", "heads": "hybrid_lm.eval.heads",
                                     "influence": "hybrid_lm.eval.influence",
                                     "lm_eval": "hybrid_lm.eval.lm_eval_model"}[name])
@@ -321,9 +309,6 @@ _RUNNERS = {"loss": _task_loss, "longppl": _task_longppl, "ruler": _task_ruler, 
 
 def run_tasks(run, req: EvalRequest, cfg=None) -> list[dict]:
     """Every requested task on one restored checkpoint: rows with the common fields filled in."""
-    from hybrid_lm.backends import recorded_backends
-    from hybrid_lm.eval.ruler import tokens_seen
-
     cfg = cfg or run.task_config(req.swaps, req.horizon, req.sinks, seq_len=req.seq_len,
                                  attention_impl=req.attention_impl)
     seen = tokens_seen(run)
@@ -351,8 +336,6 @@ def run_tasks(run, req: EvalRequest, cfg=None) -> list[dict]:
 def _resolved_backends(cfg) -> dict[str, str]:
     """``{op: backend}`` each layer of ``cfg`` resolves to at its seq_len on this platform (the record
     a first trace would have written)."""
-    from hybrid_lm.describe import describe_layers
-
     return {r["op"]: r["backend"] for r in describe_layers(cfg.model, cfg.data.seq_len) if r["op"] not in (None, "error")}
 
 
@@ -367,8 +350,6 @@ def task_of(row: dict) -> str:
 def current_rows(workdir: Path | str) -> list[dict]:
     """eval.jsonl with superseded rows dropped: the last row per (task, eval_key, checkpoint_step), and
     per length for RULER (one request writes a row per task and length)."""
-    from hybrid_lm.eval.restore import read_eval_rows
-
     latest: dict = {}
     for r in read_eval_rows(workdir):
         length = r.get("length") if task_of(r) == "ruler" else None
@@ -394,7 +375,6 @@ def headline(row: dict) -> float | None:
 def format_rows(task: str, rows: list[dict]) -> str:
     """A printable table of one task's rows (the task module's own format where it has one)."""
     if task == "ruler":
-        from hybrid_lm.eval.ruler import format_table
         return "\n\n".join(format_table([r for r in rows if r["checkpoint_step"] == s])
                            for s in sorted({r["checkpoint_step"] for r in rows}))
     if task in ("probe", "heads", "influence", "lm_eval"):
@@ -436,9 +416,9 @@ def plot_task(task: str, rows: list[dict], out_dir: Path) -> list[Path]:
             series.setdefault("ppl (all tokens)", []).append((r["tokens_seen"], r["ppl"]))
     if not series:
         return []
-    import matplotlib
+    import matplotlib  # plots only (a slow import)
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # plots only (a slow import)
 
     key, better = HEADLINES[task]
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -449,7 +429,7 @@ def plot_task(task: str, rows: list[dict], out_dir: Path) -> list[Path]:
     ax.set_ylabel(f"{key} ({better} is better)")
     title = f"{task} over training"
     if task == "longppl":
-        from matplotlib.ticker import FuncFormatter
+        from matplotlib.ticker import FuncFormatter  # plots only (a slow import)
         ax.set_yscale("log")
         for axis in (ax.yaxis.set_major_formatter, ax.yaxis.set_minor_formatter):
             axis(FuncFormatter(lambda v, _: f"{v:g}"))
@@ -480,9 +460,9 @@ def _plot_ruler(rows: list[dict], out_dir: Path) -> list[Path]:
     """``ruler.png``: exact match (greedy) and the gold answer's NLL, one line per RULER task: against
     tokens seen (one line per task and length) over several checkpoints, against the context length
     for one checkpoint. The legend sits beside the axes (the NLL moves long before exact match leaves 0)."""
-    import matplotlib
+    import matplotlib  # plots only (a slow import)
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # plots only (a slow import)
 
     one = len({r["tokens_seen"] for r in rows}) == 1
     series: dict = {}
@@ -533,11 +513,6 @@ def evaluate_run(workdir: Path | str, req: EvalRequest, steps: str | None = None
     """``req``'s tasks on each of ``steps`` (latest | all | S1,S2) of ``workdir``: prints a table per
     task and checkpoint, appends the rows to eval.jsonl (after printing), then draws each task's plots
     over every current row of its eval config into ``workdir/eval/``. Returns the new rows."""
-    from tqdm import tqdm
-
-    from hybrid_lm.eval.restore import record_rows
-    from hybrid_lm.eval.restore import RestoredRun, load_run_config, run_path
-    from hybrid_lm.progress import bar_disabled
 
     req.check()
     spec, workdir = workdir, run_path(workdir)  # hf:DIR -> DIR, where its rows and plots go
@@ -545,7 +520,6 @@ def evaluate_run(workdir: Path | str, req: EvalRequest, steps: str | None = None
         base = load_run_config(spec)
     except FileNotFoundError as e:
         raise WorkdirError(str(e)) from None
-    from hybrid_lm.eval.swap import swapped_config
     # bad swaps and task options fail before a restore, an item built or a row recorded
     req.check_options(base, swapped_config(base, req.swaps, req.horizon, req.sinks, seq_len=req.seq_len,
                                            attention_impl=req.attention_impl))

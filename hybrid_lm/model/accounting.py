@@ -14,6 +14,7 @@ from flax import nnx
 
 from hybrid_lm.config import ModelConfig
 from hybrid_lm.model.registry import get_mixer
+from hybrid_lm.model.transformer import HybridLM
 
 PEAK_FLOPS_H200_BF16 = 989e12  # dense bf16 spec, the MFU denominator
 
@@ -26,7 +27,6 @@ def attention_mixing_flops(cfg: ModelConfig, keys_per_query: float) -> float:
 
 
 def abstract_params(cfg: ModelConfig):
-    from hybrid_lm.model.transformer import HybridLM
     model = nnx.eval_shape(lambda: HybridLM(cfg, rngs=nnx.Rngs(0)))
     return nnx.to_pure_dict(nnx.state(model, nnx.Param))
 

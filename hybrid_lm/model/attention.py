@@ -49,7 +49,7 @@ def attend(q, k, v, *, window: int | None, positions, impl: str, permuted: bool 
     record_backend(attention_op_name(window, permuted), impl, reason)
     if impl == "pallas":
         try:
-            import hybrid_lm_kernels as kernels
+            import hybrid_lm_kernels as kernels  # may not import here (backends.py picks xla then)
         except ImportError as e:
             raise ConfigError(f"attention_impl='pallas' needs the Pallas kernels (hybrid_lm_kernels): {e}") from None
         return kernels.windowed_attention(q, k, v, positions if permuted else None, window or T,
@@ -71,7 +71,7 @@ def attend(q, k, v, *, window: int | None, positions, impl: str, permuted: bool 
 @functools.cache
 def _jla_flash_attention():
     """jla's Mosaic GPU attention, jitted so identical calls (one per layer) lower and compile once."""
-    from jla.ops.mosaic_gpu.attention import flash_attention
+    from jla.ops.mosaic_gpu.attention import flash_attention  # the [gpu] extra
     return jax.jit(flash_attention, static_argnames=("sliding_window",))
 
 

@@ -7,7 +7,7 @@ the op and its dense oracle are ``hybrid_lm/ops/sink_attention.py``.
 
 The parameters are exactly those of ``attention`` (wq, wk, wv, wo; RoPE or NoPE per slot), so a
 checkpoint trained with full attention loads unchanged: ``hybrid-lm eval --horizon H --sinks S``
-(``hybrid_lm/eval/swap.py``) switches its full slot to this mixer. It can also be trained with, as
+(``hybrid_lm/run/swap.py``) switches its full slot to this mixer. It can also be trained with, as
 any mixer: ``full/MixerConfig.kind = 'attention_sink'``,
 ``full/MixerConfig.options = {'horizon': 2048, 'sinks': 4}``.
 

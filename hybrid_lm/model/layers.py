@@ -1,6 +1,6 @@
 """Parameter-holding building blocks: embedding, RMSNorm, SwiGLU, RoPE.
 
-Every parameter carries ``logical_axes`` metadata; ``train/sharding.py`` maps them to mesh axes.
+Every parameter carries ``logical_axes`` metadata; ``sharding.py`` maps them to mesh axes.
 Parameters are fp32; compute happens in ``ModelConfig.compute_dtype`` (bf16 by default).
 """
 

@@ -133,7 +133,7 @@ def moba_attend(q, k, v, *, block_size: int, top_k: int, gate: str, selection: s
         record_backend(f"{label} block={block_size}", impl if kernel == "union" else "pallas-gather",
                        f"{reason}; selection: {sel_reason}; kernel: {kernel_reason}")
         try:
-            import hybrid_lm_kernels as kernels
+            import hybrid_lm_kernels as kernels  # may not import here (backends.py picks xla then)
         except ImportError as e:
             raise ConfigError(f"attention_impl='pallas' needs the Pallas kernels (hybrid_lm_kernels): {e}") from None
         if sel_impl == "split_bf16":
@@ -245,6 +245,6 @@ def moba_read(q_t, state: dict, opts):
     if impl == "xla":
         idx = ops.decode_top_blocks(imp, opts.top_k)
     else:
-        import hybrid_lm_kernels as kernels
+        import hybrid_lm_kernels as kernels  # may not import here (backends.py picks xla then)
         idx = kernels.top_k_blocks(imp, opts.top_k)
     return ops.decode_attend(q_t, state["k"], state["v"], idx, state["pos"], block_size=opts.block_size)

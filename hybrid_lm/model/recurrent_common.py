@@ -120,7 +120,7 @@ def _short_conv_fwd(x, w, b, activation, kernel):
 def _short_conv_bwd(activation, kernel, res, dy):
     x, w, b = res
     if kernel == "pallas":
-        from hybrid_lm_kernels import short_conv_bwd
+        from hybrid_lm_kernels import short_conv_bwd  # may not import here (backends.py picks xla then)
         dx, dw, db = short_conv_bwd(x, dy, w, b, silu=activation == "silu")
         return dx, dw.astype(w.dtype), None if b is None else db.astype(b.dtype)
     if kernel != "xla":

@@ -135,7 +135,7 @@ def register_mixer(name: str, *, flops: FlopsFn, reads: tuple[str, ...], options
 
 def _load_builtin_mixers() -> None:
     # Importing a family's module registers its mixers.
-    from hybrid_lm.model import mixers  # noqa: F401
+    from hybrid_lm.model import mixers  # noqa: F401  (the mixer modules import this one)
 
 
 def get_mixer(name: str | None) -> MixerSpec:

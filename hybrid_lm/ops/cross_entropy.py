@@ -92,7 +92,7 @@ def _xent_rows(kernel: str):
     if kernel == "xla":
         return softmax_xent_rows_reference
     if kernel == "pallas":
-        from hybrid_lm_kernels import softmax_xent_rows
+        from hybrid_lm_kernels import softmax_xent_rows  # may not import here (backends.py picks xla then)
         return lambda logits, t, w, z: softmax_xent_rows(logits, t, w, z_loss=z)
     raise ValueError(f"loss kernel {kernel!r}: choose 'xla' or 'pallas'")
 

@@ -95,9 +95,9 @@ def _jla_kernel_reason(op: str, q, k, v, gates: tuple, options: dict) -> str | N
     jla's reason. Uses jla's ``supports_*`` predicates (what its ``impl="auto"`` uses) and, for the
     message only, its ``unsupported_reason`` functions."""
     try:
-        from jla.ops.mosaic_gpu import gated_delta_rule as jgdr
-        from jla.ops.mosaic_gpu import scalar_gate as jsg
-        from jla.ops.mosaic_gpu import scalar_gate_kb as jkb
+        from jla.ops.mosaic_gpu import gated_delta_rule as jgdr  # the [gpu] extra
+        from jla.ops.mosaic_gpu import scalar_gate as jsg  # the [gpu] extra
+        from jla.ops.mosaic_gpu import scalar_gate_kb as jkb  # the [gpu] extra
     except ImportError:  # a JAX build without the Mosaic GPU toolchain registers no kernels
         return "this JAX build has no Mosaic GPU toolchain (jax.experimental.pallas.mosaic_gpu)"
     if op == "simple_gla":
@@ -269,7 +269,7 @@ _JLA_STATIC = ("scale", "output_final_state", "kernel_dtype", "backend", "pad_to
 def _jla_rules():
     """jla's kernel sharding over our mesh axes (a no-op without a context mesh)."""
     try:
-        from jla.distributed.kernel_sharding import use_rules
+        from jla.distributed.kernel_sharding import use_rules  # the [gpu] extra
     except ImportError:
         yield
         return

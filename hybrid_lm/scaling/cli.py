@@ -8,14 +8,19 @@ import json
 import sys
 from pathlib import Path
 
+from hybrid_lm.run.directory import find_run_dirs
+from hybrid_lm.scaling import launch as L
+from hybrid_lm.scaling.collect import collect
+from hybrid_lm.scaling.fit import FitError, describe_dropped, fit_table, get_form, parse_bound_args, parse_range
+from hybrid_lm.scaling.report import write_report
+from hybrid_lm.scaling.sweep import (SweepError, expand, format_passes, format_plan, load_spec, next_steps,
+                                     passes_warning, summarize)
+from hybrid_lm.scaling.table import read_table
+
 
 def cmd_sweep(args) -> int:
-    from hybrid_lm.scaling import launch as L
-    from hybrid_lm.scaling.sweep import expand, format_passes, format_plan, load_spec, passes_warning, summarize
-
     spec = load_spec(args.spec)
     if args.max_minutes is not None and (args.launch != "local" or args.dry_run):
-        from hybrid_lm.scaling.sweep import SweepError
         raise SweepError("--max-minutes applies to --launch local (a SLURM job has its own time limit)")
     changes = {}
     if args.branch is not None:
@@ -85,7 +90,6 @@ def cmd_sweep(args) -> int:
             else:
                 print(f"preempted during {summary['preempted'].get('job')}: run the same command to resume")
             return 0
-        from hybrid_lm.scaling.sweep import next_steps
         print("next:")
         for line in next_steps(plan, L.select_jobs(plan.jobs, args.only) if args.only else plan.jobs):
             print(f"  {line}")
@@ -101,8 +105,6 @@ def cmd_sweep(args) -> int:
 
 
 def cmd_collect(args) -> int:
-    from hybrid_lm.scaling.collect import collect, find_run_dirs
-
     missing = [p for p in args.paths if not Path(p).exists()]
     if missing:
         print(f"error: {missing[0]} does not exist", file=sys.stderr)
@@ -140,9 +142,6 @@ def cmd_collect(args) -> int:
 
 
 def cmd_fit(args) -> int:
-    from hybrid_lm.scaling.fit import describe_dropped, fit_table, get_form, parse_bound_args, parse_range
-    from hybrid_lm.scaling.table import read_table
-
     rows = read_table(args.table)
     form = get_form(args.form).name
     out = Path(args.out) if args.out else Path(args.table).parent / f"fit-{args.metric}-{form}"
@@ -195,8 +194,6 @@ def fit_table_lines(fits: dict) -> list[str]:
 
 
 def cmd_report(args) -> int:
-    from hybrid_lm.scaling.report import write_report
-
     path = write_report(args.fit, args.out, args.sweep)
     print(f"wrote {path}")
     return 0
@@ -204,8 +201,6 @@ def cmd_report(args) -> int:
 
 def _wrap(fn):
     def run(args):
-        from hybrid_lm.scaling.fit import FitError
-
         try:
             return fn(args)
         except (FitError, FileNotFoundError) as e:

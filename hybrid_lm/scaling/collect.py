@@ -8,7 +8,7 @@ evaluation (``final = 0``), so fits can use intermediate checkpoints with the bo
 ``run_id``. Columns, in order (docs/SCALING.md section 7):
 
 * ``run_id, arch, scale, N, D``: ``arch`` is the sweep's arch name, else a label derived from the
-  run's ``config.json`` (:func:`arch_label`); N as the sweep defined it (non-embedding parameters by
+  run's ``config.json`` (``model/architecture.py``: ``arch_label``); N as the sweep defined it (non-embedding parameters by
   default); D = tokens seen at that row;
 * ``final`` (1 on the row of a finished run's final evaluation), ``converged`` (1 on rows a fit may
   take as converged: a final row, or the end of a learning-rate decay), ``status`` (finished |
@@ -26,141 +26,24 @@ evaluation (``final = 0``), so fits can use intermediate checkpoints with the bo
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import math
 import re
 from pathlib import Path
 
+from tqdm.auto import tqdm
+
 from hybrid_lm.errors import DataError
+from hybrid_lm.model.accounting import count_params, flops_per_token
+from hybrid_lm.progress import bar_disabled
+from hybrid_lm.run.directory import (config_path, eval_rows_path, find_run_dirs, load_run_config, metrics_path,
+                                     run_architecture)
+from hybrid_lm.run.metrics import read_metrics
+from hybrid_lm.scaling.sweep import decay_start
 from hybrid_lm.scaling.table import BOOKKEEPING, write_table
 
 log = logging.getLogger(__name__)
-
-
-def find_run_dirs(paths: list[str | Path], include_stable: bool = False) -> list[Path]:
-    """Run directories under ``paths`` (sweep roots, run dirs, or directories searched), each once."""
-    out: list[Path] = []
-    for p in map(Path, paths):
-        if not p.exists():
-            raise FileNotFoundError(f"{p} does not exist")
-        if (p / "sweep.json").exists():
-            man = json.loads((p / "sweep.json").read_text())
-            for j in man["jobs"]:
-                if j["kind"] == "stable" and not include_stable:
-                    continue
-                d = p / j["name"]
-                if (d / "metrics.jsonl").exists():
-                    out.append(d)
-        elif (p / "metrics.jsonl").exists():
-            out.append(p)
-        else:
-            for m in sorted(p.rglob("metrics.jsonl")):
-                meta = m.parent / "sweep_run.json"
-                if meta.exists() and not include_stable and json.loads(meta.read_text()).get("kind") == "stable":
-                    continue
-                out.append(m.parent)
-    seen, uniq = set(), []
-    for d in out:
-        r = d.resolve()
-        if r not in seen:
-            seen.add(r)
-            uniq.append(d)
-    return uniq
-
-
-# ----------------------------------------------------------------------------- architecture labels
-
-# mixer options that change only speed or memory, never the function: left out of specs and labels
-SPEED_ONLY_OPTIONS = frozenset({"chunk_size"})
-# options shown in the short label even at their defaults, as "<kind><a>x<b>"
-_LABEL_OPTIONS = {"moba": ("block_size", "top_k"), "ssa": ("block_size", "top_k"),
-                  "attention_sink": ("horizon", "sinks")}
-
-
-def _plain(v):
-    """Options compare as JSON would store them (tuples as lists)."""
-    return json.loads(json.dumps(v, default=str))
-
-
-def arch_spec(model) -> dict:
-    """The architecture of a ``ModelConfig``, sizes aside: the layer pattern and, for each slot the
-    pattern uses, the mixer kind, its window and RoPE settings (where the mixer reads them), and every
-    option set away from the mixer's default (speed-only options left out). Two runs have equal specs
-    iff they train the same architecture family. Returns a JSON-ready dict."""
-    from hybrid_lm.model.registry import get_mixer
-
-    types = set(model.layer_types())
-    spec: dict = {"layer_pattern": model.layer_pattern}
-    for slot, t in (("full", "F"), ("efficient", "E")):
-        if t not in types:
-            continue
-        mc = getattr(model, slot)
-        m = get_mixer(mc.kind)
-        s: dict = {"kind": mc.kind}
-        if "window" in m.reads:
-            s["window"] = mc.window
-        if "rope" in m.reads and not mc.rope:
-            s["rope"] = False
-        if "rope_theta" in m.reads and mc.rope and mc.rope_theta != 10000.0:
-            s["rope_theta"] = mc.rope_theta
-        if "rope_scaling" in m.reads and mc.rope and mc.rope_scaling:
-            s["rope_scaling"] = dict(mc.rope_scaling)
-        if m.options is not None:
-            resolved = m.options(**mc.options)
-            opts = {}
-            for f in dataclasses.fields(m.options):
-                if f.name in SPEED_ONLY_OPTIONS:
-                    continue
-                default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-                value = getattr(resolved, f.name)
-                if f.name in _LABEL_OPTIONS.get(mc.kind, ()) or _plain(value) != _plain(default):
-                    opts[f.name] = _plain(value)
-            if opts:
-                s["options"] = opts
-        spec[slot] = s
-    return spec
-
-
-def _slot_label(s: dict) -> str:
-    kind = s["kind"]
-    head = "full" if kind == "attention" else "sink" if kind == "attention_sink" else kind
-    opts = dict(s.get("options", {}))
-    if kind == "attention_sink":
-        horizon, sinks = opts.pop("horizon"), opts.pop("sinks")
-        head += f"{horizon}" + (f"s{sinks}" if sinks else "")
-    elif kind in _LABEL_OPTIONS:
-        head += "x".join(str(opts.pop(k)) for k in _LABEL_OPTIONS[kind])
-    if s.get("window") is not None:
-        head += str(s["window"])
-    if s.get("rope") is False:
-        head += "-nope"
-    if "rope_theta" in s:
-        head += f"-theta={s['rope_theta']:g}"
-    if "rope_scaling" in s:
-        head += f"-{s['rope_scaling']['rope_type']}x{s['rope_scaling']['factor']:g}"
-    for k, v in opts.items():
-        v = ",".join(map(str, v)) if isinstance(v, list) else v
-        head += f"-{k}={v}"
-    return head
-
-
-def arch_label(spec: dict) -> str:
-    """A short readable label of :func:`arch_spec`'s output: ``full`` (all full attention),
-    ``swa128`` (a 1:1 hybrid with SWA-128), ``moba16x16`` (block x top-k), ``ssa16x16``,
-    ``lightning_1to3`` (other patterns), ``full-nope+swa128`` (a non-default full slot), with options
-    away from their defaults appended (``moba16x16-selection=block``)."""
-    full, eff = spec.get("full"), spec.get("efficient")
-    if eff is None:
-        return _slot_label(full)
-    label = _slot_label(eff)
-    if full is not None and full != {"kind": "attention"}:
-        label = f"{_slot_label(full)}+{label}"
-    pattern = spec["layer_pattern"]
-    if pattern.upper() not in ("1:1", "FE"):
-        label += f"_{pattern.replace(':', 'to')}"
-    return label
 
 
 def parse_label_overrides(items: list[str] | None) -> list[tuple[re.Pattern, str]]:
@@ -238,7 +121,7 @@ def read_eval_rows(d: Path) -> tuple[dict, dict]:
     """``<d>/eval.jsonl`` as ``{(task, settings, step): row}``, the last row of each key kept (an
     evaluation run again supersedes the earlier one), and counts ``{"read", "superseded", "bad_lines"}``.
     A line that is not a JSON object (a torn last line after a kill) is skipped and counted."""
-    path = d / "eval.jsonl"
+    path = eval_rows_path(d)
     out: dict = {}
     stats = {"read": 0, "superseded": 0, "bad_lines": 0}
     if not path.exists():
@@ -313,10 +196,8 @@ def _run_meta(d: Path) -> dict:
     meta_path = d / "sweep_run.json"
     if meta_path.exists():
         return json.loads(meta_path.read_text())
-    if not (d / "config.json").exists():
+    if not config_path(d).exists():
         raise FileNotFoundError(f"{d} has neither sweep_run.json nor config.json")
-    from hybrid_lm.eval.restore import load_run_config
-    from hybrid_lm.model.accounting import count_params, flops_per_token
 
     cfg = load_run_config(d)
     counts = count_params(cfg.model)
@@ -327,21 +208,6 @@ def _run_meta(d: Path) -> dict:
             "N_non_embedding": counts["non_embedding"], "N_total": counts["total"],
             "flops_per_token": float(flops_per_token(m, cfg.data.seq_len)["train"]), "branch_from": None,
             "decay_fraction": cfg.optim.decay_fraction}
-
-
-def _arch_of(d: Path) -> tuple[str | None, dict | None]:
-    """(label, spec) from the run's config.json, or (None, None) without one or when it does not load
-    (logged: the sweep's arch name still labels the run)."""
-    if not (d / "config.json").exists():
-        return None, None
-    from hybrid_lm.errors import ConfigError
-    from hybrid_lm.eval.restore import load_run_config
-    try:
-        spec = arch_spec(load_run_config(d).model)
-    except ConfigError as e:
-        log.warning("%s/config.json: no architecture spec (%s)", d, e)
-        return None, None
-    return arch_label(spec), spec
 
 
 def _extra_metrics(d: Path, rows: list[dict]) -> dict:
@@ -380,7 +246,6 @@ def _phase(step: int, meta: dict, steps: int) -> str:
         f = meta.get("decay_fraction")
         if f is None:
             return "-"
-        from hybrid_lm.scaling.sweep import decay_start
         bstep = decay_start(steps, f)
     return "stable" if step <= bstep else "decay"
 
@@ -388,16 +253,14 @@ def _phase(step: int, meta: dict, steps: int) -> str:
 def collect_run(d: Path, intermediate: bool = False, eval_rows: dict | None = None,
                 eval_names: dict | None = None, label: str | None = None) -> tuple[list[dict], set]:
     """Table rows of run ``d`` and the keys of ``eval_rows`` (from :func:`read_eval_rows`) it placed."""
-    from hybrid_lm.train.metrics import read_metrics
-
     d = Path(d)
     meta = _run_meta(d)
-    rows = read_metrics(d / "metrics.jsonl")
+    rows = read_metrics(metrics_path(d))
     evals = [r for r in rows if r.get("kind") == "eval" and isinstance(r.get("loss"), (int, float))]
     trains = [r for r in rows if r.get("kind") == "train"]
     if not evals:
         return [], set()
-    derived_label, spec = _arch_of(d)
+    derived_label, spec = run_architecture(d)
     arch = label or meta.get("arch") or derived_label or "unknown"
     tps = meta["tokens_per_step"]
     steps = meta["steps"]
@@ -463,9 +326,6 @@ def collect(paths: list[str | Path], out: str | Path | None = None, intermediate
 
     ``labels`` (``REGEX=LABEL``, on the run id, the first match wins) override the arch labels.
     """
-    from tqdm.auto import tqdm
-
-    from hybrid_lm.progress import bar_disabled
 
     overrides = parse_label_overrides(labels)
     dirs = find_run_dirs(paths, include_stable=include_stable)

@@ -53,6 +53,7 @@ from tqdm.auto import tqdm
 from hybrid_lm.progress import bar_disabled
 from hybrid_lm.scaling.law import EXTRAPOLATION_LIMIT, compute_optimal, predict  # noqa: F401  (part of this API)
 from hybrid_lm.scaling.plots import write_figures
+from hybrid_lm.scaling.table import NON_METRIC_COLUMNS
 
 log = logging.getLogger(__name__)
 
@@ -1065,7 +1066,6 @@ def check_one_architecture(label: str, rows: list[dict]) -> None:
 
 def metric_columns(rows: list[dict]) -> list[str]:
     """Columns holding a number in some row, the table's fixed columns (N, D, step, ...) aside."""
-    from hybrid_lm.scaling.table import NON_METRIC_COLUMNS
     cols = dict.fromkeys(k for r in rows for k, v in r.items()
                          if isinstance(v, (int, float)) and not isinstance(v, bool))
     return [c for c in cols if c not in NON_METRIC_COLUMNS]

@@ -7,9 +7,9 @@ Idempotent by construction:
   directory, so partial runs continue where they stopped;
 * a *stable* WSD run trains in segments that end at each branch point ``s_b`` (the constant-LR
   schedule does not depend on the run length, so segments equal one long run), and right after each
-  segment seeds its branches: ``<branch>/checkpoints/<s_b>`` becomes a hard-linked copy of the
-  stable checkpoint (the small ``meta`` item is rewritten with the branch's run id and provenance),
-  and the stable run's metrics rows up to ``s_b`` are copied into the branch's ``metrics.jsonl``
+  segment seeds its branches: the stable checkpoint at ``s_b`` is restored and saved again as the
+  branch's checkpoint at ``s_b`` through orbax (its ``meta`` item with the branch's run id and
+  provenance), and the stable run's metrics rows up to ``s_b`` are copied into the branch's ``metrics.jsonl``
   (marked ``copied_from``). A branch runs once seeded; it only trains its decay phase.
 
 **SLURM.** ``--launch slurm`` writes ``<root>/slurm/phase1.sbatch`` (stable and independent runs, a job
@@ -23,7 +23,7 @@ the scripts never changes what an already submitted task runs. Logs go to
 task's log keeps every segment. Chosen over submitit: no extra dependency, the scripts are plain
 files that can be read, edited and resubmitted, and a resubmission lists only the unfinished jobs.
 ``--signal=B:USR1@<s>`` + ``--requeue`` let the trainer save and requeue its own array task
-(``<array job>_<task>``) before the time limit (``train/signals.py``).
+(``<array job>_<task>``) before the time limit (``signals.py``).
 
 **Micro-batches.** Each run's ``TrainConfig.microbatches`` comes from the micro-batch rule
 (``hybrid_lm/train/microbatch.py``): the fewest gradient-accumulation steps that put at most the
@@ -55,16 +55,27 @@ import threading
 import time
 import traceback
 import contextlib
+import re
+import signal as _signal
+import signal
 from contextlib import contextmanager
 from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from hybrid_lm import sharding as shd, signals
 from hybrid_lm.errors import ConfigError, DataError, WorkdirError
 from hybrid_lm.files import atomic_write_json
 from hybrid_lm.progress import JobLines, bar_disabled
 from hybrid_lm.scaling.sweep import Job, Plan, SweepError, manifest_jobs, read_manifest, write_manifest
-from hybrid_lm.experiment import run_id
+from hybrid_lm.experiment import load_config, run_id
+from hybrid_lm.config import CheckpointConfig
+from hybrid_lm.run.checkpoint import Checkpointer
+from hybrid_lm.run.directory import checkpoint_dir, checkpoint_steps, metrics_path
+from hybrid_lm.run.metrics import read_metrics
+from hybrid_lm.train import distributed
+from hybrid_lm.train.loop import train
+from hybrid_lm.train.microbatch import apply_rule, device_memory_limit
 
 DONE = "sweep_done.json"
 RUN_META = "sweep_run.json"
@@ -72,13 +83,6 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 # ----------------------------------------------------------------------------- state of a run dir
-
-def checkpoint_steps(run_dir: Path) -> list[int]:
-    d = Path(run_dir) / "checkpoints"
-    if not d.is_dir():
-        return []
-    return sorted(int(p.name) for p in d.iterdir() if p.is_dir() and p.name.isdigit())
-
 
 def is_done(root: Path, job: Job, jobs: dict[str, Job] | None = None) -> bool:
     """Finished: ``sweep_done.json`` exists; for a stable run, also none of its branches (when ``jobs`` is
@@ -95,7 +99,7 @@ def job_state(root: Path, job: Job) -> str:
     d = Path(root) / job.name
     if (d / DONE).exists():
         return "done"
-    steps = checkpoint_steps(d)
+    steps = checkpoint_steps(d, missing_ok=True)
     if job.kind == "branch":
         if not steps:
             return "new"
@@ -126,8 +130,6 @@ def _load(job: Job, extra: list[str] | None = None):
 
 def _config(job: Job, extra: list[str] | None = None):
     """``(config, micro-batch reason)`` of ``job``; a config that no longer matches the planned run id fails."""
-    from hybrid_lm.experiment import load_config
-
     cfg = load_config(job.gin_files, job.gin_params + list(extra or []))
     if run_id(cfg) != job.config_run_id:
         raise SweepError(
@@ -141,52 +143,43 @@ def microbatch_plan(cfg, devices=None):
     """``(cfg, reason)``: ``cfg`` with ``TrainConfig.microbatches`` from the micro-batch rule on the
     mesh that ``train()`` builds from ``cfg.mesh`` and ``devices`` (default: all of this process's), fitted
     to the smallest memory limit among the mesh's devices."""
-    from hybrid_lm.train import sharding as shd
-    from hybrid_lm.train.microbatch import apply_rule, device_memory_limit
-
     mesh = shd.make_mesh(cfg.mesh, devices)
     limits = [b for b in (device_memory_limit(d) for d in mesh.devices.flat) if b]
     return apply_rule(cfg, shd.n_batch_shards(mesh), memory_limit=min(limits, default=None))
 
 
-def _link_or_copy(src, dst):
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copy2(src, dst)
-
-
 def seed_branch(root: Path, stable: Job, branch: Job) -> bool:
-    """Copy the stable checkpoint at the branch step into the branch dir (hard links); False if already seeded."""
+    """Save the stable run's checkpoint at the branch step as the branch's first checkpoint, through orbax
+    (restored as it was saved, saved again with the branch's run id and ``branched_from`` in its meta
+    item), and the stable phase of the loss curve as the branch's first metrics rows; False if already
+    seeded."""
     step = branch.branch_from["step"]
     sdir, bdir = Path(root) / stable.name, Path(root) / branch.name
-    dst = bdir / "checkpoints" / str(step)
-    if dst.exists() or job_state(root, branch) in ("done", "partial"):
+    if step in checkpoint_steps(bdir, missing_ok=True) or job_state(root, branch) in ("done", "partial"):
         return False
-    src = sdir / "checkpoints" / str(step)
-    if not src.is_dir():
+    have = checkpoint_steps(sdir, missing_ok=True)
+    if step not in have:
         raise SweepError(f"cannot seed branch {branch.name}: the stable run {stable.name} has no checkpoint at "
-                         f"step {step} (has {checkpoint_steps(sdir)}). It was deleted by the retention policy; "
-                         f"delete {sdir}/checkpoints to retrain the stable run, or raise CheckpointConfig.keep.")
+                         f"step {step} (has {have}). It was deleted by the retention policy; "
+                         f"delete {checkpoint_dir(sdir)} to retrain the stable run, or raise CheckpointConfig.keep.")
+    cc = CheckpointConfig(async_save=False)
+    src = Checkpointer(checkpoint_dir(sdir), cc, read_only=True)
+    try:
+        state, meta = src.restore_as_saved(step)
+    finally:
+        src.close()
+    meta.update(run_id=branch.config_run_id,
+                branched_from={"run": stable.name, "run_id": meta.get("run_id"), "step": step})
     bdir.mkdir(parents=True, exist_ok=True)
-    tmp = bdir / f".seed-{step}.tmp"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    shutil.copytree(src, tmp, copy_function=_link_or_copy)
-    meta_file = tmp / "meta" / "metadata"
-    if meta_file.exists():  # rewrite (never edit a hard link in place: it is the stable run's file)
-        meta = json.loads(meta_file.read_text())
-        meta_file.unlink()
-        meta.update(run_id=branch.config_run_id,
-                    branched_from={"run": stable.name, "run_id": meta.get("run_id"), "step": step})
-        meta_file.write_text(json.dumps(meta))
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    os.replace(tmp, dst)
+    dst = Checkpointer(checkpoint_dir(bdir), cc)
+    try:
+        dst.save(step, state, meta, force=True)
+    finally:
+        dst.close()
+    del state
     # the stable phase of the loss curve, so the branch's metrics read like an independent run's
-    src_metrics, dst_metrics = sdir / "metrics.jsonl", bdir / "metrics.jsonl"
+    src_metrics, dst_metrics = metrics_path(sdir), metrics_path(bdir)
     if src_metrics.exists() and not dst_metrics.exists():
-        from hybrid_lm.train.metrics import read_metrics
-
         rows = [r for r in read_metrics(src_metrics) if r.get("step", 0) <= step]
         with dst_metrics.open("w") as fh:
             for r in rows:
@@ -240,8 +233,6 @@ def run_job(root: Path, job: Job, jobs: dict[str, Job] | None = None) -> dict:
 
 
 def _run_job(root: Path, job: Job, jobs: dict[str, Job] | None) -> dict:
-    from hybrid_lm.train.loop import train
-
     d = root / job.name
     if job.kind == "branch" and job_state(root, job) == "new":
         raise SweepError(f"branch {job.name} is not seeded: its stable run {job.branch_from['run']} has not reached "
@@ -257,7 +248,7 @@ def _run_job(root: Path, job: Job, jobs: dict[str, Job] | None) -> dict:
             targets = [b for b in branches if b.branch_from["step"] == sb and job_state(root, b) == "new"]
             if not targets:
                 continue
-            have = checkpoint_steps(d)
+            have = checkpoint_steps(d, missing_ok=True)
             if sb not in have:
                 if have and max(have) > sb:
                     raise SweepError(f"stable run {job.name} is past step {sb} (checkpoints {have}) but has no "
@@ -299,7 +290,6 @@ def select_jobs(jobs: list[Job], only: str | None) -> list[Job]:
     """Jobs whose name matches the regex ``only``, plus the stable runs that matched branches need."""
     if not only:
         return list(jobs)
-    import re
 
     pat = re.compile(only)
     names = {j.name for j in jobs if pat.search(j.name)}
@@ -343,7 +333,6 @@ def launch_local(plan: Plan, gpus: list[str] | None = None, only: str | None = N
         return summary
     if gpus and len(gpus) > 1:
         return _gpu_pool(plan, todo, gpus, summary, progress, max_minutes)
-    from hybrid_lm.train import signals
 
     with signals.catching():  # Ctrl-C / SIGTERM: the running job saves and stops, and so does the sweep
         with _deadline(max_minutes, summary):
@@ -359,9 +348,7 @@ def _deadline(max_minutes: float | None, summary: dict):
     if max_minutes is None:
         yield
         return
-    import signal as _signal
 
-    from hybrid_lm.train import signals
 
     def fire():
         summary["deadline"] = {"minutes": max_minutes, "at": _now()}
@@ -442,15 +429,11 @@ def _gpu_pool(plan: Plan, todo: list[Job], gpus: list[str], summary: dict, progr
     """One worker subprocess per GPU (CUDA_VISIBLE_DEVICES); branches start as soon as they are seeded.
     A stop signal (Ctrl-C, SIGTERM) or the deadline starts no new job and sends SIGTERM to the running
     workers, which save and stop."""
-    from hybrid_lm.train import signals
-
     with signals.catching() as flag, _deadline(max_minutes, summary):
         return _pool(plan, todo, gpus, summary, progress, flag)
 
 
 def _pool(plan: Plan, todo: list[Job], gpus: list[str], summary: dict, progress: bool, flag) -> dict:
-    import signal
-
     root = plan.root
     logs = root / "logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -620,7 +603,6 @@ def main(argv=None) -> int:
     ap.add_argument("--root", required=True, help="sweep root (holds sweep.json)")
     ap.add_argument("--job", required=True, help="job name (run id) from sweep.json")
     args = ap.parse_args(argv)
-    from hybrid_lm.train import distributed, signals
 
     with signals.catching():  # for the whole job: a signal between two segments is seen by the next one
         try:

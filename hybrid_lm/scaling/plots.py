@@ -38,9 +38,9 @@ def _group_arrays(rs, metric):
 
 
 def _plt():
-    import matplotlib
+    import matplotlib  # plots only (a slow import)
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # plots only (a slow import)
     return plt
 
 
@@ -87,7 +87,7 @@ def log_ticks(lo: float, hi: float, max_ticks: int = 6) -> list[float]:
 def set_log_axis(axis, lo: float, hi: float, max_ticks: int = 6) -> None:
     """Log scale on ``axis`` (ax.xaxis / ax.yaxis) limited to [lo, hi], with :func:`log_ticks` labelled
     by :func:`fmt_number` and no minor labels, so tick labels never collide."""
-    from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter, NullLocator
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter, NullLocator  # plots only (a slow import)
 
     ax = axis.axes
     (ax.set_xscale if axis is ax.xaxis else ax.set_yscale)("log")
@@ -107,7 +107,7 @@ def padded(lo: float, hi: float, frac: float = 0.08) -> tuple[float, float]:
 
 def size_colors(sizes) -> dict[float, tuple]:
     """One colour per distinct N, ordered by size (viridis without its palest yellow)."""
-    from matplotlib import colormaps
+    from matplotlib import colormaps  # plots only (a slow import)
     sizes = sorted(set(float(n) for n in sizes))
     cmap = colormaps["viridis"]
     pos = np.linspace(0.0, 0.85, len(sizes)) if len(sizes) > 1 else [0.35]
@@ -161,8 +161,8 @@ def _save(fig, path: Path) -> Path:
 def fit_figure(doc: dict, data: dict, samples: dict | None = None):
     """The metric against D per architecture (see the module docstring); returns the Figure."""
     plt = _plt()
-    from matplotlib.lines import Line2D
-    from matplotlib.patches import Patch
+    from matplotlib.lines import Line2D  # plots only (a slow import)
+    from matplotlib.patches import Patch  # plots only (a slow import)
 
     samples = samples or {}
     archs = list(doc["fits"])
@@ -231,7 +231,7 @@ def fit_figure(doc: dict, data: dict, samples: dict | None = None):
 def frontier_figure(doc: dict, data: dict):
     """Compute-optimal frontiers and iso-FLOP profiles (see the module docstring); returns the Figure."""
     plt = _plt()
-    from matplotlib.lines import Line2D
+    from matplotlib.lines import Line2D  # plots only (a slow import)
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.6), sharey=True, layout="constrained")
     palette = plt.rcParams["axes.prop_cycle"].by_key()["color"]

@@ -35,8 +35,8 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 
 def sweep_section(root: Path) -> list[str]:
-    from hybrid_lm.scaling.launch import job_state
-    from hybrid_lm.scaling.sweep import Job
+    from hybrid_lm.scaling.launch import job_state  # a sweep's state needs JAX; a fit's report does not
+    from hybrid_lm.scaling.sweep import Job  # a sweep's state needs JAX; a fit's report does not
 
     man = json.loads((root / "sweep.json").read_text())
     jobs = [Job.from_dict(j) for j in man["jobs"]]

@@ -35,10 +35,16 @@ import tomllib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from hybrid_lm.config import CONFIGS_DIR
+from tqdm.auto import tqdm
+
+from hybrid_lm.config import CONFIGS_DIR, decay_steps
+from hybrid_lm.data.corpus import train_split_tokens
 from hybrid_lm.errors import ConfigError
 from hybrid_lm.files import atomic_write_json
-from hybrid_lm.experiment import run_id
+from hybrid_lm.experiment import load_config, run_id
+from hybrid_lm.model.accounting import count_params, flops_per_token
+from hybrid_lm.progress import bar_disabled
+from hybrid_lm.scaling.fit import FORMS, design_verdict, runs_for_bootstrap
 
 SCHEMA = "hybrid_lm.sweep/1"
 MFU_H200_MEASURED = 0.385  # measured on one H200: 375M GPT, T=16K, bf16, 38.3% / 39.0% MFU (docs/SOURCES.md)
@@ -307,7 +313,6 @@ def _steps_for(ratio: float, n: int, tps: int) -> int:
 
 def decay_start(steps: int, decay_fraction: float) -> int:
     """First step of the decay phase, as the trainer computes it (``config.wsd_bounds``)."""
-    from hybrid_lm.config import decay_steps
     return steps - decay_steps(decay_fraction, steps)
 
 
@@ -323,12 +328,6 @@ def passes_over(D: int, stores: list) -> float | None:
 def expand(spec: Spec, root: str | Path | None = None, extra_params: list[str] | None = None,
            progress: bool = False) -> Plan:
     """Resolve every (scale, arch) config, match parameters if asked, and lay out the jobs."""
-    from tqdm.auto import tqdm
-
-    from hybrid_lm.experiment import load_config
-    from hybrid_lm.data.corpus import train_split_tokens
-    from hybrid_lm.model.accounting import count_params, flops_per_token
-    from hybrid_lm.progress import bar_disabled
 
     extra = list(extra_params or [])
     root = Path(root or spec.root or Path("runs") / "sweeps" / spec.name)
@@ -454,15 +453,11 @@ def _binding_place(spec: Spec, scale: str, arch: str, n_extra: int, e: ConfigErr
 
 
 def _config_id(files, params) -> str:
-    from hybrid_lm.experiment import load_config
     return run_id(load_config(files, params))
 
 
 def match_d_ff(files, params, target: int, d_ff0: int, multiple: int, n_of) -> tuple[int, int, dict]:
     """The d_ff (a multiple of ``multiple``) whose N is closest to ``target``; N is affine in d_ff."""
-    from hybrid_lm.experiment import load_config
-    from hybrid_lm.model.accounting import count_params
-
     cache: dict[int, dict] = {}
 
     def counts(d):
@@ -633,8 +628,6 @@ def next_steps(plan: Plan, jobs: list | None = None) -> list[str]:
     (4; about 7 runs), else no-E without the bootstrap (``--bootstrap 0``: too few runs to resample, no
     CIs); with exactly 4 points no-E is fitted but marked not valid. Returns shell lines; a line starting
     with '#' explains instead of running."""
-    from hybrid_lm.scaling.fit import FORMS, design_verdict, runs_for_bootstrap
-
     root = plan.root
     jobs = [j for j in (jobs if jobs is not None else plan.jobs) if j.kind != "stable"]
     by_arch: dict[str, list] = {}

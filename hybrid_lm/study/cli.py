@@ -16,21 +16,22 @@ from pathlib import Path
 from hybrid_lm.config import CONFIGS_DIR
 from hybrid_lm.errors import ConfigError, WorkdirError
 from hybrid_lm.files import atomic_write_json, atomic_write_text
+from hybrid_lm.scaling.launch import DONE
+from hybrid_lm.scaling.sweep import read_manifest
+from hybrid_lm.study import evaluations as E
+from hybrid_lm.study import report as R
+from hybrid_lm.study.evaluations import is_done, plan
+from hybrid_lm.study.runs import require_runs, study_runs
+from hybrid_lm.study.spec import load_claims
 
 
 def claims_file_for(root: Path) -> Path:
-    from hybrid_lm.scaling.sweep import read_manifest
-
     name = read_manifest(root)["name"]
     return CONFIGS_DIR / "sweeps" / f"{name}.claims.toml"
 
 
 def load_study(root: Path, claims_file: str | Path | None = None):
     """``(spec, runs at the claims' budget, every finished run)`` of the study under ``root``."""
-    from hybrid_lm.scaling.sweep import read_manifest
-    from hybrid_lm.study.runs import require_runs, study_runs
-    from hybrid_lm.study.spec import load_claims
-
     man = read_manifest(root)
     arms: dict[str, list] = {}
     for j in man["jobs"]:
@@ -53,10 +54,6 @@ def load_study(root: Path, claims_file: str | Path | None = None):
 
 def next_part(root: Path, claims_file=None) -> int:
     """The first GPU part whose runs are not all trained with their evaluations recorded (0: none left)."""
-    from hybrid_lm.scaling.launch import DONE
-    from hybrid_lm.scaling.sweep import read_manifest
-    from hybrid_lm.study.evaluations import is_done, plan
-
     if not (Path(root) / "sweep.json").exists():
         return 1
     man = read_manifest(root)
@@ -77,8 +74,6 @@ def next_part(root: Path, claims_file=None) -> int:
 def part_jobs(root: Path, n: int, claims_file=None) -> str:
     """A regex of part ``n``'s job names (``<scale>-<arch>-<stable|dn...>-seed<k>-<hash>``), for
     ``hybrid-lm sweep --only``."""
-    from hybrid_lm.study.spec import load_claims
-
     spec = load_claims(Path(claims_file) if claims_file else claims_file_for(root))
     if not 1 <= n <= len(spec.parts):
         raise ConfigError(f"--part-jobs {n}: the study has parts 1 to {len(spec.parts)}")
@@ -90,9 +85,6 @@ def part_jobs(root: Path, n: int, claims_file=None) -> str:
 def run_claims(root, claims_file=None, *, part: int | None = None, evaluate: bool = True,
                max_minutes: float | None = None, out=None, printer=print) -> dict:
     """Plan, evaluate (``part``'s arms only, when given; runs whose checkpoints are here), judge, write."""
-    from hybrid_lm.study import evaluations as E
-    from hybrid_lm.study import report as R
-
     root = Path(root)
     if max_minutes is not None and not max_minutes > 0:
         raise ConfigError(f"--max-minutes {max_minutes:g}: must be > 0")

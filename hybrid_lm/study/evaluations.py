@@ -8,15 +8,19 @@ the rows whose settings name a folder (LongPPL's evaluator, lm-eval's task folde
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from hybrid_lm.errors import ConfigError, DataError, WorkdirError
+from hybrid_lm.data.corpus import ensure_store
+from hybrid_lm.eval.next_line import MAX_CHARS, ensure_next_line_task
+from hybrid_lm.run.directory import load_run_config
 from hybrid_lm.eval.suite import EvalRequest, current_rows, eval_key, evaluate_run, task_of
 from hybrid_lm.study.runs import Run
-from hybrid_lm.study.spec import ClaimsSpec, Metric
+from hybrid_lm.study.spec import ClaimsSpec, Metric, parse_member
 
 NEXT_LINE = "next_line"
 _PATH_SETTINGS = ("evaluator", "include_path")
@@ -61,11 +65,8 @@ def next_line_dir(root: Path, ev: dict, T: int) -> Path:
 def build_next_line(root: Path, runs: list[Run], ev: dict) -> str | None:
     """Build (or find) a next_line task from the study's store (its val split); the reason when it cannot be
     built (its metric is then not evaluated)."""
-    from hybrid_lm.data.corpus import ensure_store
-    from hybrid_lm.eval.next_line import MAX_CHARS, ensure_next_line_task
-
     run = runs[0]
-    d = json.loads((run.dir / "config.json").read_text())["data"]
+    d = dataclasses.asdict(load_run_config(run.dir).data)
     T = run.seq_len
     C = ev.get("context", T // 2)
     if not 0 < C < T:
@@ -81,8 +82,6 @@ def build_next_line(root: Path, runs: list[Run], ev: dict) -> str | None:
 
 def evaluator_run(runs: list[Run], member: str) -> Run | None:
     """LongPPL's evaluator: ``"arm:seed"``'s run, or the arm's first seed."""
-    from hybrid_lm.study.spec import parse_member
-
     arm, seeds = parse_member(member, "longppl evaluator")
     mine = sorted((r for r in runs if r.arch == arm and (seeds is None or r.seed in seeds)), key=lambda r: r.seed)
     return mine[0] if mine else None

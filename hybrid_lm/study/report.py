@@ -9,6 +9,9 @@ from pathlib import Path
 
 import numpy as np
 
+from hybrid_lm.run.directory import metrics_path
+from hybrid_lm.run.metrics import read_metrics
+from hybrid_lm.study.evaluations import is_done, rows_for
 from hybrid_lm.study import verdict as V
 from hybrid_lm.study.runs import Run, Value, final_eval, row_value, training_speed
 from hybrid_lm.study.spec import TRAIN_METRIC, ClaimsSpec
@@ -18,8 +21,6 @@ SCHEMA = "hybrid_lm.claims/2"
 
 def metric_values(spec: ClaimsSpec, runs: list[Run], evals) -> dict:
     """``values[arm][seed][metric] -> Value`` of the runs at the study's budget."""
-    from hybrid_lm.study.evaluations import rows_for
-
     by_key = {(e.metric, e.run.key): e for e in evals}
     out: dict = {}
     for r in runs:
@@ -143,7 +144,6 @@ def document(spec: ClaimsSpec, root: Path, runs: list[Run], runs_all: list[Run],
 
 
 def evals_done(evals):
-    from hybrid_lm.study.evaluations import is_done
     return [(e, is_done(e)) for e in evals]
 
 
@@ -214,11 +214,9 @@ def plot_study(doc: dict, runs: list[Run], out_png: Path) -> Path:
     """Left: each run's val loss against tokens (the trainer's evals, every val window); right: each arm's
     final val loss, the mean over its seeds with each seed as a cross and a bar of ± k seed standard errors
     (the error of a paired difference between arms is about sqrt(2) times it: the val-set term cancels)."""
-    import matplotlib
+    import matplotlib  # plots only
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from hybrid_lm.train.metrics import read_metrics
 
     colors = plt.get_cmap("tab10").colors + plt.get_cmap("Dark2").colors
     arms = [a["arch"] for a in doc["arms"]]
@@ -227,7 +225,7 @@ def plot_study(doc: dict, runs: list[Run], out_png: Path) -> Path:
     for r in runs:
         if r.arch not in arms:
             continue
-        rows = [x for x in read_metrics(r.dir / "metrics.jsonl", "eval")
+        rows = [x for x in read_metrics(metrics_path(r.dir), "eval")
                 if isinstance(x.get("loss"), (int, float)) and x.get("step", 0) > 0]
         if not rows:
             continue
@@ -269,7 +267,7 @@ def plot_study(doc: dict, runs: list[Run], out_png: Path) -> Path:
 
 def plot_noise(doc: dict, out_png: Path) -> Path:
     """The reference arm's final val loss against the budget: each seed a dot, its error over windows a bar."""
-    import matplotlib
+    import matplotlib  # plots only
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

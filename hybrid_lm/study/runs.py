@@ -15,6 +15,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hybrid_lm.errors import WorkdirError
+from hybrid_lm.eval.suite import current_rows
+from hybrid_lm.run.directory import checkpoint_steps, load_run_config, metrics_path, provenance_path
+from hybrid_lm.run.metrics import read_metrics
+from hybrid_lm.scaling.launch import DONE
+from hybrid_lm.scaling.sweep import read_manifest
 
 
 @dataclass
@@ -48,32 +53,25 @@ def study_runs(root: Path) -> list[Run]:
     """The finished runs of the sweep under ``root`` (``sweep.json`` jobs with ``sweep_done.json``, stable
     WSD runs left out), in the sweep's order. A run without ``checkpoints/`` (a copy of its results files)
     takes its steps from its eval rows and its final step."""
-    from hybrid_lm.eval.suite import checkpoint_steps, current_rows
-    from hybrid_lm.scaling.launch import DONE
-    from hybrid_lm.scaling.sweep import read_manifest
-
     out = []
     for j in read_manifest(root)["jobs"]:
         d = Path(root) / j["name"]
         if j["kind"] == "stable" or not (d / DONE).exists():
             continue
-        cfg = json.loads((d / "config.json").read_text())
-        has = (d / "checkpoints").is_dir() and bool(checkpoint_steps(d))
-        if has:
-            steps = checkpoint_steps(d)
-        else:
+        seq_len = load_run_config(d).data.seq_len
+        steps = checkpoint_steps(d, missing_ok=True)
+        has = bool(steps)
+        if not has:
             final = json.loads((d / DONE).read_text()).get("step")
             steps = sorted({r["checkpoint_step"] for r in current_rows(d) if isinstance(r.get("checkpoint_step"), int)}
                            | ({final} if isinstance(final, int) else set()))
-        out.append(Run(j["name"], j["arch"], int(j["seed"]), float(j["budget"]), d, cfg["data"]["seq_len"], steps, has))
+        out.append(Run(j["name"], j["arch"], int(j["seed"]), float(j["budget"]), d, seq_len, steps, has))
     return out
 
 
 def final_eval(run: Run) -> Value | None:
     """The trainer's last eval row of the run (its final val loss), or None."""
-    from hybrid_lm.train.metrics import read_metrics
-
-    rows = [r for r in read_metrics(run.dir / "metrics.jsonl", "eval") if isinstance(r.get("loss"), (int, float))]
+    rows = [r for r in read_metrics(metrics_path(run.dir), "eval") if isinstance(r.get("loss"), (int, float))]
     if not rows:
         return None
     r = rows[-1]
@@ -84,9 +82,7 @@ def final_eval(run: Run) -> Value | None:
 def training_speed(run: Run) -> dict:
     """Median tokens/s and MFU over the train rows of the run's second half, the device, and the bits/byte of
     the final eval."""
-    from hybrid_lm.train.metrics import read_metrics
-
-    rows = read_metrics(run.dir / "metrics.jsonl")
+    rows = read_metrics(metrics_path(run.dir))
     train = [r for r in rows if r.get("kind") == "train" and isinstance(r.get("tokens_per_sec"), (int, float))
              and not r.get("copied_from")]
     half = [r for r in train if r["step"] > (train[-1]["step"] + train[0]["step"]) / 2] if train else []
@@ -97,7 +93,7 @@ def training_speed(run: Run) -> dict:
 
     evals = [r for r in rows if r.get("kind") == "eval" and isinstance(r.get("bpb"), (int, float))]
     try:
-        prov = json.loads((run.dir / "provenance.json").read_text())
+        prov = json.loads(provenance_path(run.dir).read_text())
     except (OSError, ValueError):
         prov = {}
     return {"tokens_per_sec": med("tokens_per_sec"), "mfu": med("mfu"), "bpb": evals[-1]["bpb"] if evals else None,

@@ -2,7 +2,7 @@
 --init-from RUN_DIR[@STEP]``, ``TrainConfig.init_from``), with a fresh optimizer state and schedule.
 
 A Hugging Face model folder is a source too (``--init-from hf:DIR``): the model comes from its
-config.json (``hybrid_lm/eval/hf.py``; what the gin sets must agree where it fixes a parameter's
+config.json (``hybrid_lm/run/hf.py``; what the gin sets must agree where it fixes a parameter's
 shape, the rest it sets is kept and named in one warning), the tokenizer from the folder unless the
 gin names one, and the identity is ``hf:<sha256 of the weights>``.
 
@@ -31,12 +31,15 @@ from pathlib import Path
 
 import jax
 
-from hybrid_lm.config import Config, gin_binds
+from hybrid_lm.config import Config, bound_model_fields, gin_binds
 from hybrid_lm.errors import ConfigError, WorkdirError
-from hybrid_lm.experiment import diff_experiments, config_record, run_id
-from hybrid_lm.train.checkpoint import Checkpointer, abstract_with_shardings, saved_steps
-from hybrid_lm.train.rundir import accepted_run_ids, recorded_init_source
-from hybrid_lm.train.step import ModelFns
+from hybrid_lm.experiment import config_record, diff_experiments, run_id, validate_experiment
+from hybrid_lm.run.checkpoint import Checkpointer, abstract_with_shardings
+from hybrid_lm.run.directory import load_run_config
+from hybrid_lm.run.hf import HFCheckpoint, hf_folder, merge_model
+from hybrid_lm.run.directory import accepted_run_ids, checkpoint_dir, checkpoint_steps
+from hybrid_lm.train.rundir import recorded_init_source
+from hybrid_lm.step import ModelFns
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +52,6 @@ def resolve(cfg: Config, init_from: str | Path | None, workdir: Path | str | Non
     spec = init_from if init_from is not None else cfg.train.init_from
     if spec is None:
         return cfg, None
-    from hybrid_lm.eval.hf import hf_folder
 
     if hf_folder(spec) is not None:
         if init_from is not None and cfg.train.init_from not in (None, str(init_from)):
@@ -100,10 +102,6 @@ def resolve_hf_source(cfg: Config, spec: str) -> tuple[Config, InitSource]:
     """``cfg`` with the model of the Hugging Face folder ``spec`` (``hf.merge_model``), its tokenizer
     unless the gin names one, and ``TrainConfig.init_from`` = the folder's identity; and the source.
     One-line errors for a folder that is missing, unreadable or holds what hybrid_lm cannot express."""
-    from hybrid_lm.config import bound_model_fields
-    from hybrid_lm.experiment import validate_experiment
-    from hybrid_lm.eval.hf import HFCheckpoint, merge_model
-
     try:
         ck = HFCheckpoint(spec)
     except WorkdirError as e:
@@ -145,12 +143,9 @@ def resolve_init_source(spec: str, workdir: Path | None = None) -> InitSource:
     line) for a missing source, a directory without config.json or checkpoints, or a step that was
     not saved (listing the saved ones).
     """
-    from hybrid_lm.eval.restore import load_run_config  # the one reader of a run's config.json
-    from hybrid_lm.train.checkpoint import saved_steps
-
     path, step = parse_init_spec(spec)
     src = path.expanduser().resolve()
-    kept = recorded_init_source(workdir) if workdir is not None and saved_steps(Path(workdir) / "checkpoints") else None
+    kept = recorded_init_source(workdir) if workdir is not None and checkpoint_steps(workdir, missing_ok=True) else None
     if kept and step in (None, kept["step"]) and not src.exists() and (
             kept["source_dir"] == str(src) or kept["identity"] == str(spec)):
         log.warning("--init-from %s: the source is gone; %s resumes from its own checkpoints (initialised "
@@ -163,7 +158,7 @@ def resolve_init_source(spec: str, workdir: Path | None = None) -> InitSource:
     except FileNotFoundError as e:
         raise WorkdirError(f"--init-from {spec}: {e}") from None
     src_id = run_id(cfg)
-    saved = tuple(saved_steps(src / "checkpoints"))
+    saved = tuple(checkpoint_steps(src, missing_ok=True))
     if step is None and kept and kept["source_run_id"] == src_id:
         step = int(kept["step"])
         if saved and saved[-1] != step:
@@ -185,14 +180,12 @@ def source_params(source: InitSource | None, abstract_params, shardings):
         raise WorkdirError(f"{source.spec if source else 'TrainConfig.init_from'}: the source run is not there "
                            "and this run has no checkpoint of its own to resume")
     if source.kind == "hf":
-        from hybrid_lm.eval.hf import HFCheckpoint
-
         ck = HFCheckpoint(source.workdir)
         if ck.identity != source.run_id:
             raise WorkdirError(f"--init-from {source.spec}: the folder's weights changed since the run started "
                                f"({ck.identity} is not {source.run_id})")
         return ck.read_params(abstract_params, shardings)
-    ckpt = Checkpointer(source.workdir / "checkpoints", source.cfg.checkpoint, read_only=True)
+    ckpt = Checkpointer(checkpoint_dir(source.workdir), source.cfg.checkpoint, read_only=True)
     abstract = abstract_with_shardings(abstract_params, shardings)
     try:
         params, _ = ckpt.restore_params(abstract, source.step)
@@ -231,7 +224,7 @@ def _param_specs(cfg: Config) -> dict[str, str]:
 
 def refuse_foreign_checkpoints(cfg: Config, workdir: Path, source: InitSource) -> None:
     """A continued run starts from the source only in a workdir without checkpoints of another run."""
-    steps = saved_steps(workdir / "checkpoints")
+    steps = checkpoint_steps(workdir, missing_ok=True)
     if not steps or run_id(cfg) in accepted_run_ids(workdir):
         return
     rec = recorded_init_source(workdir)

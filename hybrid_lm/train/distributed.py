@@ -39,10 +39,13 @@ import time
 from dataclasses import dataclass
 
 import jax
+from jax._src import distributed as jd
+from jax.experimental import multihost_utils
 
 from hybrid_lm.errors import ConfigError, DataError, WorkdirError
-from hybrid_lm.train import coordinator_loss, signals
-from hybrid_lm.train.signals import PreemptionFlag  # noqa: F401  (the flag's old home)
+from hybrid_lm.train import coordinator_loss
+from hybrid_lm import signals
+from hybrid_lm.signals import PreemptionFlag  # noqa: F401  (the flag's old home)
 
 log = logging.getLogger(__name__)
 
@@ -345,7 +348,7 @@ def _after_jax_clean_up(fn) -> None:
     """Run ``fn`` at exit after JAX's own atexit clean-up (whose distributed shutdown is a barrier that
     can still lose process 0): atexit runs last-registered first, so JAX's is registered again after it."""
     try:
-        from jax._src.api import clean_up
+        from jax._src.api import clean_up  # JAX-private: another JAX layout falls back
     except ImportError:  # another JAX layout: at least at exit
         atexit.register(fn)
         return
@@ -387,7 +390,6 @@ def _first_line(e: BaseException) -> str:
 # ----------------------------------------------------------------------------- one process fails
 
 def _client():
-    from jax._src import distributed as jd
     return jd.global_state.client
 
 
@@ -603,7 +605,6 @@ def main_first(fn, name: str):
     """``fn()`` on process 0, then on the others (the embedded corpus is prepared once, by process 0)."""
     if jax.process_count() == 1:
         return fn()
-    from jax.experimental import multihost_utils
 
     if jax.process_index() == 0:
         out = fn()

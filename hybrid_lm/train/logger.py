@@ -20,11 +20,12 @@ from tqdm.auto import tqdm
 
 from hybrid_lm import backends
 from hybrid_lm.describe import describe_layers
-from hybrid_lm.eval.loss import format_se, row_window_losses
+from hybrid_lm.run.loss import format_se, row_window_losses
 from hybrid_lm.config import Config, TrainConfig
 from hybrid_lm.model.accounting import PEAK_FLOPS_H200_BF16, count_params, flops_per_token
 from hybrid_lm.optional import optional_import
-from hybrid_lm.train.metrics import MetricsWriter, plot_loss_curve, read_metrics
+from hybrid_lm.run.directory import metrics_path
+from hybrid_lm.run.metrics import MetricsWriter, plot_loss_curve, read_metrics
 from hybrid_lm.experiment import config_record, run_id
 
 if TYPE_CHECKING:
@@ -90,14 +91,14 @@ class StepLogger:
         self.tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
         self.train_flops = flops_per_token(cfg.model, cfg.data.seq_len)["train"]
         self.peak = PEAK_FLOPS_H200_BF16 * n_devices if backends.on_gpu() else None
-        self.skipped = _skipped_before(self.workdir / "metrics.jsonl", start) if main else 0  # in the whole run
+        self.skipped = _skipped_before(metrics_path(self.workdir), start) if main else 0  # in the whole run
         self.stream = stream if stream is not None else sys.stdout
         show = cfg.train.progress and main
         tty = bool(getattr(self.stream, "isatty", lambda: False)())
         self.plain = show and not tty  # one plain line per log_every instead of a bar
         self.bar = tqdm(total=cfg.train.steps, initial=min(start, cfg.train.steps), desc=f"train {self.workdir.name}",
                         disable=not (show and tty), dynamic_ncols=True, file=self.stream)
-        self.record = MetricsWriter(self.workdir / "metrics.jsonl") if main else None
+        self.record = MetricsWriter(metrics_path(self.workdir)) if main else None
         self.sinks = []
         if main and cfg.train.tensorboard:
             self.sinks.append(TensorBoardSink(self.workdir / "tb"))
@@ -179,7 +180,7 @@ class StepLogger:
             self.say(f"step {done}/{tc.steps}  loss {loss:.4f}  lr {row['lr']:.3g}  {tps:,.0f} tok/s")
 
     def eval_row(self, step: int, result: dict, order0_entropy_bits=None) -> dict:
-        """An eval row from :func:`hybrid_lm.eval.loss.evaluate`'s result; refreshes ``loss_curve.png``."""
+        """An eval row from :func:`hybrid_lm.run.loss.evaluate`'s result; refreshes ``loss_curve.png``."""
         row = {"kind": "eval", "step": step, "tokens": step * self.tokens_per_step, "loss": result["loss"],
                "loss_se": result["loss_se"], "bpb": result["bpb"], "bpb_se": result["bpb_se"],
                "order0_entropy_bits": order0_entropy_bits, "eval_windows": result["eval_windows"],

@@ -5,7 +5,7 @@ mesh, the data and the jitted program, the newest checkpoint) and runs :func:`_r
 in this order: **batch** (a pure function of the step) -> **step** (dispatched, not awaited) ->
 **log** the *previous* step's metrics (fetched one step late, so the host never blocks dispatch; the
 NaN policy's halt is seen here, ``train/nonfinite.py``) -> **eval** -> **checkpoint** -> **signals**
-(``train/signals.py``, caught from the start of :func:`train`: SIGTERM and a first Ctrl-C save and exit
+(``signals.py``, caught from the start of :func:`train`: SIGTERM and a first Ctrl-C save and exit
 cleanly; SIGUSR1, SLURM's ``--signal``, saves, requeues and exits; one that arrives during start-up
 stops the run before its first step, one after the last step lets the run finish its epilogue: final
 checkpoint, loss curve). A step's metrics are fetched before the state after it is evaluated or saved.
@@ -14,7 +14,7 @@ Nothing is written to the workdir before the config and the data are checked (me
 program); a multi-process run tells its other processes when one fails (``train/distributed.py``).
 
 Continued pretraining (``--init-from``) is ``train/continued.py``; the run dir and its identity
-check ``train/rundir.py``; checkpoints ``train/checkpoint.py``.
+check ``train/rundir.py``; checkpoints ``run/checkpoint.py``.
 """
 
 from __future__ import annotations
@@ -28,25 +28,27 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 
 from hybrid_lm.backends import recorded_backends
 from hybrid_lm.config import Config
 from hybrid_lm.experiment import run_id
 from hybrid_lm.data.pipeline import DataStreams
 from hybrid_lm.errors import WorkdirError
-from hybrid_lm.eval.loss import evaluate
+from hybrid_lm.run.loss import evaluate
 from hybrid_lm.train import distributed
-from hybrid_lm.train import sharding as shd
-from hybrid_lm.train import continued, nonfinite, signals
-from hybrid_lm.train.checkpoint import Checkpointer, abstract_with_shardings, params_fingerprint, saved_steps
+from hybrid_lm import sharding as shd
+from hybrid_lm.train import continued, nonfinite
+from hybrid_lm import signals
+from hybrid_lm.run.checkpoint import Checkpointer, abstract_with_shardings, params_fingerprint
 from hybrid_lm.train.continued import InitSource
-from hybrid_lm.train.lock import workdir_lock
+from hybrid_lm.lock import workdir_lock
 from hybrid_lm.train.logger import StepLogger, check_extras, startup_summary
 from hybrid_lm.train.nonfinite import NonFiniteError  # noqa: F401  (raised by train(); part of its API)
 from hybrid_lm.train.optim import optimizer_for_bounds, wsd_bounds
-from hybrid_lm.train.rundir import (RECORDS_BESIDE_CHECKPOINTS, accepted_run_ids, archive_run, prepare_run_dir,
-                                    record_init_fingerprint)
-from hybrid_lm.train.step import ModelFns, StateInit, make_eval_step
+from hybrid_lm.train.rundir import RECORDS_BESIDE_CHECKPOINTS, archive_run, prepare_run_dir, record_init_fingerprint
+from hybrid_lm.run.directory import accepted_run_ids, checkpoint_dir, checkpoint_steps, metrics_path
+from hybrid_lm.step import ModelFns, StateInit, make_eval_step
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +145,7 @@ def _nothing_restored(ckpt: Checkpointer, main: bool) -> None:
     was ever committed but metrics rows exist (killed before the first save): nothing can be lost, so
     archive the rows (as ``--restart`` does) and train from step 0."""
     workdir = ckpt.directory.parent
-    metrics = workdir / "metrics.jsonl"
+    metrics = metrics_path(workdir)
     has_rows = metrics.exists() and metrics.stat().st_size > 0
     corrupt = ckpt.directory / "corrupt"
     moved = sorted(p.name for p in corrupt.iterdir()) if corrupt.is_dir() else []
@@ -178,7 +180,7 @@ def train(cfg: Config, workdir: Path | str | None = None, *, force: bool = False
     ``ConfigError``) before the run dir is touched. Raises :class:`NonFiniteError` when the NaN
     policy stopped the run.
 
-    SIGTERM, SIGUSR1 and SIGINT are caught from the start (``train/signals.py``); one that arrives
+    SIGTERM, SIGUSR1 and SIGINT are caught from the start (``signals.py``); one that arrives
     before the first step returns a result with ``before_training`` set. SIGUSR1 requeues the SLURM
     job (``requeued``)."""
     t_start = time.time()
@@ -194,7 +196,7 @@ def train(cfg: Config, workdir: Path | str | None = None, *, force: bool = False
             try:
                 res = _train(cfg, workdir, force, restart, devices, main, t_start, source, flag)
             except _Stopped as stop:
-                saved = saved_steps(workdir / "checkpoints")
+                saved = checkpoint_steps(workdir, missing_ok=True)
                 res = TrainResult(workdir=workdir, step=saved[-1] if saved else 0, final_eval=None,
                                   wall_seconds=time.time() - t_start, resumed_from=None, preempted=stop.name,
                                   before_training=True)
@@ -239,7 +241,7 @@ def _train(cfg: Config, workdir: Path, force: bool, restart: bool, devices, main
             prepare_run_dir(cfg, workdir, force=force, init_record=source.record() if source else None)
         _sync("run dir ready")
         with jax.set_mesh(mesh):
-            ckpt = Checkpointer(workdir / "checkpoints", cfg.checkpoint)
+            ckpt = Checkpointer(checkpoint_dir(workdir), cfg.checkpoint)
             try:
                 state, resumed_from = init_or_restore(cfg, prog, ckpt, source, main)
                 _stop_point(flag)  # before the first step (and its compile)
@@ -386,7 +388,6 @@ class _Profiler:
 
 def _sync(name: str) -> None:
     if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
         multihost_utils.sync_global_devices(name)
 
 
@@ -395,5 +396,4 @@ def _agreed_signal(sig: int | None) -> int | None:
     SIGTERM, then SIGINT), or None."""
     if jax.process_count() == 1:
         return sig
-    from jax.experimental import multihost_utils
     return signals.most_urgent(np.ravel(multihost_utils.process_allgather(np.asarray(sig or 0, np.int32))))

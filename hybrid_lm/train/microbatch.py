@@ -30,7 +30,10 @@ import json
 from functools import lru_cache
 from pathlib import Path
 
+import jax
+
 from hybrid_lm.config import CONFIGS_DIR, Config, ModelConfig
+from hybrid_lm.model.accounting import count_params
 
 TABLE = CONFIGS_DIR / "microbatch_h200.json"
 
@@ -85,8 +88,6 @@ def device_memory_limit(device=None) -> int | None:
     """Bytes JAX's allocator may take on ``device`` (default: the first device): the card's memory times
     ``XLA_PYTHON_CLIENT_MEM_FRACTION``. None where the backend reports none (the CPU)."""
     if device is None:
-        import jax
-
         device = jax.devices()[0]
     return (device.memory_stats() or {}).get("bytes_limit")
 
@@ -126,7 +127,6 @@ def _fitted(cfg: Config, table: str | Path, memory_limit: int | None):
     measured_limit = _load_table(str(table)).get("memory_limit_gib")
     fitted, note = fit_to_memory(per, peak, memory_limit, 0.0, measured_limit)
     if fitted != per:  # whether to scale does not depend on the held state: count the parameters only then
-        from hybrid_lm.model.accounting import count_params
 
         fixed = STATE_BYTES_PER_PARAM * count_params(cfg.model)["total"] / 2 ** 30
         fitted, note = fit_to_memory(per, peak, memory_limit, fixed, measured_limit)

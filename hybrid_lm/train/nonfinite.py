@@ -1,5 +1,5 @@
 """The NaN policy (``TrainConfig.nan_policy``): a step whose loss, gradient or update is not finite
-never changes the parameters (``train/step.py``'s own guard). A guard on the device counts such steps
+never changes the parameters (``step.py``'s own guard). A guard on the device counts such steps
 in a row and halts the run at the first one under 'stop', at the ``max_consecutive_skips``-th under
 'skip'. The halting step and every step dispatched after it return their input state unchanged, so
 when the host sees the halt (one step late, :func:`finish_step`) it still holds the state before the
@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from hybrid_lm.config import TrainConfig
-from hybrid_lm.train.step import ModelFns, make_train_step
+from hybrid_lm.step import ModelFns, make_train_step
 
 
 class NonFiniteError(FloatingPointError):
@@ -30,7 +30,7 @@ def with_nan_guard(fns: ModelFns, optimizer_for, tc: TrainConfig):
     A halting step, and every step after it, returns its input state, step counter included. The
     stats gain ``halted`` and ``nonfinite_streak``.
 
-    The state is held by ``train/step.py``'s own non-finite guard: a halting step is non-finite, and
+    The state is held by ``step.py``'s own non-finite guard: a halting step is non-finite, and
     a step after it gets a NaN objective (:class:`_HeldLoss`). A second select over the whole state
     here would cost XLA temporaries the size of the parameters and optimizer state."""
     limit = 1 if tc.nan_policy == "stop" else tc.max_consecutive_skips

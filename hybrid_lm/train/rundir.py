@@ -1,6 +1,6 @@
-"""Run directories: resolved config, operative gin, provenance, the resume identity check and the
-migration of config.json files written by earlier versions (``train/continued.py`` records a continued
-run's source in the provenance)."""
+"""A run directory prepared for training: its config.json (migrated when written by an earlier version:
+``run/directory.py``), operative gin, provenance, the resume identity check, the run length check and
+``--restart``'s archive (``train/continued.py`` records a continued run's source in the provenance)."""
 
 from __future__ import annotations
 
@@ -16,12 +16,15 @@ from pathlib import Path
 
 import jax
 
-from hybrid_lm.config import REMOVED_FIELDS, Config, operative_gin
-from hybrid_lm.experiment import config_record, diff_experiments, read_run_config, run_id
+from hybrid_lm.config import Config, operative_gin
+from hybrid_lm.data.identity import data_identity
+from hybrid_lm.experiment import config_record, diff_experiments, run_id
 from hybrid_lm.errors import ConfigError, WorkdirError
 from hybrid_lm.files import atomic_write_json, atomic_write_text
-from hybrid_lm.train.lock import LOCK_NAME
-from hybrid_lm.validate import read_fields_only
+from hybrid_lm.lock import LOCK_NAME
+from hybrid_lm.run.directory import (CHECKPOINTS, EVAL_ROWS, METRICS, OPERATIVE_GIN, checkpoint_dir, checkpoint_steps,
+                                     config_path, metrics_path, migrate_run_config, provenance_path, write_run_config)
+from hybrid_lm.train.optim import wsd_schedule
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +66,7 @@ def provenance() -> dict:
 
 # What hybrid-lm puts in a run dir before its config.json: the trainer's lock, --restart's archive, the
 # run records, a sweep job's files (scaling/launch.py: its lock and metadata, a branch's seeded checkpoint).
-_OWN_FILES = {LOCK_NAME, "archive", "metrics.jsonl", "checkpoints", "sweep_run.json", ".sweep.lock", "branch.json",
+_OWN_FILES = {LOCK_NAME, "archive", METRICS, CHECKPOINTS, "sweep_run.json", ".sweep.lock", "branch.json",
               "sweep_error.txt", "sweep_done.json"}
 
 
@@ -73,7 +76,7 @@ def prepare_run_dir(cfg: Config, workdir: Path, force: bool = False, init_record
     ``init_record`` (:meth:`InitSource.record`) goes to ``provenance.json`` as ``init_from``; a resumed
     continued run keeps the record of its first start (where its parameters came from)."""
     workdir = Path(workdir)
-    cfg_path = workdir / "config.json"
+    cfg_path = config_path(workdir)
     if workdir.is_dir() and not cfg_path.exists():  # not a run dir (yet): say so if it holds other things
         others = [p for p in workdir.iterdir() if p.name not in _OWN_FILES]
         if others:
@@ -81,7 +84,6 @@ def prepare_run_dir(cfg: Config, workdir: Path, force: bool = False, init_record
                         "into it anyway", workdir, len(others), sorted(others)[0].name)
     workdir.mkdir(parents=True, exist_ok=True)
     prov = provenance()
-    from hybrid_lm.data.identity import data_identity
     prov["data_identity"] = data_identity(cfg.data)  # store fingerprints and tokenizer hash ({} = embedded, byte)
     if cfg.train.init_from:
         kept = recorded_init_source(workdir)
@@ -107,21 +109,19 @@ def prepare_run_dir(cfg: Config, workdir: Path, force: bool = False, init_record
     record = {**new, "run_id": run_id(cfg)}
     if previous:
         record["previous_run_ids"] = previous
-    atomic_write_json(cfg_path, record, indent=2, default=str)
-    atomic_write_text(workdir / "operative.gin", operative_gin())
-    atomic_write_json(workdir / "provenance.json", prov, indent=2)
+    write_run_config(workdir, record)
+    atomic_write_text(workdir / OPERATIVE_GIN, operative_gin())
+    atomic_write_json(provenance_path(workdir), prov, indent=2)
     return workdir
 
 
 def has_trained(workdir: Path) -> bool:
     """Whether ``workdir`` holds a record of training: a metrics row or a checkpoint (finished, or moved
     aside as corrupt)."""
-    from hybrid_lm.train.checkpoint import saved_steps
-
     workdir = Path(workdir)
-    metrics = workdir / "metrics.jsonl"
-    corrupt = workdir / "checkpoints" / "corrupt"
-    return ((metrics.exists() and metrics.stat().st_size > 0) or bool(saved_steps(workdir / "checkpoints"))
+    metrics = metrics_path(workdir)
+    corrupt = checkpoint_dir(workdir) / "corrupt"
+    return ((metrics.exists() and metrics.stat().st_size > 0) or bool(checkpoint_steps(workdir, missing_ok=True))
             or (corrupt.is_dir() and any(corrupt.iterdir())))
 
 
@@ -129,10 +129,7 @@ def check_run_length(workdir: Path, old_steps: int | None, cfg: Config) -> None:
     """A run may be extended, never shortened below its newest checkpoint: its record would then say
     fewer steps than it trained (``WorkdirError``). Extending a run whose LR decay had begun restarts the
     decay from the constant LR, which is said in a warning (WSD studies branch instead: ``hybrid-lm sweep``)."""
-    from hybrid_lm.train.checkpoint import saved_steps
-    from hybrid_lm.train.optim import wsd_schedule
-
-    saved = saved_steps(workdir / "checkpoints")
+    saved = checkpoint_steps(workdir, missing_ok=True)
     if not saved:
         return
     at, steps = saved[-1], cfg.train.steps
@@ -149,8 +146,8 @@ def check_run_length(workdir: Path, old_steps: int | None, cfg: Config) -> None:
                         old_steps, steps, at, last, at - 1, nxt)
 
 
-_RUN_RECORDS = ("metrics.jsonl", "checkpoints", "loss_curve.png", "eval.jsonl", "tb", "wandb_id", "profile")
-RECORDS_BESIDE_CHECKPOINTS = tuple(n for n in _RUN_RECORDS if n != "checkpoints")  # a run that never saved
+_RUN_RECORDS = (METRICS, CHECKPOINTS, "loss_curve.png", EVAL_ROWS, "tb", "wandb_id", "profile")
+RECORDS_BESIDE_CHECKPOINTS = tuple(n for n in _RUN_RECORDS if n != CHECKPOINTS)  # a run that never saved
 
 
 def archive_run(workdir: Path, names=_RUN_RECORDS, why: str = "--restart") -> Path | None:
@@ -177,7 +174,7 @@ def archive_run(workdir: Path, names=_RUN_RECORDS, why: str = "--restart") -> Pa
 
 def recorded_init_source(workdir: Path | None) -> dict | None:
     """The ``init_from`` entry of ``workdir``'s provenance.json (a continued run), else None."""
-    path = Path(workdir or "") / "provenance.json"
+    path = provenance_path(workdir or "")
     if workdir is None or not path.exists():
         return None
     try:
@@ -189,39 +186,7 @@ def recorded_init_source(workdir: Path | None) -> dict | None:
 
 def record_init_fingerprint(workdir: Path, fingerprint: str) -> None:
     """Add the restored parameters' fingerprint to the ``init_from`` entry of ``workdir``'s provenance."""
-    path = Path(workdir) / "provenance.json"
+    path = provenance_path(workdir)
     prov = json.loads(path.read_text())
     prov["init_from"]["params_fingerprint"] = fingerprint
     atomic_write_json(path, prov, indent=2)
-
-
-def accepted_run_ids(workdir: Path) -> set[str]:
-    """Run ids whose checkpoints ``workdir`` resumes: its own and those it was migrated from."""
-    path = Path(workdir) / "config.json"
-    if not path.exists():
-        return set()
-    d = read_run_config(path)[0]
-    return {i for i in [d.get("run_id"), *d.get("previous_run_ids", [])] if i}
-
-
-def migrate_run_config(workdir: Path) -> dict:
-    """``workdir/config.json`` in the current schema. A file written before mixers declared their
-    fields (a moba run recording base.gin's window) or with a removed field (``eval_batches``) is
-    rewritten, the old file kept as ``config.json.bak`` and its run id added to ``previous_run_ids``."""
-    path = Path(workdir) / "config.json"
-    old, as_read = read_run_config(path)  # drops the removed fields; the run id is computed as before
-    current = read_fields_only(as_read)
-    dropped = [f"{sec}.{k}" for sec, ks in REMOVED_FIELDS.items() for k in ks if k in old.get(sec, {})]
-    if current == as_read and not dropped:
-        return old
-    new = json.loads(json.dumps(config_record(current), default=str))
-    old_id = old.get("run_id") or run_id(as_read)
-    previous = [*old.get("previous_run_ids", []), *([old_id] if old_id != run_id(current) else [])]
-    atomic_write_text(path.with_name("config.json.bak"), path.read_text())
-    atomic_write_json(path, {**new, "run_id": run_id(current), "previous_run_ids": previous}, indent=2,
-                      default=str)
-    changes = [f"{f} reset (its mixer does not read it)" for f in diff_experiments(old, new)]
-    changes += [f"{f} dropped (no longer a field)" for f in dropped]
-    log.warning("migrated %s to the current config schema: %s; run id %s -> %s; old file kept as config.json.bak",
-             path, ", ".join(changes), old_id, run_id(current))
-    return {**new, "run_id": run_id(current), "previous_run_ids": previous}

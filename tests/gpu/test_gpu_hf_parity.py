@@ -3,7 +3,7 @@
 For each family (``tests/hf_families.py``: Llama all-full GQA untied and MQA tied; Ministral full + SWA;
 Mistral all-SWA; Qwen3 q/k norm + SWA; SmolLM3 NoPE layers, with and without SWA):
 
-- export: a random hybrid_lm model written by ``hybrid_lm.eval.hf.write_hf_folder`` (what ``hybrid-lm
+- export: a random hybrid_lm model written by ``hybrid_lm.run.hf.write_hf_folder`` (what ``hybrid-lm
   export --format hf`` writes), loaded by ``AutoModelForCausalLM.from_pretrained`` with eager and sdpa
   attention: transformers' logits against hybrid_lm's;
 - import: a random transformers model of the family's config class, ``save_pretrained``, restored by
@@ -87,7 +87,7 @@ def hf_logits(folder, impl: str, toks) -> tuple[np.ndarray, str]:
 @pytest.mark.parametrize("name", list(OURS))
 def test_export_parity(tmp_path, name):
     """hybrid_lm -> transformers: an exported random model's logits in transformers equal hybrid_lm's."""
-    from hybrid_lm.eval.hf import ARCHITECTURES, write_hf_folder
+    from hybrid_lm.run.hf import ARCHITECTURES, write_hf_folder
 
     family = OURS[name][0]
     model = tiny_model(name)
@@ -127,7 +127,7 @@ def _random_transformers_model(model_type: str, kw: dict, seed: int):
 def test_import_parity(tmp_path, name):
     """transformers -> hybrid_lm: a saved random transformers model restored as ``hf:DIR`` gives
     transformers' logits."""
-    from hybrid_lm.eval.restore import RestoredRun
+    from hybrid_lm.run.restore import RestoredRun
 
     model_type, kw, types, slots = THEIRS[name]
     _random_transformers_model(model_type, kw, seed=2).save_pretrained(str(tmp_path))
@@ -204,7 +204,7 @@ def test_lm_eval_hf_backend_matches_ours(tmp_path):
     except ImportError as e:
         report(f"lm-eval: not run, lm_eval does not import ({e}): carry its wheel (and the module named) in .whl")
         pytest.skip(f"lm_eval does not import: {e}")
-    from hybrid_lm.eval.hf import write_hf_folder
+    from hybrid_lm.run.hf import write_hf_folder
     from hybrid_lm.eval.lm_eval_model import model_class
 
     tok_path, tok = _bpe(tmp_path)

@@ -159,7 +159,7 @@ def test_a_setup_mistake_ends_every_process_in_one_line(tmp_path, case):
 def test_an_error_on_one_process_ends_the_other_in_one_line(tmp_path):
     """A second job on a busy workdir: its process 0 refuses, and its process 1 (waiting at a barrier)
     stops at once naming process 0's error (before: a raw Gloo traceback)."""
-    from hybrid_lm.train.lock import WorkdirLock
+    from hybrid_lm.lock import WorkdirLock
 
     port = free_port()
     (tmp_path / "run").mkdir()
@@ -306,7 +306,7 @@ def test_the_sweep_worker_reports_a_failed_job_in_one_line(tmp_path, capsys):
     from hybrid_lm.config import CONFIGS_DIR
     from hybrid_lm.scaling import launch as L
     from hybrid_lm.scaling.sweep import expand, load_spec, write_manifest
-    from hybrid_lm.train.lock import WorkdirLock
+    from hybrid_lm.lock import WorkdirLock
 
     plan = expand(load_spec(CONFIGS_DIR / "sweeps" / "tiny_cpu.toml"), root=tmp_path)
     write_manifest(plan)

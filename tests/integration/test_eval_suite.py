@@ -203,7 +203,7 @@ def test_every_task_option_is_checked_before_any_task_runs(capsys, run_dir, monk
     """`--tasks ruler,probe --samples 4` fails on the probe's minimum before a checkpoint is restored
     or a RULER item built, as do a LongPPL --trunc-len beyond the documents, heads on a model with no
     full attention and a RULER length beyond seq_len: one line, exit 2, nothing recorded."""
-    from hybrid_lm.eval import restore
+    from hybrid_lm.run import restore
 
     def restored(*_, **__):
         raise AssertionError("a checkpoint was restored before every task's options were checked")

@@ -1,4 +1,4 @@
-"""``hybrid-lm export`` (hybrid_lm/eval/export.py): a checkpoint as safetensors + config.json, read back
+"""``hybrid-lm export`` (hybrid_lm/run/export.py): a checkpoint as safetensors + config.json, read back
 into a HybridLM with the checkpoint's logits; bf16; atomic, never overwriting without --force; bad
 inputs in one line."""
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from hybrid_lm.errors import ConfigError, WorkdirError
-from hybrid_lm.eval import export as X
+from hybrid_lm.run import export as X
 from hybrid_lm.experiment import run_id
 
 
@@ -42,8 +42,8 @@ def _logits(model, tokens):
 
 
 def test_round_trip(run_dir, tmp_path):
-    from hybrid_lm.eval.restore import RestoredRun
-    from hybrid_lm.train.checkpoint import params_fingerprint
+    from hybrid_lm.run.restore import RestoredRun
+    from hybrid_lm.run.checkpoint import params_fingerprint
 
     wd = tmp_path / "run"
     shutil.copytree(run_dir, wd)
@@ -119,17 +119,17 @@ def test_existing_out_and_atomic_write(run_dir, tmp_path, monkeypatch):
 @pytest.fixture
 def main_with_export(monkeypatch):
     """``hybrid_lm.cli.main`` with ``export`` registered as ``add_eval_commands`` will register it."""
-    from hybrid_lm.eval import cli as eval_cli
+    from hybrid_lm import cli
     from hybrid_lm.cli import main
 
-    original = eval_cli.add_eval_commands
+    original = cli.add_eval_commands
 
     def with_export(sub):
         original(sub)
         if "export" not in sub.choices:
             X.add_export_command(sub)
 
-    monkeypatch.setattr(eval_cli, "add_eval_commands", with_export)
+    monkeypatch.setattr(cli, "add_eval_commands", with_export)
     return main
 
 

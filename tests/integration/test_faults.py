@@ -7,7 +7,7 @@ from hybrid_lm.cli import main
 from hybrid_lm.config import CONFIGS_DIR
 from hybrid_lm.experiment import load_config
 from hybrid_lm.errors import ConfigError
-from hybrid_lm.train.metrics import MetricsWriter, plot_loss_curve, read_metrics
+from hybrid_lm.run.metrics import MetricsWriter, plot_loss_curve, read_metrics
 
 
 @pytest.mark.parametrize("binding,match", [
@@ -84,7 +84,7 @@ def test_torn_last_metrics_line_does_not_swallow_the_next_row(tmp_path, caplog, 
     path = tmp_path / "metrics.jsonl"
     torn = '{"kind": "train", "step": 10, "tok'
     path.write_text(before + torn)
-    with caplog.at_level("WARNING", logger="hybrid_lm.train.metrics"):
+    with caplog.at_level("WARNING", logger="hybrid_lm.run.metrics"):
         w = MetricsWriter(path)
     w.write({"kind": "train", "step": 6, "tokens": 60, "loss": 3.5})
     w.close()
@@ -97,7 +97,7 @@ def test_torn_last_metrics_line_does_not_swallow_the_next_row(tmp_path, caplog, 
 def test_last_row_missing_only_its_newline_is_kept(tmp_path, caplog):
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"kind": "train", "step": 5, "tokens": 50, "loss": 4.0}')
-    with caplog.at_level("WARNING", logger="hybrid_lm.train.metrics"):
+    with caplog.at_level("WARNING", logger="hybrid_lm.run.metrics"):
         w = MetricsWriter(path)
     w.write({"kind": "train", "step": 6, "tokens": 60, "loss": 3.5})
     w.close()

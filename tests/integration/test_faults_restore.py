@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from hybrid_lm.errors import WorkdirError
-from hybrid_lm.train.lock import WorkdirLock
+from hybrid_lm.lock import WorkdirLock
 from resume_check import make_unwritable
 
 
@@ -23,7 +23,7 @@ def test_a_second_lock_on_a_workdir_refuses_naming_the_holder(tmp_path):
     with pytest.raises(WorkdirError, match=f"in use by another trainer \\(host {socket.gethostname()} "
                                            f"pid {os.getpid()} since"):
         WorkdirLock(tmp_path).acquire()
-    code = ("import sys; from hybrid_lm.train.lock import WorkdirLock\n"
+    code = ("import sys; from hybrid_lm.lock import WorkdirLock\n"
             "try: WorkdirLock(sys.argv[1]).acquire()\n"
             "except Exception as e: print(type(e).__name__, e); sys.exit(3)\n")
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True)
@@ -102,13 +102,13 @@ def test_a_failed_save_is_fatal_fast_and_keeps_the_previous_checkpoint(tmp_path,
     assert last.startswith("error: saving the checkpoint at step 4 in ") and str(ckdir) in last
     assert "PermissionError" in last and "earlier checkpoints are kept" in last
     assert not (tmp_path / ".lock").exists()
-    from hybrid_lm.eval.restore import RestoredRun
+    from hybrid_lm.run.restore import RestoredRun
     assert RestoredRun(tmp_path).step == 2
 
 
 def test_a_background_save_error_is_one_clear_error(tmp_path, monkeypatch):
     from hybrid_lm.config import CheckpointConfig
-    from hybrid_lm.train import checkpoint as ck
+    from hybrid_lm.run import checkpoint as ck
 
     c = ck.Checkpointer(tmp_path / "checkpoints", CheckpointConfig())
 
@@ -196,7 +196,7 @@ def test_metrics_but_no_checkpoint_ever_committed_archives_and_trains_from_zero(
     archives the rows (one warning line) and trains from step 0, to the same losses."""
     import shutil
     from hybrid_lm.train.loop import train
-    from hybrid_lm.train.metrics import read_metrics
+    from hybrid_lm.run.metrics import read_metrics
 
     wd = _copy(done_run, tmp_path)
     rows = (wd / "metrics.jsonl").read_text()
@@ -230,7 +230,7 @@ def test_restart_archives_and_trains_from_zero(done_run, tmp_path, tiny_params):
 
 
 def test_a_corrupt_newest_is_moved_aside_and_its_step_saved_again(done_run, tmp_path, caplog):
-    from hybrid_lm.eval.restore import RestoredRun
+    from hybrid_lm.run.restore import RestoredRun
     from hybrid_lm.train.loop import train
 
     wd = _copy(done_run, tmp_path)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from hybrid_lm.cli import main
-from hybrid_lm.eval.hf import HFCheckpoint
+from hybrid_lm.run.hf import HFCheckpoint
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +29,7 @@ def _leaves(tree):
 
 
 def test_export_writes_a_transformers_folder(run_and_folder, tmp_path, capsys):
-    from hybrid_lm.eval.restore import RestoredRun
+    from hybrid_lm.run.restore import RestoredRun
 
     run, out = run_and_folder
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
@@ -51,7 +51,7 @@ def test_export_writes_a_transformers_folder(run_and_folder, tmp_path, capsys):
 
 
 def test_eval_and_generate_on_the_folder(run_and_folder, capsys):
-    from hybrid_lm.eval.restore import RestoredRun
+    from hybrid_lm.run.restore import RestoredRun
 
     run, out = run_and_folder
     ours = RestoredRun(run).evaluate(eval_windows=16, record=False)
@@ -84,8 +84,8 @@ def test_lm_eval_model_on_the_folder(run_and_folder):
 def test_train_from_the_folder(run_and_folder, tmp_path, capsys):
     from conftest import TINY
 
-    from hybrid_lm.eval.restore import RestoredRun
-    from hybrid_lm.train.checkpoint import params_fingerprint
+    from hybrid_lm.run.restore import RestoredRun
+    from hybrid_lm.run.checkpoint import params_fingerprint
 
     run, out = run_and_folder
     # the gin leaves the model out (the folder's config.json gives it) and sets the rest

@@ -38,7 +38,7 @@ def test_summaries():
 def run(tmp_path_factory, _data_dir):
     from conftest import TINY
     from hybrid_lm.experiment import load_config
-    from hybrid_lm.eval.restore import RestoredRun
+    from hybrid_lm.run.restore import RestoredRun
     from hybrid_lm.train.loop import train
 
     wd = tmp_path_factory.mktemp("influence_run")

@@ -12,10 +12,11 @@ import pytest
 from conftest import TINY
 from hybrid_lm.cli import main
 from hybrid_lm.experiment import load_config, run_id
-from hybrid_lm.eval.restore import RestoredRun, load_run_config
+from hybrid_lm.run.restore import RestoredRun
+from hybrid_lm.run.directory import load_run_config
 from hybrid_lm.train import loop
-from hybrid_lm.train.checkpoint import params_fingerprint
-from hybrid_lm.train.metrics import read_metrics
+from hybrid_lm.run.checkpoint import params_fingerprint
+from hybrid_lm.run.metrics import read_metrics
 from hybrid_lm.train.optim import wsd_schedule
 from hybrid_lm.train.continued import resolve_init_source
 

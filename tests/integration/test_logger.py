@@ -9,7 +9,7 @@ import pytest
 from hybrid_lm.experiment import load_config
 from hybrid_lm.train.logger import StepLogger
 from hybrid_lm.train.loop import train
-from hybrid_lm.train.metrics import read_metrics
+from hybrid_lm.run.metrics import read_metrics
 
 STATS = {"loss": 2.5, "objective": 2.5, "lr": 1e-3, "grad_norm": 1.0, "param_norm": 3.0, "update_norm": 0.1,
          "finite": True}

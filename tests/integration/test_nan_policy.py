@@ -17,15 +17,15 @@ from conftest import TINY
 from hybrid_lm.cli import main
 from hybrid_lm.experiment import load_config
 from hybrid_lm.train import loop, nonfinite
-from hybrid_lm.train import step as step_mod
-from hybrid_lm.train.metrics import read_metrics
+from hybrid_lm import step as step_mod
+from hybrid_lm.run.metrics import read_metrics
 from resume_check import compare_runs, final_state
 
 
 def _inject(monkeypatch, bad: dict[int, str]) -> None:
     """Make step ``done`` (1-based) in ``bad`` non-finite: "loss" (NaN loss and gradient) or "grad" (a
     finite loss, an inf gradient norm). The fault rides on the batch, as a data-borne one would: the
-    batch of that step has a marker in its first token, and the wrapped train/step.py step returns for
+    batch of that step has a marker in its first token, and the wrapped step.py step returns for
     it what it returns for any non-finite step (parameters and optimizer state unchanged, the counter
     advanced, ``finite`` False)."""
     from hybrid_lm.data.pipeline import DataStreams
@@ -194,7 +194,7 @@ def test_an_exploding_learning_rate_stops_with_a_finite_last_good_state(tmp_path
 
 SIGTERM_IN_THE_EPILOGUE = """
 import os, signal, sys
-from hybrid_lm.train import checkpoint
+from hybrid_lm.run import checkpoint
 close = checkpoint.Checkpointer.close
 def close_after_a_sigterm(self):  # the signal arrives while the final checkpoint is being finished
     os.kill(os.getpid(), signal.SIGTERM)
@@ -213,17 +213,17 @@ def test_a_sigterm_after_the_last_step_lets_the_run_finish(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert "SIGTERM arrived after the last step: the run finished first" in out.stdout
     assert (tmp_path / "loss_curve.png").stat().st_size > 0 and not (tmp_path / ".lock").exists()
-    from hybrid_lm.eval.restore import RestoredRun
+    from hybrid_lm.run.restore import RestoredRun
     assert RestoredRun(tmp_path).step == 4  # the final checkpoint is complete
     summary = read_metrics(tmp_path / "metrics.jsonl", "summary")[-1]
     assert summary["status"] == "finished" and summary["step"] == 4
 
 
 def test_the_device_guard_costs_no_memory():
-    """The halting guard holds the state through train/step.py's own non-finite select: the compiled
+    """The halting guard holds the state through step.py's own non-finite select: the compiled
     step needs no more temporary memory than the bare step (a second select over the state would add
     about the size of the parameters and optimizer state)."""
-    from hybrid_lm.train import sharding as shd
+    from hybrid_lm import sharding as shd
     from hybrid_lm.train.optim import optimizer_for_bounds
 
     cfg = load_config([], TINY + ["ModelConfig.d_model = 128", "ModelConfig.d_ff = 512"])

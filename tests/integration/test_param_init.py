@@ -10,7 +10,7 @@ import pytest
 from hybrid_lm.experiment import load_config
 from hybrid_lm.model.transformer import ParamInit, init_params_reference
 from hybrid_lm.train.optim import optimizer_for_bounds
-from hybrid_lm.train.step import ModelFns, StateInit
+from hybrid_lm.step import ModelFns, StateInit
 
 NO_WINDOW = "efficient/MixerConfig.window = None"
 KINDS = {

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from hybrid_lm.experiment import load_config
-from hybrid_lm.eval.restore import RestoredRun
+from hybrid_lm.run.restore import RestoredRun
 
 STEPS = 10  # checkpoints at 5 and 10 (TINY: every_steps = 5)
 
@@ -70,8 +70,8 @@ def test_latest_and_explicit_step(run):
 
 
 def test_restore_params_on_the_checkpointer(run):
-    from hybrid_lm.train.checkpoint import Checkpointer, abstract_with_shardings
-    from hybrid_lm.train.step import ModelFns
+    from hybrid_lm.run.checkpoint import Checkpointer, abstract_with_shardings
+    from hybrid_lm.step import ModelFns
 
     wd, _ = run
     ev = RestoredRun(wd)

@@ -23,7 +23,7 @@ from hybrid_lm.config import MixerConfig, ModelConfig
 from hybrid_lm.experiment import load_config, run_id
 from hybrid_lm.errors import ConfigError
 from hybrid_lm.eval.generate import generate
-from hybrid_lm.eval.swap import apply_swaps
+from hybrid_lm.run.swap import apply_swaps
 from hybrid_lm.model.attention import SlidingWindowAttention, attend
 from hybrid_lm.model.registry import MixerContext, get_mixer
 from hybrid_lm.model.stochastic import (GatedSASWA, SAOptions, StochasticAttention, permute_positions,

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from hybrid_lm.scaling import fit as F
-from hybrid_lm.scaling.collect import (arch_label, arch_spec, collect, eval_column_names, eval_settings,
-                                       parse_label_overrides)
+from hybrid_lm.model.architecture import arch_label, arch_spec
+from hybrid_lm.scaling.collect import collect, eval_column_names, eval_settings, parse_label_overrides
 from hybrid_lm.scaling.table import read_table
 from hybrid_lm.experiment import config_record, run_id
 

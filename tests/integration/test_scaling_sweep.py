@@ -14,6 +14,7 @@ import pytest
 
 from hybrid_lm.scaling import launch as L
 from hybrid_lm.experiment import run_id
+from hybrid_lm.run.directory import checkpoint_steps
 from hybrid_lm.scaling.sweep import (
     MFU_H200_MEASURED,
     PEAK_FLOPS,
@@ -395,7 +396,7 @@ def test_tiny_sweep_end_to_end(tmp_path, tiny_sweep):
         assert (d / "sweep_done.json").exists() and (d / "sweep_run.json").exists()
         if j["kind"] == "branch":
             assert json.loads((d / "branch.json").read_text())["step"] == j["branch_from"]["step"]
-            from hybrid_lm.train.metrics import read_metrics
+            from hybrid_lm.run.metrics import read_metrics
             rows = read_metrics(d / "metrics.jsonl")
             copied = [x for x in rows if x.get("copied_from") == j["branch_from"]["run"]]
             assert copied and max(x["step"] for x in copied) == j["branch_from"]["step"]
@@ -427,7 +428,7 @@ def test_tiny_sweep_end_to_end(tmp_path, tiny_sweep):
     #    branch is seeded again by its (finished) stable run, which still holds the checkpoint at 14
     d = root / big
     loss, t1_loss = _final_loss(d), _final_loss(root / t1)
-    ckpts = L.checkpoint_steps(d)
+    ckpts = checkpoint_steps(d)
     assert ckpts[-1] == jobs[big]["steps"] and len(ckpts) == 2
     shutil.rmtree(d / "checkpoints" / str(ckpts[-1]))
     (d / "sweep_done.json").unlink()

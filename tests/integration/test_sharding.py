@@ -23,7 +23,7 @@ MESHES_SCRIPT = textwrap.dedent("""
     import jax, numpy as np
     from hybrid_lm.experiment import load_config
     from hybrid_lm.train.loop import train
-    from hybrid_lm.train.metrics import read_metrics
+    from hybrid_lm.run.metrics import read_metrics
     params, out = json.loads(sys.argv[1]), sys.argv[2]
     sys.path.insert(0, sys.argv[3])
     from resume_check import final_state  # test tooling in tests/
@@ -49,8 +49,8 @@ MESHES_SCRIPT = textwrap.dedent("""
     res = train(cfg, f"{out}/one6", devices=jax.devices()[:1])
     result["one6"] = [r["loss"] for r in read_metrics(res.workdir / "metrics.jsonl", "train")]
     # the sharding of every parameter under the mixed mesh, for the golden table
-    from hybrid_lm.train.step import ModelFns
-    from hybrid_lm.train import sharding as shd
+    from hybrid_lm.step import ModelFns
+    from hybrid_lm import sharding as shd
     cfg = load_config([], params + ["MeshConfig.data = 2", "MeshConfig.fsdp = 2", "MeshConfig.tensor = 2"])
     fns = ModelFns(cfg)
     mesh = shd.make_mesh(cfg.mesh)
@@ -104,7 +104,7 @@ PROCESS_SCRIPT = textwrap.dedent("""
     import json, sys
     from hybrid_lm.experiment import load_config
     from hybrid_lm.train.loop import train
-    from hybrid_lm.train.metrics import read_metrics
+    from hybrid_lm.run.metrics import read_metrics
     import jax
     params, out = json.loads(sys.argv[1]), sys.argv[2]
     res = train(load_config([], params), out)

@@ -19,9 +19,10 @@ from flax import nnx
 from hybrid_lm.config import MixerConfig, ModelConfig
 from hybrid_lm.experiment import load_config
 from hybrid_lm.errors import ConfigError
-from hybrid_lm.eval.loss import paired_difference
-from hybrid_lm.eval.restore import RestoredRun, evaluate_checkpoint, read_eval_rows
-from hybrid_lm.eval.swap import SwapError, apply_swaps, parse_swap
+from hybrid_lm.run.loss import paired_difference
+from hybrid_lm.run.restore import RestoredRun, evaluate_checkpoint
+from hybrid_lm.run.directory import read_eval_rows
+from hybrid_lm.run.swap import SwapError, apply_swaps, parse_swap
 from hybrid_lm.model.accounting import flops_per_token
 from hybrid_lm.model.attention import FullAttention, SlidingWindowAttention
 from hybrid_lm.model.constrained_attention import SinkAttention, sink_flops
@@ -303,7 +304,7 @@ def test_cli_generate(trained, capsys):
     the continuation equals generate() on the restored parameters."""
     from hybrid_lm.cli import main
     from hybrid_lm.eval.generate import generate
-    from hybrid_lm.train.step import ModelFns
+    from hybrid_lm.step import ModelFns
     wd, _, ev = trained
     capsys.readouterr()
     assert main(["generate", str(wd), "--prompt", "The ", "--max-new", "12", "--json"]) == 0
@@ -325,9 +326,9 @@ def test_longppl_on_the_trained_run(trained, capsys):
     evaluated run; the CLI prints and records a row."""
     from hybrid_lm.cli import main
     from hybrid_lm.eval.longppl import KeyTokenRule, evaluate_longppl, nll_per_token
-    from hybrid_lm.eval.swap import swapped_config
+    from hybrid_lm.run.swap import swapped_config
     from hybrid_lm.model.registry import MixerContext
-    from hybrid_lm.train.step import ModelFns
+    from hybrid_lm.step import ModelFns
     wd, _, ev = trained
     everything = KeyTokenRule(trunc_len=16, window=8, alpha=-1e9, beta=-1e9)
     row = evaluate_longppl(wd, length=48, docs=3, rule=everything, record=False, progress=False, inputs="windows")

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from hybrid_lm.experiment import load_config, run_id
-from hybrid_lm.train.checkpoint import Checkpointer, abstract_with_shardings
+from hybrid_lm.run.checkpoint import Checkpointer, abstract_with_shardings
 from hybrid_lm.train.distributed import PreemptionFlag
 from hybrid_lm.train.loop import train
-from hybrid_lm.train.metrics import read_metrics
+from hybrid_lm.run.metrics import read_metrics
 
 
 def _cfg(tiny_params, *extra):
@@ -72,7 +72,7 @@ def test_save_restore_round_trip_and_a_stopped_run_resume_bitwise(tiny_params, t
     train(cfg, tmp_path)
     ck = Checkpointer(tmp_path / "checkpoints", cfg.checkpoint)
     assert ck.latest_step() == 7
-    from hybrid_lm.train.step import ModelFns
+    from hybrid_lm.step import ModelFns
     from hybrid_lm.train.optim import make_optimizer
     fns = ModelFns(cfg)
     tx, _ = make_optimizer(cfg.optim, cfg.train.steps, fns.axes)

@@ -2,18 +2,18 @@
 
 ``RestoredRun(workdir, step=None)`` reads the run directory's ``config.json``, restores the parameters
 (no optimizer state) of ``step`` or of the newest checkpoint that restores
-(:meth:`~hybrid_lm.train.checkpoint.Checkpointer.restore_params`), laid out on a mesh of this host's
+(:meth:`~hybrid_lm.run.checkpoint.Checkpointer.restore_params`), laid out on a mesh of this host's
 devices (the run's mesh, else data-parallel), and holds the ``ModelFns``; the tokenizer and the data
 streams (fixed eval windows, bytes per token) are built on first use. :meth:`RestoredRun.evaluate` is
 the trainer's eval on the checkpoint, optionally with attention swaps or a receptive-field constraint
-(``hybrid_lm/eval/swap.py`` rewrites the config); its rows are appended to ``<workdir>/eval.jsonl``.
+(``hybrid_lm/run/swap.py`` rewrites the config); its rows are appended to ``<workdir>/eval.jsonl``.
 
 Python: ``RestoredRun(workdir).evaluate(swaps=['full=swa:128'], horizon=..., sinks=...)`` restores once
 and evaluates any number of settings; CLI: ``hybrid-lm eval WORKDIR --swap full=swa:128``.
 
 A Hugging Face model folder (``hf:DIR``, or a path to one) is taken wherever a run directory is: its
 config comes from ``config.json`` and its one set of weights (step 0) from its safetensors
-(``hybrid_lm/eval/hf.py``), and the rows and plots go into DIR (``--no-record`` writes nothing).
+(``hybrid_lm/run/hf.py``), and the rows and plots go into DIR (``--no-record`` writes nothing).
 """
 
 from __future__ import annotations
@@ -26,40 +26,22 @@ from pathlib import Path
 
 import jax
 
+from hybrid_lm import sharding as shd
+from hybrid_lm.backends import recorded_backends
 from hybrid_lm.config import Config
-from hybrid_lm.experiment import read_run_config, run_id
-from hybrid_lm.errors import ConfigError, WorkdirError
+from hybrid_lm.data.pipeline import DataStreams
+from hybrid_lm.data.tokenizer import get_tokenizer
+from hybrid_lm.experiment import run_id
+from hybrid_lm.run.directory import checkpoint_dir, eval_rows_path, load_run_config, metrics_path
+from hybrid_lm.errors import ConfigError, DataError, WorkdirError
+from hybrid_lm.run import loss
+from hybrid_lm.run.checkpoint import Checkpointer, abstract_with_shardings
+from hybrid_lm.run.hf import HFCheckpoint, hf_folder
+from hybrid_lm.run.metrics import read_metrics
+from hybrid_lm.run.swap import SwapError, describe, parse_swap, swapped_config
+from hybrid_lm.step import ModelFns, make_eval_step
 
 log = logging.getLogger(__name__)
-
-
-def load_run_config(workdir: Path | str) -> Config:
-    """The run's config in the current schema: a ``config.json`` written before mixers declared their
-    fields is read as ``train/rundir.py`` migrates it (unread mixer fields reset), the file left as is.
-    Raises ``FileNotFoundError`` without the file, :class:`ConfigError` (naming it) for one that does not read."""
-    from hybrid_lm.eval.hf import HFCheckpoint, hf_folder
-    from hybrid_lm.validate import read_fields_only
-
-    if hf_folder(workdir) is not None:
-        return HFCheckpoint(workdir).config()
-    path = Path(workdir) / "config.json"
-    if not path.exists():
-        raise FileNotFoundError(f"{workdir} is not a run directory: no config.json")
-    return read_fields_only(read_run_config(path)[1])
-
-
-def run_path(workdir: Path | str) -> Path:
-    """The directory of a run spec: the folder of ``hf:DIR``, else the path itself."""
-    from hybrid_lm.eval.hf import hf_folder
-
-    return hf_folder(workdir) or Path(workdir)
-
-
-def read_eval_rows(workdir: Path | str) -> list[dict]:
-    path = run_path(workdir) / "eval.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 class RestoredRun:
@@ -67,15 +49,10 @@ class RestoredRun:
 
     Raises ``FileNotFoundError`` (with the reason) when ``workdir`` is not a run directory, has no
     checkpoint, has none at ``step``, or none restores. ``workdir`` may be a Hugging Face folder
-    (``hf:DIR``): its weights are step 0 (``self.hf`` is its :class:`~hybrid_lm.eval.hf.HFCheckpoint`).
+    (``hf:DIR``): its weights are step 0 (``self.hf`` is its :class:`~hybrid_lm.run.hf.HFCheckpoint`).
     """
 
     def __init__(self, workdir: Path | str, *, step: int | None = None, devices=None):
-        from hybrid_lm.eval.hf import HFCheckpoint, hf_folder
-        from hybrid_lm.train import sharding as shd
-        from hybrid_lm.train.checkpoint import Checkpointer, abstract_with_shardings
-        from hybrid_lm.train.step import ModelFns
-
         self.hf = None
         if hf_folder(workdir) is not None:
             self.hf = HFCheckpoint(workdir)
@@ -86,7 +63,7 @@ class RestoredRun:
         else:
             self.workdir = Path(workdir)
             self.cfg = load_run_config(self.workdir)
-        directory = self.workdir / "checkpoints"
+        directory = checkpoint_dir(self.workdir)
         if self.hf is None and not directory.is_dir():
             raise FileNotFoundError(f"{self.workdir} has no checkpoints/ directory")
         try:
@@ -118,30 +95,24 @@ class RestoredRun:
         (e.g. :meth:`task_config`'s swapped config) that config's model on the same parameters."""
         if cfg is None or cfg.model == self.cfg.model:
             return self.fns.model(self.params)
-        from hybrid_lm.train.step import ModelFns
         return ModelFns(cfg).model(self.params)
 
     def task_config(self, swaps=(), horizon: int | None = None, sinks: int = 0, *, seq_len: int | None = None,
                     attention_impl: str | None = None) -> Config:
         """The run's config with attention swaps / a receptive-field constraint applied
-        (``hybrid_lm/eval/swap.py``): what every eval task runs on (``--swap``, ``--horizon``)."""
-        from hybrid_lm.eval.swap import parse_swap, swapped_config
-
+        (``hybrid_lm/run/swap.py``): what every eval task runs on (``--swap``, ``--horizon``)."""
         swaps = [parse_swap(s) if isinstance(s, str) else s for s in swaps]
         return swapped_config(self.cfg, swaps, horizon, sinks, seq_len=seq_len, attention_impl=attention_impl)
 
     @property
     def tokenizer(self):
         if self._tokenizer is None:
-            from hybrid_lm.data.tokenizer import get_tokenizer
             self._tokenizer = get_tokenizer(self.cfg.data.tokenizer)
         return self._tokenizer
 
     def streams(self, cfg: Config | None = None):
         """The :class:`~hybrid_lm.data.pipeline.DataStreams` of ``cfg`` (default: the run's), one per
         (seq_len, eval_windows)."""
-        from hybrid_lm.data.pipeline import DataStreams
-
         cfg = cfg or self.cfg
         d = cfg.data
         key = (d.seq_len, d.eval_windows, d.source, d.path, tuple(map(tuple, d.mixture or ())))
@@ -151,9 +122,7 @@ class RestoredRun:
 
     def trained_eval(self, seq_len: int) -> dict | None:
         """The trainer's eval row at the restored step (same windows), if metrics.jsonl has it."""
-        from hybrid_lm.train.metrics import read_metrics
-
-        path = self.workdir / "metrics.jsonl"
+        path = metrics_path(self.workdir)
         if seq_len != self.cfg.data.seq_len or not path.exists():
             return None
         rows = [r for r in read_metrics(path, "eval") if r["step"] == self.step]
@@ -162,7 +131,7 @@ class RestoredRun:
     def record(self, row: dict) -> None:
         """Append ``row`` to ``<workdir>/eval.jsonl`` (process 0 only)."""
         if jax.process_index() == 0:
-            with (self.workdir / "eval.jsonl").open("a") as fh:
+            with eval_rows_path(self.workdir).open("a") as fh:
                 fh.write(json.dumps(row) + "\n")
 
     # ------------------------------------------------------------------------- the trainer's eval
@@ -172,7 +141,6 @@ class RestoredRun:
         the run's data; the store must be tokenised with the run's tokenizer (checked when opened)."""
         if store is None:
             return cfg
-        from hybrid_lm.errors import DataError
         path = Path(store)
         if not (path / "manifest.json").is_file():
             raise DataError(f"--data {store}: no prepared token store there (manifest.json missing); build one "
@@ -185,14 +153,8 @@ class RestoredRun:
                  eval_windows: int | None = None, attention_impl: str | None = None, data: str | None = None,
                  record: bool = True) -> dict:
         """Loss (nats/token) and bits/byte on the run's fixed eval windows (or those of the token store
-        ``data``'s val split), batched as the trainer does (``eval/loss.py``), of the swapped /
+        ``data``'s val split), batched as the trainer does (``run/loss.py``), of the swapped /
         constrained model; appends a row to eval.jsonl."""
-        from hybrid_lm.backends import recorded_backends
-        from hybrid_lm.eval import loss
-        from hybrid_lm.eval.swap import SwapError, describe, parse_swap, swapped_config
-        from hybrid_lm.train import sharding as shd
-        from hybrid_lm.train.step import ModelFns, make_eval_step
-
         t0 = time.time()
         swaps = [parse_swap(s) if isinstance(s, str) else s for s in swaps]
         cfg = swapped_config(self.cfg, swaps, horizon, sinks, seq_len=seq_len, eval_windows=eval_windows,
@@ -243,14 +205,12 @@ def evaluate_checkpoint(workdir: Path | str, swaps=(), horizon: int | None = Non
                         attention_impl: str | None = None, record: bool = True) -> dict:
     """One :meth:`RestoredRun.evaluate` of ``workdir``'s checkpoint (``step`` or the latest). The
     settings are checked before the checkpoint is restored."""
-    from hybrid_lm.eval.swap import swapped_config
-
     settings = dict(seq_len=seq_len, eval_windows=eval_windows, attention_impl=attention_impl)
     swapped_config(load_run_config(workdir), swaps, horizon, sinks, **settings)
     return RestoredRun(workdir, step=step).evaluate(swaps, horizon, sinks, **settings, record=record)
 
 
-__all__ = ["RestoredRun", "evaluate_checkpoint", "load_run_config", "read_eval_rows", "run_path"]
+__all__ = ["RestoredRun", "evaluate_checkpoint"]
 
 
 def record_rows(run, rows, quiet: bool = False) -> None:

@@ -3,7 +3,7 @@
     hybrid-lm export RUN_DIR[@STEP] [--format safetensors|hf] [--dtype fp32|bf16] [--out DIR] [--force]
 
 ``--format hf`` writes a folder transformers loads with ``AutoModelForCausalLM.from_pretrained``
-(``hybrid_lm/eval/hf.py``: transformers' names and config, the run's tokenizer files,
+(``hybrid_lm/run/hf.py``: transformers' names and config, the run's tokenizer files,
 ``generation_config.json``; the run, step and hybrid_lm's config under the ``hybrid_lm`` key of
 config.json); layers transformers has no counterpart for are refused before anything is restored.
 Default output: ``RUN_DIR/export/step_<N>-hf``. The rest of this docstring is the default format.
@@ -12,7 +12,7 @@ The parameters of checkpoint STEP (default: the newest that restores) are writte
 joined from their NNX state paths (``blocks.0.mixer.wq``, ``embed.table``, ``lm_head``), fp32 as
 stored or cast to bf16. ``config.json`` is the run's ``config.json`` with an ``export`` entry: step,
 run id, source directory, dtype, the hybrid_lm version, the parameters' fingerprint
-(``train/checkpoint.py::params_fingerprint`` of the restored tree) and, per parameter, its shape,
+(``run/checkpoint.py::params_fingerprint`` of the restored tree) and, per parameter, its shape,
 dtype and logical axes. The default output is ``RUN_DIR/export/step_<N>/``. The directory is
 written under a temporary name beside it and renamed when complete; an existing export is replaced
 only with ``force``.
@@ -28,13 +28,25 @@ import json
 import os
 import shutil
 import time
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 
+from hybrid_lm.config import config_from_dict
 from hybrid_lm.errors import ConfigError, WorkdirError
-from hybrid_lm.eval.param_names import flatten_params, param_name, unflatten_params  # noqa: F401  (re-exported)
+from hybrid_lm.run.param_names import flatten_params, param_name, unflatten_params  # noqa: F401  (re-exported)
 from hybrid_lm.experiment import run_id
+from hybrid_lm.optional import optional_import
+from hybrid_lm.run.checkpoint import params_fingerprint
+from hybrid_lm.run.directory import checkpoint_steps, config_path, load_run_config, read_run_config
+from hybrid_lm.run.hf import check_exportable, write_hf_folder
+from hybrid_lm.run.restore import RestoredRun
+from hybrid_lm.step import ModelFns
+from hybrid_lm.validate import read_fields_only
 
 FORMATS = ("safetensors", "hf")
 DTYPES = {None: "float32", "fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16"}
@@ -45,7 +57,6 @@ CONFIG = "config.json"
 # ----------------------------------------------------------------------------- names
 
 def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
     try:
         return version("hybrid_lm")
     except PackageNotFoundError:
@@ -95,12 +106,6 @@ def export_checkpoint(run_spec: str, out=None, fmt: str = "safetensors", dtype: 
     for a path that is not a run directory, a step that was not saved or does not restore, or an
     existing ``out`` without ``force``. Everything is checked before the checkpoint is restored,
     except the default ``out`` of the newest step (known once restored)."""
-    import jax
-
-    from hybrid_lm.experiment import read_run_config
-    from hybrid_lm.eval.restore import RestoredRun, load_run_config
-    from hybrid_lm.optional import optional_import
-    from hybrid_lm.train.checkpoint import params_fingerprint, saved_steps
 
     if fmt not in FORMATS:
         raise ConfigError(f"export format {fmt!r} is not supported; formats: {', '.join(FORMATS)}")
@@ -114,9 +119,8 @@ def export_checkpoint(run_spec: str, out=None, fmt: str = "safetensors", dtype: 
     except FileNotFoundError as e:
         raise WorkdirError(str(e)) from None
     if fmt == "hf":
-        from hybrid_lm.eval.hf import check_exportable
         check_exportable(cfg.model)  # a layer transformers has no counterpart for: refused before the restore
-    saved = saved_steps(run_dir / "checkpoints")
+    saved = checkpoint_steps(run_dir, missing_ok=True)
     if not saved:
         raise WorkdirError(f"{run_dir} holds no checkpoint: train the run first")
     if step is not None and step not in saved:
@@ -128,7 +132,7 @@ def export_checkpoint(run_spec: str, out=None, fmt: str = "safetensors", dtype: 
     if jax.process_count() > 1:
         raise ConfigError("hybrid-lm export runs in a single process (it gathers every parameter on the host)")
     optional_import("safetensors")
-    from safetensors.numpy import save_file
+    from safetensors.numpy import save_file  # the [eval] extra
 
     try:
         run = RestoredRun(run_dir, step=step)
@@ -142,11 +146,10 @@ def export_checkpoint(run_spec: str, out=None, fmt: str = "safetensors", dtype: 
     for name, leaf in flatten_params(jax.device_get(run.params)).items():
         arr = np.asarray(leaf)
         if target == "bfloat16":
-            import ml_dtypes
             arr = arr.astype(ml_dtypes.bfloat16)
         flat[name] = np.ascontiguousarray(arr)
     axes = _flat_axes(run.fns.axes)
-    raw = read_run_config(run_dir / "config.json")[0]
+    raw = read_run_config(config_path(run_dir))[0]
     raw.pop("export", None)
     meta = {"format": fmt, "weights": WEIGHTS, "step": run.step, "run_id": run_id(run.cfg),
             "source": str(run_dir.resolve()), "dtype": target, "hybrid_lm_version": _version(),
@@ -156,8 +159,6 @@ def export_checkpoint(run_spec: str, out=None, fmt: str = "safetensors", dtype: 
                        for name, a in flat.items()}}
 
     if fmt == "hf":
-        from hybrid_lm.eval.hf import write_hf_folder
-
         record = {k: v for k, v in meta.items() if k not in ("params", "weights")}
         record.update(model=dataclasses.asdict(run.cfg.model),
                       data={"tokenizer": run.cfg.data.tokenizer, "seq_len": run.cfg.data.seq_len})
@@ -197,7 +198,6 @@ def _write_dir(out: Path, write) -> None:
 
 def _flat_axes(axes_tree) -> dict:
     """``{name: [logical axis, ...]}`` (the axes tuples are leaves, not subtrees)."""
-    import jax
     leaves = jax.tree_util.tree_leaves_with_path(axes_tree, is_leaf=lambda x: isinstance(x, tuple))
     return {param_name(path): list(a) for path, a in leaves}
 
@@ -208,8 +208,6 @@ def load_exported(path) -> tuple[dict, dict]:
     """``(params, config)`` of an export: the nested parameter tree (numpy arrays, in the exported
     dtype; the layout of ``ModelFns.abstract_params``) and the config dict (the run's config.json
     plus ``export``). ``path``: the export directory or its ``model.safetensors``."""
-    from hybrid_lm.optional import optional_import
-
     path = Path(path)
     directory = path.parent if path.is_file() else path
     weights, config = directory / WEIGHTS, directory / CONFIG
@@ -217,7 +215,7 @@ def load_exported(path) -> tuple[dict, dict]:
         if not f.is_file():
             raise WorkdirError(f"{directory} is not an export: no {f.name}")
     optional_import("safetensors")
-    from safetensors.numpy import load_file
+    from safetensors.numpy import load_file  # the [eval] extra
 
     cfg = json.loads(config.read_text())
     if "export" not in cfg:
@@ -228,12 +226,6 @@ def load_exported(path) -> tuple[dict, dict]:
 def exported_model(path):
     """``(HybridLM, Config)`` of an export: its config (in the current schema) and parameters (cast
     to the model's dtypes; bf16 exports come back rounded). Shapes are checked."""
-    import jax
-    import jax.numpy as jnp
-
-    from hybrid_lm.config import config_from_dict
-    from hybrid_lm.train.step import ModelFns
-    from hybrid_lm.validate import read_fields_only
 
     params, d = load_exported(path)
     cfg = read_fields_only(config_from_dict({k: v for k, v in d.items() if k != "export"}))

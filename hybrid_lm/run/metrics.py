@@ -132,9 +132,9 @@ def loss_curve_series(metrics_path: Path) -> dict:
 def loss_curve_figure(metrics_path: Path, title: str = ""):
     """The loss curve as a matplotlib figure: train and val in bits per token on the left axis, the same
     val curve in bits per byte on the right (where a token is not one byte), resume points as dotted lines."""
-    import matplotlib
+    import matplotlib  # plots only (a slow import)
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # plots only (a slow import)
 
     s = loss_curve_series(metrics_path)
     bpt = s["bytes_per_token"]
@@ -164,7 +164,7 @@ def loss_curve_figure(metrics_path: Path, title: str = ""):
 
 
 def plot_loss_curve(metrics_path: Path, out_png: Path, title: str = "") -> Path:
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # plots only (a slow import)
 
     fig = loss_curve_figure(metrics_path, title)
     fig.savefig(out_png, dpi=120)

@@ -1,7 +1,9 @@
 """Flat parameter names: ``"blocks.0.mixer.wq"`` for a parameter tree's paths, the names of hybrid_lm's
-own export (``eval/export.py``) and the keys of the transformers mapping (``eval/hf.py``)."""
+own export (``run/export.py``) and the keys of the transformers mapping (``run/hf.py``)."""
 
 from __future__ import annotations
+
+import jax
 
 
 def _key(k) -> str:
@@ -16,7 +18,6 @@ def param_name(path) -> str:
 def flatten_params(tree) -> dict:
     """``{"blocks.0.mixer.wq": leaf, ...}`` of a nested parameter tree (NNX pure dict); a dict already
     flat under these names comes back as it is."""
-    import jax
     return {param_name(path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
 
 

@@ -32,6 +32,7 @@ taken (``eval``, ``generate``, ``longppl``, ``ruler``, ``lm-eval``, ``train --in
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -41,13 +42,18 @@ import re
 import shutil
 from pathlib import Path
 
+import jax
 import numpy as np
 
 from hybrid_lm.config import (ROPE_SCALINGS, SLOT_DEFAULTS, Config, DataConfig, MixerConfig, ModelConfig, TrainConfig,
                               check_rope_scaling)
 from hybrid_lm.errors import ConfigError, WorkdirError
 from hybrid_lm.files import atomic_write_json
-from hybrid_lm.train.compile_cache import OFF, user_cache_root
+from hybrid_lm.compile_cache import OFF, user_cache_root
+from hybrid_lm.data.tokenizer import load_tokenizer
+from hybrid_lm.model.transformer import pattern_period
+from hybrid_lm.optional import optional_import
+from hybrid_lm.run.param_names import flatten_params, param_name
 
 log = logging.getLogger(__name__)
 
@@ -154,10 +160,8 @@ def from_hf(layout: str, t: np.ndarray, shape: tuple) -> np.ndarray:
 
 def params_to_hf(params, model: ModelConfig) -> dict[str, np.ndarray]:
     """transformers' state dict (numpy, each tensor contiguous) of hybrid_lm ``params`` (a nested tree of
-    host arrays, e.g. ``jax.device_get`` of a checkpoint, or :func:`~hybrid_lm.eval.param_names.flatten_params`
+    host arrays, e.g. ``jax.device_get`` of a checkpoint, or :func:`~hybrid_lm.run.param_names.flatten_params`
     of one). A tied head writes no ``lm_head.weight``."""
-    from hybrid_lm.eval.param_names import flatten_params
-
     out = {}
     for name, leaf in flatten_params(params).items():
         hf, layout = hf_tensor_name(name)
@@ -168,8 +172,6 @@ def params_to_hf(params, model: ModelConfig) -> dict[str, np.ndarray]:
 def expected_tensors(abstract) -> dict[str, tuple[str, str, tuple]]:
     """``{transformers name: (hybrid_lm name, layout, hybrid_lm shape)}`` of the parameters ``abstract``
     (a tree of shapes, e.g. ``ModelFns.abstract_params``)."""
-    from hybrid_lm.eval.param_names import flatten_params
-
     out = {}
     for name, leaf in flatten_params(abstract).items():
         hf, layout = hf_tensor_name(name)
@@ -413,7 +415,6 @@ def model_config_from_hf(hf: dict, where: str = "config.json", record: dict | No
             first = (a if not a[0] else b) if a[0] != b[0] else (a if not a[1] else b)
             letter = {first: "F", (b if first == a else a): "E"}
     types = [letter[k] for k in kinds]
-    from hybrid_lm.model.transformer import pattern_period
 
     pattern = "".join(types[:pattern_period(types)])
     if old is not None and old.n_layers == len(types):
@@ -588,10 +589,8 @@ class HFCheckpoint:
 
     def _weight_map(self) -> dict[str, str]:
         """``{tensor name: file name}`` over the single file or the shards."""
-        from hybrid_lm.optional import optional_import
-
         optional_import("safetensors")
-        from safetensors import safe_open
+        from safetensors import safe_open  # the [eval] extra
 
         single, index = self.dir / WEIGHTS, self.dir / INDEX
         if not single.is_file() and index.is_file():
@@ -675,12 +674,8 @@ class HFCheckpoint:
     def read_params(self, abstract, shardings=None):
         """The parameters in hybrid_lm's layout, cast to ``abstract``'s dtypes: numpy arrays, or with
         ``shardings`` (a tree like ``abstract`` of shardings) jax arrays laid out on them."""
-        import contextlib
+        from safetensors import safe_open  # the [eval] extra
 
-        import jax
-        from safetensors import safe_open
-
-        from hybrid_lm.eval.param_names import param_name
 
         want = self.check_tensors(abstract)
         by_name = {name: (hf, layout) for hf, (name, layout, _) in want.items()}
@@ -719,8 +714,6 @@ class HFCheckpoint:
 def _tokenizer_files(spec: str, out: Path, seq_len: int) -> dict:
     """Copy the run's tokenizer (``DataConfig.tokenizer``) into ``out`` for transformers'
     ``AutoTokenizer``; returns its special ids ``{"bos_token_id", "eos_token_id", "pad_token_id"}``."""
-    from hybrid_lm.data.tokenizer import load_tokenizer
-
     tok = load_tokenizer(spec)
     ids = {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id}
     if tok.kind == "byte":
@@ -733,7 +726,7 @@ def _tokenizer_files(spec: str, out: Path, seq_len: int) -> dict:
             side[name] = json.loads(f.read_text(encoding="utf-8"))
     if tok.kind == "hf":
         shutil.copyfile(src, out / "tokenizer.json")
-        import tokenizers
+        import tokenizers  # the [tokenizers] extra
 
         pieces = tokenizers.Tokenizer.from_file(str(src))
         tc = dict(side.get("tokenizer_config.json") or {})
@@ -756,10 +749,8 @@ def write_hf_folder(out: Path, model: ModelConfig, params, *, tokenizer: str, se
     """Write ``out/config.json``, ``model.safetensors``, ``generation_config.json`` and the tokenizer files
     (``tokenizer`` = the run's ``DataConfig.tokenizer``; 'byte' writes none) of ``model`` with ``params``
     (host arrays, already in ``dtype``). Returns the config written."""
-    from hybrid_lm.optional import optional_import
-
     optional_import("safetensors")
-    from safetensors.numpy import save_file
+    from safetensors.numpy import save_file  # the [eval] extra
 
     check_exportable(model)
     out = Path(out)

@@ -7,9 +7,12 @@ eval and an unswapped ``hybrid-lm eval`` of the same checkpoint give the same nu
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from hybrid_lm.data.corpus import bits_per_byte
+from hybrid_lm.sharding import put_batch
 
 
 def eval_batching(n_windows: int, global_batch: int, n_batch_shards: int) -> tuple[int, int]:
@@ -46,10 +49,6 @@ def evaluate(eval_fn, params, windows, batch_shard, *, global_batch: int, n_batc
     ``eval_fn`` is jitted with ``batch_shard`` as its token sharding; call under the mesh
     (``jax.set_mesh``). Raises ``ValueError`` when the windows cannot fill one batch.
     """
-    import time
-
-    from hybrid_lm.train.sharding import put_batch
-
     t0 = time.perf_counter()
     n_windows = window_count(windows)
     per, n = eval_batching(n_windows, global_batch, n_batch_shards)

@@ -25,6 +25,8 @@ import logging
 import os
 from pathlib import Path
 
+import jax
+
 log = logging.getLogger(__name__)
 
 ENV = "HYBRID_LM_COMPILATION_CACHE"
@@ -51,7 +53,6 @@ def enable_compilation_cache() -> Path | None:
     d = cache_dir()
     if d is None:
         return None
-    import jax
 
     try:
         d.mkdir(parents=True, exist_ok=True)

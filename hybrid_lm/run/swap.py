@@ -15,7 +15,7 @@ A trained run's config is rewritten, without retraining, with
 
 :func:`swapped_config` applies swaps, constraint and eval overrides (``seq_len``, ``eval_windows``,
 ``attention_impl``) to a run's config and validates them; nothing is restored or allocated. The
-evaluation on the checkpoint is :meth:`hybrid_lm.eval.restore.RestoredRun.evaluate`.
+evaluation on the checkpoint is :meth:`hybrid_lm.run.restore.RestoredRun.evaluate`.
 """
 
 from __future__ import annotations
@@ -29,7 +29,9 @@ import jax
 
 from hybrid_lm.config import Config, MixerConfig, ModelConfig
 from hybrid_lm.errors import ConfigError
+from hybrid_lm.experiment import validate_experiment
 from hybrid_lm.model.registry import get_mixer
+from hybrid_lm.step import ModelFns
 
 SLOTS = {"full": "full", "f": "full", "efficient": "efficient", "e": "efficient"}
 SLOT_LETTER = {"full": "F", "efficient": "E"}
@@ -196,8 +198,6 @@ def _flat_shapes(tree) -> dict[str, tuple]:
 def check_params_match(trained: Config, swapped: Config) -> None:
     """Raise :class:`SwapError` unless the swapped model's parameters are the checkpoint's (same
     paths, shapes and dtypes)."""
-    from hybrid_lm.train.step import ModelFns
-
     a = _flat_shapes(ModelFns(trained).abstract_params)
     b = _flat_shapes(ModelFns(swapped).abstract_params)
     if a == b:
@@ -226,8 +226,6 @@ def swapped_config(cfg: Config, swaps=(), horizon: int | None = None, sinks: int
                    attention_impl: str | None = None) -> Config:
     """The run's config with swaps, constraint and eval overrides applied, validated, and checked to
     take the checkpoint's parameters unchanged (nothing is restored or allocated)."""
-    from hybrid_lm.experiment import validate_experiment
-
     model = apply_swaps(cfg.model, swaps, horizon, sinks)
     if attention_impl is not None:
         model = dataclasses.replace(model, attention_impl=attention_impl)

@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 from hybrid_lm.config import CheckpointConfig
 from hybrid_lm.errors import WorkdirError
@@ -112,7 +113,6 @@ class Checkpointer:
         if not due and self.cc.interval_minutes > 0:
             due = time.monotonic() - self._last_save >= 60.0 * self.cc.interval_minutes
             if jax.process_count() > 1:
-                from jax.experimental import multihost_utils
                 due = bool(multihost_utils.broadcast_one_to_all(np.asarray(due)))
         return due
 
@@ -169,6 +169,18 @@ class Checkpointer:
         restored, s = found
         return restored.state["params"], s
 
+    def restore_meta(self, step: int) -> dict:
+        """The ``meta`` item of the checkpoint at ``step`` (step, data position, tokens seen, run id); the
+        state stays on disk."""
+        return dict(self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta)
+
+    def restore_as_saved(self, step: int):
+        """(state, meta) of the checkpoint at ``step``, each array in the layout it was saved with (on this
+        process's devices): what :meth:`save` takes to write the same checkpoint elsewhere."""
+        args = ocp.args.Composite(state=ocp.args.StandardRestore(), meta=ocp.args.JsonRestore())
+        restored = self.manager.restore(step, args=args)
+        return restored.state, dict(restored.meta)
+
     def _restore_newest(self, steps, args):
         """(restored, step) of the newest of ``steps`` that restores with ``args``, else None."""
         self.restore_failures = []
@@ -196,7 +208,6 @@ class Checkpointer:
                 self.moved_aside.append(dest)
                 log.warning("moved the checkpoint at step %d, which does not restore, to %s", step, dest)
         if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
             multihost_utils.sync_global_devices("corrupt checkpoints moved aside")
         self.manager.reload()
 
@@ -225,14 +236,6 @@ class Checkpointer:
 
 def abstract_with_shardings(tree, shardings):
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
-
-
-def saved_steps(directory: Path) -> list[int]:
-    """The steps of the finished checkpoints in ``directory``; ``[]`` when it does not exist (nothing
-    is created, so a source run's directory is only read)."""
-    if not Path(directory).is_dir():
-        return []
-    return sorted(ocp.utils.checkpoint_steps(directory))
 
 
 def params_fingerprint(params) -> str:

@@ -24,7 +24,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from hybrid_lm.errors import WorkdirError
-from hybrid_lm.train import signals
+from hybrid_lm import signals
 
 log = logging.getLogger(__name__)
 
