@@ -187,7 +187,7 @@ def test_eval_report_of_one_checkpoint_per_run_draws_a_bar_per_run(figures, tmp_
     assert ax.yaxis_inverted()  # the first label on top
     widths = [b.get_x() + b.get_width() for b in ax.patches]
     assert widths == pytest.approx([21.3, 157.8, 2.6])
-    assert ax.get_xscale() == "log" and ax.get_xlabel() == "longppl (lower is better)"
+    assert ax.get_xscale() == "log" and ax.get_xlabel() == "LongPPL (perplexity), lower is better"
     assert sorted(t.get_text() for t in ax.texts) == ["157.8", "2.6", "21.3"]  # the value at each bar's end
     assert ax.get_xlim()[0] <= 1 and ax.get_xlim()[1] > 157.8
     assert any("at 60.0M tokens seen (step 458)" in t.get_text() for t in figures[-1].texts)
@@ -234,7 +234,7 @@ def test_eval_report_plots_ruler_answer_nll_where_there_is_no_exact_match(figure
         ("ruler/vt", em[0]["eval_key"], "exact_match"), ("ruler/vt", em[0]["eval_key"], "answer_nll"),
         ("ruler/vt", no_gen[0]["eval_key"], "answer_nll")])
     labels = sorted(f.axes[0].get_xlabel() for f in figures)
-    assert labels == ["answer NLL (nats, lower is better)"] * 2 + ["exact_match (higher is better)"]
+    assert labels == ["answer NLL (nats, lower is better)"] * 2 + ["exact match (share of items), higher is better"]
     nll_fig = next(f for p, f in zip(paths, figures) if no_gen[0]["eval_key"] in p.name)
     assert "answer_nll" in paths[figures.index(nll_fig)].name
     assert [t.get_text() for t in nll_fig.axes[0].texts] == ["7.25"]
@@ -246,7 +246,7 @@ def test_eval_report_heads_axis_names_the_metric(figures, tmp_path):
     rows = _report_rows("heads", lambda s: {HEADLINE: s / 1e5}, steps=(143, 286), samples=100)
     _report(_runs(tmp_path, [rows]), tmp_path / "rep")
     ax = figures[-1].axes[0]
-    assert ax.get_ylabel() == f"{HEADLINE} (higher is better)" and "headline" not in ax.get_ylabel()
+    assert ax.get_ylabel() == f"{HEADLINE}, higher is better" and "headline" not in ax.get_ylabel()
     assert ax.get_title() == "heads — --samples 100"
 
 

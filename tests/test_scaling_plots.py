@@ -132,3 +132,33 @@ def test_fit_table_writes_both_figures(tmp_path):
     doc = F.fit_table(rows, grid=GRID, n_boot=20, out_dir=tmp_path, progress=False)
     assert doc["figures"] == {"fit": "fit.png", "frontier": "frontier.png"}
     assert (tmp_path / "fit.png").stat().st_size > 20_000 and (tmp_path / "frontier.png").stat().st_size > 20_000
+
+
+def test_axis_labels_name_the_unit():
+    from hybrid_lm.run.metrics import metric_label
+
+    assert metric_label("loss") == "val loss (nats/token)" and metric_label("bpb") == "val bits/byte"
+    assert metric_label("loss@8192") == "val loss (nats/token) at 8192"
+    assert metric_label("loss_2T") == "val loss (nats/token) at 2T"
+    assert metric_label("custom_metric") == "custom_metric"
+
+
+def test_bootstrap_band_comes_from_whole_curves():
+    """A resample that overflows at some D is left out of the band everywhere, so each edge is one
+    percentile over one set of curves (smooth), not a different subset at each D."""
+    rng = np.random.default_rng(0)
+    n = 200
+    samples = {"A": rng.normal(400, 5, n), "alpha": rng.normal(0.34, 0.005, n), "B": rng.normal(400, 5, n),
+               "beta": rng.normal(0.28, 0.005, n), "E": rng.normal(1.7, 0.01, n)}
+    Dg = np.geomspace(1e8, 1e10, 50)
+    lo, hi = P._band(samples, 1e8, Dg)
+    assert np.all(lo < hi) and np.all(np.diff(lo) < 0) and np.all(np.diff(hi) < 0)  # loss falls with D
+    broken = {k: v.copy() for k, v in samples.items()}
+    broken["B"][:30] = np.where(np.arange(30) % 2 == 0, np.inf, broken["B"][:30])  # 15 curves overflow
+    blo, bhi = P._band(broken, 1e8, Dg)
+    keep = np.ones(n, bool)
+    keep[:30:2] = False
+    ref = {k: v[keep] for k, v in samples.items()}
+    np.testing.assert_allclose(np.asarray(P._band(ref, 1e8, Dg)), np.asarray((blo, bhi)))
+    few = {k: v[:P.BAND_MIN_SAMPLES - 1] for k, v in samples.items()}
+    assert P._band(few, 1e8, Dg) is None

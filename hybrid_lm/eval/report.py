@@ -25,7 +25,7 @@ from typing import NamedTuple
 from hybrid_lm.errors import WorkdirError
 from hybrid_lm.eval.suite import EvalRequest, HEADLINES, _task_module, check_tasks, current_rows, headline, task_of
 from hybrid_lm.run.directory import eval_rows_path, find_run_dirs, load_run_config, metrics_path, run_architecture
-from hybrid_lm.run.metrics import read_metrics
+from hybrid_lm.run.metrics import metric_label, read_metrics
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +160,7 @@ def y_label(g: Group) -> str:
     if g.metric == "answer_nll":
         return NLL_LABEL
     better = HEADLINES.get(g.task.split("/")[0], (None, None))[1]
-    return g.metric + (f" ({better} is better)" if better else "")
+    return metric_label(g.metric) + (f", {better} is better" if better else "")
 
 
 def run_label(d: Path) -> str:

@@ -14,6 +14,30 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
+# what each metric a results row or a fit table holds measures, in its unit (the label of a plot's axis)
+METRIC_LABELS = {
+    "loss": "val loss (nats/token)",
+    "bpb": "val bits/byte",
+    "longppl": "LongPPL (perplexity)",
+    "log_longppl": "log LongPPL (nats/token)",
+    "ppl": "perplexity",
+    "answer_nll": "answer NLL (nats/token)",
+    "exact_match": "exact match (share of items)",
+    "ll_accuracy": "gold above distractors (share of items)",
+    "score": "score (share of items)",
+}
+
+
+def metric_label(name: str) -> str:
+    """``name``'s axis label with its unit (``METRIC_LABELS``; a loss-like name ``loss@8192`` or
+    ``loss_2T`` is a val loss at that length); an unknown metric keeps its name."""
+    if name in METRIC_LABELS:
+        return METRIC_LABELS[name]
+    base, sep, at = name.replace("_", "@", 1).partition("@")
+    if sep and base in METRIC_LABELS:
+        return f"{METRIC_LABELS[base]} at {at}"
+    return name
+
 
 class MetricsWriter:
     """Appends rows to ``metrics.jsonl`` (the mirrors to TensorBoard / W&B live in ``train/logger.py``)."""

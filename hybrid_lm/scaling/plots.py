@@ -17,10 +17,12 @@ from pathlib import Path
 
 import numpy as np
 
+from hybrid_lm.run.metrics import metric_label
 from hybrid_lm.scaling.law import EXTRAPOLATION_LIMIT, compute_optimal, predict
 
 HELD_OUT_COLOR = "#d62728"
 BAND_LEVEL = 0.95
+BAND_MIN_SAMPLES = 20  # fewer resamples with a finite curve: no band is drawn
 
 
 def write_figures(doc: dict, groups: dict[str, list[dict]], out: Path, samples: dict | None = None) -> dict:
@@ -123,11 +125,13 @@ def _band(samples: dict | None, n: float, Dg: np.ndarray):
         pred = (samples["A"][:, None] * n ** -samples["alpha"][:, None]
                 + samples["B"][:, None] * Dg[None] ** -samples["beta"][:, None]
                 + (0.0 if E is None else E[:, None]))
-    pred = np.where(np.isfinite(pred) & (pred > 0), pred, np.nan)
-    if np.isfinite(pred).sum(0).min() < 10:
+    # the band from the resamples whose whole curve is finite: percentiles over one set of curves are smooth
+    # (over a different subset at each D, as where some resamples overflow, the edges jump)
+    whole = pred[np.all(np.isfinite(pred) & (pred > 0), axis=1)]
+    if len(whole) < BAND_MIN_SAMPLES:
         return None
     q = 100 * (1 - BAND_LEVEL) / 2
-    return np.nanpercentile(pred, q, axis=0), np.nanpercentile(pred, 100 - q, axis=0)
+    return np.percentile(whole, q, axis=0), np.percentile(whole, 100 - q, axis=0)
 
 
 def _not_valid_note(ax, entry: dict) -> None:
@@ -210,7 +214,7 @@ def fit_figure(doc: dict, data: dict, samples: dict | None = None):
     for ax in axes[-1]:
         ax.set_xlabel("D (tokens)")
     for ax in axes[:, 0]:
-        ax.set_ylabel(doc["metric"])
+        ax.set_ylabel(metric_label(doc["metric"]))
     for ax in list(axes.flat)[len(archs):]:
         ax.axis("off")
     handles = [Line2D([], [], color=c, marker="o", lw=1.5, markeredgecolor="white", label=f"N = {fmt_number(n)}")
@@ -286,7 +290,7 @@ def frontier_figure(doc: dict, data: dict):
     set_log_axis(ax2.xaxis, *padded(nlo, nhi, 0.02))
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
-    ax1.set_ylabel(doc["metric"])
+    ax1.set_ylabel(metric_label(doc["metric"]))
     ax1.set_xlabel("C (training FLOPs)")
     ax2.set_xlabel("N (parameters)")
     ax1.set_title("compute-optimal frontier L*(C) and the runs", fontsize=10)
