@@ -23,7 +23,9 @@ checkpoint is being committed: its files written, not yet renamed into place), `
 before), ``corrupt_all`` (every checkpoint corrupt: train refuses in one line, metrics untouched),
 ``readonly_checkpoints`` (the save fails fast in one line; after the directory is writable again the
 run resumes), ``second_trainer`` (a second ``train`` on the same workdir while the first is paused
-mid-run refuses naming the holder; the first then finishes) and ``nan`` (an exploding learning rate:
+mid-run refuses naming the holder; the first then finishes), ``long_lived_lock`` (the same with the
+second trainer judging every lock older than the staleness age, ``HYBRID_LM_LOCK_STALE_HOURS=0``: a lock
+whose pid runs on this host is still kept, nothing is archived) and ``nan`` (an exploding learning rate:
 the run stops in one line with the last good state saved).
 """
 
@@ -50,7 +52,7 @@ from conftest import TINY  # noqa: E402  (the tiny CPU config the tests use)
 from resume_check import compare_runs, make_unwritable, train_subprocess, write_gin  # noqa: E402  (test tooling)
 
 KINDS = ("sigkill", "sigterm", "kill_during_save", "corrupt_newest", "corrupt_all", "readonly_checkpoints",
-         "second_trainer", "nan")
+         "second_trainer", "long_lived_lock", "nan")
 EVERY = 3  # checkpoint cadence of the stress config
 
 
@@ -233,9 +235,10 @@ class Stress:
         self.resume_equal(d, row)
         row["expected"] = ok_fail
 
-    def second_trainer(self, d, row, rng):
+    def second_trainer(self, d, row, rng, second_env: dict | None = None):
         """The first trainer pauses after a random step's row (holding the lock, mid-run); a second
-        ``train`` on the workdir must refuse naming it; then the first finishes."""
+        ``train`` on the workdir (with ``second_env`` added to its environment) must refuse naming it;
+        then the first finishes."""
         d.mkdir(parents=True, exist_ok=True)
         ready, go = d.parent / f"{d.name}.paused", d.parent / f"{d.name}.go"
         hook = {"where": "row", "at": rng.randint(1, self.steps - 2), "ready": str(ready), "go": str(go)}
@@ -246,7 +249,7 @@ class Stress:
         while time.time() < deadline and first.poll() is None and not ready.exists():
             time.sleep(0.05)
         overlapped = first.poll() is None and ready.exists()
-        second = self.run(d)
+        second = self.run(d, env=dict(os.environ, **(second_env or {})))
         go.touch()
         out, _ = first.communicate(timeout=max(1.0, deadline - time.time()))
         row.update(first_rc=first.returncode, second_rc=second["returncode"], error=last_line(second["output"]),
@@ -255,6 +258,13 @@ class Stress:
                            and "in use by another trainer" in row["error"])
         cmp = compare_runs(self.straight, d) if first.returncode == 0 else {}
         row["bitwise_equal"] = bool(cmp.get("loss_equal") and cmp.get("state_equal"))
+
+    def long_lived_lock(self, d, row, rng):
+        """A second trainer for which the first one's lock is past the staleness age: the holder's pid runs
+        on this host, so the lock is kept (the second refuses, the first's metrics are not archived)."""
+        self.second_trainer(d, row, rng, second_env={"HYBRID_LM_LOCK_STALE_HOURS": "0"})
+        row["archived"] = (d / "archive").exists()
+        row["expected"] = row["expected"] and not row["archived"]
 
     def nan(self, d, row, rng):
         r = self.run(d, gin=self.nan_gin)

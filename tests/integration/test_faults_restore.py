@@ -55,6 +55,26 @@ def test_a_stale_lock_is_taken_over_with_a_warning(tmp_path, caplog, monkeypatch
     assert not list(tmp_path.glob(".lock*"))
 
 
+def test_a_live_trainers_lock_is_kept_however_old(tmp_path, caplog, monkeypatch):
+    """A lock whose pid runs on this host is never taken over by age (runs last days); a pid that now runs a
+    process started after the lock (reused) is not the holder."""
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        _write_lock(tmp_path / ".lock", pid=holder.pid, started=time.time())
+        monkeypatch.setenv("HYBRID_LM_LOCK_STALE_HOURS", "0")  # every lock is older than that
+        with pytest.raises(WorkdirError, match=f"in use by another trainer \\(host {socket.gethostname()} "
+                                               f"pid {holder.pid} since"):
+            WorkdirLock(tmp_path).acquire()
+        assert json.loads((tmp_path / ".lock").read_text())["pid"] == holder.pid
+        monkeypatch.delenv("HYBRID_LM_LOCK_STALE_HOURS")
+        _write_lock(tmp_path / ".lock", pid=holder.pid, started=time.time() - 3600)  # before the process began
+        WorkdirLock(tmp_path).acquire().release()
+        assert f"its pid {holder.pid} now runs a process started after the lock was taken" in caplog.text
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 def test_train_refuses_a_locked_workdir_in_one_line(tmp_path, capsys):
     from hybrid_lm.cli import main
     from hybrid_lm.config import CONFIGS_DIR
