@@ -33,3 +33,28 @@ def test_a_failed_write_keeps_the_old_file_and_removes_the_temporary(tmp_path):
         atomic_write(p, fail, text=True)
     assert p.read_text() == "old"
     assert [f.name for f in tmp_path.iterdir()] == ["a.txt"]
+
+
+# ----------------------------------------------------------------------------- JSONL records
+
+def test_an_append_after_a_torn_tail_cuts_it_and_readers_skip_one_with_one_warning(tmp_path, caplog):
+    from hybrid_lm.files import append_jsonl, read_jsonl
+
+    path = tmp_path / "eval.jsonl"
+    torn = '{"kind": "loss", "step": 10, "lo'
+    path.write_text('{"kind": "loss", "step": 5}\n' + torn)
+    assert read_jsonl(path) == [{"kind": "loss", "step": 5}]
+    assert read_jsonl(path) == [{"kind": "loss", "step": 5}]  # read again: warned once only
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 1 and "line 2" in warned[0] and str(path) in warned[0], warned
+    caplog.clear()
+    append_jsonl(path, [{"kind": "loss", "step": 10}])
+    assert path.read_text() == '{"kind": "loss", "step": 5}\n{"kind": "loss", "step": 10}\n'
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 1 and f"{len(torn)} bytes" in warned[0] and "torn" in warned[0], warned
+    assert read_jsonl(path) == [{"kind": "loss", "step": 5}, {"kind": "loss", "step": 10}]
+    # a whole row that lost only its newline is kept
+    path.write_text('{"kind": "loss", "step": 5}')
+    append_jsonl(path, [{"kind": "loss", "step": 6}])
+    assert [r["step"] for r in read_jsonl(path)] == [5, 6]
+    assert read_jsonl(tmp_path / "none.jsonl") == []

@@ -19,7 +19,6 @@ config comes from ``config.json`` and its one set of weights (step 0) from its s
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import time
 from pathlib import Path
@@ -56,10 +55,9 @@ def run_path(workdir: Path | str) -> Path:
 
 
 def read_eval_rows(workdir: Path | str) -> list[dict]:
-    path = run_path(workdir) / "eval.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    from hybrid_lm.files import read_jsonl
+
+    return read_jsonl(run_path(workdir) / "eval.jsonl")  # a torn line is skipped with one warning
 
 
 class RestoredRun:
@@ -161,9 +159,10 @@ class RestoredRun:
 
     def record(self, row: dict) -> None:
         """Append ``row`` to ``<workdir>/eval.jsonl`` (process 0 only)."""
+        from hybrid_lm.files import append_jsonl
+
         if jax.process_index() == 0:
-            with (self.workdir / "eval.jsonl").open("a") as fh:
-                fh.write(json.dumps(row) + "\n")
+            append_jsonl(self.workdir / "eval.jsonl", [row])  # after cutting a torn last line
 
     # ------------------------------------------------------------------------- the trainer's eval
 

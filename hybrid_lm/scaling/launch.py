@@ -61,7 +61,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from hybrid_lm.errors import ConfigError, DataError, WorkdirError
-from hybrid_lm.files import atomic_write_json
+from hybrid_lm.files import atomic_write_json, atomic_write_text
 from hybrid_lm.progress import JobLines, bar_disabled
 from hybrid_lm.scaling.sweep import Job, Plan, SweepError, manifest_jobs, read_manifest, write_manifest
 from hybrid_lm.experiment import run_id
@@ -188,9 +188,7 @@ def seed_branch(root: Path, stable: Job, branch: Job) -> bool:
         from hybrid_lm.train.metrics import read_metrics
 
         rows = [r for r in read_metrics(src_metrics) if r.get("step", 0) <= step]
-        with dst_metrics.open("w") as fh:
-            for r in rows:
-                fh.write(json.dumps({**r, "copied_from": stable.name}) + "\n")
+        atomic_write_text(dst_metrics, "".join(json.dumps({**r, "copied_from": stable.name}) + "\n" for r in rows))
     _atomic_json(bdir / "branch.json", {"stable": stable.name, "step": step, "seeded_at": _now()})
     return True
 
