@@ -47,6 +47,7 @@ import datetime as _dt
 import fcntl
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -527,9 +528,52 @@ def _pool(plan: Plan, todo: list[Job], gpus: list[str], summary: dict, progress:
 
 # ----------------------------------------------------------------------------- SLURM
 
+# what a value interpolated into an ``#SBATCH --flag=value`` line may hold: no space, quote, shell or control
+# character, so that it stays one option of one line (sbatch reads these lines, the shell never runs them)
+_SBATCH_VALUE = re.compile(r"[A-Za-z0-9_.,:=@%+/|\[\]-]+")
+_SLURM_INTS = ("cpus_per_task", "max_parallel", "signal_seconds")
+
+
+def check_slurm(slurm: dict, spec_name: str, root: Path) -> None:
+    """Refuse, in one line naming the key, a ``[slurm]`` value that would not stay the one ``#SBATCH`` option
+    (or the one argument) it is meant to be in the generated scripts: an injected newline, space or shell
+    character. ``setup`` is written verbatim by design (shell lines the user asks for), and must be a list of
+    strings; ``sbatch`` entries are whole ``--flag[=value]`` options, without a control character."""
+    def bad(key: str, value, why: str) -> SweepError:
+        return SweepError(f"slurm.{key} = {value!r}: {why}; it is written into the generated sbatch scripts")
+
+    for key in ("partition", "account", "qos", "time", "mem", "gpus_per_task", *_SLURM_INTS):
+        v = slurm.get(key)
+        if v is None:
+            continue
+        if key in _SLURM_INTS and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise bad(key, v, "must be a whole number of at least 1")
+        if not isinstance(v, (str, int)) or isinstance(v, bool) or not _SBATCH_VALUE.fullmatch(str(v)):
+            raise bad(key, v, "may hold only letters, digits and _.,:=@%+/|[]- (no space, quote, shell or "
+                      "control character)")
+    extra = slurm.get("sbatch", [])
+    if not isinstance(extra, list) or not all(isinstance(x, str) for x in extra):
+        raise bad("sbatch", extra, "must be a list of options, e.g. [\"--constraint=h100\"]")
+    for x in extra:
+        if not x.startswith("-") or any(c < " " or c == "\x7f" for c in x):
+            raise bad("sbatch", x, "each entry must be one --flag[=value] option without a control character")
+    setup = slurm.get("setup", [])
+    if not isinstance(setup, list) or not all(isinstance(x, str) for x in setup):
+        raise bad("setup", setup, "must be a list of shell lines (written verbatim)")
+    py = slurm.get("python")
+    if py is not None and (not isinstance(py, str) or any(c < " " for c in py)):
+        raise bad("python", py, "must be a path without a control character")
+    for what, v in (("the sweep name", spec_name), ("the sweep root", str(root))):
+        if any(c.isspace() or c < " " for c in v):
+            raise SweepError(f"{what} {v!r} holds a space or a control character, which the generated sbatch "
+                             "scripts' #SBATCH lines cannot hold; choose another")
+
+
 def write_slurm(plan: Plan, only: str | None = None, submit: bool = True, python: str | None = None) -> dict:
-    """Write phase-1/phase-2 job-array scripts and submit.sh; submit them if asked and sbatch exists."""
+    """Write phase-1/phase-2 job-array scripts and submit.sh; submit them if asked and sbatch exists. Every
+    ``[slurm]`` value is checked first (:func:`check_slurm`): nothing is written for a bad one."""
     root = plan.root.resolve()
+    check_slurm(plan.spec.slurm, plan.spec.name, root)
     write_manifest(plan)
     by_name = {j.name: j for j in plan.jobs}
     jobs = [j for j in select_jobs(plan.jobs, only) if not is_done(plan.root, j, by_name)]
@@ -567,7 +611,7 @@ def write_slurm(plan: Plan, only: str | None = None, submit: bool = True, python
         dep = f"--dependency=afterany:${{P1}}_{after} " if after is not None else ""
         stable = by_name[names[0]].branch_from["run"]
         lines += [f"B=$(sbatch --parsable {dep}{file}.sbatch)",
-                  f'echo "{file} ${{B%%;*}}: {len(names)} branch(es) of {stable}"']
+                  f'echo "{file} ${{B%%;*}}: {len(names)} branch(es) of "{shlex.quote(stable)}']
     if not arrays:
         lines += ['echo "nothing to submit: every job is done"']
     submit_sh.write_text("\n".join(lines) + "\n")
