@@ -163,6 +163,10 @@ def _main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="hybrid-lm", description=__doc__)
     ap.add_argument("--debug", action="store_true",
                     help="show the traceback of an error instead of one line (also HYBRID_LM_DEBUG=1)")
+    ap.add_argument("--mixer-module", action="append", default=[], metavar="MODULE",
+                    help="import MODULE where a run's config.json names it in mixer_modules (a mixer from outside "
+                         "the package); a run folder's modules are never imported otherwise (repeatable; also "
+                         "HYBRID_LM_MIXER_MODULES=a,b)")
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     p = sub.add_parser("train", help="train (resumes from the latest checkpoint in --workdir)",
@@ -198,6 +202,9 @@ def _main(argv=None) -> int:
 
     args = ap.parse_args(argv)
     debug = args.debug or os.environ.get("HYBRID_LM_DEBUG") == "1"
+    if args.mixer_module:
+        from hybrid_lm.experiment import allow_mixer_modules
+        allow_mixer_modules(args.mixer_module)
     try:
         from hybrid_lm import determinism
         determinism.apply()  # HYBRID_LM_DETERMINISTIC=1: into XLA_FLAGS before the XLA backend starts
