@@ -41,6 +41,7 @@ from hybrid_lm.train import continued, nonfinite, signals
 from hybrid_lm.train.checkpoint import Checkpointer, abstract_with_shardings, params_fingerprint, saved_steps
 from hybrid_lm.train.continued import InitSource
 from hybrid_lm.train.lock import workdir_lock
+from hybrid_lm.train.memory import check_step_fits
 from hybrid_lm.train.logger import StepLogger, check_extras, startup_summary
 from hybrid_lm.train.nonfinite import NonFiniteError  # noqa: F401  (raised by train(); part of its API)
 from hybrid_lm.train.optim import optimizer_for_bounds, wsd_bounds
@@ -230,6 +231,7 @@ def _train(cfg: Config, workdir: Path, force: bool, restart: bool, devices, main
     # the config and the data are checked before anything is written to the workdir (a failed start leaves
     # nothing behind); process 0 prepares the embedded corpus on first use, the others then open it
     mesh = shd.make_mesh(cfg.mesh, devices)
+    check_step_fits(cfg, mesh)  # a global batch that cannot fit: one line, nothing allocated
     data = distributed.main_first(lambda: DataStreams(cfg), "data ready")
     prog = build_program(cfg, mesh)
     with workdir_lock(workdir, enabled=main):
