@@ -12,6 +12,15 @@ and a new save at its step is written.
 A failed save raises :class:`CheckpointSaveError` naming the directory and the cause; no wait on orbax
 is unbounded (``HYBRID_LM_SAVE_TIMEOUT_S``, default 600), so a failing save never hangs the trainer.
 
+Integrity: each save puts in ``meta`` the checksums of what it saves (:func:`tree_digest` of the whole
+state and of its parameters: sha256 over every array's path, shape, dtype and two wrapping sums of its
+bits, computed on the devices), committed atomically with the arrays. A restore recomputes them on what
+it read; a checkpoint whose arrays do not match (damaged on disk in a way that still decodes: a flipped
+bit) is a checkpoint that does not restore, so the trainer falls back and moves it aside as above.
+Checkpoints written without checksums restore unverified. What is detected is damage to what the project
+wrote, not a filesystem that returns other data consistently for the same file (the checksums travel
+with the checkpoint they describe).
+
 :func:`params_fingerprint` names a parameter tree in 16 hex digits, equal on any topology (provenance of
 a continued run's starting parameters).
 """
@@ -94,8 +103,9 @@ class Checkpointer:
         self.moved_aside: list[Path] = []
 
     def save(self, step: int, state, meta: dict, force: bool = False) -> bool:
-        """Save ``step`` (in the background when async); raises :class:`CheckpointSaveError` when this
-        save, or the previous background one, fails."""
+        """Save ``step`` (in the background when async), with the state's checksums in ``meta``; raises
+        :class:`CheckpointSaveError` when this save, or the previous background one, fails."""
+        meta = {**meta, CHECKSUMS: state_checksums(state)}
         args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
         self.wait()  # the previous save's error, if any, surfaces here (bounded)
         try:
@@ -131,9 +141,9 @@ class Checkpointer:
         to ``corrupt/<step>`` (``moved_aside``).
         """
         args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore())
-        found = self._restore_newest(self.all_steps(), args)
+        found = self._restore_newest(self.all_steps(), args, warn=not move_corrupt)
         if move_corrupt and self.restore_failures:
-            self._move_aside([s for s, _ in self.restore_failures])
+            self._move_aside(self.restore_failures)
         if found is None:
             return None
         restored, _ = found
@@ -154,38 +164,52 @@ class Checkpointer:
         abstract = {"params": abstract_params}
         restore_args = jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding), abstract)
         args = ocp.args.Composite(state=ocp.args.PyTreeRestore(item=abstract, restore_args=restore_args,
-                                                               partial_restore=True))
+                                                               partial_restore=True), meta=ocp.args.JsonRestore())
         if step is not None:
             try:
-                return self.manager.restore(step, args=args).state["params"], int(step)
+                return self._verified(step, args, "params").state["params"], int(step)
             except Exception as e:  # a torn or corrupt checkpoint: name it, no 600-line traceback
-                why = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
+                why = _one_line(e)
                 others = [s for s in steps if s != step]
                 raise WorkdirError(f"the checkpoint at step {step} in {self.directory} does not restore ({why})"
                                    + (f"; other saved steps: {others}" if others else "")) from e
-        found = self._restore_newest(steps, args)
+        found = self._restore_newest(steps, args, "params")
         if found is None:
             raise FileNotFoundError(f"no checkpoint in {self.directory} restores")
         restored, s = found
         return restored.state["params"], s
 
-    def _restore_newest(self, steps, args):
-        """(restored, step) of the newest of ``steps`` that restores with ``args``, else None."""
+    def _verified(self, step: int, args, part: str):
+        """``manager.restore(step, args)``, its arrays checked against the checksums saved with them (``part``:
+        "state" or "params"); raises :class:`ChecksumMismatch` when they differ."""
+        restored = self.manager.restore(step, args=args)
+        saved = (dict(restored.meta or {}).get(CHECKSUMS) or {}).get(part)
+        if saved is not None:
+            tree = restored.state if part == "state" else restored.state["params"]
+            if tree_digest(tree) != saved:
+                raise ChecksumMismatch("its arrays do not match the checksums saved with them (damaged on disk)")
+        return restored
+
+    def _restore_newest(self, steps, args, part: str = "state", warn: bool = True):
+        """(restored, step) of the newest of ``steps`` that restores intact with ``args``, else None; each that
+        does not is in ``restore_failures`` (with a warning line unless ``warn`` is off)."""
         self.restore_failures = []
         for step in sorted(steps, reverse=True):
             try:
-                return self.manager.restore(step, args=args), int(step)
-            except Exception as e:  # a torn or corrupt checkpoint: warn and fall back
-                why = f"{type(e).__name__}: {str(e)[:300]}"
-                self.restore_failures.append((int(step), why.splitlines()[0]))
-                log.warning("checkpoint at step %d in %s does not restore (%s); trying an older one",
-                            step, self.directory, why)
+                return self._verified(step, args, part), int(step)
+            except Exception as e:  # a torn, corrupt or damaged checkpoint: warn and fall back
+                why = _one_line(e)
+                self.restore_failures.append((int(step), why))
+                if warn:
+                    log.warning("checkpoint at step %d in %s does not restore (%s); trying an older one",
+                                step, self.directory, why)
         return None
 
-    def _move_aside(self, steps: list[int]) -> None:
-        """Move the step dirs ``steps`` to ``corrupt/<step>`` (process 0; all processes then re-read)."""
+    def _move_aside(self, failures: list[tuple[int, str]]) -> None:
+        """Move the step dirs of ``failures`` ((step, why) each) to ``corrupt/<step>``, one warning line
+        each (process 0; all processes then re-read)."""
         if jax.process_index() == 0:
-            for step in steps:
+            for step, why in failures:
                 dest = self.directory / "corrupt" / str(step)
                 n = 0
                 while dest.exists():
@@ -194,7 +218,8 @@ class Checkpointer:
                 dest.parent.mkdir(exist_ok=True)
                 os.rename(self.directory / str(step), dest)
                 self.moved_aside.append(dest)
-                log.warning("moved the checkpoint at step %d, which does not restore, to %s", step, dest)
+                log.warning("moved the checkpoint at step %d, which does not restore (%s), to %s; resuming from "
+                            "an older one", step, why, dest)
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
             multihost_utils.sync_global_devices("corrupt checkpoints moved aside")
@@ -223,6 +248,29 @@ class Checkpointer:
                 log.debug("%s", e)
 
 
+CHECKSUMS = "checksums"  # the meta entry: {"state": tree_digest(state), "params": tree_digest(params)}
+
+
+class ChecksumMismatch(ValueError):
+    """A checkpoint whose restored arrays differ from the checksums saved with them."""
+
+
+def _one_line(e: BaseException) -> str:
+    """``Type: message``, on one line and at most 200 characters (TensorStore errors dump their spec)."""
+    text = " ".join(str(e).split())
+    if isinstance(e, ChecksumMismatch):
+        return text
+    return f"{type(e).__name__}: {text[:200]}{'...' if len(text) > 200 else ''}" if text else type(e).__name__
+
+
+def state_checksums(state) -> dict:
+    """The checksums a save puts in ``meta``: :func:`tree_digest` of the whole state and of its parameters."""
+    out = {"state": tree_digest(state)}
+    if isinstance(state, dict) and "params" in state:
+        out["params"] = tree_digest(state["params"])
+    return out
+
+
 def abstract_with_shardings(tree, shardings):
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
@@ -240,12 +288,18 @@ def params_fingerprint(params) -> str:
     its bits (plain and position-weighted), reduced on the devices: the same on any mesh or process
     count, cheap at any size (one pass, no host copy). A checksum for provenance, not a cryptographic
     hash: it tells restored parameters apart, it does not authenticate them."""
-    leaves = jax.tree_util.tree_leaves_with_path(params)
-    sums = jax.device_get(_bit_sums([x for _, x in leaves]))
+    return tree_digest(params)[:16]
+
+
+def tree_digest(tree) -> str:
+    """sha256 (hex) over each array of ``tree``: its path, shape, dtype and :func:`_bit_sums` (see
+    :func:`params_fingerprint`)."""
+    leaves = jax.tree_util.tree_leaves_with_path(tree)
+    sums = jax.device_get(_bit_sums([x for _, x in leaves])) if leaves else []
     h = hashlib.sha256()
     for (path, x), (plain, weighted) in zip(leaves, sums):
         h.update(f"{jax.tree_util.keystr(path)}|{tuple(x.shape)}|{x.dtype}|{int(plain)}|{int(weighted)};".encode())
-    return h.hexdigest()[:16]
+    return h.hexdigest()
 
 
 @jax.jit
@@ -254,8 +308,9 @@ def _bit_sums(xs):
     (integer sums wrap, so any reduction order gives the same value)."""
     out = []
     for x in xs:
-        uint = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[x.dtype.itemsize]
-        bits = jax.lax.bitcast_convert_type(x, uint).astype(jnp.uint32).reshape(-1)
+        uint = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[x.dtype.itemsize]
+        x = x if x.dtype != jnp.bool_ else x.astype(jnp.uint8)
+        bits = jax.lax.bitcast_convert_type(x, uint).astype(jnp.uint32).reshape(-1)  # 8 bytes: two uint32
         weight = jnp.arange(bits.size, dtype=jnp.uint32) * jnp.uint32(2654435761) + jnp.uint32(1)
         out.append((jnp.sum(bits, dtype=jnp.uint32), jnp.sum(bits * weight, dtype=jnp.uint32)))
     return out

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 
+import jax
 import numpy as np
 import pytest
 
@@ -260,3 +261,80 @@ def test_a_corrupt_newest_is_moved_aside_and_its_step_saved_again(done_run, tmp_
     assert "moved the checkpoint at step 10" in caplog.text
     assert (wd / "checkpoints" / "corrupt" / "10").is_dir()
     assert RestoredRun(wd).step == STEPS  # the new save at step 10 replaced the corrupt one
+
+
+# --- damaged checkpoint data ----------------------------------------------------------------------
+
+def _largest_file(wd, step):
+    return max((f for f in (wd / "checkpoints" / str(step)).rglob("*") if f.is_file()), key=lambda f: f.stat().st_size)
+
+
+def flip_bytes(path, how: str) -> None:
+    """XOR 0xFF into 3 x 16 bytes at a quarter, half and three quarters of ``path`` ("bytes"), or flip one
+    bit in its middle ("bit")."""
+    data = bytearray(path.read_bytes())
+    if how == "bit":
+        data[len(data) // 2] ^= 0x10
+    else:
+        for at in (len(data) // 4, len(data) // 2, 3 * len(data) // 4):
+            data[at:at + 16] = bytes(b ^ 0xFF for b in data[at:at + 16])
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("how", ["bytes", "bit"])
+def test_a_byte_flip_in_the_newest_checkpoint_is_moved_aside_and_resume_is_bitwise_that_of_the_one_before(
+        done_run, tmp_path, caplog, how):
+    """3 x 16 bytes XOR 0xFF, or one bit, in the checkpoint's largest file (compressed array data: damage that
+    mostly still decodes, caught by the checksums saved with the checkpoint): one warning naming the step moved
+    aside, and the run resumes from the newest intact checkpoint, ending bitwise equal to a clean resume from it."""
+    import shutil
+
+    from hybrid_lm.train.loop import train
+    from resume_check import compare_runs
+
+    wd = _copy(done_run, tmp_path)
+    clean = tmp_path / "clean"
+    shutil.copytree(done_run, clean)
+    shutil.rmtree(clean / "checkpoints" / str(STEPS))
+    flip_bytes(_largest_file(wd, STEPS), how)
+    caplog.clear()
+    res = train(_cfg(), wd)
+    assert res.resumed_from == 5 and res.step == STEPS
+    said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and f"step {STEPS}" in r.getMessage()]
+    assert len(said) == 1 and "moved" in said[0] and "\n" not in said[0], said  # a checksum, or a decoder, caught it
+    assert (wd / "checkpoints" / "corrupt" / str(STEPS)).is_dir()
+    assert train(_cfg(), clean).resumed_from == 5
+    cmp = compare_runs(clean, wd)
+    assert cmp["loss_equal"] and cmp["state_equal"], cmp
+
+
+def test_eval_of_a_checkpoint_whose_parameters_were_damaged_names_it_in_one_line(done_run, tmp_path, caplog):
+    """One bit of one parameter differs from what was saved (written back through orbax with the original
+    meta, so it decodes: damage that no format check sees); eval restores only the parameters and checks
+    them against their own checksum."""
+    import shutil
+
+    import orbax.checkpoint as ocp
+
+    from hybrid_lm.eval.restore import RestoredRun
+
+    wd = _copy(done_run, tmp_path)
+    mgr = ocp.CheckpointManager((wd / "checkpoints").resolve(), item_names=("state", "meta"))
+    old = mgr.restore(STEPS, args=ocp.args.Composite(state=ocp.args.StandardRestore(), meta=ocp.args.JsonRestore()))
+    state = jax.tree.map(np.array, old.state)
+    state["params"]["embed"]["table"].view(np.uint32).flat[7] ^= 1 << 4
+    shutil.rmtree(wd / "checkpoints" / str(STEPS))
+    mgr.reload()
+    mgr.save(STEPS, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(dict(old.meta))))
+    mgr.wait_until_finished()
+    mgr.close()
+    assert RestoredRun(wd).step == 5  # the newest that restores intact
+    with pytest.raises(WorkdirError, match=f"the checkpoint at step {STEPS} .* does not restore \\(its arrays do not "
+                                           "match the checksums saved with them"):
+        RestoredRun(wd, step=STEPS)
+    from hybrid_lm.train.loop import train  # and the trainer, which checks the whole state, moves it aside
+
+    res = train(_cfg(), wd)
+    assert res.resumed_from == 5 and (wd / "checkpoints" / "corrupt" / str(STEPS)).is_dir()
+    assert f"moved the checkpoint at step {STEPS}, which does not restore (its arrays do not match the checksums" \
+        in caplog.text
