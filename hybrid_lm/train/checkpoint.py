@@ -9,6 +9,10 @@ A checkpoint that fails to restore (torn, corrupt) is skipped with a warning, fa
 previous one; the trainer moves it aside to ``checkpoints/corrupt/<step>``, so it takes no keep slot
 and a new save at its step is written.
 
+The trainer records the committed steps beside ``checkpoints/``, in ``committed_checkpoints.json``
+(:func:`read_committed`), after each save is known to be committed, so a run can tell checkpoints deleted
+after their commit (a scratch purge) from checkpoints never written.
+
 A failed save raises :class:`CheckpointSaveError` naming the directory and the cause; no wait on orbax
 is unbounded (``HYBRID_LM_SAVE_TIMEOUT_S``, default 600), so a failing save never hangs the trainer.
 
@@ -28,6 +32,7 @@ a continued run's starting parameters).
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import threading
@@ -41,6 +46,7 @@ import orbax.checkpoint as ocp
 
 from hybrid_lm.config import CheckpointConfig
 from hybrid_lm.errors import WorkdirError
+from hybrid_lm.files import atomic_write_json
 
 log = logging.getLogger(__name__)
 # orbax warns whenever it opens a directory read-only, which Checkpointer(read_only=True) asks for
@@ -99,6 +105,7 @@ class Checkpointer:
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
         self._last_save = time.monotonic()
         self._failed = False  # a save error was raised: close() only shuts down
+        self._record = not read_only  # keep committed_checkpoints.json (process 0)
         self.restore_failures: list[tuple[int, str]] = []
         self.moved_aside: list[Path] = []
 
@@ -114,7 +121,20 @@ class Checkpointer:
             self._failed = True
             raise _save_error(f"saving the checkpoint at step {step}", self.directory, e) from e
         self._last_save = time.monotonic()
+        if not self.cc.async_save:
+            self._record_committed()
         return saved
+
+    def _record_committed(self) -> None:
+        """Write the steps in ``checkpoints/`` now to ``committed_checkpoints.json`` (after a commit is known)."""
+        if not self._record or jax.process_index() != 0:
+            return
+        steps = saved_steps(self.directory)
+        if steps and steps != read_committed(self.directory):
+            try:
+                atomic_write_json(committed_path(self.directory), {"steps": steps})
+            except OSError as e:  # the save itself was written: the record only lags
+                log.debug("could not record the committed checkpoints: %s", e)
 
     def should_save(self, step: int) -> bool:
         """Step cadence, or the wall-clock interval (decided on process 0 and shared)."""
@@ -232,6 +252,7 @@ class Checkpointer:
         except CheckpointSaveError:
             self._failed = True
             raise
+        self._record_committed()
 
     def close(self) -> None:
         """Finish (bounded) and close. Raises a save error not raised before; after one, only shuts down."""
@@ -273,6 +294,23 @@ def state_checksums(state) -> dict:
 
 def abstract_with_shardings(tree, shardings):
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+
+COMMITTED = "committed_checkpoints.json"
+
+
+def committed_path(directory: Path) -> Path:
+    """Where the trainer records the committed steps of the checkpoints in ``directory``: beside it."""
+    return Path(directory).parent / COMMITTED
+
+
+def read_committed(directory: Path) -> list[int]:
+    """The steps last recorded as committed in ``directory`` (``[]`` without a readable record)."""
+    try:
+        steps = json.loads(committed_path(directory).read_text()).get("steps", [])
+    except (OSError, ValueError, AttributeError):
+        return []
+    return sorted(int(x) for x in steps if isinstance(x, int)) if isinstance(steps, list) else []
 
 
 def saved_steps(directory: Path) -> list[int]:

@@ -38,7 +38,8 @@ from hybrid_lm.eval.loss import evaluate
 from hybrid_lm.train import distributed
 from hybrid_lm.train import sharding as shd
 from hybrid_lm.train import continued, nonfinite, signals
-from hybrid_lm.train.checkpoint import Checkpointer, abstract_with_shardings, params_fingerprint, saved_steps
+from hybrid_lm.train.checkpoint import (Checkpointer, abstract_with_shardings, committed_path, params_fingerprint,
+                                        read_committed, saved_steps)
 from hybrid_lm.train.continued import InitSource
 from hybrid_lm.train.lock import workdir_lock
 from hybrid_lm.train.memory import check_step_fits
@@ -134,6 +135,7 @@ def init_or_restore(cfg: Config, prog: Program, ckpt: Checkpointer, source: Init
             return prog.start(continued.source_params(source, prog.fns.abstract_params, prog.state_shard["params"])), None
         return prog.init(seed), None
     state, meta = restored
+    _newest_committed_gone(ckpt, int(meta["step"]), main)
     if meta.get("run_id") not in {run_id(cfg), *accepted_run_ids(ckpt.directory.parent)}:
         log.warning("resuming a checkpoint of run %s under run id %s (forced)", meta.get("run_id"), run_id(cfg))
     return state, int(meta["step"])
@@ -155,6 +157,11 @@ def _nothing_restored(ckpt: Checkpointer, main: bool) -> None:
     elif moved:
         found = (f"{metrics if has_rows else workdir} holds {'rows' if has_rows else 'a run'} but {ckpt.directory} "
                  f"holds no checkpoint that restores (those that did not are in {corrupt}: {', '.join(moved)})")
+    elif read_committed(ckpt.directory):
+        steps = read_committed(ckpt.directory)
+        found = (f"its committed checkpoints (steps {', '.join(map(str, steps))}, recorded in "
+                 f"{committed_path(ckpt.directory)}) are gone from {ckpt.directory}: deleted after they were "
+                 "committed; restore them if you can")
     else:
         if has_rows:
             if main:
@@ -164,6 +171,17 @@ def _nothing_restored(ckpt: Checkpointer, main: bool) -> None:
         return
     raise WorkdirError(f"{workdir}: {found}. Not starting over silently: rerun with --restart to archive "
                        "the old metrics and checkpoints and train from step 0, or use another --workdir")
+
+
+def _newest_committed_gone(ckpt: Checkpointer, restored: int, main: bool) -> None:
+    """One warning when checkpoints recorded as committed, newer than the one restored, are gone (deleted after
+    their commit, not moved aside as corrupt)."""
+    failed = {s for s, _ in ckpt.restore_failures}
+    gone = [s for s in read_committed(ckpt.directory) if s > restored and s not in failed]
+    if gone and main:
+        log.warning("the checkpoint%s at step %s, recorded as committed in %s, %s gone from %s (deleted after the "
+                    "commit); resuming from step %d", "s" * (len(gone) > 1), ", ".join(map(str, gone)),
+                    committed_path(ckpt.directory), "are" if len(gone) > 1 else "is", ckpt.directory, restored)
 
 
 def train(cfg: Config, workdir: Path | str | None = None, *, force: bool = False, restart: bool = False,

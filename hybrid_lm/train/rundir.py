@@ -63,7 +63,7 @@ def provenance() -> dict:
 
 # What hybrid-lm puts in a run dir before its config.json: the trainer's lock, --restart's archive, the
 # run records, a sweep job's files (scaling/launch.py: its lock and metadata, a branch's seeded checkpoint).
-_OWN_FILES = {LOCK_NAME, "archive", "metrics.jsonl", "checkpoints", "sweep_run.json", ".sweep.lock", "branch.json",
+_OWN_FILES = {LOCK_NAME, "archive", "metrics.jsonl", "checkpoints", "committed_checkpoints.json", "sweep_run.json", ".sweep.lock", "branch.json",
               "sweep_error.txt", "sweep_done.json"}
 
 
@@ -149,7 +149,8 @@ def check_run_length(workdir: Path, old_steps: int | None, cfg: Config) -> None:
                         old_steps, steps, at, last, at - 1, nxt)
 
 
-_RUN_RECORDS = ("metrics.jsonl", "checkpoints", "loss_curve.png", "eval.jsonl", "tb", "wandb_id", "profile")
+_RUN_RECORDS = ("metrics.jsonl", "checkpoints", "committed_checkpoints.json", "loss_curve.png", "eval.jsonl", "tb",
+                "wandb_id", "profile")
 RECORDS_BESIDE_CHECKPOINTS = tuple(n for n in _RUN_RECORDS if n != "checkpoints")  # a run that never saved
 
 

@@ -222,6 +222,7 @@ def test_metrics_but_no_checkpoint_ever_committed_archives_and_trains_from_zero(
     wd = _copy(done_run, tmp_path)
     rows = (wd / "metrics.jsonl").read_text()
     shutil.rmtree(wd / "checkpoints")
+    (wd / "committed_checkpoints.json").unlink()  # a run killed before its first save never recorded one
     (wd / "checkpoints").mkdir()
     res = train(_cfg(), wd)
     assert res.resumed_from is None and res.step == STEPS
@@ -338,3 +339,30 @@ def test_eval_of_a_checkpoint_whose_parameters_were_damaged_names_it_in_one_line
     assert res.resumed_from == 5 and (wd / "checkpoints" / "corrupt" / str(STEPS)).is_dir()
     assert f"moved the checkpoint at step {STEPS}, which does not restore (its arrays do not match the checksums" \
         in caplog.text
+
+
+# --- checkpoints deleted after they were committed --------------------------------------------------
+
+def test_checkpoints_deleted_after_they_were_committed_are_refused_naming_restart(done_run, tmp_path, caplog):
+    """A scratch purge emptied checkpoints/ of a run that had committed steps 5 and 10: the rerun refuses in
+    one line naming --restart (it does not archive the rows and train from step 0); a newest one deleted
+    alone is one warning, and the run resumes from the one before."""
+    import shutil
+
+    from hybrid_lm.train.loop import train
+
+    wd = _copy(done_run, tmp_path)
+    rows = (wd / "metrics.jsonl").read_text()
+    shutil.rmtree(wd / "checkpoints")
+    with pytest.raises(WorkdirError, match=r"committed checkpoints \(steps 5, 10, recorded in .*\) are gone .*--restart") as e:
+        train(_cfg(), wd)
+    assert "\n" not in str(e.value) and "no checkpoint was committed" not in caplog.text
+    assert (wd / "metrics.jsonl").read_text() == rows and not (wd / "archive").exists()
+    res = train(_cfg(), wd, restart=True)
+    assert res.resumed_from is None and res.step == STEPS
+    wd = _copy(done_run, tmp_path / "b")
+    shutil.rmtree(wd / "checkpoints" / str(STEPS))
+    caplog.clear()
+    assert train(_cfg(), wd).resumed_from == 5
+    said = [r.getMessage() for r in caplog.records if "committed" in r.getMessage()]
+    assert len(said) == 1 and f"step {STEPS}" in said[0] and "resuming from step 5" in said[0], said
