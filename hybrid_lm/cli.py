@@ -202,6 +202,8 @@ def _main(argv=None) -> int:
 
     args = ap.parse_args(argv)
     debug = args.debug or os.environ.get("HYBRID_LM_DEBUG") == "1"
+    if debug:  # also for the library's own filters (orbax's tracebacks of a failed save)
+        os.environ["HYBRID_LM_DEBUG"] = "1"
     if args.mixer_module:
         from hybrid_lm.experiment import allow_mixer_modules
         allow_mixer_modules(args.mixer_module)

@@ -35,6 +35,8 @@ import hashlib
 import json
 import logging
 import os
+import re
+import sys
 import threading
 import time
 from pathlib import Path
@@ -51,6 +53,44 @@ from hybrid_lm.files import atomic_write_json
 log = logging.getLogger(__name__)
 # orbax warns whenever it opens a directory read-only, which Checkpointer(read_only=True) asks for
 logging.getLogger("absl").addFilter(lambda r: not r.getMessage().startswith("Given directory is read only"))
+
+
+def _orbax_failure_traceback(record: logging.LogRecord) -> bool:
+    """Whether ``record`` is orbax's own report of a failing background save (a traceback per thread, then
+    asyncio's "exception was never retrieved" for each write): the failure reaches the trainer, which
+    reports it in one line (``--debug`` / ``HYBRID_LM_DEBUG=1`` keeps them)."""
+    if os.environ.get("HYBRID_LM_DEBUG") == "1":
+        return False
+    msg = record.getMessage()
+    if record.name == "asyncio":
+        return "exception was never retrieved" in msg and ("orbax" in msg or "OCDBT" in msg)
+    return record.levelno >= logging.ERROR and (record.exc_info is not None or "background save thread" in msg
+                                                or "Save Finalize thread" in msg) and "orbax" in record.pathname
+
+
+for _name in ("absl", "asyncio"):
+    logging.getLogger(_name).addFilter(lambda r: not _orbax_failure_traceback(r))
+
+
+def _closed_loop_callback(exc_type, exc, tb) -> bool:
+    """Whether an uncaught exception is TensorStore completing a write of a failed orbax save after orbax
+    closed that save's event loop (``RuntimeError: Event loop is closed`` in ``call_soon_threadsafe``)."""
+    if exc_type is not RuntimeError or str(exc) != "Event loop is closed" or os.environ.get("HYBRID_LM_DEBUG") == "1":
+        return False
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and tb.tb_frame.f_code.co_name == "_check_closed"
+
+
+_unraisablehook = sys.unraisablehook
+
+
+def _quiet_unraisablehook(unraisable) -> None:  # TensorStore reports them through PyErr_WriteUnraisable
+    if not _closed_loop_callback(unraisable.exc_type, unraisable.exc_value, unraisable.exc_traceback):
+        _unraisablehook(unraisable)
+
+
+sys.unraisablehook = _quiet_unraisablehook
 
 
 class CheckpointSaveError(WorkdirError):
@@ -82,8 +122,19 @@ def _bounded(fn, what: str, directory: Path) -> None:
         raise _save_error(what, directory, box["error"]) from box["error"]
 
 
+_OS_ERROR = re.compile(r'"([^"]+)": Failed to write .*?: ([^:\[]+?) \[os_error_code=.?(\d+)')
+
+
 def _save_error(what: str, directory: Path, e: BaseException) -> CheckpointSaveError:
-    cause = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+    """One line: what failed, where, and the cause (an OS error: its message and the file, e.g. a full disk)."""
+    text = " ".join(str(e).split())
+    m = _OS_ERROR.search(text)  # TensorStore's message ends with the OS error of the file it wrote
+    if m:
+        cause = f"{m.group(2).strip()} (errno {m.group(3)}) writing {m.group(1)}"
+    elif isinstance(e, OSError) and e.strerror:
+        cause = f"{type(e).__name__}: {e.strerror}" + (f": {e.filename}" if e.filename else "")
+    else:
+        cause = f"{type(e).__name__}: {text}"[:300]
     return CheckpointSaveError(f"{what} in {directory} failed ({cause}); earlier checkpoints are kept")
 
 
@@ -106,6 +157,7 @@ class Checkpointer:
         self._last_save = time.monotonic()
         self._failed = False  # a save error was raised: close() only shuts down
         self._record = not read_only  # keep committed_checkpoints.json (process 0)
+        self._unwaited = False  # a background save was started and not waited for since
         self.restore_failures: list[tuple[int, str]] = []
         self.moved_aside: list[Path] = []
 
@@ -121,6 +173,7 @@ class Checkpointer:
             self._failed = True
             raise _save_error(f"saving the checkpoint at step {step}", self.directory, e) from e
         self._last_save = time.monotonic()
+        self._unwaited = bool(saved) and self.cc.async_save
         if not self.cc.async_save:
             self._record_committed()
         return saved
@@ -245,6 +298,13 @@ class Checkpointer:
             multihost_utils.sync_global_devices("corrupt checkpoints moved aside")
         self.manager.reload()
 
+    def check(self) -> None:
+        """Without waiting: raise :class:`CheckpointSaveError` if a background save has failed (the trainer
+        asks after every step, so a failed save stops the run at once, not at the next save)."""
+        if self._failed or not self._unwaited or self.manager.is_saving_in_progress():
+            return
+        self.wait()  # the save has ended: this returns at once, raising its error if it failed
+
     def wait(self) -> None:
         """Wait (bounded) for a background save; raises :class:`CheckpointSaveError` if it failed."""
         try:
@@ -252,7 +312,9 @@ class Checkpointer:
         except CheckpointSaveError:
             self._failed = True
             raise
-        self._record_committed()
+        if self._unwaited:
+            self._unwaited = False
+            self._record_committed()
 
     def close(self) -> None:
         """Finish (bounded) and close. Raises a save error not raised before; after one, only shuts down."""

@@ -294,10 +294,16 @@ def _train_steps(cfg: Config, workdir: Path, main: bool, t_start: float, source:
         out = _run_steps(cfg, prog, data, ckpt, logger, profile, flag, state, start)
         status = "stopped: non-finite" if out.halt else "preempted" if out.preempted else "finished"
         logger.closing_row(out.step, status)
-    finally:
-        profile.close()
-        logger.close()
-        ckpt.close()
+    except BaseException:
+        for close in (profile.close, logger.close, ckpt.close):  # a full disk fails these too: not the error told
+            try:
+                close()
+            except Exception as e:  # noqa: BLE001
+                log.debug("while stopping: %s", e)
+        raise
+    profile.close()
+    logger.close()
+    ckpt.close()
     if flag.signal and out.preempted is None and out.halt is None:
         out.late_signal = signal.Signals(flag.signal).name
     if out.halt is not None:
@@ -338,6 +344,7 @@ def _run_steps(cfg: Config, prog: Program, data: DataStreams, ckpt: Checkpointer
             profile.before(step)
             batch = shd.put_local_batch(data.batch(step, rows), prog.batch_shard, batch_shape)  # batch
             state, stats, guard = prog.step(state, batch, prog.bounds, guard)  # step (dispatched)
+            ckpt.check()  # a background save that failed stops the run here, not at the next save
             if step == start:
                 logger.compiled(step)  # jit compiled synchronously inside that first call
             done = step + 1

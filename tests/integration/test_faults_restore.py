@@ -366,3 +366,46 @@ def test_checkpoints_deleted_after_they_were_committed_are_refused_naming_restar
     assert train(_cfg(), wd).resumed_from == 5
     said = [r.getMessage() for r in caplog.records if "committed" in r.getMessage()]
     assert len(said) == 1 and f"step {STEPS}" in said[0] and "resuming from step 5" in said[0], said
+
+
+# --- a failed background save ----------------------------------------------------------------------
+
+# `python -c FSIZE ARGS...`: the hybrid-lm command line, where the save of step $FAIL_AT runs under a file size
+# limit of 16 KiB (SIGXFSZ ignored: the write fails with EFBIG, as on a full disk), so its background writes
+# fail; after step $PAUSE_AT's row the trainer pauses 3 s, so that failure has happened by then
+FSIZE = r"""
+import os, resource, signal, sys, time
+from hybrid_lm.train import checkpoint, logger
+save, row = checkpoint.Checkpointer.save, logger.StepLogger.train_row
+def hooked_save(self, step, *a, **k):
+    if step == int(os.environ["FAIL_AT"]):
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (16 << 10, resource.RLIM_INFINITY))
+    return save(self, step, *a, **k)
+def train_row(self, done, *a, **k):
+    row(self, done, *a, **k)
+    if done == int(os.environ["PAUSE_AT"]):
+        time.sleep(3)
+checkpoint.Checkpointer.save, logger.StepLogger.train_row = hooked_save, train_row
+from hybrid_lm.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_failed_background_save_stops_training_at_the_failure_in_one_line(tmp_path, tiny_params):
+    params = _tiny(tiny_params, "CheckpointConfig.async_save = True", "TrainConfig.log_every = 1")
+    out, _ = _cli_train(tmp_path, params + ["TrainConfig.steps = 4"])  # a checkpoint at step 4 (every 2, async)
+    assert out.returncode == 0, out.stderr[-2000:]
+    args = [sys.executable, "-c", FSIZE, "train", "base.gin", "--workdir", str(tmp_path)]
+    for p in params + ["TrainConfig.steps = 40", "CheckpointConfig.every_steps = 6"]:
+        args += ["--gin_param", p]
+    env = {**os.environ, "FAIL_AT": "6", "PAUSE_AT": "7", "HYBRID_LM_COMPILATION_CACHE": "off"}
+    r = subprocess.run(args, capture_output=True, text=True, timeout=300, env=env)
+    err = r.stderr.strip().splitlines()
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert err[-1].startswith("error: a background checkpoint save in ") and "File too large" in err[-1], err[-3:]
+    assert "earlier checkpoints are kept" in err[-1] and "Traceback" not in r.stderr, r.stderr[-3000:]
+    from hybrid_lm.train.metrics import read_metrics
+    assert max(x["step"] for x in read_metrics(tmp_path / "metrics.jsonl", "train")) <= 8  # not to step 40
+    from hybrid_lm.eval.restore import RestoredRun
+    assert RestoredRun(tmp_path).step == 4
