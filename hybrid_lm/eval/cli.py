@@ -27,7 +27,7 @@ def _fmt(row: dict) -> str:
     if row.get("horizon") is not None:
         what += f"; full attention limited to {row['horizon']} tokens + {row['sinks']} sinks"
     line = (f"step {row['checkpoint_step']}  seq_len {row['seq_len']}  windows {row['eval_windows']}  "
-            f"[{what}]  val loss {row['loss']:.4f} nats  {row['bpb']:.4f} bits/byte")
+            f"[{what}]  val loss {row['loss']:.4f} nats  {row['bpb']:.4f} bits/byte  on {row['scored_on']}")
     if "delta_loss" in row:
         line += f"  ({row['delta_loss']:+.4f} vs the trainer's eval)"
     return line
@@ -162,9 +162,10 @@ def cmd_eval_report(args) -> int:
 
 
 def _run(args) -> int:
-    from hybrid_lm.eval.restore import RestoredRun, load_run_config, record_rows
+    from hybrid_lm.eval.restore import RestoredRun, check_data_choice, load_run_config, record_rows
     from hybrid_lm.eval.swap import swapped_config
 
+    check_data_choice(args.workdir, None)  # a folder with its own tokenizer: --data, before restoring anything
     overrides = dict(seq_len=args.seq_len, eval_windows=args.eval_windows, attention_impl=args.attention_impl)
     # check the settings before restoring anything: a bad swap fails in a second, not after a restore
     swapped_config(load_run_config(args.workdir), args.swap, args.horizon, args.sinks, **overrides)

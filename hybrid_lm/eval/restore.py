@@ -47,6 +47,31 @@ def load_run_config(workdir: Path | str) -> Config:
     return read_fields_only(read_run_config(path)[1])
 
 
+EMBEDDED = "embedded"  # --data embedded: the embedded essays, asked for by name
+
+
+def scored_on(d) -> str:
+    """What an eval row's loss was computed on: the data (``data.identity.data_label``), its val split and a
+    tokenizer other than bytes."""
+    from hybrid_lm.data.identity import data_label
+
+    return f"{data_label(d)} val split" + (f", tokenizer {d.tokenizer}" if d.tokenizer != "byte" else "")
+
+
+def check_data_choice(spec, data) -> None:
+    """A Hugging Face folder that brings its own tokenizer has no data of its own: scoring it without ``--data``
+    would give the embedded essays through that tokenizer, which it was not trained on (``ConfigError``)."""
+    from hybrid_lm.eval.hf import hf_folder
+
+    folder = hf_folder(spec)
+    if data is not None or folder is None:
+        return
+    if (folder / "tokenizer.json").is_file() or (folder / "tokenizer.model").is_file():
+        raise ConfigError(f"{spec} brings its own tokenizer and no data: say what to score it on, --data STORE (a "
+                          f"token store prepared with that tokenizer: `hybrid-lm data prepare --tokenizer {folder} "
+                          "--out STORE ...`) or --data embedded (the embedded essays through its tokenizer)")
+
+
 def run_path(workdir: Path | str) -> Path:
     """The directory of a run spec: the folder of ``hf:DIR``, else the path itself."""
     from hybrid_lm.eval.hf import hf_folder
@@ -168,9 +193,13 @@ class RestoredRun:
 
     def with_data(self, cfg: Config, store: str | Path | None) -> Config:
         """``cfg`` reading its eval windows from the prepared token ``store`` (its val split) instead of
-        the run's data; the store must be tokenised with the run's tokenizer (checked when opened)."""
+        the run's data (``"embedded"``: the embedded essays, through the run's tokenizer); the store must be
+        tokenised with the run's tokenizer (checked when opened)."""
         if store is None:
             return cfg
+        if str(store) == EMBEDDED:
+            return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, source="embedded", path=None,
+                                                                     mixture=()))
         from hybrid_lm.errors import DataError
         path = Path(store)
         if not (path / "manifest.json").is_file():
@@ -219,7 +248,9 @@ class RestoredRun:
                "swaps": [s.spec or s.to_dict() for s in swaps], "horizon": horizon,
                "sinks": sinks if horizon is not None else None,
                "seq_len": data.seq_len, "trained_seq_len": self.cfg.data.seq_len, "eval_windows": n,
-               "data": data.path if data.path != self.cfg.data.path or data.source != self.cfg.data.source else None,
+               "data": (EMBEDDED if data.source == "embedded" and not data.path else data.path)
+               if data.path != self.cfg.data.path or data.source != self.cfg.data.source else None,
+               "scored_on": scored_on(data),
                "loss": ce, "bpb": metrics["bpb"],
                "layer_types": "".join(model.layer_types()), "mixers": describe(model),
                "trained_mixers": describe(self.cfg.model), "attention_impl": model.attention_impl,

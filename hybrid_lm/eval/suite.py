@@ -405,7 +405,7 @@ def format_rows(task: str, rows: list[dict]) -> str:
         if task == "loss":
             lines.append(f"loss      step {r['checkpoint_step']:>7}  tokens {r['tokens_seen']:>14,}  seq_len "
                          f"{r['seq_len']}  windows {r['eval_windows']}  val loss {r['loss']:.4f} nats  "
-                         f"{r['bpb']:.4f} bits/byte" + (f"  data {r['data']}" if r.get("data") else ""))
+                         f"{r['bpb']:.4f} bits/byte  on {r.get('scored_on') or r.get('data') or 'the run data'}")
         elif task == "longppl":
             lp = "—" if r["longppl"] is None else f"{r['longppl']:.3f}"
             judge = r["evaluator"] + (f" (step {r['evaluator_step']})" if r["evaluator"] in ("newest", "self") else "")
@@ -539,6 +539,9 @@ def evaluate_run(workdir: Path | str, req: EvalRequest, steps: str | None = None
     from hybrid_lm.progress import bar_disabled
 
     req.check()
+    if {"loss", "longppl"} & set(req.tasks):
+        from hybrid_lm.eval.restore import check_data_choice
+        check_data_choice(workdir, req.data)  # a folder with its own tokenizer names its data
     spec, workdir = workdir, run_path(workdir)  # hf:DIR -> DIR, where its rows and plots go
     try:
         base = load_run_config(spec)

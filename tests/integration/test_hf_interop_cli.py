@@ -129,3 +129,33 @@ def test_the_eval_suite_ruler_and_longppl_on_the_folder(run_and_folder, tmp_path
     assert [r["task"] for r in json.loads(capsys.readouterr().out)["rows"]] == ["ruler/niah_single"]
     assert main(["longppl", f"hf:{folder}", "--no-record", "--json"] + longppl) == 0
     assert json.loads(capsys.readouterr().out)["checkpoint_step"] == 0
+
+
+def test_every_reported_loss_names_its_data_and_a_folder_with_its_own_tokenizer_needs_a_choice(
+        run_and_folder, tmp_path, capsys):
+    """``eval`` prints and records what it scored. A folder that brings its own tokenizer has no data of its
+    own: ``eval hf:DIR`` without ``--data`` refuses in one line (the embedded essays through its tokenizer
+    compare with nothing it was trained on) and ``--data embedded`` asks for them explicitly."""
+    from hf_families import random_params, tiny_model
+    from hybrid_lm.data.sources import embedded_documents
+    from hybrid_lm.data.tokenizer import train_bpe
+    from hybrid_lm.eval.hf import write_hf_folder
+
+    run, _ = run_and_folder
+    assert main(["eval", str(run), "--no-record"]) == 0
+    assert "on embedded val split" in capsys.readouterr().out
+    tok = train_bpe(iter(t for _, t in embedded_documents()[:20]), 300, tmp_path / "tok")
+    model = tiny_model("llama")  # vocabulary 320
+    out = tmp_path / "hf"
+    out.mkdir()
+    write_hf_folder(out, model, random_params(model), tokenizer=str(tok), seq_len=32)
+    assert (out / "tokenizer.json").is_file()
+    capsys.readouterr()
+    for args in ([], ["--tasks", "loss"]):
+        assert main(["eval", f"hf:{out}", "--no-record", *args]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "its own tokenizer" in err[0] and "--data STORE" in err[0] \
+            and "--data embedded" in err[0], err
+    assert main(["eval", f"hf:{out}", "--data", "embedded", "--eval-windows", "8", "--no-record", "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    assert row["scored_on"] == f"embedded val split, tokenizer {out}" and np.isfinite(row["loss"])
