@@ -59,6 +59,9 @@ def cmd_generate(args) -> int:
 
 def cmd_longppl(args) -> int:
     from hybrid_lm.eval.longppl import KeyTokenRule, evaluate_longppl
+    from hybrid_lm.eval.restore import check_data_choice
+
+    check_data_choice(args.workdir, args.data)  # a folder with its own tokenizer names its data
     try:
         row = evaluate_longppl(args.workdir, evaluator=args.evaluator, length=args.length, docs=args.docs,
                                rule=KeyTokenRule(args.trunc_len, args.window, args.alpha, args.beta),
