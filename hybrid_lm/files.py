@@ -19,18 +19,38 @@ from typing import IO, Any, Callable, Iterable
 log = logging.getLogger(__name__)
 
 
+def named(e: OSError, path: str | Path) -> OSError:
+    """``e`` with ``path`` as its file name where it names none (a write on a full disk names no file)."""
+    if isinstance(e, OSError) and e.filename is None and e.errno is not None:
+        return type(e)(e.errno, e.strerror or os.strerror(e.errno), str(path))
+    return e
+
+
 def atomic_write(path: str | Path, write: Callable[[IO], Any], *, text: bool = False) -> Path:
-    """Call ``write(fh)`` on a temporary file (binary, or UTF-8 text), then rename it onto ``path``."""
+    """Call ``write(fh)`` on a temporary file (binary, or UTF-8 text), then rename it onto ``path``. An OS
+    error names ``path``."""
     path = Path(path)
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
     try:
         with (open(tmp, "w", encoding="utf-8", newline="") if text else open(tmp, "wb")) as fh:
             write(fh)
         os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        err = named(e, path)
+        if err is e:
+            raise
+        raise err from e
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     return path
+
+
+def atomic_savefig(fig, path: str | Path, **savefig_kwargs) -> Path:
+    """``fig.savefig`` written atomically (the format from ``path``'s suffix)."""
+    path = Path(path)
+    return atomic_write(path, lambda fh: fig.savefig(fh, format=path.suffix.lstrip(".") or "png", **savefig_kwargs))
 
 
 def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
@@ -86,8 +106,14 @@ def append_jsonl(path: str | Path, rows: Iterable[dict]) -> None:
     if path.exists():
         cut_torn_tail(path)
     text = "".join(json.dumps(r) + "\n" for r in rows)
-    with path.open("a", encoding="utf-8") as fh:
-        fh.write(text)
+    try:
+        with path.open("a", encoding="utf-8") as fh:
+            fh.write(text)
+    except OSError as e:
+        err = named(e, path)
+        if err is e:
+            raise
+        raise err from e
 
 
 _WARNED: set[tuple[str, tuple[int, ...]]] = set()  # (file, its skipped lines) already warned about

@@ -44,7 +44,23 @@ def load_run_config(workdir: Path | str) -> Config:
     path = Path(workdir) / "config.json"
     if not path.exists():
         raise FileNotFoundError(f"{workdir} is not a run directory: no config.json")
-    return read_fields_only(read_run_config(path)[1])
+    cfg = read_fields_only(read_run_config(path)[1])
+    check_recorded_paths(cfg, path)
+    return cfg
+
+
+def check_recorded_paths(cfg: Config, where: Path) -> None:
+    """A relative data path in a run's config.json (runs record absolute ones) resolves against the directory the
+    run was started in, not necessarily this one: say so in one line when it does not resolve here."""
+    d = cfg.data
+    named = [("DataConfig.path", d.path), *[("DataConfig.mixture", p) for p, _ in d.mixture or ()]]
+    if d.tokenizer != "byte" and any(c in d.tokenizer for c in "/\\."):  # a file, not a name
+        named.append(("DataConfig.tokenizer", d.tokenizer))
+    for field, p in named:
+        if p and not Path(p).expanduser().is_absolute() and not Path(p).expanduser().exists():
+            raise WorkdirError(f"{where} records {field}={p!r}, a path relative to the directory the run was started "
+                               f"in: {Path.cwd() / p} does not exist; run from that directory, or write the absolute "
+                               f"path into {where}")
 
 
 EMBEDDED = "embedded"  # --data embedded: the embedded essays, asked for by name

@@ -586,8 +586,8 @@ def write_slurm(plan: Plan, only: str | None = None, submit: bool = True, python
     s = plan.spec.slurm
     py = python or s.get("python") or sys.executable
     out = {"dir": str(sd), "phase1": len(p1), "phase2": len(p2), "scripts": [], "submitted": None}
-    (sd / "phase1.txt").write_text("".join(n + "\n" for n in p1))
-    (sd / "phase2.txt").write_text("".join(n + "\n" for n in p2))
+    atomic_write_text(sd / "phase1.txt", "".join(n + "\n" for n in p1))
+    atomic_write_text(sd / "phase2.txt", "".join(n + "\n" for n in p2))
     # branches grouped by their stable run: each group waits for that run's phase-1 task only
     groups: dict[str, list[str]] = {}
     for n in p2:
@@ -598,7 +598,7 @@ def write_slurm(plan: Plan, only: str | None = None, submit: bool = True, python
         arrays.append((f"branches-{k}", f"branches-{k}", names, after))
     for file, phase, names, _ in arrays:
         path = sd / f"{file}.sbatch"
-        path.write_text(_sbatch_script(plan, phase, names, py, root))
+        atomic_write_text(path, _sbatch_script(plan, phase, names, py, root))
         path.chmod(0o755)
         out["scripts"].append(str(path))
     submit_sh = sd / "submit.sh"
@@ -614,7 +614,7 @@ def write_slurm(plan: Plan, only: str | None = None, submit: bool = True, python
                   f'echo "{file} ${{B%%;*}}: {len(names)} branch(es) of "{shlex.quote(stable)}']
     if not arrays:
         lines += ['echo "nothing to submit: every job is done"']
-    submit_sh.write_text("\n".join(lines) + "\n")
+    atomic_write_text(submit_sh, "\n".join(lines) + "\n")
     submit_sh.chmod(0o755)
     out["submit_sh"] = str(submit_sh)
     if submit and (p1 or p2):

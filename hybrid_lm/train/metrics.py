@@ -11,7 +11,7 @@ import logging
 import math
 from pathlib import Path
 
-from hybrid_lm.files import cut_torn_tail, read_jsonl
+from hybrid_lm.files import atomic_savefig, cut_torn_tail, named, read_jsonl
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +27,13 @@ class MetricsWriter:
         self._fh = self.path.open("a", buffering=1)  # line-buffered: a kill loses at most one row
 
     def write(self, row: dict) -> None:
-        self._fh.write(json.dumps(clean_row(row)) + "\n")
+        try:
+            self._fh.write(json.dumps(clean_row(row)) + "\n")
+        except OSError as e:  # a full disk: the error names the file
+            err = named(e, self.path)
+            if err is e:
+                raise
+            raise err from e
 
     def close(self) -> None:
         self._fh.close()
@@ -129,8 +135,10 @@ def plot_loss_curve(metrics_path: Path, out_png: Path, title: str = "") -> Path:
     import matplotlib.pyplot as plt
 
     fig = loss_curve_figure(metrics_path, title)
-    fig.savefig(out_png, dpi=120)
-    plt.close(fig)
+    try:
+        atomic_savefig(fig, out_png, dpi=120)  # a kill or a full disk leaves the old figure whole
+    finally:
+        plt.close(fig)
     return out_png
 
 

@@ -86,7 +86,7 @@ def prepare_run_dir(cfg: Config, workdir: Path, force: bool = False, init_record
     if cfg.train.init_from:
         kept = recorded_init_source(workdir)
         prov["init_from"] = kept if kept and kept.get("identity") == cfg.train.init_from else init_record
-    new = config_record(cfg)
+    new = config_record(absolute_data_paths(cfg))  # readable from any directory (eval elsewhere)
     previous: list[str] = []
     if cfg_path.exists():
         old = migrate_run_config(workdir)
@@ -111,6 +111,22 @@ def prepare_run_dir(cfg: Config, workdir: Path, force: bool = False, init_record
     atomic_write_text(workdir / "operative.gin", operative_gin())
     atomic_write_json(workdir / "provenance.json", prov, indent=2)
     return workdir
+
+
+def absolute_data_paths(cfg: Config) -> Config:
+    """``cfg`` with its relative data paths (the store, the mixture's stores, a tokenizer file) made absolute,
+    as config.json records them: they were relative to the directory the run was started in. The run id is
+    the same (the data is identified by content)."""
+    import dataclasses
+
+    def absolute(p):
+        return str(Path(p).expanduser().resolve()) if p and not Path(p).expanduser().is_absolute() else p
+
+    d = cfg.data
+    tokenizer = absolute(d.tokenizer) if d.tokenizer != "byte" and Path(d.tokenizer).expanduser().exists() else d.tokenizer
+    mixture = tuple((absolute(p), w) for p, w in d.mixture) if d.mixture else d.mixture
+    return dataclasses.replace(cfg, data=dataclasses.replace(d, path=absolute(d.path), tokenizer=tokenizer,
+                                                             mixture=mixture))
 
 
 def has_trained(workdir: Path) -> bool:

@@ -260,6 +260,8 @@ def test_a_corrupt_newest_is_moved_aside_and_its_step_saved_again(done_run, tmp_
     res = train(_cfg(), wd)
     assert res.resumed_from == 5 and res.step == STEPS
     assert "moved the checkpoint at step 10" in caplog.text
+    said = [r.getMessage() for r in caplog.records if "checkpoint at step 10" in r.getMessage()]
+    assert len(said) == 1 and "\n" not in said[0] and len(said[0]) < 600, said  # not TensorStore's spec dump
     assert (wd / "checkpoints" / "corrupt" / "10").is_dir()
     assert RestoredRun(wd).step == STEPS  # the new save at step 10 replaced the corrupt one
 
@@ -409,3 +411,37 @@ def test_a_failed_background_save_stops_training_at_the_failure_in_one_line(tmp_
     assert max(x["step"] for x in read_metrics(tmp_path / "metrics.jsonl", "train")) <= 8  # not to step 40
     from hybrid_lm.eval.restore import RestoredRun
     assert RestoredRun(tmp_path).step == 4
+
+
+# --- paths recorded by a run -------------------------------------------------------------------------
+
+def test_relative_data_paths_are_recorded_absolute_and_an_old_relative_one_is_named(tmp_path, monkeypatch):
+    """A run started with DataConfig.path='store' (relative to where it was started) records the absolute path,
+    so eval from another directory finds the store; a config.json that still holds a relative path that does not
+    resolve here says so in one line."""
+    from conftest import TINY
+    from hybrid_lm.data.prepare import prepare
+    from hybrid_lm.data.sources import SourceSpec
+    from hybrid_lm.eval.restore import RestoredRun
+    from hybrid_lm.experiment import load_config
+    from hybrid_lm.train.loop import train
+    from tests.test_store import write_jsonl
+
+    write_jsonl(tmp_path / "docs.jsonl", 40, seed=3)
+    prepare(SourceSpec(kind="text", paths=(str(tmp_path / "docs.jsonl"),)), tmp_path / "store", progress=False)
+    monkeypatch.chdir(tmp_path)
+    train(load_config([], list(TINY) + ["TrainConfig.steps = 2", "DataConfig.source = 'tokens'",
+                                        "DataConfig.path = 'store'"]), "run")
+    record = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert record["data"]["path"] == str(tmp_path / "store")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    run = RestoredRun(tmp_path / "run")
+    assert run.step == 2 and run.streams().store.path == tmp_path / "store"
+    record["data"]["path"] = "store"  # as a run recorded it before
+    (tmp_path / "run" / "config.json").write_text(json.dumps(record))
+    with pytest.raises(WorkdirError, match=r"DataConfig.path='store', a path relative to the directory the run was "
+                                           r"started in: .*elsewhere/store does not exist") as e:
+        RestoredRun(tmp_path / "run")
+    assert "\n" not in str(e.value)
