@@ -159,3 +159,26 @@ def test_every_reported_loss_names_its_data_and_a_folder_with_its_own_tokenizer_
     assert main(["eval", f"hf:{out}", "--data", "embedded", "--eval-windows", "8", "--no-record", "--json"]) == 0
     (row,) = json.loads(capsys.readouterr().out)
     assert row["scored_on"] == f"embedded val split, tokenizer {out}" and np.isfinite(row["loss"])
+
+
+def test_export_check_compares_logits_through_transformers(run_and_folder, tmp_path, capsys):
+    """``export --format hf --check``: the logits of a prompt through transformers against hybrid_lm's, the
+    relative error printed, exit 1 past the bound. Where torch or transformers does not import, the check is
+    refused in one line before anything is written, and only that case skips."""
+    import importlib.util
+
+    run, _ = run_and_folder
+    out = tmp_path / "checked"
+    rc = main(["export", str(run), "--format", "hf", "--out", str(out), "--check"])
+    cap = capsys.readouterr()
+    if importlib.util.find_spec("torch") is None or importlib.util.find_spec("transformers") is None:
+        err = cap.err.strip().splitlines()
+        assert rc == 2 and len(err) == 1 and "--check needs torch and transformers" in err[0], cap.err
+        assert not out.exists()
+        pytest.skip("torch or transformers does not import here: --check said so in one line")
+    assert rc == 0, cap.err[-2000:]
+    line = next(x for x in cap.out.splitlines() if x.startswith("check "))
+    assert "MinistralForCausalLM" in line and "rel err" in line and line.endswith("OK"), line
+    assert main(["export", str(run), "--format", "hf", "--out", str(tmp_path / "again"), "--check",
+                 "--check-bound", "0"]) == 1
+    assert "past the bound" in capsys.readouterr().out
