@@ -202,11 +202,25 @@ def _main(argv=None) -> int:
 
     args = ap.parse_args(argv)
     debug = args.debug or os.environ.get("HYBRID_LM_DEBUG") == "1"
-    if debug:  # also for the library's own filters (orbax's tracebacks of a failed save)
+    # for this command (and the processes it starts): --debug for the library's own filters (orbax's tracebacks
+    # of a failed save), --mixer-module for the modules a run's config.json may import
+    saved = {k: os.environ.get(k) for k in ("HYBRID_LM_DEBUG", "HYBRID_LM_MIXER_MODULES")}
+    if debug:
         os.environ["HYBRID_LM_DEBUG"] = "1"
     if args.mixer_module:
         from hybrid_lm.experiment import allow_mixer_modules
         allow_mixer_modules(args.mixer_module)
+    try:
+        return _run_command(args, debug)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _run_command(args, debug: bool) -> int:
     try:
         from hybrid_lm import determinism
         determinism.apply()  # HYBRID_LM_DETERMINISTIC=1: into XLA_FLAGS before the XLA backend starts
