@@ -10,7 +10,6 @@ ROOT holds ``<model>-<mode><i>/metrics.jsonl`` and ``<model>-<mode><i>.log`` (i 
 
 from __future__ import annotations
 
-import json
 import re
 import statistics
 import sys
@@ -21,8 +20,9 @@ FROM_STEP = 20  # tokens/s: the median over the logged steps from here on (compi
 
 
 def _rows(run_dir: Path) -> list[dict]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if r.get("kind") == "train"]
+    from hybrid_lm.files import read_jsonl
+
+    return [r for r in read_jsonl(run_dir / "metrics.jsonl") if r.get("kind") == "train"]  # a torn line: skipped
 
 
 def _log(root: Path, run: str) -> Path:

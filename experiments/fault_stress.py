@@ -20,10 +20,14 @@ checkpoint is committed) or pauses there.
 Kinds: ``sigkill`` / ``sigterm`` after a random step, ``kill_during_save`` (SIGKILL while a
 checkpoint is being committed: its files written, not yet renamed into place), ``corrupt_newest``
 (garbage written into the newest checkpoint: it is moved aside and the run resumes from the one
-before), ``corrupt_all`` (every checkpoint corrupt: train refuses in one line, metrics untouched),
+before), ``corrupt_all`` (every checkpoint corrupt: train refuses in one line, metrics untouched), ``byte_flip``
+(3 x 16 bytes XOR 0xFF, or one bit, at random offsets of the newest checkpoint's largest file: damage that
+mostly still decodes, caught by the checksums saved with it; moved aside, resumed from the one before),
 ``readonly_checkpoints`` (the save fails fast in one line; after the directory is writable again the
 run resumes), ``second_trainer`` (a second ``train`` on the same workdir while the first is paused
-mid-run refuses naming the holder; the first then finishes) and ``nan`` (an exploding learning rate:
+mid-run refuses naming the holder; the first then finishes), ``long_lived_lock`` (the same with the
+second trainer judging every lock older than the staleness age, ``HYBRID_LM_LOCK_STALE_HOURS=0``: a lock
+whose pid runs on this host is still kept, nothing is archived) and ``nan`` (an exploding learning rate:
 the run stops in one line with the last good state saved).
 """
 
@@ -49,8 +53,8 @@ from cluster_sim import HOOKED  # noqa: E402  (test tooling: a trainer that sign
 from conftest import TINY  # noqa: E402  (the tiny CPU config the tests use)
 from resume_check import compare_runs, make_unwritable, train_subprocess, write_gin  # noqa: E402  (test tooling)
 
-KINDS = ("sigkill", "sigterm", "kill_during_save", "corrupt_newest", "corrupt_all", "readonly_checkpoints",
-         "second_trainer", "nan")
+KINDS = ("sigkill", "sigterm", "kill_during_save", "corrupt_newest", "corrupt_all", "byte_flip", "readonly_checkpoints",
+         "second_trainer", "long_lived_lock", "nan")
 EVERY = 3  # checkpoint cadence of the stress config
 
 
@@ -64,6 +68,21 @@ def corrupt(step_dir: Path) -> None:
     for f in step_dir.rglob("*"):
         if f.is_file():
             f.write_bytes(os.urandom(max(16, f.stat().st_size)))
+
+
+def flip_bytes(step_dir: Path, rng: random.Random) -> dict:
+    """XOR 0xFF into 3 x 16 bytes, or flip one bit, at random offsets of the largest file of a checkpoint."""
+    f = max((p for p in step_dir.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    data = bytearray(f.read_bytes())
+    how = rng.choice(["bytes", "bit"])
+    at = sorted(rng.randrange(max(1, len(data) - 16)) for _ in range(3 if how == "bytes" else 1))
+    for a in at:
+        if how == "bit":
+            data[a] ^= 1 << rng.randrange(8)
+        else:
+            data[a:a + 16] = bytes(b ^ 0xFF for b in data[a:a + 16])
+    f.write_bytes(bytes(data))
+    return {"file": f.relative_to(step_dir).as_posix(), "how": how, "at": at}
 
 
 def metrics_mixed(workdir: Path, steps: int) -> str | None:
@@ -202,6 +221,20 @@ class Stress:
         moved = [*d.glob(f"checkpoints/corrupt/{steps[-1]}"), *d.glob(f"archive/*/checkpoints/corrupt/{steps[-1]}")]
         row["expected"] = bool(moved) and row["resumed_rc"] == 0 and "refused_nothing_restores" not in row
 
+    def byte_flip(self, d, row, rng):
+        self._kill(d, row, 3 * EVERY, signal.SIGKILL, where="commit")
+        steps = ckpt_steps(d)
+        if len(steps) < 2:
+            row["note"] = "fewer than 2 checkpoints at the kill"
+            row["expected"] = False
+            return
+        row["flipped"] = {"step": steps[-1], **flip_bytes(d / "checkpoints" / str(steps[-1]), rng)}
+        self.resume_equal(d, row)
+        # moved aside when the damage shows (a checksum or the decoder); a flip the decoder never reads leaves the
+        # arrays intact, and then resuming from it is right: either way the run ends bitwise equal
+        row["moved_aside"] = (d / "checkpoints" / "corrupt" / str(steps[-1])).is_dir()
+        row["expected"] = row["resumed_rc"] == 0 and "refused_nothing_restores" not in row
+
     def corrupt_all(self, d, row, rng):
         self._kill(d, row, EVERY * rng.randint(2, (self.steps - 2) // EVERY), signal.SIGKILL, where="commit")
         steps = ckpt_steps(d)
@@ -233,9 +266,10 @@ class Stress:
         self.resume_equal(d, row)
         row["expected"] = ok_fail
 
-    def second_trainer(self, d, row, rng):
+    def second_trainer(self, d, row, rng, second_env: dict | None = None):
         """The first trainer pauses after a random step's row (holding the lock, mid-run); a second
-        ``train`` on the workdir must refuse naming it; then the first finishes."""
+        ``train`` on the workdir (with ``second_env`` added to its environment) must refuse naming it;
+        then the first finishes."""
         d.mkdir(parents=True, exist_ok=True)
         ready, go = d.parent / f"{d.name}.paused", d.parent / f"{d.name}.go"
         hook = {"where": "row", "at": rng.randint(1, self.steps - 2), "ready": str(ready), "go": str(go)}
@@ -246,7 +280,7 @@ class Stress:
         while time.time() < deadline and first.poll() is None and not ready.exists():
             time.sleep(0.05)
         overlapped = first.poll() is None and ready.exists()
-        second = self.run(d)
+        second = self.run(d, env=dict(os.environ, **(second_env or {})))
         go.touch()
         out, _ = first.communicate(timeout=max(1.0, deadline - time.time()))
         row.update(first_rc=first.returncode, second_rc=second["returncode"], error=last_line(second["output"]),
@@ -255,6 +289,13 @@ class Stress:
                            and "in use by another trainer" in row["error"])
         cmp = compare_runs(self.straight, d) if first.returncode == 0 else {}
         row["bitwise_equal"] = bool(cmp.get("loss_equal") and cmp.get("state_equal"))
+
+    def long_lived_lock(self, d, row, rng):
+        """A second trainer for which the first one's lock is past the staleness age: the holder's pid runs
+        on this host, so the lock is kept (the second refuses, the first's metrics are not archived)."""
+        self.second_trainer(d, row, rng, second_env={"HYBRID_LM_LOCK_STALE_HOURS": "0"})
+        row["archived"] = (d / "archive").exists()
+        row["expected"] = row["expected"] and not row["archived"]
 
     def nan(self, d, row, rng):
         r = self.run(d, gin=self.nan_gin)

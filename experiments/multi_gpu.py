@@ -44,10 +44,9 @@ def gpu_count() -> int:
 
 
 def read_rows(workdir: Path, kind: str = "train") -> list[dict]:
-    path = workdir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [r for r in (json.loads(x) for x in path.read_text().splitlines() if x.strip()) if r.get("kind") == kind]
+    from hybrid_lm.files import read_jsonl
+
+    return [r for r in read_jsonl(workdir / "metrics.jsonl") if r.get("kind") == kind]  # a torn line: skipped
 
 
 def launch(name: str, workdir: Path, gpus: list[int], params: list[str], args, log_dir: Path) -> dict:

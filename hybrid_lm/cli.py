@@ -159,6 +159,10 @@ def _main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="hybrid-lm", description=__doc__)
     ap.add_argument("--debug", action="store_true",
                     help="show the traceback of an error instead of one line (also HYBRID_LM_DEBUG=1)")
+    ap.add_argument("--mixer-module", action="append", default=[], metavar="MODULE",
+                    help="import MODULE where a run's config.json names it in mixer_modules (a mixer from outside "
+                         "the package); a run folder's modules are never imported otherwise (repeatable; also "
+                         "HYBRID_LM_MIXER_MODULES=a,b)")
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     p = sub.add_parser("train", help="train (resumes from the latest checkpoint in --workdir)",
@@ -193,6 +197,25 @@ def _main(argv=None) -> int:
 
     args = ap.parse_args(argv)
     debug = args.debug or os.environ.get("HYBRID_LM_DEBUG") == "1"
+    # for this command (and the processes it starts): --debug for the library's own filters (orbax's tracebacks
+    # of a failed save), --mixer-module for the modules a run's config.json may import
+    saved = {k: os.environ.get(k) for k in ("HYBRID_LM_DEBUG", "HYBRID_LM_MIXER_MODULES")}
+    if debug:
+        os.environ["HYBRID_LM_DEBUG"] = "1"
+    if args.mixer_module:
+        from hybrid_lm.experiment import allow_mixer_modules
+        allow_mixer_modules(args.mixer_module)
+    try:
+        return _run_command(args, debug)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _run_command(args, debug: bool) -> int:
     try:
         determinism.apply()  # HYBRID_LM_DETERMINISTIC=1: into XLA_FLAGS before the XLA backend starts
         enable_compilation_cache()

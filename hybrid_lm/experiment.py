@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
+import sys
 
 from hybrid_lm.config import Config, config_from_dict, experiment_fields, parse_config, run_id_of
 from hybrid_lm.data.identity import data_identity
@@ -98,9 +100,32 @@ def mixer_modules(cfg: Config) -> list[str]:
     return sorted({m for m in (get_mixer(k).cls.__module__ for k in used) if not m.startswith("hybrid_lm.")})
 
 
+MIXER_MODULES_ENV = "HYBRID_LM_MIXER_MODULES"  # modules a run's config.json may import (comma-separated)
+
+
+def allowed_mixer_modules() -> set[str]:
+    """The mixer modules the user named (``hybrid-lm --mixer-module NAME`` or ``$HYBRID_LM_MIXER_MODULES``)."""
+    return {m.strip() for m in os.environ.get(MIXER_MODULES_ENV, "").split(",") if m.strip()}
+
+
+def allow_mixer_modules(names) -> None:
+    """Add ``names`` to ``$HYBRID_LM_MIXER_MODULES`` (inherited by the processes this one starts)."""
+    os.environ[MIXER_MODULES_ENV] = ",".join(sorted(allowed_mixer_modules() | set(names)))
+
+
 def import_mixer_modules(modules, where: str) -> None:
-    """Import the mixer modules a run recorded (their ``@register_mixer`` runs); one line if one is gone."""
+    """Import the mixer modules a run recorded (their ``@register_mixer`` runs); one line if one is gone.
+
+    A run folder may come from anywhere, and importing a module runs its code (``python -m`` imports from
+    the current directory first): a module not imported yet (a gin file's ``import`` imports it) is
+    imported only when the user named it (:func:`allowed_mixer_modules`), else refused in one line."""
+    if not isinstance(modules, list) or not all(isinstance(m, str) for m in modules):
+        raise ConfigError(f"{where}: mixer_modules must be a list of module names, not {modules!r}")
     for name in modules:
+        if name not in sys.modules and name not in allowed_mixer_modules():
+            raise ConfigError(f"{where} uses mixers from module {name!r}; opening a run imports no code it names "
+                              f"unless asked: if you trust that module, rerun as `hybrid-lm --mixer-module {name} "
+                              f"...` (or set {MIXER_MODULES_ENV}={name})")
         try:
             importlib.import_module(name)
         except ImportError as e:

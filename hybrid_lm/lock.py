@@ -2,11 +2,14 @@
 holder's host, pid and start time, and under SLURM its job (``<array job>_<task>`` or the job id) and
 restart count. A lock is stale, and taken over with a warning, when:
 
-- its pid is not running on this host;
+- its pid is not running on this host, or runs a process started after the lock was taken (the pid was
+  reused: ``/proc/<pid>/stat``);
 - it was taken by an earlier run of this same SLURM job (a lower ``SLURM_RESTART_COUNT``, or a start
   before this run's ``SLURM_JOB_START_TIME``): SLURM ended that run before requeueing the job, so a
   requeue (or a node failure) that lands the job on another node resumes instead of refusing;
-- it is older than ``HYBRID_LM_LOCK_STALE_HOURS`` (default 24).
+- it was taken on another host (whose processes this host cannot see) and is older than
+  ``HYBRID_LM_LOCK_STALE_HOURS`` (default 24). A lock whose pid runs on this host is never stale by age:
+  runs last days.
 
 The host is ``socket.gethostname()``, or ``HYBRID_LM_HOSTNAME`` where set. A lock held by this process
 is released also when the process ends abruptly (a second Ctrl-C, a failed peer process)."""
@@ -59,6 +62,30 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _process_start(pid: int) -> float | None:
+    """When ``pid``'s process started (Unix time, to about a second), from ``/proc``; None where unknown."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        ticks = int(stat[stat.rindex(")") + 2:].split()[19])  # field 22, after the command's name
+        boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime "))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+def _pid_holds(holder: dict) -> bool | None:
+    """Whether the lock ``holder`` taken on this host is still held by its process: False when its pid is
+    not running or runs a process started after the lock (a reused pid), None where the start is unknown."""
+    pid, started = holder["pid"], holder.get("started")
+    if not _pid_alive(pid):
+        return False
+    begun = _process_start(pid)
+    if begun is None or not isinstance(started, (int, float)):
+        return None
+    return begun <= started + 2.0  # /proc's boot time has a resolution of one second
+
+
 def _read(path: Path) -> dict | None:
     try:
         return json.loads(path.read_text())
@@ -76,9 +103,11 @@ def _describe(holder: dict) -> str:
 
 def _why_stale(path: Path, holder: dict) -> str | None:
     """Why the lock ``holder`` read from ``path`` is stale, or None while it is live."""
-    if holder.get("host") == hostname() and isinstance(holder.get("pid"), int) \
-            and not _pid_alive(holder["pid"]):
+    here = holder.get("host") == hostname() and isinstance(holder.get("pid"), int)
+    if here and not _pid_alive(holder["pid"]):
         return f"its pid {holder['pid']} is not running on this host"
+    if here and _pid_holds(holder) is False:
+        return f"its pid {holder['pid']} now runs a process started after the lock was taken"
     job = signals.slurm_job()
     if job and holder.get("slurm_job") == job:
         theirs, ours = holder.get("slurm_restart"), _slurm_restart()
@@ -88,6 +117,8 @@ def _why_stale(path: Path, holder: dict) -> str | None:
         start = os.environ.get("SLURM_JOB_START_TIME", "").strip()
         if start.isdigit() and isinstance(holder.get("started"), (int, float)) and holder["started"] < int(start) - 1:
             return f"it was taken before SLURM started this run of job {job} (SLURM_JOB_START_TIME={start})"
+    if here:  # its process runs on this host: live however old
+        return None
     try:
         age = time.time() - float(holder.get("started", path.stat().st_mtime))
     except (OSError, ValueError, TypeError):

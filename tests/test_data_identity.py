@@ -69,6 +69,27 @@ def test_resume_refuses_other_data_under_the_same_path(tmp_path):
         prepare_run_dir(cfg("DataConfig.source='tokens'", f"DataConfig.path='{a}'"), tmp_path / "run")
 
 
+def test_a_path_with_the_default_source_is_identified_by_what_is_read(tmp_path):
+    """DataConfig.path set and DataConfig.source left at 'embedded' reads the store at the path: the identity
+    is that store's, so a rerun of the same workdir without the path (the essays) is refused, as for
+    source='tokens'. A path holding (or to hold) the essays themselves stays the embedded corpus."""
+    import json
+
+    a = store(tmp_path, "a", 1)
+    c = cfg(f"DataConfig.path='{a}'")
+    fp = json.loads((a / "manifest.json").read_text())["fingerprint"]
+    assert config_record(c)["data_identity"]["stores"] == [[fp, 1.0]]
+    assert run_id(c) != run_id(cfg())
+    prepare_run_dir(c, tmp_path / "run")
+    (tmp_path / "run" / "metrics.jsonl").write_text('{"kind": "train", "step": 1, "loss": 5.0}\n')  # it has trained
+    with pytest.raises(ConfigError, match="differing fields: data.identity"):
+        prepare_run_dir(cfg(), tmp_path / "run")
+    assert run_id(cfg(f"DataConfig.path='{tmp_path / 'essays_here'}'")) == run_id(cfg())  # to be prepared: essays
+    from hybrid_lm.data.corpus import ensure_store
+    ensure_store("embedded", str(tmp_path / "essays_here"), "byte")
+    assert run_id(cfg(f"DataConfig.path='{tmp_path / 'essays_here'}'")) == run_id(cfg())  # prepared: the essays
+
+
 @pytest.mark.integration
 def test_a_sweep_relaunched_on_other_data_refuses_and_keeps_its_manifest(tmp_path):
     """A sweep whose runs now resolve to other data refuses to mark the old runs done and

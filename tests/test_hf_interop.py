@@ -361,7 +361,8 @@ def test_tensors_are_checked(tmp_path):
         HFCheckpoint(out).read_params(abstract)
     out, _ = _export(tmp_path, model, random_params(model), record=False, name="c")
     _rewrite(out, config={"intermediate_size": 80})
-    with pytest.raises(ConfigError, match=r"down_proj.weight has shape \[64, 96\], the config needs \[64, 80\]"):
+    with pytest.raises(ConfigError, match=r"down_proj.weight has shape \[64, 96\] in model.safetensors's header, the config "
+                                          r"needs \[64, 80\]"):
         ck = HFCheckpoint(out)
         ck.read_params(ModelFns(Config(model=ck.model_config())).abstract_params)
 

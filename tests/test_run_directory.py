@@ -59,3 +59,20 @@ def test_a_checkpoint_saved_again_elsewhere_is_bitwise_the_same(tmp_path):
     for x, y in zip(jax.tree.leaves(state), jax.tree.leaves(back)):
         assert x.dtype == y.dtype and np.array_equal(np.asarray(x).reshape(-1).view(np.uint8),
                                                      np.asarray(y).reshape(-1).view(np.uint8))
+
+
+def test_the_checksum_follows_the_arrays_not_their_containers():
+    """A WSD branch is seeded from the checkpoint as saved (dicts) and restored into the optimizer's named
+    tuples: the same arrays give the same digest; one flipped bit another."""
+    import collections
+
+    from hybrid_lm.run.checkpoint import tree_digest
+
+    State = collections.namedtuple("State", "count mu")
+    w = np.arange(12, dtype=np.float32).reshape(3, 4)
+    as_tuples = {"opt": (State(np.int32(3), {"w": w}),), "params": {"w": w + 1}}
+    as_dicts = {"params": {"w": w + 1}, "opt": ({"mu": {"w": w}, "count": np.int32(3)},)}
+    assert tree_digest(as_tuples) == tree_digest(as_dicts)
+    flipped = w.copy()
+    flipped.view(np.uint32)[1, 2] ^= 1
+    assert tree_digest({**as_dicts, "opt": ({"mu": {"w": flipped}, "count": np.int32(3)},)}) != tree_digest(as_dicts)

@@ -212,3 +212,45 @@ def test_submitted_scripts_keep_their_runs_when_regenerated(tmp_path):
         assert f"task 800_{task}: {name} on " in out and out.rstrip().endswith(f"--job {name}")
     out = _run_script(spool / "branches-0.sbatch", 1, {"SLURM_RESTART_COUNT": "2"})
     assert "(restart 2)" in out and out.rstrip().endswith(f"--job {branches0[1]}")
+
+
+@pytest.mark.parametrize("key, value", [
+    ("partition", "gpu\ntouch /tmp/injected"), ("account", "acct;id"), ("qos", "$(id)"), ("time", "1:00 --wrap=id"),
+    ("mem", "`id`"), ("gpus_per_task", "1\nid"), ("cpus_per_task", "four"), ("max_parallel", "2\nid"),
+    ("signal_seconds", "120\nid"), ("sbatch", ["--constraint=h100\ntouch /tmp/injected"]), ("sbatch", "--exclusive"),
+    ("setup", "source .venv/bin/activate"), ("python", "python\nid"),
+])
+def test_an_injected_slurm_field_is_refused_before_any_script_is_written(tmp_path, key, value):
+    """Every value interpolated into a generated sbatch script is checked (``setup`` lines are verbatim by
+    design, but must be a list of lines): a newline, a shell character or a space is one line naming the key."""
+    import dataclasses
+
+    from hybrid_lm.scaling import launch as L
+    from hybrid_lm.scaling.sweep import SweepError
+
+    plan = _plan(tmp_path / "root")
+    plan = dataclasses.replace(plan, spec=dataclasses.replace(plan.spec, slurm={key: value}))
+    with pytest.raises(SweepError, match=f"slurm.{key}") as e:
+        L.write_slurm(plan, submit=False)
+    assert "\n" not in str(e.value)
+    assert not (tmp_path / "root" / "slurm").exists() and not (tmp_path / "root" / "sweep.json").exists()
+
+
+def test_valid_slurm_fields_become_their_sbatch_lines(tmp_path):
+    import dataclasses
+
+    from hybrid_lm.scaling import launch as L
+
+    slurm = {"partition": "gpu,gpu-long", "account": "proj_x-1", "qos": "high", "time": "1-12:00:00", "mem": "64G",
+             "gpus_per_task": "h100:1", "cpus_per_task": 8, "max_parallel": 2, "signal_seconds": 300,
+             "sbatch": ["--constraint=h100|h200", "--exclusive"], "setup": ["module load cuda/12 && echo 'set up'"]}
+    plan = _plan(tmp_path / "root")
+    plan = dataclasses.replace(plan, spec=dataclasses.replace(plan.spec, slurm=slurm))
+    L.write_slurm(plan, submit=False, python="/opt/py 3/bin/python")
+    script = (tmp_path / "root" / "slurm" / "phase1.sbatch").read_text()
+    for line in ("#SBATCH --partition=gpu,gpu-long", "#SBATCH --account=proj_x-1", "#SBATCH --qos=high",
+                 "#SBATCH --time=1-12:00:00", "#SBATCH --mem=64G", "#SBATCH --gpus-per-task=h100:1",
+                 "#SBATCH --cpus-per-task=8", "#SBATCH --signal=B:USR1@300", "#SBATCH --constraint=h100|h200",
+                 "#SBATCH --exclusive", "module load cuda/12 && echo 'set up'", "exec '/opt/py 3/bin/python' -m"):
+        assert line in script.splitlines() or script.count(line) == 1, line
+    assert "%2" in script

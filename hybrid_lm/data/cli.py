@@ -29,7 +29,8 @@ def cmd_prepare(args) -> int:
     spec = spec_from_args(args)
     out = Path(args.out) if args.out else _default_out(spec, args.tokenizer)
     settings = PrepareSettings(tokenizer=args.tokenizer, val_every=args.val_every,
-                               shard_tokens=args.shard_tokens or DEFAULT_SHARD_TOKENS)
+                               shard_tokens=args.shard_tokens or DEFAULT_SHARD_TOKENS,
+                               max_document_bytes=int(args.max_document_mb * (1 << 20)))
     res = prepare(spec, out, settings, workers=args.workers, overwrite=args.overwrite, progress=not args.no_progress)
     if res.skipped:
         print(f"{out} is up to date (same source, tokenizer and settings): nothing to do")
@@ -146,6 +147,10 @@ def add_data_commands(sub) -> None:
                    help="encoder processes (default: cores - 1, at most 8)")
     q.add_argument("--val-every", type=int, default=10, help="every N-th document goes to the val split")
     q.add_argument("--shard-tokens", type=int, default=None, help="tokens per shard (default 2^25)")
+    from hybrid_lm.data.sources import MAX_DOCUMENT_BYTES
+    q.add_argument("--max-document-mb", type=float, default=MAX_DOCUMENT_BYTES / (1 << 20), metavar="MiB",
+                   help="skip, with a warning, a document longer than this (default %(default)g MiB: one document "
+                        "is encoded whole, at about 16 bytes of memory per byte)")
     q.add_argument("--overwrite", action="store_true", help="replace a store prepared with other settings")
     q.add_argument("--no-progress", action="store_true")
     q.set_defaults(fn=cmd_prepare)

@@ -3,7 +3,9 @@
 - a prepared store: its content fingerprint (``manifest.json``; see :mod:`hybrid_lm.data.store`),
   so moving a store keeps the id and re-preparing other data under the same path changes it;
 - a tokenizer file: its sha256 (the path is left out);
-- the embedded corpus: the source's name (it is prepared on first use, deterministically);
+- the embedded corpus: the source's name (it is prepared on first use, deterministically); with
+  ``DataConfig.path`` set, only where that path holds (or is to hold) the essays: a store of other data
+  there is what the run reads, so it is identified by its fingerprint whatever ``DataConfig.source`` says;
 - a store not prepared yet: ``unprepared:<absolute path>`` (the id changes once it is prepared:
   prepare before launching a sweep).
 
@@ -38,6 +40,28 @@ def store_fingerprint(path: Path) -> str:
     return _MANIFESTS[key]
 
 
+def holds_essays(path: Path) -> bool:
+    """Whether ``source='embedded'`` with ``path`` reads the embedded essays: the store there was prepared
+    from them, or there is none yet (the trainer prepares them there on first use)."""
+    try:
+        manifest = json.loads((Path(path) / "manifest.json").read_text())
+    except FileNotFoundError:
+        return True
+    except (OSError, ValueError):
+        return False
+    return isinstance(manifest, dict) and (manifest.get("source") or {}).get("kind") == "embedded"
+
+
+def data_label(d) -> str:
+    """What the run reads, for the start-up summary: ``embedded``, ``tokens <path>`` or ``mixture of N stores``."""
+    if d.mixture:
+        return f"mixture of {len(d.mixture)} stores"
+    if d.source == "embedded" and (not d.path or holds_essays(Path(d.path))):
+        return "embedded"
+    from hybrid_lm.data.corpus import default_dir
+    return f"tokens {d.path or default_dir(d.source)}"
+
+
 def tokenizer_identity(spec: str) -> str:
     if spec == "byte":
         return "byte"
@@ -49,7 +73,7 @@ def data_identity(d) -> dict:
     for the default embedded corpus with the byte tokenizer."""
     if d.mixture:
         stores = [[store_fingerprint(Path(p)), float(w)] for p, w in d.mixture]
-    elif d.source == "embedded":  # the same essays wherever they are prepared
+    elif d.source == "embedded" and (not d.path or holds_essays(Path(d.path))):  # the essays wherever prepared
         stores = [[EMBEDDED, 1.0]]
     else:
         stores = [[store_fingerprint(Path(d.path) if d.path else default_dir(d.source)), 1.0]]

@@ -1,7 +1,10 @@
 """``hybrid-lm data prepare``: a document source -> a token store (:mod:`hybrid_lm.data.store`).
 
 - Streaming: documents are read, encoded and written in bounded chunks, so memory does not grow
-  with the corpus (the doc-length index of the open shard is the only per-document state).
+  with the corpus (the doc-length index of the open shard is the only per-document state). One
+  document is encoded whole, so a document over ``PrepareSettings.max_document_bytes`` (64 MiB,
+  ``--max-document-mb``) is skipped with a warning, unread where its size is known first
+  (``data/sources.py``): the peak memory is then bounded by about 16 bytes per byte of that limit.
 - Several encoder processes (``workers``); the order of documents is kept, so the store is the
   same whatever the worker count.
 - Split by document: document ``i`` (in source order) goes to val when ``i % val_every ==
@@ -32,7 +35,7 @@ import numpy as np
 from tqdm import tqdm
 
 from hybrid_lm.data import store as st
-from hybrid_lm.data.sources import open_source
+from hybrid_lm.data.sources import MAX_DOCUMENT_BYTES, open_source
 from hybrid_lm.data.stats import write_stats
 from hybrid_lm.data.tokenizer import load_tokenizer
 from hybrid_lm.errors import DataError, WorkdirError
@@ -50,8 +53,12 @@ class PrepareSettings:
     tokenizer: str = "byte"
     val_every: int = 10
     shard_tokens: int = DEFAULT_SHARD_TOKENS
+    max_document_bytes: int = MAX_DOCUMENT_BYTES  # a longer document is skipped with a warning
 
     def check(self) -> None:
+        if self.max_document_bytes < 1:
+            raise DataError(f"--max-document-mb {self.max_document_bytes / (1 << 20):g}: must be > 0 (the largest "
+                            f"document read, in MiB; default {MAX_DOCUMENT_BYTES >> 20})")
         if self.val_every < 2:
             raise DataError(f"val_every={self.val_every}: must be >= 2 (one document in val_every goes to val)")
         if self.shard_tokens < 1024:
@@ -68,8 +75,11 @@ class PrepareResult:
 
 def settings_record(source_spec, tok, settings: PrepareSettings) -> dict:
     """What defines a store's content: the format, the input, the tokenizer and the split/shard settings."""
-    return {"format": st.FORMAT, "source": source_spec.describe(), "tokenizer": tok.describe(),
-            "val_every": settings.val_every, "shard_tokens": settings.shard_tokens}
+    record = {"format": st.FORMAT, "source": source_spec.describe(), "tokenizer": tok.describe(),
+              "val_every": settings.val_every, "shard_tokens": settings.shard_tokens}
+    if settings.max_document_bytes != MAX_DOCUMENT_BYTES:  # (the default keeps earlier stores' settings hash)
+        record["max_document_bytes"] = settings.max_document_bytes
+    return record
 
 
 def _hash(record: dict) -> str:
@@ -283,6 +293,7 @@ def _prepare(source_spec, out: Path, settings: PrepareSettings, *, workers: int,
     b = _Builder(tmp, dtype, shash, resume)
     sep = np.asarray(tok.separator, dtype=np.uint32)
     source = open_source(source_spec)
+    source.max_document_bytes = settings.max_document_bytes
     t0 = time.perf_counter()
     start = b.docs_consumed
     pending = None  # the latest train document, held back so a corpus without a val document can give it
@@ -315,7 +326,9 @@ def _prepare(source_spec, out: Path, settings: PrepareSettings, *, workers: int,
     b.checkpoint(last=True)
     n_docs = sum(r["documents"] for recs in b.shards.values() for r in recs)
     if not n_docs:
-        raise DataError(f"the source yielded no usable documents ({_skip_summary(source.stats, b.no_tokens)}); "
+        over = (f"; documents over {settings.max_document_bytes / (1 << 20):g} MiB are skipped "
+                "(--max-document-mb)") if source.stats.oversize_skipped else ""
+        raise DataError(f"the source yielded no usable documents ({_skip_summary(source.stats, b.no_tokens)}{over}); "
                         "nothing was written")
     manifest = {
         "format": st.FORMAT, "settings": record, "settings_hash": shash, "tokenizer": tok.describe(),

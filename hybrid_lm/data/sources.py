@@ -12,7 +12,10 @@ Every source streams: memory does not grow with the corpus (JSON lines are read 
 parquet and Hugging Face arrow data one batch at a time, TFDS one record at a time; a plain-text
 file is one document, so it is read whole). Empty or whitespace-only documents and null values are
 skipped and counted; bytes that are not valid UTF-8 are decoded with U+FFFD replacements and
-counted. Bad input raises a one-line ``DataError`` naming the file and line (or row, or record).
+counted. A document over ``Source.max_document_bytes`` (:data:`MAX_DOCUMENT_BYTES`, 64 MiB; ``data
+prepare --max-document-mb``) is skipped with a warning and counted, without being read where its size
+is known first (a file's size, a JSON line read no further than twice the limit), so one absurd input
+(a 1-GB file of NUL bytes) cannot take the machine's memory. Bad input raises a one-line ``DataError`` naming the file and line (or row, or record).
 pyarrow, datasets and tensorflow_datasets are imported lazily (extras 'parquet', 'datasets', 'tfds').
 """
 
@@ -22,6 +25,7 @@ import argparse
 import contextlib
 import gzip
 import json
+import logging
 import os
 import zlib
 from dataclasses import asdict, dataclass, field
@@ -41,6 +45,9 @@ PLAIN_EXTENSIONS = (".txt", ".md", ".text")
 JSONL_EXTENSIONS = (".jsonl", ".ndjson", ".json")
 PARQUET_EXTENSIONS = (".parquet",)
 _BATCH_ROWS = 1024  # rows per parquet / arrow batch
+MAX_DOCUMENT_BYTES = 64 << 20  # a longer document is skipped with a warning (data prepare --max-document-mb)
+
+log = logging.getLogger(__name__)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -129,6 +136,7 @@ class SourceStats:
     empty_skipped: int = 0
     invalid_utf8_replaced: int = 0
     null_skipped: int = 0
+    oversize_skipped: int = 0
     skipped_files: list[str] = field(default_factory=list)
     per_file: dict[str, int] = field(default_factory=dict)
 
@@ -137,12 +145,26 @@ class SourceStats:
         return asdict(self)
 
 
+class Oversize(NamedTuple):
+    """A record's value left unread: ``nbytes`` (at least) is over the source's ``max_document_bytes``."""
+
+    nbytes: int
+    what: str = "document"  # or "JSON line" (the limit on a line is twice the document's)
+    exact: bool = True  # False: more than nbytes (a gzipped file read no further)
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):,.0f} MiB" if n >= 1 << 20 else f"{n:,} bytes"
+
+
 class Source:
-    """An opened input. ``iter_documents()`` streams Documents and refills ``stats``."""
+    """An opened input. ``iter_documents()`` streams Documents and refills ``stats``. A document over
+    ``max_document_bytes`` is skipped with a warning (``stats.oversize_skipped``)."""
 
     def __init__(self, spec: SourceSpec):
         self.spec = spec
         self.stats = SourceStats()
+        self.max_document_bytes = MAX_DOCUMENT_BYTES
 
     def describe(self) -> dict:
         """The spec's describe(): the input's identity."""
@@ -158,6 +180,14 @@ class Source:
         for key, value, file_key, replaced in self._records():
             if value is None:
                 stats.null_skipped += 1
+                continue
+            if isinstance(value, Oversize) or len(value) > self.max_document_bytes:
+                big = value if isinstance(value, Oversize) else Oversize(len(value))
+                limit = self.max_document_bytes * (2 if big.what == "JSON line" else 1)
+                stats.oversize_skipped += 1
+                log.warning("%s: a %s of %s%s, over the limit of %s: skipped (raise it with `data prepare "
+                            "--max-document-mb`)", key, big.what, "" if big.exact else "more than ", _mib(big.nbytes),
+                            _mib(limit))
                 continue
             if isinstance(value, bytes):
                 value, bad = _decode(value)
@@ -369,29 +399,57 @@ class TextSource(_FileSource):
         for f in self._files:
             ext, gz = _split_ext(f.path.name)
             if ext in PLAIN_EXTENSIONS:
-                yield f.key, _read_whole(f.path, gz), f.key, False
+                yield f.key, _read_whole(f.path, gz, self.max_document_bytes), f.key, False
             else:
-                yield from _json_lines(f, gz, self.spec.text_field)
+                yield from _json_lines(f, gz, self.spec.text_field, self.max_document_bytes)
 
 
-def _read_whole(path: Path, gz: bool) -> bytes:
+def _read_whole(path: Path, gz: bool, limit: int) -> bytes | Oversize:
+    """The file's bytes, or :class:`Oversize` (unread past ``limit + 1`` bytes) when it holds more than ``limit``."""
     try:
         if gz:
             with gzip.open(path, "rb") as fh:
-                return fh.read()
-        return path.read_bytes()
+                data = fh.read(limit + 1)
+            return Oversize(limit, exact=False) if len(data) > limit else data
+        size = path.stat().st_size
+        return Oversize(size) if size > limit else path.read_bytes()
     except (OSError, EOFError, zlib.error) as e:
         raise DataError(f"{path}: cannot read: {e}") from None
 
 
-def _json_lines(f: _File, gz: bool, text_field: str):
-    """(key, text, file key, replaced) per JSON line of ``f``; blank lines skipped."""
+def _bounded_lines(fh, limit: int):
+    """The lines of binary ``fh``, each read no further than ``limit`` bytes: a longer line is
+    :class:`Oversize` (the rest of it read in pieces and dropped)."""
+    piece = 1 << 20
+    while True:
+        raw = fh.readline(limit + 1)
+        if not raw:
+            return
+        if len(raw) <= limit or raw.endswith(b"\n"):
+            yield raw
+            continue
+        n = len(raw)
+        while True:
+            more = fh.readline(piece)
+            n += len(more)
+            if not more or more.endswith(b"\n"):
+                break
+        yield Oversize(n, "JSON line")
+
+
+def _json_lines(f: _File, gz: bool, text_field: str, limit: int = MAX_DOCUMENT_BYTES):
+    """(key, text, file key, replaced) per JSON line of ``f``; blank lines skipped. A line over twice
+    ``limit`` (JSON escapes lengthen text) is not parsed: its value is :class:`Oversize`."""
     opener = gzip.open if gz else open
     line_no = 0
     first = True
     try:
         with opener(f.path, "rb") as fh:
-            for line_no, raw in enumerate(fh, start=1):
+            for line_no, raw in enumerate(_bounded_lines(fh, 2 * limit), start=1):
+                if isinstance(raw, Oversize):
+                    first = False
+                    yield f"{f.key}:{line_no}", raw, f.key, False
+                    continue
                 if first:
                     if not raw.strip():
                         continue

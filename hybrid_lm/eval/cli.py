@@ -36,10 +36,9 @@ from hybrid_lm.eval.ruler import HAYSTACKS, TASKS as RULER_TASKS, parse_lengths
 from hybrid_lm.model.registry import registered_mixers
 from hybrid_lm.run.directory import load_run_config
 from hybrid_lm.run.export import add_export_command
-from hybrid_lm.run.restore import RestoredRun, record_rows
-from hybrid_lm.run.swap import swapped_config
-
+from hybrid_lm.run.restore import RestoredRun, check_data_choice, record_rows
 from hybrid_lm.run.loss import format_se, paired_difference
+from hybrid_lm.run.swap import swapped_config
 
 
 def _fmt(row: dict) -> str:
@@ -47,7 +46,8 @@ def _fmt(row: dict) -> str:
     if row.get("horizon") is not None:
         what += f"; full attention limited to {row['horizon']} tokens + {row['sinks']} sinks"
     line = (f"step {row['checkpoint_step']}  seq_len {row['seq_len']}  windows {row['eval_windows']}  "
-            f"[{what}]  val loss {row['loss']:.4f}{format_se(row.get('loss_se'))} nats  {row['bpb']:.4f} bits/byte")
+            f"[{what}]  val loss {row['loss']:.4f}{format_se(row.get('loss_se'))} nats  {row['bpb']:.4f} bits/byte  "
+            f"on {row['scored_on']}")
     if "delta_loss" in row:
         line += f"  ({row['delta_loss']:+.4f}{format_se(row.get('delta_loss_se'))} vs the trainer's eval)"
     return line
@@ -75,6 +75,7 @@ def cmd_generate(args) -> int:
 
 
 def cmd_longppl(args) -> int:
+    check_data_choice(args.workdir, args.data)  # a folder with its own tokenizer names its data
     try:
         row = evaluate_longppl(args.workdir, evaluator=args.evaluator, length=args.length, docs=args.docs,
                                rule=KeyTokenRule(args.trunc_len, args.window, args.alpha, args.beta),
@@ -164,6 +165,7 @@ def cmd_eval_report(args) -> int:
 
 
 def _run(args) -> int:
+    check_data_choice(args.workdir, None)  # a folder with its own tokenizer: --data, before restoring anything
     overrides = dict(seq_len=args.seq_len, eval_windows=args.eval_windows, attention_impl=args.attention_impl)
     # check the settings before restoring anything: a bad swap fails in a second, not after a restore
     swapped_config(load_run_config(args.workdir), args.swap, args.horizon, args.sinks, **overrides)

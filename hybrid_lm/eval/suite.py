@@ -50,7 +50,7 @@ from hybrid_lm.experiment import run_id
 from hybrid_lm.progress import bar_disabled
 from hybrid_lm.run.directory import checkpoint_steps, load_run_config, read_eval_rows, run_path
 from hybrid_lm.run.loss import format_se
-from hybrid_lm.run.restore import RestoredRun, record_rows
+from hybrid_lm.run.restore import RestoredRun, check_data_choice, record_rows
 from hybrid_lm.run.swap import swapped_config
 
 log = logging.getLogger(__name__)
@@ -386,7 +386,7 @@ def format_rows(task: str, rows: list[dict]) -> str:
         if task == "loss":
             lines.append(f"loss      step {r['checkpoint_step']:>7}  tokens {r['tokens_seen']:>14,}  seq_len "
                          f"{r['seq_len']}  windows {r['eval_windows']}  val loss {r['loss']:.4f}{format_se(r.get('loss_se'))} nats  "
-                         f"{r['bpb']:.4f} bits/byte" + (f"  data {r['data']}" if r.get("data") else ""))
+                         f"{r['bpb']:.4f} bits/byte  on {r.get('scored_on') or r.get('data') or 'the run data'}")
         elif task == "longppl":
             lp = "—" if r["longppl"] is None else f"{r['longppl']:.3f}"
             judge = r["evaluator"] + (f" (step {r['evaluator_step']})" if r["evaluator"] in ("newest", "self") else "")
@@ -515,6 +515,8 @@ def evaluate_run(workdir: Path | str, req: EvalRequest, steps: str | None = None
     over every current row of its eval config into ``workdir/eval/``. Returns the new rows."""
 
     req.check()
+    if {"loss", "longppl"} & set(req.tasks):
+        check_data_choice(workdir, req.data)  # a folder with its own tokenizer names its data
     spec, workdir = workdir, run_path(workdir)  # hf:DIR -> DIR, where its rows and plots go
     try:
         base = load_run_config(spec)

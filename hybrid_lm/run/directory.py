@@ -22,7 +22,7 @@ from hybrid_lm.config import (REMOVED_FIELDS, RUN_CONFIG_SECTIONS, CheckpointCon
                               config_from_dict)
 from hybrid_lm.errors import ConfigError, WorkdirError
 from hybrid_lm.experiment import config_record, diff_experiments, import_mixer_modules, run_id
-from hybrid_lm.files import atomic_write_json, atomic_write_text
+from hybrid_lm.files import atomic_write_json, atomic_write_text, read_jsonl
 from hybrid_lm.model.architecture import arch_label, arch_spec
 from hybrid_lm.run.checkpoint import Checkpointer
 from hybrid_lm.run.hf import HFCheckpoint, hf_folder
@@ -118,7 +118,23 @@ def load_run_config(workdir: Path | str) -> Config:
     path = config_path(workdir)
     if not path.exists():
         raise FileNotFoundError(f"{workdir} is not a run directory: no config.json")
-    return read_fields_only(read_run_config(path)[1])
+    cfg = read_fields_only(read_run_config(path)[1])
+    check_recorded_paths(cfg, path)
+    return cfg
+
+
+def check_recorded_paths(cfg: Config, where: Path) -> None:
+    """A relative data path in a run's config.json (runs record absolute ones) resolves against the directory the
+    run was started in, not necessarily this one: say so in one line when it does not resolve here."""
+    d = cfg.data
+    named = [("DataConfig.path", d.path), *[("DataConfig.mixture", p) for p, _ in d.mixture or ()]]
+    if d.tokenizer != "byte" and any(c in d.tokenizer for c in "/\\."):  # a file, not a name
+        named.append(("DataConfig.tokenizer", d.tokenizer))
+    for field, p in named:
+        if p and not Path(p).expanduser().is_absolute() and not Path(p).expanduser().exists():
+            raise WorkdirError(f"{where} records {field}={p!r}, a path relative to the directory the run was started "
+                               f"in: {Path.cwd() / p} does not exist; run from that directory, or write the absolute "
+                               f"path into {where}")
 
 
 def accepted_run_ids(workdir: Path | str) -> set[str]:
@@ -185,10 +201,8 @@ def checkpoint_meta(workdir: Path | str, step: int) -> dict:
 # ----------------------------------------------------------------------------- eval rows, many runs
 
 def read_eval_rows(workdir: Path | str) -> list[dict]:
-    path = eval_rows_path(workdir)
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """The rows of a run's eval.jsonl (``[]`` without one); a torn line is skipped with one warning."""
+    return read_jsonl(eval_rows_path(workdir))
 
 
 def run_architecture(d: Path) -> tuple[str | None, dict | None]:

@@ -36,14 +36,16 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from hybrid_lm.config import config_from_dict
+from hybrid_lm.config import Config, config_from_dict
+from hybrid_lm.data.tokenizer import load_tokenizer
 from hybrid_lm.errors import ConfigError, WorkdirError
 from hybrid_lm.run.param_names import flatten_params, param_name, unflatten_params  # noqa: F401  (re-exported)
 from hybrid_lm.experiment import run_id
 from hybrid_lm.optional import optional_import
 from hybrid_lm.run.checkpoint import params_fingerprint
 from hybrid_lm.run.directory import checkpoint_steps, config_path, load_run_config, read_run_config
-from hybrid_lm.run.hf import check_exportable, write_hf_folder
+from hybrid_lm.run import hf_check
+from hybrid_lm.run.hf import HFCheckpoint, check_exportable, write_hf_folder
 from hybrid_lm.run.restore import RestoredRun
 from hybrid_lm.step import ModelFns
 from hybrid_lm.validate import read_fields_only
@@ -242,6 +244,10 @@ def exported_model(path):
 # ----------------------------------------------------------------------------- command line
 
 def cmd_export(args) -> int:
+    if args.check:
+        if args.fmt != "hf":
+            raise ConfigError("--check compares logits through transformers: it applies to --format hf")
+        hf_check.require()  # before anything is restored or written
     path = export_checkpoint(args.run, out=args.out, fmt=args.fmt, dtype=args.dtype, force=args.force)
     d = json.loads((path / CONFIG).read_text())
     meta = d.get("export") or d["hybrid_lm"]
@@ -254,7 +260,20 @@ def cmd_export(args) -> int:
     else:
         print(f"exported step {meta['step']} of {meta['source']} ({len(meta['params'])} tensors, "
               f"{meta['n_params']:,} parameters, {meta['dtype']}) to {path}")
-    return 0
+    return _check(path, args) if args.check else 0
+
+
+def _check(path: Path, args) -> int:
+    """``--check``: the exported folder's logits through transformers against hybrid_lm's (``run/hf_check.py``)."""
+    ck = HFCheckpoint(path)
+    model = ck.model_config()
+    params = ck.read_params(ModelFns(Config(model=model)).abstract_params)  # the weights as exported
+    ok, line = hf_check.check_export(
+        path, model, params, load_tokenizer(ck.tokenizer_spec()), ck.config().data.seq_len,
+        prompt=hf_check.DEFAULT_PROMPT if args.check_prompt is None else args.check_prompt,
+        bound=hf_check.DEFAULT_BOUND if args.check_bound is None else args.check_bound)
+    print(line)
+    return 0 if ok else 1
 
 
 def add_export_command(sub) -> None:
@@ -278,6 +297,13 @@ def add_export_command(sub) -> None:
                    help="output directory (default RUN_DIR/export/step_<N>, with --format hf step_<N>-hf)")
     p.add_argument("--force", action="store_true", help="replace an earlier export at DIR")
     p.add_argument("--json", action="store_true", help="print the export metadata as JSON")
+    p.add_argument("--check", action="store_true",
+                   help="with --format hf: load the folder with transformers and compare the logits of a prompt with "
+                        "hybrid_lm's (the relative error printed; exit 1 past --check-bound). Needs torch and "
+                        "transformers")
+    p.add_argument("--check-prompt", default=None, metavar="TEXT", help="the prompt of --check (default: a sentence)")
+    p.add_argument("--check-bound", type=float, default=None, metavar="REL",
+                   help="the largest relative error --check accepts (default 1e-4)")
     p.set_defaults(fn=cmd_export)
 
 

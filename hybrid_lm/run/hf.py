@@ -649,6 +649,10 @@ class HFCheckpoint:
         backend takes it; an export's own seq_len), and ``TrainConfig.init_from`` = :attr:`identity`
         (so the run id names the weights)."""
         model = self.model_config()  # checks model_type first
+        if not getattr(self, "_headers_checked", False):  # the headers' shapes before the weights are hashed
+            from hybrid_lm.model.accounting import abstract_params
+            self.check_tensors(abstract_params(model))
+            self._headers_checked = True
         data = (self.record or {}).get("data") or {}
         seq_len = int(data.get("seq_len") or _get(self.hf, self.family, "max_position_embeddings"))
         return Config(model=model, data=DataConfig(tokenizer=self.tokenizer_spec(), seq_len=seq_len),
@@ -669,7 +673,27 @@ class HFCheckpoint:
         if extra:
             raise ConfigError(f"{self.spec}: tensors hybrid_lm cannot express: {', '.join(extra[:3])}"
                               + (f" (and {len(extra) - 3} more)" if len(extra) > 3 else ""))
+        self._check_header_shapes(want)
         return want
+
+    def _check_header_shapes(self, want: dict) -> None:
+        """Each tensor's shape in the safetensors headers against what config.json needs, before any tensor
+        is read (a header may declare any size: reading it first could take the machine's memory)."""
+        from safetensors import safe_open
+
+        need = {hf: hf_shape(layout, shape) for hf, (_, layout, shape) in want.items()}
+        if "lm_head.weight" in self.weight_map and "lm_head.weight" not in need:  # a tied head, saved as well
+            need["lm_head.weight"] = need.get("model.embed_tokens.weight")
+        for file in sorted(set(self.weight_map.values())):
+            try:
+                with safe_open(str(self.dir / file), framework="np") as f:  # reads the header only
+                    shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys() if need.get(k) is not None}
+            except Exception as e:  # safetensors raises its own error types for a bad header
+                raise ConfigError(f"{self.dir / file}: not a safetensors file ({str(e).splitlines()[0][:200]})") from None
+            for k, shape in shapes.items():
+                if self.weight_map.get(k) == file and shape != tuple(need[k]):
+                    raise ConfigError(f"{self.spec}: tensor {k} has shape {list(shape)} in {file}'s header, the "
+                                      f"config needs {list(need[k])} (config.json and the weights disagree)")
 
     def read_params(self, abstract, shardings=None):
         """The parameters in hybrid_lm's layout, cast to ``abstract``'s dtypes: numpy arrays, or with

@@ -9,8 +9,9 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 from pathlib import Path
+
+from hybrid_lm.files import atomic_savefig, cut_torn_tail, named, read_jsonl
 
 log = logging.getLogger(__name__)
 
@@ -46,47 +47,20 @@ class MetricsWriter:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if self.path.exists():
-            _drop_torn_tail(self.path)
+            cut_torn_tail(self.path)
         self._fh = self.path.open("a", buffering=1)  # line-buffered: a kill loses at most one row
 
     def write(self, row: dict) -> None:
-        self._fh.write(json.dumps(clean_row(row)) + "\n")
+        try:
+            self._fh.write(json.dumps(clean_row(row)) + "\n")
+        except OSError as e:  # a full disk: the error names the file
+            err = named(e, self.path)
+            if err is e:
+                raise
+            raise err from e
 
     def close(self) -> None:
         self._fh.close()
-
-
-def _drop_torn_tail(path: Path, chunk: int = 1 << 16) -> None:
-    """A file not ending in a newline ends in a row torn by a kill: cut it off, so the next row starts its
-    own line (a tail that is a whole row, missing only its newline, gets the newline instead)."""
-    with path.open("r+b") as fh:
-        end = fh.seek(0, os.SEEK_END)
-        if end == 0:
-            return
-        fh.seek(end - 1)
-        if fh.read(1) == b"\n":
-            return
-        start = end
-        while start > 0:  # the last newline, searched backwards a chunk at a time
-            lo = max(0, start - chunk)
-            fh.seek(lo)
-            nl = fh.read(start - lo).rfind(b"\n")
-            if nl >= 0:
-                start = lo + nl + 1
-                break
-            start = lo
-        fh.seek(start)
-        tail = fh.read()
-        try:
-            whole = isinstance(json.loads(tail), dict)
-        except ValueError:
-            whole = False
-        if whole:
-            fh.write(b"\n")
-            return
-        fh.truncate(start)
-    log.warning("%s: dropped a torn last line, %d bytes: %r", path, end - start,
-                tail[:60] + (b"..." if len(tail) > 60 else b""))
 
 
 _NONFINITE = ("nan", "inf", "-inf")  # how older versions wrote a non-finite value
@@ -109,19 +83,13 @@ def _read_row(r: dict) -> dict:
 
 def read_metrics(path: Path, kind: str | None = None) -> list[dict]:
     """Rows sorted by step, keeping the last row written for each (kind, step). A non-finite value is
-    ``None`` (the row has ``"nonfinite": true``)."""
+    ``None`` (the row has ``"nonfinite": true``); a torn line is skipped with one warning."""
     rows: dict[tuple, dict] = {}
-    with Path(path).open() as fh:
-        for line in fh:
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                r = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a row torn by a kill
-            if kind is None or r.get("kind") == kind:
-                rows[(r.get("kind"), r["step"])] = _read_row(r)
+    if not Path(path).exists():
+        raise FileNotFoundError(f"{path} does not exist")
+    for r in read_jsonl(path):  # a row torn by a kill is skipped with one warning
+        if kind is None or r.get("kind") == kind:
+            rows[(r.get("kind"), r["step"])] = _read_row(r)
     return [rows[k] for k in sorted(rows, key=lambda k: (str(k[0]), k[1]))]
 
 
@@ -191,8 +159,10 @@ def plot_loss_curve(metrics_path: Path, out_png: Path, title: str = "") -> Path:
     import matplotlib.pyplot as plt  # plots only (a slow import)
 
     fig = loss_curve_figure(metrics_path, title)
-    fig.savefig(out_png, dpi=120)
-    plt.close(fig)
+    try:
+        atomic_savefig(fig, out_png, dpi=120)  # a kill or a full disk leaves the old figure whole
+    finally:
+        plt.close(fig)
     return out_png
 
 

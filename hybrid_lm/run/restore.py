@@ -19,7 +19,6 @@ config comes from ``config.json`` and its one set of weights (step 0) from its s
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import time
 from pathlib import Path
@@ -29,11 +28,13 @@ import jax
 from hybrid_lm import sharding as shd
 from hybrid_lm.backends import recorded_backends
 from hybrid_lm.config import Config
+from hybrid_lm.data.identity import data_label
 from hybrid_lm.data.pipeline import DataStreams
 from hybrid_lm.data.tokenizer import get_tokenizer
 from hybrid_lm.experiment import run_id
 from hybrid_lm.run.directory import checkpoint_dir, eval_rows_path, load_run_config, metrics_path
 from hybrid_lm.errors import ConfigError, DataError, WorkdirError
+from hybrid_lm.files import append_jsonl
 from hybrid_lm.run import loss
 from hybrid_lm.run.checkpoint import Checkpointer, abstract_with_shardings
 from hybrid_lm.run.hf import HFCheckpoint, hf_folder
@@ -42,6 +43,27 @@ from hybrid_lm.run.swap import SwapError, describe, parse_swap, swapped_config
 from hybrid_lm.step import ModelFns, make_eval_step
 
 log = logging.getLogger(__name__)
+
+
+EMBEDDED = "embedded"  # --data embedded: the embedded essays, asked for by name
+
+
+def scored_on(d) -> str:
+    """What an eval row's loss was computed on: the data (``data.identity.data_label``), its val split and a
+    tokenizer other than bytes."""
+    return f"{data_label(d)} val split" + (f", tokenizer {d.tokenizer}" if d.tokenizer != "byte" else "")
+
+
+def check_data_choice(spec, data) -> None:
+    """A Hugging Face folder that brings its own tokenizer has no data of its own: scoring it without ``--data``
+    would give the embedded essays through that tokenizer, which it was not trained on (``ConfigError``)."""
+    folder = hf_folder(spec)
+    if data is not None or folder is None:
+        return
+    if (folder / "tokenizer.json").is_file() or (folder / "tokenizer.model").is_file():
+        raise ConfigError(f"{spec} brings its own tokenizer and no data: say what to score it on, --data STORE (a "
+                          f"token store prepared with that tokenizer: `hybrid-lm data prepare --tokenizer {folder} "
+                          "--out STORE ...`) or --data embedded (the embedded essays through its tokenizer)")
 
 
 class RestoredRun:
@@ -131,16 +153,19 @@ class RestoredRun:
     def record(self, row: dict) -> None:
         """Append ``row`` to ``<workdir>/eval.jsonl`` (process 0 only)."""
         if jax.process_index() == 0:
-            with eval_rows_path(self.workdir).open("a") as fh:
-                fh.write(json.dumps(row) + "\n")
+            append_jsonl(eval_rows_path(self.workdir), [row])  # after cutting a torn last line
 
     # ------------------------------------------------------------------------- the trainer's eval
 
     def with_data(self, cfg: Config, store: str | Path | None) -> Config:
         """``cfg`` reading its eval windows from the prepared token ``store`` (its val split) instead of
-        the run's data; the store must be tokenised with the run's tokenizer (checked when opened)."""
+        the run's data (``"embedded"``: the embedded essays, through the run's tokenizer); the store must be
+        tokenised with the run's tokenizer (checked when opened)."""
         if store is None:
             return cfg
+        if str(store) == EMBEDDED:
+            return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, source="embedded", path=None,
+                                                                     mixture=()))
         path = Path(store)
         if not (path / "manifest.json").is_file():
             raise DataError(f"--data {store}: no prepared token store there (manifest.json missing); build one "
@@ -182,7 +207,9 @@ class RestoredRun:
                "swaps": [s.spec or s.to_dict() for s in swaps], "horizon": horizon,
                "sinks": sinks if horizon is not None else None,
                "seq_len": data.seq_len, "trained_seq_len": self.cfg.data.seq_len, "eval_windows": n,
-               "data": data.path if data.path != self.cfg.data.path or data.source != self.cfg.data.source else None,
+               "data": (EMBEDDED if data.source == "embedded" and not data.path else data.path)
+               if data.path != self.cfg.data.path or data.source != self.cfg.data.source else None,
+               "scored_on": scored_on(data),
                "loss": ce, "loss_se": metrics["loss_se"], "bpb": metrics["bpb"], "bpb_se": metrics["bpb_se"],
                "layer_types": "".join(model.layer_types()), "mixers": describe(model),
                "trained_mixers": describe(self.cfg.model), "attention_impl": model.attention_impl,

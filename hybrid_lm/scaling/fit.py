@@ -1046,7 +1046,8 @@ def fit_table(rows: list[dict], *, metric: str = "loss", form: str = "with-E", o
         out.mkdir(parents=True, exist_ok=True)
         if plots:
             doc["figures"] = write_figures(doc, groups, out, samples)
-        (out / "fit.json").write_text(json.dumps(doc, indent=2, default=_json_default))
+        from hybrid_lm.files import atomic_write_text
+        atomic_write_text(out / "fit.json", json.dumps(doc, indent=2, default=_json_default))
     return doc
 
 

@@ -47,6 +47,7 @@ import datetime as _dt
 import fcntl
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -65,7 +66,7 @@ from tqdm.auto import tqdm
 
 from hybrid_lm import sharding as shd, signals
 from hybrid_lm.errors import ConfigError, DataError, WorkdirError
-from hybrid_lm.files import atomic_write_json
+from hybrid_lm.files import atomic_write_json, atomic_write_text
 from hybrid_lm.progress import JobLines, bar_disabled
 from hybrid_lm.scaling.sweep import Job, Plan, SweepError, manifest_jobs, read_manifest, write_manifest
 from hybrid_lm.experiment import load_config, run_id
@@ -181,9 +182,7 @@ def seed_branch(root: Path, stable: Job, branch: Job) -> bool:
     src_metrics, dst_metrics = metrics_path(sdir), metrics_path(bdir)
     if src_metrics.exists() and not dst_metrics.exists():
         rows = [r for r in read_metrics(src_metrics) if r.get("step", 0) <= step]
-        with dst_metrics.open("w") as fh:
-            for r in rows:
-                fh.write(json.dumps({**r, "copied_from": stable.name}) + "\n")
+        atomic_write_text(dst_metrics, "".join(json.dumps({**r, "copied_from": stable.name}) + "\n" for r in rows))
     _atomic_json(bdir / "branch.json", {"stable": stable.name, "step": step, "seeded_at": _now()})
     return True
 
@@ -512,9 +511,52 @@ def _pool(plan: Plan, todo: list[Job], gpus: list[str], summary: dict, progress:
 
 # ----------------------------------------------------------------------------- SLURM
 
+# what a value interpolated into an ``#SBATCH --flag=value`` line may hold: no space, quote, shell or control
+# character, so that it stays one option of one line (sbatch reads these lines, the shell never runs them)
+_SBATCH_VALUE = re.compile(r"[A-Za-z0-9_.,:=@%+/|\[\]-]+")
+_SLURM_INTS = ("cpus_per_task", "max_parallel", "signal_seconds")
+
+
+def check_slurm(slurm: dict, spec_name: str, root: Path) -> None:
+    """Refuse, in one line naming the key, a ``[slurm]`` value that would not stay the one ``#SBATCH`` option
+    (or the one argument) it is meant to be in the generated scripts: an injected newline, space or shell
+    character. ``setup`` is written verbatim by design (shell lines the user asks for), and must be a list of
+    strings; ``sbatch`` entries are whole ``--flag[=value]`` options, without a control character."""
+    def bad(key: str, value, why: str) -> SweepError:
+        return SweepError(f"slurm.{key} = {value!r}: {why}; it is written into the generated sbatch scripts")
+
+    for key in ("partition", "account", "qos", "time", "mem", "gpus_per_task", *_SLURM_INTS):
+        v = slurm.get(key)
+        if v is None:
+            continue
+        if key in _SLURM_INTS and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise bad(key, v, "must be a whole number of at least 1")
+        if not isinstance(v, (str, int)) or isinstance(v, bool) or not _SBATCH_VALUE.fullmatch(str(v)):
+            raise bad(key, v, "may hold only letters, digits and _.,:=@%+/|[]- (no space, quote, shell or "
+                      "control character)")
+    extra = slurm.get("sbatch", [])
+    if not isinstance(extra, list) or not all(isinstance(x, str) for x in extra):
+        raise bad("sbatch", extra, "must be a list of options, e.g. [\"--constraint=h100\"]")
+    for x in extra:
+        if not x.startswith("-") or any(c < " " or c == "\x7f" for c in x):
+            raise bad("sbatch", x, "each entry must be one --flag[=value] option without a control character")
+    setup = slurm.get("setup", [])
+    if not isinstance(setup, list) or not all(isinstance(x, str) for x in setup):
+        raise bad("setup", setup, "must be a list of shell lines (written verbatim)")
+    py = slurm.get("python")
+    if py is not None and (not isinstance(py, str) or any(c < " " for c in py)):
+        raise bad("python", py, "must be a path without a control character")
+    for what, v in (("the sweep name", spec_name), ("the sweep root", str(root))):
+        if any(c.isspace() or c < " " for c in v):
+            raise SweepError(f"{what} {v!r} holds a space or a control character, which the generated sbatch "
+                             "scripts' #SBATCH lines cannot hold; choose another")
+
+
 def write_slurm(plan: Plan, only: str | None = None, submit: bool = True, python: str | None = None) -> dict:
-    """Write phase-1/phase-2 job-array scripts and submit.sh; submit them if asked and sbatch exists."""
+    """Write phase-1/phase-2 job-array scripts and submit.sh; submit them if asked and sbatch exists. Every
+    ``[slurm]`` value is checked first (:func:`check_slurm`): nothing is written for a bad one."""
     root = plan.root.resolve()
+    check_slurm(plan.spec.slurm, plan.spec.name, root)
     write_manifest(plan)
     by_name = {j.name: j for j in plan.jobs}
     jobs = [j for j in select_jobs(plan.jobs, only) if not is_done(plan.root, j, by_name)]
@@ -527,8 +569,8 @@ def write_slurm(plan: Plan, only: str | None = None, submit: bool = True, python
     s = plan.spec.slurm
     py = python or s.get("python") or sys.executable
     out = {"dir": str(sd), "phase1": len(p1), "phase2": len(p2), "scripts": [], "submitted": None}
-    (sd / "phase1.txt").write_text("".join(n + "\n" for n in p1))
-    (sd / "phase2.txt").write_text("".join(n + "\n" for n in p2))
+    atomic_write_text(sd / "phase1.txt", "".join(n + "\n" for n in p1))
+    atomic_write_text(sd / "phase2.txt", "".join(n + "\n" for n in p2))
     # branches grouped by their stable run: each group waits for that run's phase-1 task only
     groups: dict[str, list[str]] = {}
     for n in p2:
@@ -539,7 +581,7 @@ def write_slurm(plan: Plan, only: str | None = None, submit: bool = True, python
         arrays.append((f"branches-{k}", f"branches-{k}", names, after))
     for file, phase, names, _ in arrays:
         path = sd / f"{file}.sbatch"
-        path.write_text(_sbatch_script(plan, phase, names, py, root))
+        atomic_write_text(path, _sbatch_script(plan, phase, names, py, root))
         path.chmod(0o755)
         out["scripts"].append(str(path))
     submit_sh = sd / "submit.sh"
@@ -552,10 +594,10 @@ def write_slurm(plan: Plan, only: str | None = None, submit: bool = True, python
         dep = f"--dependency=afterany:${{P1}}_{after} " if after is not None else ""
         stable = by_name[names[0]].branch_from["run"]
         lines += [f"B=$(sbatch --parsable {dep}{file}.sbatch)",
-                  f'echo "{file} ${{B%%;*}}: {len(names)} branch(es) of {stable}"']
+                  f'echo "{file} ${{B%%;*}}: {len(names)} branch(es) of "{shlex.quote(stable)}']
     if not arrays:
         lines += ['echo "nothing to submit: every job is done"']
-    submit_sh.write_text("\n".join(lines) + "\n")
+    atomic_write_text(submit_sh, "\n".join(lines) + "\n")
     submit_sh.chmod(0o755)
     out["submit_sh"] = str(submit_sh)
     if submit and (p1 or p2):

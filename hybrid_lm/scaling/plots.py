@@ -157,8 +157,12 @@ def plot_frontier(doc: dict, data: dict, path: Path) -> Path:
 
 
 def _save(fig, path: Path) -> Path:
-    fig.savefig(path, dpi=130)
-    _plt().close(fig)
+    from hybrid_lm.files import atomic_savefig
+
+    try:
+        atomic_savefig(fig, path, dpi=130)
+    finally:
+        _plt().close(fig)
     return path
 
 

@@ -227,5 +227,6 @@ def write_report(fit_json: str | Path, out: str | Path | None = None, sweep_root
         lines += sweep_section(Path(sweep_root))
     for doc in docs:
         lines += fits_section(doc, fit_json.parent, out.parent)
-    out.write_text("\n".join(lines) + "\n")
+    from hybrid_lm.files import atomic_write_text
+    atomic_write_text(out, "\n".join(lines) + "\n")
     return out

@@ -27,6 +27,7 @@ from hybrid_lm.optional import optional_import
 from hybrid_lm.run.directory import metrics_path
 from hybrid_lm.run.metrics import MetricsWriter, plot_loss_curve, read_metrics
 from hybrid_lm.experiment import config_record, run_id
+from hybrid_lm.data.identity import data_label
 
 if TYPE_CHECKING:
     from hybrid_lm.data.pipeline import DataStreams
@@ -246,7 +247,7 @@ def startup_summary(cfg: Config, data: DataStreams, mesh) -> list[str]:
     if any(mc.kind in ("mamba2", "gdn") for mc in (m.full, m.efficient)):
         lines.append("backend  short convs' backward: {} ({})".format(*backends.conv_kernel_backend()))
     train_tokens = data.meta.get("train_tokens")
-    lines += [f"data     {cfg.data.source}: " + (f"{train_tokens:,} train tokens, " if train_tokens else "")
+    lines += [f"data     {data_label(cfg.data)}: " + (f"{train_tokens:,} train tokens, " if train_tokens else "")
               + f"{data.n_train_windows:,} train windows of {cfg.data.seq_len} tokens, "
               f"{len(data.eval_tokens)} eval windows; {cfg.train.global_batch} x {cfg.data.seq_len} tokens/step",
               f"mesh     {dict(mesh.shape)} on {mesh.devices.size} {jax.default_backend()} device(s), "

@@ -40,9 +40,11 @@ from hybrid_lm.train import distributed
 from hybrid_lm import sharding as shd
 from hybrid_lm.train import continued, nonfinite
 from hybrid_lm import signals
-from hybrid_lm.run.checkpoint import Checkpointer, abstract_with_shardings, params_fingerprint
+from hybrid_lm.run.checkpoint import (Checkpointer, abstract_with_shardings, committed_path, params_fingerprint,
+                                      read_committed)
 from hybrid_lm.train.continued import InitSource
 from hybrid_lm.lock import workdir_lock
+from hybrid_lm.train.memory import check_step_fits
 from hybrid_lm.train.logger import StepLogger, check_extras, startup_summary
 from hybrid_lm.train.nonfinite import NonFiniteError  # noqa: F401  (raised by train(); part of its API)
 from hybrid_lm.train.optim import optimizer_for_bounds, wsd_bounds
@@ -135,6 +137,7 @@ def init_or_restore(cfg: Config, prog: Program, ckpt: Checkpointer, source: Init
             return prog.start(continued.source_params(source, prog.fns.abstract_params, prog.state_shard["params"])), None
         return prog.init(seed), None
     state, meta = restored
+    _newest_committed_gone(ckpt, int(meta["step"]), main)
     if meta.get("run_id") not in {run_id(cfg), *accepted_run_ids(ckpt.directory.parent)}:
         log.warning("resuming a checkpoint of run %s under run id %s (forced)", meta.get("run_id"), run_id(cfg))
     return state, int(meta["step"])
@@ -156,6 +159,11 @@ def _nothing_restored(ckpt: Checkpointer, main: bool) -> None:
     elif moved:
         found = (f"{metrics if has_rows else workdir} holds {'rows' if has_rows else 'a run'} but {ckpt.directory} "
                  f"holds no checkpoint that restores (those that did not are in {corrupt}: {', '.join(moved)})")
+    elif read_committed(ckpt.directory):
+        steps = read_committed(ckpt.directory)
+        found = (f"its committed checkpoints (steps {', '.join(map(str, steps))}, recorded in "
+                 f"{committed_path(ckpt.directory)}) are gone from {ckpt.directory}: deleted after they were "
+                 "committed; restore them if you can")
     else:
         if has_rows:
             if main:
@@ -165,6 +173,17 @@ def _nothing_restored(ckpt: Checkpointer, main: bool) -> None:
         return
     raise WorkdirError(f"{workdir}: {found}. Not starting over silently: rerun with --restart to archive "
                        "the old metrics and checkpoints and train from step 0, or use another --workdir")
+
+
+def _newest_committed_gone(ckpt: Checkpointer, restored: int, main: bool) -> None:
+    """One warning when checkpoints recorded as committed, newer than the one restored, are gone (deleted after
+    their commit, not moved aside as corrupt)."""
+    failed = {s for s, _ in ckpt.restore_failures}
+    gone = [s for s in read_committed(ckpt.directory) if s > restored and s not in failed]
+    if gone and main:
+        log.warning("the checkpoint%s at step %s, recorded as committed in %s, %s gone from %s (deleted after the "
+                    "commit); resuming from step %d", "s" * (len(gone) > 1), ", ".join(map(str, gone)),
+                    committed_path(ckpt.directory), "are" if len(gone) > 1 else "is", ckpt.directory, restored)
 
 
 def train(cfg: Config, workdir: Path | str | None = None, *, force: bool = False, restart: bool = False,
@@ -232,6 +251,7 @@ def _train(cfg: Config, workdir: Path, force: bool, restart: bool, devices, main
     # the config and the data are checked before anything is written to the workdir (a failed start leaves
     # nothing behind); process 0 prepares the embedded corpus on first use, the others then open it
     mesh = shd.make_mesh(cfg.mesh, devices)
+    check_step_fits(cfg, mesh)  # a global batch that cannot fit: one line, nothing allocated
     data = distributed.main_first(lambda: DataStreams(cfg), "data ready")
     prog = build_program(cfg, mesh)
     with workdir_lock(workdir, enabled=main):
@@ -276,10 +296,16 @@ def _train_steps(cfg: Config, workdir: Path, main: bool, t_start: float, source:
         out = _run_steps(cfg, prog, data, ckpt, logger, profile, flag, state, start)
         status = "stopped: non-finite" if out.halt else "preempted" if out.preempted else "finished"
         logger.closing_row(out.step, status)
-    finally:
-        profile.close()
-        logger.close()
-        ckpt.close()
+    except BaseException:
+        for close in (profile.close, logger.close, ckpt.close):  # a full disk fails these too: not the error told
+            try:
+                close()
+            except Exception as e:  # noqa: BLE001
+                log.debug("while stopping: %s", e)
+        raise
+    profile.close()
+    logger.close()
+    ckpt.close()
     if flag.signal and out.preempted is None and out.halt is None:
         out.late_signal = signal.Signals(flag.signal).name
     if out.halt is not None:
@@ -320,6 +346,7 @@ def _run_steps(cfg: Config, prog: Program, data: DataStreams, ckpt: Checkpointer
             profile.before(step)
             batch = shd.put_local_batch(data.batch(step, rows), prog.batch_shard, batch_shape)  # batch
             state, stats, guard = prog.step(state, batch, prog.bounds, guard)  # step (dispatched)
+            ckpt.check()  # a background save that failed stops the run here, not at the next save
             if step == start:
                 logger.compiled(step)  # jit compiled synchronously inside that first call
             done = step + 1

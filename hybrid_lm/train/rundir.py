@@ -22,6 +22,7 @@ from hybrid_lm.experiment import config_record, diff_experiments, run_id
 from hybrid_lm.errors import ConfigError, WorkdirError
 from hybrid_lm.files import atomic_write_json, atomic_write_text
 from hybrid_lm.lock import LOCK_NAME
+from hybrid_lm.run.checkpoint import COMMITTED
 from hybrid_lm.run.directory import (CHECKPOINTS, EVAL_ROWS, METRICS, OPERATIVE_GIN, checkpoint_dir, checkpoint_steps,
                                      config_path, metrics_path, migrate_run_config, provenance_path, write_run_config)
 from hybrid_lm.train.optim import wsd_schedule
@@ -66,7 +67,7 @@ def provenance() -> dict:
 
 # What hybrid-lm puts in a run dir before its config.json: the trainer's lock, --restart's archive, the
 # run records, a sweep job's files (scaling/launch.py: its lock and metadata, a branch's seeded checkpoint).
-_OWN_FILES = {LOCK_NAME, "archive", METRICS, CHECKPOINTS, "sweep_run.json", ".sweep.lock", "branch.json",
+_OWN_FILES = {LOCK_NAME, "archive", METRICS, CHECKPOINTS, COMMITTED, "sweep_run.json", ".sweep.lock", "branch.json",
               "sweep_error.txt", "sweep_done.json"}
 
 
@@ -88,7 +89,7 @@ def prepare_run_dir(cfg: Config, workdir: Path, force: bool = False, init_record
     if cfg.train.init_from:
         kept = recorded_init_source(workdir)
         prov["init_from"] = kept if kept and kept.get("identity") == cfg.train.init_from else init_record
-    new = config_record(cfg)
+    new = config_record(absolute_data_paths(cfg))  # readable from any directory (eval elsewhere)
     previous: list[str] = []
     if cfg_path.exists():
         old = migrate_run_config(workdir)
@@ -113,6 +114,22 @@ def prepare_run_dir(cfg: Config, workdir: Path, force: bool = False, init_record
     atomic_write_text(workdir / OPERATIVE_GIN, operative_gin())
     atomic_write_json(provenance_path(workdir), prov, indent=2)
     return workdir
+
+
+def absolute_data_paths(cfg: Config) -> Config:
+    """``cfg`` with its relative data paths (the store, the mixture's stores, a tokenizer file) made absolute,
+    as config.json records them: they were relative to the directory the run was started in. The run id is
+    the same (the data is identified by content)."""
+    import dataclasses
+
+    def absolute(p):
+        return str(Path(p).expanduser().resolve()) if p and not Path(p).expanduser().is_absolute() else p
+
+    d = cfg.data
+    tokenizer = absolute(d.tokenizer) if d.tokenizer != "byte" and Path(d.tokenizer).expanduser().exists() else d.tokenizer
+    mixture = tuple((absolute(p), w) for p, w in d.mixture) if d.mixture else d.mixture
+    return dataclasses.replace(cfg, data=dataclasses.replace(d, path=absolute(d.path), tokenizer=tokenizer,
+                                                             mixture=mixture))
 
 
 def has_trained(workdir: Path) -> bool:
@@ -146,7 +163,7 @@ def check_run_length(workdir: Path, old_steps: int | None, cfg: Config) -> None:
                         old_steps, steps, at, last, at - 1, nxt)
 
 
-_RUN_RECORDS = (METRICS, CHECKPOINTS, "loss_curve.png", EVAL_ROWS, "tb", "wandb_id", "profile")
+_RUN_RECORDS = (METRICS, CHECKPOINTS, COMMITTED, "loss_curve.png", EVAL_ROWS, "tb", "wandb_id", "profile")
 RECORDS_BESIDE_CHECKPOINTS = tuple(n for n in _RUN_RECORDS if n != CHECKPOINTS)  # a run that never saved
 
 

@@ -129,3 +129,56 @@ def test_the_eval_suite_ruler_and_longppl_on_the_folder(run_and_folder, tmp_path
     assert [r["task"] for r in json.loads(capsys.readouterr().out)["rows"]] == ["ruler/niah_single"]
     assert main(["longppl", f"hf:{folder}", "--no-record", "--json"] + longppl) == 0
     assert json.loads(capsys.readouterr().out)["checkpoint_step"] == 0
+
+
+def test_every_reported_loss_names_its_data_and_a_folder_with_its_own_tokenizer_needs_a_choice(
+        run_and_folder, tmp_path, capsys):
+    """``eval`` prints and records what it scored. A folder that brings its own tokenizer has no data of its
+    own: ``eval hf:DIR`` without ``--data`` refuses in one line (the embedded essays through its tokenizer
+    compare with nothing it was trained on) and ``--data embedded`` asks for them explicitly."""
+    from hf_families import random_params, tiny_model
+    from hybrid_lm.data.sources import embedded_documents
+    from hybrid_lm.data.tokenizer import train_bpe
+    from hybrid_lm.run.hf import write_hf_folder
+
+    run, _ = run_and_folder
+    assert main(["eval", str(run), "--no-record"]) == 0
+    assert "on embedded val split" in capsys.readouterr().out
+    tok = train_bpe(iter(t for _, t in embedded_documents()[:20]), 300, tmp_path / "tok")
+    model = tiny_model("llama")  # vocabulary 320
+    out = tmp_path / "hf"
+    out.mkdir()
+    write_hf_folder(out, model, random_params(model), tokenizer=str(tok), seq_len=32)
+    assert (out / "tokenizer.json").is_file()
+    capsys.readouterr()
+    for args in ([], ["--tasks", "loss"]):
+        assert main(["eval", f"hf:{out}", "--no-record", *args]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "its own tokenizer" in err[0] and "--data STORE" in err[0] \
+            and "--data embedded" in err[0], err
+    assert main(["eval", f"hf:{out}", "--data", "embedded", "--eval-windows", "8", "--no-record", "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    assert row["scored_on"] == f"embedded val split, tokenizer {out}" and np.isfinite(row["loss"])
+
+
+def test_export_check_compares_logits_through_transformers(run_and_folder, tmp_path, capsys):
+    """``export --format hf --check``: the logits of a prompt through transformers against hybrid_lm's, the
+    relative error printed, exit 1 past the bound. Where torch or transformers does not import, the check is
+    refused in one line before anything is written, and only that case skips."""
+    import importlib.util
+
+    run, _ = run_and_folder
+    out = tmp_path / "checked"
+    rc = main(["export", str(run), "--format", "hf", "--out", str(out), "--check"])
+    cap = capsys.readouterr()
+    if importlib.util.find_spec("torch") is None or importlib.util.find_spec("transformers") is None:
+        err = cap.err.strip().splitlines()
+        assert rc == 2 and len(err) == 1 and "--check needs torch and transformers" in err[0], cap.err
+        assert not out.exists()
+        pytest.skip("torch or transformers does not import here: --check said so in one line")
+    assert rc == 0, cap.err[-2000:]
+    line = next(x for x in cap.out.splitlines() if x.startswith("check "))
+    assert "MinistralForCausalLM" in line and "rel err" in line and line.endswith("OK"), line
+    assert main(["export", str(run), "--format", "hf", "--out", str(tmp_path / "again"), "--check",
+                 "--check-bound", "0"]) == 1
+    assert "past the bound" in capsys.readouterr().out

@@ -1,6 +1,6 @@
 """docs/MIXERS.md's mixer template, registered from outside the package: copied out of the page into
 a module of its own, selected by a gin file that imports it, trained 2 steps, then evaluated by a
-fresh process that finds the mixer again through the module recorded in config.json."""
+fresh process that imports the module recorded in config.json once the user names it (--mixer-module)."""
 
 import json
 import os
@@ -38,13 +38,16 @@ def test_the_template_trains_from_outside_the_package(tmp_path, monkeypatch):
     record = json.loads((work / "config.json").read_text())
     assert record["mixer_modules"] == ["token_shift"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
-    out = subprocess.run([sys.executable, "-m", "hybrid_lm.cli", "eval", str(work), "--json", "--no-record"],
-                         capture_output=True, text=True, env=env, timeout=600)
+    out = subprocess.run([sys.executable, "-m", "hybrid_lm.cli", "eval", str(work), "--no-record"],
+                         capture_output=True, text=True, env=env, timeout=600)  # not named: not imported
+    assert out.returncode == 2 and "--mixer-module token_shift" in out.stderr.strip().splitlines()[-1]
+    out = subprocess.run([sys.executable, "-m", "hybrid_lm.cli", "--mixer-module", "token_shift", "eval", str(work),
+                          "--json", "--no-record"], capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout)["step"] == 2
     env["PYTHONPATH"] = os.environ.get("PYTHONPATH", "")  # the module gone: one line naming it
-    out = subprocess.run([sys.executable, "-m", "hybrid_lm.cli", "eval", str(work), "--no-record"],
-                         capture_output=True, text=True, env=env, timeout=600)
+    out = subprocess.run([sys.executable, "-m", "hybrid_lm.cli", "--mixer-module", "token_shift", "eval", str(work),
+                          "--no-record"], capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 2 and "module 'token_shift', which does not import" in out.stderr.strip().splitlines()[-1]
 
 
