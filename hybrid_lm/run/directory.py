@@ -118,13 +118,11 @@ def load_run_config(workdir: Path | str) -> Config:
     path = config_path(workdir)
     if not path.exists():
         raise FileNotFoundError(f"{workdir} is not a run directory: no config.json")
-    cfg = read_fields_only(read_run_config(path)[1])
-    check_recorded_paths(cfg, path)
-    return cfg
+    return read_fields_only(read_run_config(path)[1])
 
 
 def check_recorded_paths(cfg: Config, where: Path) -> None:
-    """A relative data path in a run's config.json (runs record absolute ones) resolves against the directory the
+    """(Called where a restored run's data is opened; reading its config needs none.) A relative data path in a run's config.json (runs record absolute ones) resolves against the directory the
     run was started in, not necessarily this one: say so in one line when it does not resolve here."""
     d = cfg.data
     named = [("DataConfig.path", d.path), *[("DataConfig.mixture", p) for p, _ in d.mixture or ()]]

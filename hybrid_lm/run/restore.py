@@ -32,7 +32,8 @@ from hybrid_lm.data.identity import data_label
 from hybrid_lm.data.pipeline import DataStreams
 from hybrid_lm.data.tokenizer import get_tokenizer
 from hybrid_lm.experiment import run_id
-from hybrid_lm.run.directory import checkpoint_dir, eval_rows_path, load_run_config, metrics_path
+from hybrid_lm.run.directory import (check_recorded_paths, checkpoint_dir, config_path, eval_rows_path, load_run_config,
+                                     metrics_path)
 from hybrid_lm.errors import ConfigError, DataError, WorkdirError
 from hybrid_lm.files import append_jsonl
 from hybrid_lm.run import loss
@@ -139,6 +140,8 @@ class RestoredRun:
         d = cfg.data
         key = (d.seq_len, d.eval_windows, d.source, d.path, tuple(map(tuple, d.mixture or ())))
         if key not in self._streams:
+            if self.hf is None:
+                check_recorded_paths(cfg, config_path(self.workdir))
             self._streams[key] = DataStreams(cfg)
         return self._streams[key]
 

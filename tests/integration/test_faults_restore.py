@@ -12,6 +12,7 @@ import jax
 import numpy as np
 import pytest
 
+from hybrid_lm.run.directory import load_run_config
 from hybrid_lm.errors import WorkdirError
 from hybrid_lm.lock import WorkdirLock
 from resume_check import make_unwritable
@@ -444,5 +445,6 @@ def test_relative_data_paths_are_recorded_absolute_and_an_old_relative_one_is_na
     (tmp_path / "run" / "config.json").write_text(json.dumps(record))
     with pytest.raises(WorkdirError, match=r"DataConfig.path='store', a path relative to the directory the run was "
                                            r"started in: .*elsewhere/store does not exist") as e:
-        RestoredRun(tmp_path / "run")
+        RestoredRun(tmp_path / "run").streams()  # when its data is opened: judging its rows needs none
     assert "\n" not in str(e.value)
+    assert load_run_config(tmp_path / "run").data.path == "store"

@@ -171,6 +171,10 @@ def test_tiny_study_in_parts(tmp_path, capsys):
     # the results files alone (no checkpoints/, as docs/results/study): --no-eval judges the same
     copy = tmp_path / "results_only"
     shutil.copytree(root, copy, ignore=shutil.ignore_patterns("checkpoints"))
+    for cfg_file in copy.glob("*/config.json"):  # a store recorded where the runs trained, absent here
+        record = json.loads(cfg_file.read_text())
+        record["data"].update(source="tokens", path="data_cache/study/store")
+        cfg_file.write_text(json.dumps(record))
     assert main(["claims", str(copy), "--claims-file", str(claims_file), "--no-eval"]) == 0
     again = json.loads((copy / "claims.json").read_text())
     assert {k: c["verdict"] for k, c in again["claims"].items()} == {k: c["verdict"] for k, c in doc["claims"].items()}
