@@ -167,7 +167,7 @@ def test_result_file_is_overwritten_and_names_its_command(tmp_path):
 
 
 def test_gpu_scripts_parse():
-    for script in ("gpu.sh", "study.sh", "wheels.sh"):
+    for script in ("gpu.sh", "study.sh", "wheels.sh", "determinism.sh"):
         assert subprocess.run(["bash", "-n", str(EXPERIMENTS / script)]).returncode == 0, script
 
 
