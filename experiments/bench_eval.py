@@ -69,7 +69,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--keep", default=None, metavar="DIR", help="train into DIR and keep it (default: a temporary "
                                                                 "directory, removed at the end)")
     ap.add_argument("--train-only", action="store_true",
-                    help="with --keep: train and stop (time the suite later with --run DIR, e.g. in another call)")
+                    help="with --keep: train and stop (time the suite later with --run DIR)")
     ap.add_argument("--seq-len", type=int, default=16384)
     ap.add_argument("--global-batch", type=int, default=8)
     args = ap.parse_args(argv)

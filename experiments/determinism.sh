@@ -14,7 +14,7 @@
 set -u
 cd "$(dirname "$0")/.."
 PY=${PY:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
-if [ "$PY" = python3 ]; then source experiments/wheels.sh; use_carried_wheels || exit 1
+if [ "$PY" = python3 ]; then source experiments/wheels.sh; use_wheels || exit 1
 else export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}; fi
 export PYTHONUNBUFFERED=1 HYBRID_LM_COMPILATION_CACHE=off
 ROOT=${DETERMINISM_ROOT:-/tmp/determinism}

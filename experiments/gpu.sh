@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The benchmarks and the GPU tests on one GPU machine, each mode inside 10 minutes. From the repo root:
+# The benchmarks and the GPU tests on one GPU, each mode within a time budget (GPU_SH_SECONDS, default 575 s).
+# From the repo root:
 #
 #   bash experiments/gpu.sh readme              # the README's table: S5 train step x 9 archs + the anchor GPT,
 #                                               # decoding at 128K; then docs/BENCHMARKS.md and the README block
@@ -9,16 +10,16 @@
 #   bash experiments/gpu.sh test [PATHS...]     # pytest tests/gpu (or PATHS): the kernels' checks against their references
 #
 # NAMES: attention sparse mixers kernels decode eval data. Results: experiments/results/<device>/<bench>.json,
-# copied to $OUT/results/<device>/ (the log to $OUT/<mode>.log) when $OUT is set. Wheels carried in .whl/
+# also copied to $OUT/results/<device>/ (the log to $OUT/<mode>.log) when OUT=DIR is set. Wheels in .whl/
 # (beside or inside the repo; experiments/gpu_wheels.txt lists them and the command that downloads them)
-# are installed into /tmp/site first; without them the installed jax is used.
+# are installed into /tmp/site first where their packages are missing; without them the installed jax is used.
 set -u
 cd "$(dirname "$0")/.."
 MODE=${1:-readme}
 shift || true
-END=${GPU_SH_SECONDS:-575}   # seconds this call may take (the device machine stops a command at 600)
+END=${GPU_SH_SECONDS:-575}   # seconds the whole mode may take: each benchmark's timeout is cut to what is left
 source experiments/wheels.sh
-use_carried_wheels || exit 1
+use_wheels || exit 1
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 HYBRID_LM_COMPILATION_CACHE=off
 unset JAX_COMPILATION_CACHE_DIR
 PY=${PY:-python3}
@@ -47,7 +48,7 @@ collect() {
 
 case "$MODE" in
   readme)
-    # compiles overlap (10 at once), the deadline keeps the timings inside the call; decoding gets the rest
+    # compiles overlap (10 at once), the deadline keeps the timings inside the budget; decoding gets the rest
     run train 400 --scale s5 --arch full,swa,sa,sa_swa,lightning,mamba2,gdn,moba,ssa --batch rule --anchor-batch 4 \
       --steps 3 --compile-workers 10 --deadline 380
     run decode 170 --layer-contexts none --model-contexts 131072 --deadline $(( $(left) - 40 ))
@@ -63,10 +64,10 @@ case "$MODE" in
         mixers) run mixers 120 ;;
         kernels) run kernels 90 ;;
         decode) run decode 240 --deadline 150 ;;
-        eval)  # the run stays on the machine
+        eval)  # the run stays in /tmp/eval_s1
           rm -rf /tmp/eval_s1
           run eval 570 --keep /tmp/eval_s1
-          # one archive: the device machine returns at most 8 files, and the result JSONs must fit beside it
+          # the run's eval rows and plots, as one archive beside the result JSONs
           [ -n "${OUT:-}" ] && tar -czf "$OUT/eval_s1.tar.gz" -C /tmp/eval_s1 eval.jsonl eval 2>/dev/null
           ;;
         data) run data 200 ;;
@@ -78,8 +79,8 @@ case "$MODE" in
     ;;
   test)
     # tests/conftest.py defaults the suite to the CPU and to XLA without its optimisations: not here.
-    # PATHS (default tests/gpu): the whole suite compiles for longer than one 10-minute call, so split it,
-    # e.g. `test tests/gpu/test_gpu_attention.py`, then the other files.
+    # PATHS (default tests/gpu): the whole suite compiles for longer than the default budget: raise
+    # GPU_SH_SECONDS, or split it, e.g. `test tests/gpu/test_gpu_attention.py`, then the other files.
     JAX_PLATFORMS=cuda,cpu JAX_DISABLE_MOST_OPTIMIZATIONS=0 timeout "$(left)" \
       $PY -m pytest -q -p no:cacheprovider -m gpu -rs ${*:-tests/gpu} 2>&1 | quiet
     ;;

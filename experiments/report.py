@@ -224,7 +224,7 @@ def render_eval(doc) -> list[str]:
     what = (f"a run trained here ({train['steps']} steps{', ' + train['scale'].upper() if train.get('scale') else ''})"
             if train else "a given run")
     out = [f"`hybrid-lm eval` on the latest checkpoint (step {doc.get('checkpoint_step')}) of {what}, "
-           f"task settings {'`' + ' '.join(doc['eval_args']) + '`' if doc.get('eval_args') else 'the tasks defaults (the papers)'}; `all` is the whole call (restore, compiles, "
+           f"task settings {'`' + ' '.join(doc['eval_args']) + '`' if doc.get('eval_args') else 'the tasks defaults (the papers)'}; `all` is the whole command (restore, compiles, "
            "plots).", ""]
     return out + table(["task", "seconds"], [[r["task"], f(r["wall_s"])] for r in doc["rows"]])
 
@@ -245,7 +245,7 @@ def render_data(doc) -> list[str]:
 def render_determinism(doc) -> list[str]:
     out = [f"S1, T = 4096, 32 x 4096 tokens per step, {doc['steps']} steps, two runs per model and mode; tokens/s "
            f"the mean of the two runs' medians over steps >= {doc['from_step']}; the anchor is the same model with "
-           "XLA's default GPU ops, trained in the same call.", ""]
+           "XLA's default GPU ops, trained in the same run of the script.", ""]
     return out + table(["model", "mode", "bitwise equal", "first differing step", "tokens/s", "x default",
                         "attention"],
                        [[r["model"], r["mode"], "yes" if r["bitwise_equal"] else "no",

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The one-GPU study (docs/RESULTS.md) in parts: each call trains and evaluates the next part of
+# The one-GPU study (docs/RESULTS.md) in parts: each run of this script trains and evaluates the next part of
 # configs/sweeps/study.claims.toml's `parts` (whole arms), then judges every claim on the rows of all the
 # parts landed so far. From the repo root:
 #
@@ -16,13 +16,13 @@
 #   STUDY_LANDED=docs/results/study        the landed parts' rows
 #   STUDY_PART=N                           this part instead of the first not yet complete
 #   STUDY_SECONDS=1500                     stop starting work after this long (a part of the study takes
-#                                          10 to 22 minutes on one H100; a call keeps its last 100 s for the
+#                                          10 to 22 minutes on one H100; a run keeps its last 100 s for the
 #                                          evaluations and the archive)
 #   STUDY_STORE=DIR STUDY_TOKENIZER=TOK.json STUDY_VOCAB=V
 #                                          your own prepared store instead of the Python corpus (all three)
 #   OUT=DIR                                also write the results there (one archive: study_results.tar.gz)
 #
-# Without a .venv, wheels carried in .whl/ (beside or inside the repo) are installed into /tmp/site first, as
+# Without a .venv, wheels in .whl/ (beside or inside the repo) are installed into /tmp/site first, as
 # gpu.sh does.
 set -u
 cd "$(dirname "$0")/.."
@@ -33,7 +33,7 @@ SPEC=configs/sweeps/study.toml
 PY=${PY:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
 if [ "$PY" = python3 ]; then
   source experiments/wheels.sh
-  use_carried_wheels || exit 1
+  use_wheels || exit 1
 else
   export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 fi
@@ -83,7 +83,7 @@ print(' '.join(p[int(sys.argv[1]) - 1]))" "$PART") || { echo "no part $PART in c
 echo "== part $PART: $MEMBERS ($(left) s left)"
 JOBS=$($HLM claims "$ROOT" --claims-file configs/sweeps/study.claims.toml --part-jobs "$PART" | tail -1) || exit 1
 
-# training: stops by itself early enough to leave room for the evaluations; a later call continues it
+# training: stops by itself early enough to leave room for the evaluations; a later run continues it
 $HLM sweep "$SPEC" --launch local --root "$ROOT" --only "$JOBS" --max-minutes "$(minutes "$(left) - 480")" \
   "${EXTRA[@]}" 2>&1 | quiet
 echo "== claims: part $PART's evaluations, every landed part judged ($(left) s left)"

@@ -29,7 +29,8 @@ LAYERS = [
     {"hybrid_lm.eval"},
     {"hybrid_lm.scaling"},
     {"hybrid_lm.study"},
-    {"hybrid_lm.cli", "hybrid_lm.data.cli", "hybrid_lm.eval.cli", "hybrid_lm.scaling.cli", "hybrid_lm.study.cli"},
+    {"hybrid_lm.cli", "hybrid_lm.command", "hybrid_lm.train.cli", "hybrid_lm.data.cli", "hybrid_lm.eval.cli",
+     "hybrid_lm.scaling.cli", "hybrid_lm.study.cli"},
 ]
 
 

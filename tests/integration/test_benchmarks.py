@@ -167,7 +167,7 @@ def test_result_file_is_overwritten_and_names_its_command(tmp_path):
 
 
 def test_gpu_scripts_parse():
-    for script in ("gpu.sh", "study.sh", "wheels.sh"):
+    for script in ("gpu.sh", "study.sh", "wheels.sh", "determinism.sh"):
         assert subprocess.run(["bash", "-n", str(EXPERIMENTS / script)]).returncode == 0, script
 
 
@@ -264,39 +264,59 @@ def test_report_refuses_more_than_40_result_files(tmp_path):
         report.main(["--results", str(results), "--out", str(tmp_path / "B.md"), "--readme", "none"])
 
 
-def test_determinism_runs_become_a_result_file(tmp_path, monkeypatch, capsys):
-    """`determinism.py ROOT` summarises determinism.sh's runs (here the committed docs/results/determinism-h100):
-    bitwise equality from every logged loss and gradient norm, tokens/s against the default mode; `report.py
-    --determinism ROOT` turns the rows into <device>/determinism.json and its table."""
-    import shutil
+def _determinism_runs(root: Path) -> None:
+    """determinism.sh's runs in small: ``full`` and ``ssa``, two runs per mode, a train row every 5 steps to 60.
+    Deterministic runs repeat their numbers; the default's second run differs from step 15 (``full``) or 5
+    (``ssa``). tokens/s: 10 before step 20 (left out), then deterministic 550, default 1000 and 1200."""
+    for model, differs in (("full", 15), ("ssa", 5)):
+        for mode in ("deterministic", "default"):
+            backend = "jla" if mode == "deterministic" else "cudnn"
+            for i in (1, 2):
+                run = root / f"{model}-{mode}{i}"
+                run.mkdir(parents=True)
+                rows = [{"kind": "eval", "step": 0, "loss": 5.8}]
+                for step in range(5, 65, 5):
+                    off = 1e-3 if mode == "default" and i == 2 and step >= differs else 0.0
+                    speed = 10.0 if step < 20 else 550.0 if mode == "deterministic" else 1000.0 + 200 * (i - 1)
+                    rows.append({"kind": "train", "step": step, "loss": 4.0 - step / 100 + off, "grad_norm": 2.0,
+                                 "tokens_per_sec": speed, "attention_backends": {"full": backend}})
+                (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+                log = run / "train.log" if i == 1 else root / f"{run.name}.log"  # kept inside, or beside
+                log.write_text(f"step 0\ncompiled in {12.0 + i} s\n")
+                (run / "provenance.json").write_text(json.dumps({
+                    "device_kind": "NVIDIA H100 80GB HBM3", "packages": {"jax": "0.11.2"}, "git": {"sha": "f" * 40}}))
 
+
+def test_determinism_runs_become_a_result_file(tmp_path, monkeypatch, capsys):
+    """`determinism.py ROOT` summarises determinism.sh's runs (built here): bitwise equality from every logged
+    loss and gradient norm, tokens/s against the default mode; `report.py --determinism ROOT` turns the rows
+    into <device>/determinism.json and its table."""
     import determinism
 
-    src = ROOT / "docs" / "results" / "determinism-h100"
+    src = tmp_path / "runs"
+    _determinism_runs(src)
     rows = {(r["model"], r["mode"]): r for r in determinism.summary(src)}
-    assert {m for m, _ in rows} == {"full", "sa_swa128", "ssa"}
-    for model in ("full", "sa_swa128", "ssa"):
+    assert set(rows) == {(m, mode) for m in ("full", "ssa") for mode in ("deterministic", "default")}
+    for model, differs in (("full", 15), ("ssa", 5)):
         det, default = rows[(model, "deterministic")], rows[(model, "default")]
         assert det["bitwise_equal"] and det["first_difference"] is None and det["final_loss"][0] == det["final_loss"][1]
-        assert not default["bitwise_equal"] and default["first_difference"] is not None
-        assert det["vs_default"] == pytest.approx(det["tokens_per_sec"] / default["tokens_per_sec"])
-        assert default["vs_default"] == 1.0 and "cudnn" not in det["attention"].values()
-    assert rows[("full", "deterministic")]["compile_s"] == [13.4, 14.9]  # read from each run's train.log
+        assert not default["bitwise_equal"] and default["first_difference"] == differs
+        assert det["tokens_per_sec"] == 550.0 and default["tokens_per_sec"] == 1100.0  # steps >= 20, two runs' mean
+        assert det["vs_default"] == pytest.approx(0.5) and default["vs_default"] == 1.0
+        assert det["compile_s"] == [13.0, 14.0] and det["steps"] == 60  # read from each run's log, inside or beside
+        assert det["attention"] == {"full": "jla"}
     # a pair that differs at one logged step only is not bitwise equal, and says which step
-    work = tmp_path / "runs"
-    shutil.copytree(src, work)
-    path = work / "full-deterministic2" / "metrics.jsonl"
+    path = src / "full-deterministic2" / "metrics.jsonl"
     lines = path.read_text().splitlines()
-    i = next(k for k, line in enumerate(lines) if json.loads(line).get("step") == 30 and '"train"' in line)
+    i = next(k for k, line in enumerate(lines) if json.loads(line).get("step") == 30)
     row = json.loads(lines[i])
     row["grad_norm"] = math.nextafter(row["grad_norm"], math.inf)
-    lines[i] = json.dumps(row)
-    path.write_text("\n".join(lines) + "\n")
-    changed = {(r["model"], r["mode"]): r for r in determinism.summary(work, ["full"])}[("full", "deterministic")]
+    path.write_text("\n".join(lines[:i] + [json.dumps(row)] + lines[i + 1:]) + "\n")
+    changed = {(r["model"], r["mode"]): r for r in determinism.summary(src, ["full"])}[("full", "deterministic")]
     assert not changed["bitwise_equal"] and changed["first_difference"] == 30
-    assert determinism.main([str(work), "full"]) == 0
-    assert "full       deterministic / default tokens/s: 0.645" in capsys.readouterr().out
-    for bad in ([str(tmp_path / "none")], [str(work), "nope"], []):
+    assert determinism.main([str(src), "ssa"]) == 0
+    assert "ssa        deterministic / default tokens/s: 0.500" in capsys.readouterr().out
+    for bad in ([str(tmp_path / "none")], [str(src), "nope"], []):
         assert determinism.main(bad) == 2
         err = capsys.readouterr().err
         assert len(err.strip().splitlines()) == 1, err
@@ -305,9 +325,10 @@ def test_determinism_runs_become_a_result_file(tmp_path, monkeypatch, capsys):
     assert report.main(["--determinism", str(src), "--results", str(tmp_path / "r"), "--out", str(out),
                         "--readme", "none"]) == 0
     doc = json.loads((tmp_path / "r" / "h100" / "determinism.json").read_text())
-    assert doc["device_kind"] == "NVIDIA H100 80GB HBM3" and doc["git"] == "0eec293" and len(doc["rows"]) == 6
+    assert doc["device_kind"] == "NVIDIA H100 80GB HBM3" and doc["git"] == "0eec293" and len(doc["rows"]) == 4
+    assert doc["jax"] == "0.11.2" and doc["steps"] == 60
     md = out.read_text()
-    assert "### Deterministic GPU training: its cost" in md and "| full | deterministic | yes | — | 1,087,301 | 0.645 |" in md
+    assert "### Deterministic GPU training: its cost" in md and "| ssa | deterministic | yes | — | 550 | 0.500 |" in md
 
 
 def test_eval_cost_from_the_rows(tmp_path, capsys):

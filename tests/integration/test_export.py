@@ -116,23 +116,6 @@ def test_existing_out_and_atomic_write(run_dir, tmp_path, monkeypatch):
     assert first > 4 * n_params  # the first export held every fp32 parameter (and a header)
 
 
-@pytest.fixture
-def main_with_export(monkeypatch):
-    """``hybrid_lm.cli.main`` with ``export`` registered as ``add_eval_commands`` will register it."""
-    from hybrid_lm import cli
-    from hybrid_lm.cli import main
-
-    original = cli.add_eval_commands
-
-    def with_export(sub):
-        original(sub)
-        if "export" not in sub.choices:
-            X.add_export_command(sub)
-
-    monkeypatch.setattr(cli, "add_eval_commands", with_export)
-    return main
-
-
 def _one_line_error(main, capsys, *argv) -> str:
     rc = main(list(argv))
     err = capsys.readouterr().err
@@ -141,8 +124,9 @@ def _one_line_error(main, capsys, *argv) -> str:
     return lines[0]
 
 
-def test_cli(run_dir, tmp_path, capsys, main_with_export):
-    main = main_with_export
+def test_cli(run_dir, tmp_path, capsys):
+    from hybrid_lm.cli import main
+
     out = tmp_path / "cli"
     assert main(["export", str(run_dir), "--out", str(out), "--dtype", "bf16"]) == 0
     assert "exported step 4" in capsys.readouterr().out

@@ -105,7 +105,7 @@ def test_startup_summary_compile_time_and_first_row_speed(tiny_params, tmp_path,
 
 
 def test_order0_comparison_is_honest_about_worse_than_unigram():
-    from hybrid_lm.cli import order0_comparison
+    from hybrid_lm.train.cli import order0_comparison
 
     assert order0_comparison(3.0, 4.0) == "25.0% below the order-0 entropy"
     assert order0_comparison(6.0, 4.0).startswith("50.0% above the order-0 entropy")
