@@ -25,7 +25,7 @@ import pytest
 
 from hybrid_lm.data.tokenizer import load_tokenizer
 from hybrid_lm.eval import introspect as I
-from hybrid_lm.eval import ruler as R
+from hybrid_lm.eval import ruler_items as R
 
 BYTE = load_tokenizer("byte")
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from hybrid_lm.eval import ruler as R
+from hybrid_lm.eval import ruler_items as R
 from hybrid_lm.eval import suite
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from hybrid_lm.data.tokenizer import load_tokenizer
 from hybrid_lm.errors import ConfigError
-from hybrid_lm.eval import ruler as R
+from hybrid_lm.eval import ruler_items as R
 
 BYTE = load_tokenizer("byte")
 
@@ -454,7 +454,7 @@ def test_niah_oracle_scores_one_when_it_sees_the_needle_and_chance_when_it_canno
     """Acceptance oracles: a model that sees the needle scores 1 on NIAH (exact match and gold beats
     the distractors); one whose receptive field (the last 48 tokens) ends before every needle scores
     exact match 0 and gold-beats-distractors at chance (1/4 for niah_multikey's 3 distractors)."""
-    from hybrid_lm.eval import ruler
+    from hybrid_lm.eval import ruler_items as ruler
     from hybrid_lm.run.restore import RestoredRun
 
     oracle = _NeedleOracle(horizon)

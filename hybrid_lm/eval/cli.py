@@ -27,12 +27,12 @@ import jax
 import numpy as np
 
 from hybrid_lm.errors import ConfigError, WorkdirError
-from hybrid_lm.eval import ruler, suite
+from hybrid_lm.eval import ruler_items as ruler, suite
 from hybrid_lm.eval.generate import generate
 from hybrid_lm.eval.lm_eval_model import add_lm_eval_command
 from hybrid_lm.eval.longppl import KeyTokenRule, evaluate_longppl
 from hybrid_lm.eval.report import eval_report
-from hybrid_lm.eval.ruler import HAYSTACKS, TASKS as RULER_TASKS, parse_lengths
+from hybrid_lm.eval.ruler_items import HAYSTACKS, TASKS as RULER_TASKS, parse_lengths
 from hybrid_lm.model.registry import registered_mixers
 from hybrid_lm.run.directory import load_run_config
 from hybrid_lm.run.export import add_export_command

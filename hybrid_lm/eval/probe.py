@@ -34,7 +34,7 @@ import numpy as np
 from tqdm import tqdm
 
 from hybrid_lm.errors import ConfigError
-from hybrid_lm.eval import introspect as I, ruler as R
+from hybrid_lm.eval import introspect as I, ruler_items as R
 from hybrid_lm.experiment import run_id
 from hybrid_lm.optional import optional_import
 from hybrid_lm.progress import bar_disabled

@@ -39,13 +39,13 @@ from tqdm import tqdm
 from hybrid_lm.backends import recorded_backends
 from hybrid_lm.describe import describe_layers
 from hybrid_lm.errors import ConfigError, WorkdirError
-from hybrid_lm.eval import ruler
+from hybrid_lm.eval import ruler_items as ruler
 from hybrid_lm.eval.heads import require_attention
 from hybrid_lm.eval.introspect import PROMPTS
 from hybrid_lm.eval.longppl import (INPUTS, KeyTokenRule, MAX_TOKENS, MIN_TOKENS, check_evaluator_tokenizer,
                                     longppl_of_run)
 from hybrid_lm.eval.probe import check_samples
-from hybrid_lm.eval.ruler import check_request, format_table, tokens_seen
+from hybrid_lm.eval.ruler_items import check_request, format_table, tokens_seen
 from hybrid_lm.experiment import run_id
 from hybrid_lm.progress import bar_disabled
 from hybrid_lm.run.directory import checkpoint_steps, load_run_config, read_eval_rows, run_path
