@@ -72,7 +72,7 @@ def test_swa_prefill_then_full_answer_equals_the_dense_oracle():
 
 @pytest.mark.integration  # whole models
 def test_no_swap_equals_the_teacher_forced_answer_nll():
-    from hybrid_lm.eval.ruler_items import _answer_nll_fn
+    from hybrid_lm.eval.ruler import _answer_nll_fn
 
     cfg, fns, _, _, params, tokens = _setup()
     got = np.asarray(split_answer_nll_fn(fns, fns, cfg, cfg, SPAN)(params, tokens))

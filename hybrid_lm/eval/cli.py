@@ -27,12 +27,14 @@ import jax
 import numpy as np
 
 from hybrid_lm.errors import ConfigError, WorkdirError
-from hybrid_lm.eval import ruler_items as ruler, suite
+from hybrid_lm.eval import ruler, suite
 from hybrid_lm.eval.generate import generate
 from hybrid_lm.eval.lm_eval_model import add_lm_eval_command
 from hybrid_lm.eval.longppl import KeyTokenRule, evaluate_longppl
 from hybrid_lm.eval.report import eval_report
-from hybrid_lm.eval.ruler_items import HAYSTACKS, TASKS as RULER_TASKS, parse_lengths
+from hybrid_lm.eval.ruler import parse_lengths
+from hybrid_lm.eval.ruler_items import HAYSTACKS, TASKS as RULER_TASKS
+from hybrid_lm.eval.ruler_report import format_table
 from hybrid_lm.model.registry import registered_mixers
 from hybrid_lm.run.directory import load_run_config
 from hybrid_lm.run.export import add_export_command
@@ -189,7 +191,7 @@ def _run(args) -> int:
 def cmd_ruler(args) -> int:
     """``hybrid-lm ruler``: RULER-offline on a checkpoint; the table is printed before the rows are recorded."""
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()] if args.tasks else None
-    lengths = ruler.parse_lengths(args.lengths) if args.lengths else None
+    lengths = parse_lengths(args.lengths) if args.lengths else None
     try:
         cfg = load_run_config(args.workdir)
     except FileNotFoundError as e:
@@ -206,7 +208,7 @@ def cmd_ruler(args) -> int:
     if args.json:
         print(json.dumps({"rows": rows, "skipped": skipped}, indent=2))
     else:
-        print(ruler.format_table(rows, skipped))
+        print(format_table(rows, skipped))
     if not rows:
         raise ConfigError(f"every requested (task, length) is too short for its task ({skipped[0]['reason']}): "
                           "use longer --lengths (with --allow-longer beyond the run's seq_len)")

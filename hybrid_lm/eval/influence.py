@@ -42,7 +42,7 @@ from tqdm import tqdm
 from hybrid_lm.backends import recorded_backends
 from hybrid_lm.errors import ConfigError, DataError
 from hybrid_lm.eval.longppl import val_documents
-from hybrid_lm.eval.ruler_items import batch_rows
+from hybrid_lm.eval.ruler import batch_rows
 from hybrid_lm.experiment import run_id
 from hybrid_lm.model.registry import MixerContext
 from hybrid_lm.ops.attention import default_positions, segment_positions

@@ -73,7 +73,7 @@ from tqdm import tqdm
 
 from hybrid_lm.errors import ConfigError, DataError, WorkdirError
 from hybrid_lm.eval.prefill_swap import split_answer_nll_fn
-from hybrid_lm.eval.ruler_items import decode_unavailable
+from hybrid_lm.eval.ruler import decode_unavailable
 from hybrid_lm.experiment import run_id
 from hybrid_lm.model.registry import MixerContext
 from hybrid_lm.ops.attention import default_positions

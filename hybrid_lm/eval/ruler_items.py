@@ -1,6 +1,6 @@
-"""RULER-offline (Hsieh et al. 2024, NVIDIA/RULER at c3f5e3b): synthetic long-context tasks, generated
-here with no download as RULER's generators build them, scored by greedy generation (RULER's
-``string_match_all``) and by the answer's log-likelihood.
+"""RULER-offline's items (Hsieh et al. 2024, NVIDIA/RULER at c3f5e3b): synthetic long-context tasks,
+generated here with no download as RULER's generators build them, with RULER's constants and templates;
+``eval/ruler.py`` scores a checkpoint on them.
 
 Tasks (``TASKS``; docs/EVAL.md has the comparison with RULER line by line):
 
@@ -29,18 +29,6 @@ RULER's largest ``tokens_to_generate`` (128) or the bound of the longest answer 
 for every task at a length, so one compiled generation and one compiled forward pass serve all tasks
 of a length. :func:`load_items` caches items under ``data_cache/ruler/`` keyed by (generator
 version, task, length, seed, tokenizer fingerprint, haystack identity).
-
-Scores (:func:`evaluate_ruler`): ``exact_match``, RULER's ``string_match_all`` on the greedy
-continuation cut at the task's ``tokens_to_generate`` (128 / 30 / 120 / 50) and at the first EOS
-(:func:`continuation`), from ``eval/generate.py``'s cached decoding; ``answer_nll``, the mean NLL per
-token of the gold answer under teacher forcing (one forward pass, every mixer, SA included);
-``ll_accuracy``, the fraction of items where the gold answer's log-likelihood beats every
-distractor's (tasks with distractors; chance 1 / (1 + count)). Mixers without a decode path
-(attention_sink) get the log-likelihood scores only; sa and sa_swa decode as their option ``decode``
-says (docs/STOCHASTIC_ATTENTION.md §9).
-
-Python: ``rows, skipped = evaluate_ruler(RestoredRun(wd), tasks=["niah_single"], lengths=[4096])``;
-CLI: ``hybrid-lm ruler RUN_DIR --tasks niah_single,vt --lengths 4K,8K --samples 16``.
 """
 
 from __future__ import annotations
@@ -51,33 +39,17 @@ import hashlib
 import json
 import logging
 import re
-import textwrap
-import time
 import zlib
 from functools import lru_cache
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 from scipy.special import zeta
-from tqdm import tqdm
 
-from hybrid_lm.backends import recorded_backends
 from hybrid_lm.data.corpus import data_root
 from hybrid_lm.data.sources import embedded_documents
 from hybrid_lm.errors import ConfigError
-from hybrid_lm.eval.generate import generate
-from hybrid_lm.eval.prefill_swap import split_answer_nll_fn
-from hybrid_lm.experiment import run_id
 from hybrid_lm.files import atomic_write_text
-from hybrid_lm.model.registry import MixerContext
-from hybrid_lm.ops.attention import default_positions
-from hybrid_lm.progress import bar_disabled
-from hybrid_lm.run.directory import checkpoint_meta
-from hybrid_lm.run.swap import describe
-from hybrid_lm.sharding import put_batch
-from hybrid_lm.step import ModelFns
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +60,7 @@ DEFAULT_LENGTHS = (4096, 8192, 16384, 32768)
 GENERATOR_VERSION = 2  # bump when an item for the same key would change (invalidates the cache)
 
 # The official sources transcribed below: NVIDIA/RULER at c3f5e3b (scripts/data/synthetic/*.py,
-# scripts/data/synthetic/constants.py, scripts/synthetic.yaml, scripts/eval/evaluate.py).
+# scripts/data/synthetic/constants.py, scripts/synthetic.yaml).
 MIN_HAYSTACK = 16  # tokens of haystack an item needs, at least
 CORPUS_TOKENS = 4_000_000  # the corpus haystack: the val split's first documents up to this many tokens
 # niah.py / variable_tracking.py: DEPTHS, the needle depths in percent of the haystack's sentences
@@ -200,7 +172,8 @@ def item_rng(task: str, length: int, seed: int, index: int) -> np.random.Generat
     return np.random.default_rng([seed, zlib.crc32(task.encode()), length, index])
 
 
-def _encode(tok, text: str) -> np.ndarray:
+def encode(tok, text: str) -> np.ndarray:
+    """``text`` in ``tok``'s ids (int32)."""
     return np.asarray(tok.encode(text), np.int32)
 
 
@@ -442,9 +415,9 @@ def _needle_item(task, length, seed, index, tok, haystack: Haystack, *, prefix, 
     """An item of a needle task: ``prefix``, the haystack with ``needles`` (texts, in text order) at the
     unit boundaries ``place(n_units)`` returns, ``question``; the haystack fills exactly what the rest
     and the answer leave."""
-    prefix_ids, question_ids = _encode(tok, prefix), _encode(tok, question)
-    bare = [_encode(tok, n) for n in needles]
-    pref = [_encode(tok, haystack.sep + n) for n in needles]
+    prefix_ids, question_ids = encode(tok, prefix), encode(tok, question)
+    bare = [encode(tok, n) for n in needles]
+    pref = [encode(tok, haystack.sep + n) for n in needles]
     target = length - gen_tokens - len(prefix_ids) - len(question_ids)
     n_hay = target - sum(len(p) for p in pref)
     if n_hay < MIN_HAYSTACK:
@@ -672,7 +645,7 @@ def _cwe(task, length, seed, index, tok, haystack=None, depths=None) -> Item:
     template = _cwe_template(n_common)
     example = _cwe_example(rng, template, ex_n, ex_rc, ex_ro, n_common)
     before, after = split_template(template)
-    prefix_ids, question_ids = _encode(tok, example + "\n" + before), _encode(tok, after)
+    prefix_ids, question_ids = encode(tok, example + "\n" + before), encode(tok, after)
     gen_tokens = answer_budget(tok, length)
     budget = length - len(prefix_ids) - len(question_ids) - gen_tokens
     vocab = words()
@@ -680,7 +653,7 @@ def _cwe(task, length, seed, index, tok, haystack=None, depths=None) -> Item:
     order = rng.permutation(len(vocab))
     common, pool = order[:n_common], order[n_common:]
     numbers = list(_pieces(tok, "numbers", max(budget, 1)))
-    numbers[0] = _encode(tok, "1.")  # the list starts its line: "1. word 2. word ..."
+    numbers[0] = encode(tok, "1.")  # the list starts its line: "1. word 2. word ..."
     num_cost = np.concatenate([[0], np.cumsum([len(x) for x in numbers])])
 
     def cost(entries: int, word_tokens: int) -> int:
@@ -735,7 +708,7 @@ def zipf_counts(n_words: int, vocab_size: int, alpha: float = FWE_ALPHA) -> np.n
 def _fwe(task, length, seed, index, tok, haystack=None, depths=None) -> Item:
     rng = item_rng(task, length, seed, index)
     before, after = split_template(RULER_TEMPLATES["fwe"])
-    prefix_ids, question_ids = _encode(tok, before), _encode(tok, after)
+    prefix_ids, question_ids = encode(tok, before), encode(tok, after)
     gen_tokens = answer_budget(tok, length)
     budget = length - len(prefix_ids) - len(question_ids) - gen_tokens
     # freq_words_extraction.py: vocab_size = (max_seq_length - tokens_to_generate) // 50
@@ -755,7 +728,7 @@ def _fwe(task, length, seed, index, tok, haystack=None, depths=None) -> Item:
                        f"above the rest with {FWE_ANSWERS} rarer ones for distractors; use a longer length")
     listed = rng.permutation(np.repeat(np.arange(vocab_size), counts))
     pieces = [prefix_ids] + [word_ids[k] for k in listed]
-    pieces[1] = _encode(tok, coded[listed[0]])  # the text starts after the template's own space
+    pieces[1] = encode(tok, coded[listed[0]])  # the text starts after the template's own space
     gap = budget - sum(len(p) for p in pieces[1:])
     if gap:  # dots after the first "...", which the question says to ignore
         first = 1 + int(np.flatnonzero(listed == 0)[0])
@@ -846,322 +819,6 @@ def load_items(task: str, length: int, seed: int, samples: int, tok, haystack: H
     return items, path
 
 
-# ----------------------------------------------------------------------------- scoring (pure)
-
-
-def postprocess_pred(text: str) -> str:
-    """scripts/eval/evaluate.py postprocess_pred: stripped, control characters turned into newlines."""
-    text = text.strip()
-    return re.sub(r"[\x00-\x1f]", "\n", text).strip()
-
-
-def stop_ids(tok) -> tuple[int, ...]:
-    """Where generation stops: the tokenizer's document separator (its EOS; ``\n\n`` for bytes),
-    which ends every document the model was trained on (RULER: generation stops at EOS)."""
-    return tuple(int(x) for x in tok.separator)
-
-
-def continuation(tok, ids, task: str) -> str:
-    """The text RULER scores from greedy tokens ``ids``: the first ``TOKENS_TO_GENERATE`` of the
-    task's family, up to the first stop (:func:`stop_ids`), decoded and post-processed. Decoding a
-    fixed number of tokens and cutting there gives what stopping there gives (greedy is causal)."""
-    ids = [int(x) for x in np.asarray(ids).reshape(-1)[:TOKENS_TO_GENERATE[family(task)]]]
-    stop = list(stop_ids(tok))
-    for i in range(len(ids) - len(stop) + 1):
-        if stop and ids[i:i + len(stop)] == stop:
-            ids = ids[:i]
-            break
-    return postprocess_pred(tok.decode(ids))
-
-
-def string_match_all(continuation: str, answers) -> float:
-    """Fraction of ``answers`` that occur in ``continuation``, case-insensitively (RULER's metric)."""
-    text = continuation.lower()
-    return sum(a.lower() in text for a in answers) / len(answers)
-
-
-def answer_scores(gold_nll: np.ndarray, distractor_nll=()) -> dict:
-    """``{"nll", "win"}`` of one item: the gold answer's mean NLL per token (``gold_nll``: NLL of
-    each of its tokens) and whether its log-likelihood (the sum) is above every distractor's (None
-    without distractors)."""
-    gold_nll = np.asarray(gold_nll, np.float64)
-    sums = [float(np.sum(d)) for d in distractor_nll]
-    win = None if not sums else bool(float(gold_nll.sum()) < min(sums))
-    return {"nll": float(gold_nll.mean()), "win": win}
-
-
-def summarize(items: list[Item], exact: list[float] | None, scores: list[dict]) -> dict:
-    """A (task, length)'s scores over its items: exact match (None without generation), mean answer
-    NLL, and the gold-beats-distractors rate with its chance level (None without distractors)."""
-    wins = [s["win"] for s in scores if s["win"] is not None]
-    n_d = len(items[0].distractors)
-    return {"exact_match": None if exact is None else float(np.mean(exact)),
-            "answer_nll": float(np.mean([s["nll"] for s in scores])),
-            "ll_accuracy": float(np.mean(wins)) if wins else None,
-            "ll_chance": 1.0 / (1 + n_d) if n_d else None, "distractors": n_d,
-            "per_item": {"depth": [list(it.depths) for it in items], "exact": exact,
-                         "nll": [round(s["nll"], 5) for s in scores], "win": [s["win"] for s in scores]}}
-
-
-# ----------------------------------------------------------------------------- the model side
-
-
-def parse_lengths(text: str, flag: str = "--lengths") -> list[int]:
-    """"4K,8192,16k" -> [4096, 8192, 16384]; errors name ``flag``, the option the text came from
-    (``hybrid-lm ruler --lengths``, ``hybrid-lm eval --ruler-lengths``)."""
-    out = []
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        m = re.fullmatch(r"(\d+)([kK]?)", part)
-        if not m or int(m.group(1)) == 0:
-            raise ConfigError(f"{flag}: {part!r} is not a positive length in tokens (e.g. 4096 or 4K)")
-        out.append(int(m.group(1)) * (1024 if m.group(2) else 1))
-    if not out:
-        raise ConfigError(f"{flag}: give at least one length")
-    return out
-
-
-def check_request(cfg, tasks=None, lengths=None, haystack: str | None = None, allow_longer: bool = False,
-                  samples: int = 1, lengths_flag: str = "--lengths") -> tuple[list[str], list[int]]:
-    """The tasks and lengths to run for the run config ``cfg``, checked before anything is restored:
-    known tasks and haystack, lengths up to the run's seq_len unless ``allow_longer`` (default: RULER's
-    4K..32K that fit, else the seq_len). ``lengths_flag``: the option the lengths came from, for errors."""
-    tasks = list(dict.fromkeys(tasks or TASKS))
-    unknown = [t for t in tasks if t not in TASKS]
-    if unknown:
-        raise ConfigError(f"unknown RULER task(s) {', '.join(map(repr, unknown))}; tasks: {', '.join(TASKS)}")
-    if haystack is not None and haystack not in HAYSTACKS:
-        raise ConfigError(f"--haystack {haystack!r}: choose one of {', '.join(HAYSTACKS)}")
-    if samples < 1:
-        raise ConfigError(f"--samples {samples}: need at least 1")
-    seq_len = cfg.data.seq_len
-    if lengths is None:
-        lengths = [n for n in DEFAULT_LENGTHS if n <= seq_len] or [seq_len]
-    lengths = sorted(set(int(n) for n in lengths))
-    too_long = [n for n in lengths if n > seq_len]
-    if too_long and not allow_longer:
-        raise ConfigError(f"length(s) {', '.join(map(str, too_long))} exceed the run's seq_len {seq_len}: use "
-                          f"shorter {lengths_flag}, or --allow-longer to evaluate beyond the trained length")
-    return tasks, lengths
-
-
-def decode_unavailable(model) -> str | None:
-    """Why ``model`` cannot generate token by token (a mixer without a decode path), or None."""
-    for i, block in enumerate(model.blocks):
-        try:
-            block.check_decode(i)
-        except NotImplementedError as e:
-            return str(e).split(";")[0]
-    return None
-
-
-def tokens_seen(run) -> int:
-    """Tokens the restored checkpoint was trained on: its saved metadata, else step x batch x seq_len."""
-    try:
-        return int(checkpoint_meta(run.workdir, run.step)["tokens_seen"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return run.step * run.cfg.train.global_batch * run.cfg.data.seq_len
-
-
-def _answer_nll_fn(fns, cfg, span: int):
-    """Jitted ``(params, tokens [B, L], example_ids [B]) -> [B, span]``: NLL of the last ``span`` tokens
-    given their prefixes, eval mode; logits only for those positions. ``example_ids``: SA's permutation
-    per row (the gold and the distractors of one item share their item's)."""
-
-    def nll(params, tokens, example_ids=None):
-        B, L = tokens.shape
-        ctx = MixerContext(positions=default_positions(B, L), attention_impl=cfg.model.attention_impl,
-                           seed=cfg.train.seed, example_ids=example_ids, train=False)
-        model = fns.model(params)
-        h = model(tokens, ctx, features=True)[:, L - span - 1:L - 1]
-        logits = (h @ model.head_matrix().astype(h.dtype)).astype(jnp.float32)
-        target = tokens[:, L - span:]
-        return jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, target[..., None], -1)[..., 0]
-    return jax.jit(nll)
-
-
-def _batches(rows: np.ndarray, per: int):
-    """``rows`` in batches of exactly ``per`` (the last one padded by repeating its first row), with
-    how many rows of each are real."""
-    for i in range(0, len(rows), per):
-        part = rows[i:i + per]
-        n = len(part)
-        if n < per:
-            part = np.concatenate([part, np.repeat(part[:1], per - n, axis=0)])
-        yield part, n
-
-
-def batch_rows(run, length: int, n_rows: int, batch_size: int | None = None) -> int:
-    """Rows per forward pass at ``length``: ``batch_size``, else the trainer's tokens per step at this
-    length, at most the rows there are; a multiple of the batch shards."""
-    shards = run.n_batch_shards
-    per = batch_size or max(1, run.cfg.train.global_batch * run.cfg.data.seq_len // length)
-    per = min(per, n_rows)
-    return max(shards, -(-per // shards) * shards)
-
-
-def evaluate_ruler(run, *, tasks=None, lengths=None, samples: int = 8, haystack: str | None = None, seed: int = 0,
-                   allow_longer: bool = False, batch_size: int | None = None, cfg=None, cache_root=None,
-                   progress: bool = True, lengths_flag: str = "--lengths",
-                   answer_cfg=None, generate_answers: bool = True) -> tuple[list[dict], list[dict]]:
-    """RULER on ``run`` (a :class:`~hybrid_lm.run.restore.RestoredRun`) with the model of ``cfg``
-    (default the run's; a swapped config of the same parameters works): ``(rows, skipped)``, a row
-    per (task, length) evaluated (``kind: ruler``, ``task: ruler/<name>``, scores, settings) and a
-    ``{task, length, reason}`` per pair too short to generate (``lengths_flag``: the option the lengths
-    came from, named by errors). Nothing is recorded here.
-
-    ``answer_cfg`` (``--swap-prefill-only``): the prompt is prefilled by ``cfg``'s model and the gold
-    answer and distractors are scored by ``answer_cfg``'s (the run's own layers) over it
-    (``eval/prefill_swap.py``); greedy generation is not run under it (``exact_match`` null).
-    ``generate_answers=False`` (``--ruler-no-generation``): the log-likelihood scores only, no greedy
-    generation (``exact_match`` null)."""
-
-    cfg = cfg or run.cfg
-    tasks, lengths = check_request(cfg, tasks, lengths, haystack, allow_longer, samples, lengths_flag)
-    t_all = time.time()
-    tok = run.tokenizer
-    hays = {t: haystack_for(task_haystack(t, haystack), tok, run) for t in tasks if t in HAYSTACK_TASKS}
-    fns = run.fns if cfg is run.cfg else ModelFns(cfg)
-    model = fns.model(run.params)
-    no_decode = decode_unavailable(model)
-    if not generate_answers and no_decode is None:
-        no_decode = "not asked (--ruler-no-generation)"
-    if answer_cfg is not None:
-        no_decode = ("--swap-prefill-only: the answer is scored over the swapped prompt's cache; greedy generation "
-                     "under it is not built")
-        answer_fns = run.fns if answer_cfg is run.cfg else ModelFns(answer_cfg)
-    impl = cfg.model.attention_impl
-    common = {"kind": "ruler", "step": run.step, "checkpoint_step": run.step, "tokens_seen": tokens_seen(run),
-              "run_id": run_id(run.cfg), "seed": seed, "samples": samples,
-              "trained_seq_len": run.cfg.data.seq_len,
-              "generation": "greedy, stopped at EOS or the task's budget" if no_decode is None else
-              f"unavailable ({no_decode}): log-likelihood scores only",
-              **({"answer_scoring": "prefill with the swap, answer with the run's own layers over its cache"}
-                 if answer_cfg is not None else {}),
-              "layer_types": "".join(cfg.model.layer_types()), "mixers": describe(cfg.model),
-              "attention_impl": impl, "devices": int(run.mesh.devices.size)}
-    rows, skipped = [], []
-    recorded_backends(clear=True)
-    for length in lengths:
-        sets = {}
-        for task in tasks:
-            try:
-                sets[task] = load_items(task, length, seed, samples, tok, hays.get(task), cache_root)
-            except TooShort as e:
-                skipped.append({"task": task, "length": length, "reason": str(e)})
-        if not sets:
-            continue
-        span = max(items[0].gen_tokens for items, _ in sets.values())
-        if answer_cfg is None:
-            nll_fn = _answer_nll_fn(fns, cfg, span)
-        else:
-            nll_fn = split_answer_nll_fn(answer_fns, fns, answer_cfg, cfg, span)
-        for task, (items, path) in sets.items():
-            t0 = time.time()
-            G = items[0].gen_tokens
-            P = length - G
-            conts = [[_encode(tok, it.gold)] + [_encode(tok, d) for d in it.distractors] for it in items]
-            flat = [(i, j) for i, c in enumerate(conts) for j in range(len(c))]
-            seqs = np.zeros((len(flat), length), np.int32)
-            for r, (i, j) in enumerate(flat):
-                seqs[r, :P] = items[i].ids
-                seqs[r, P:P + len(conts[i][j])] = conts[i][j]
-            # one batch shape per length (tasks have 0 to N_DISTRACTORS distractors): one compile each
-            per_ll = batch_rows(run, length, samples * (1 + N_DISTRACTORS), batch_size)
-            per_gen = batch_rows(run, length, samples, batch_size)
-            n_gen = 0 if no_decode else -(-len(items) // per_gen)
-            bar = tqdm(total=n_gen + -(-len(flat) // per_ll), desc=f"ruler {task} {length}", unit="batch",
-                       disable=bar_disabled(progress), leave=False)
-            exact = None
-            with jax.set_mesh(run.mesh):
-                if no_decode is None:
-                    exact = []
-                    prompts = np.stack([it.ids for it in items])
-                    for part, n in _batches(prompts, per_gen):
-                        out = np.asarray(generate(model, put_batch(part, run.batch_shard), G, attention_impl=impl))
-                        base = len(exact)
-                        exact += [string_match_all(continuation(tok, out[k], task), items[base + k].answers)
-                                  for k in range(n)]
-                        bar.update()
-                nll = []
-                item_of_row = np.asarray([[i] for i, _ in flat], np.int32)  # SA: one permutation per item
-                for (part, n), (ids, _) in zip(_batches(seqs, per_ll), _batches(item_of_row, per_ll)):
-                    nll.append(np.asarray(nll_fn(run.params, put_batch(part, run.batch_shard),
-                                                 put_batch(ids, run.batch_shard)[:, 0]))[:n])
-                    bar.update()
-            bar.close()
-            nll = np.concatenate(nll)[:, span - G:]  # position k: answer token k
-            per_item = [[] for _ in items]
-            for r, (i, j) in enumerate(flat):
-                per_item[i].append(nll[r, :len(conts[i][j])])
-            scores = [answer_scores(p[0], p[1:]) for p in per_item]
-            rows.append({**common, "task": f"ruler/{task}", "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                         "length": length, "prompt_tokens": P, "gen_tokens": G,
-                         "haystack": hays[task].name if task in hays else None,
-                         "max_new_tokens": TOKENS_TO_GENERATE[family(task)],
-                         **summarize(items, exact, scores), "items_cache": str(path),
-                         "wall_s": round(time.time() - t0, 3)})
-    backends = recorded_backends()
-    for r in rows:
-        r["attention_backends"] = backends
-    log.info("ruler: %d rows in %.1f s", len(rows), time.time() - t_all)
-    return rows, skipped
-
-
-LL_LEGEND = ("gold beats distractors: the share of items whose gold answer has a higher log-likelihood than "
-             "each of the task's wrong answers of the same form (other keys' numbers, other listed words), in "
-             "brackets the rate of a model that cannot tell them apart, 1 / (1 + wrong answers); — where a task "
-             "has none")
-
-
-def format_table(rows: list[dict], skipped: list[dict] = ()) -> str:
-    """Tasks x lengths: exact match, answer NLL (nats/token) and gold-beats-distractors (chance in
-    brackets); "—" where a score does not apply, "short" where the length was too short."""
-    if not rows and not skipped:
-        return "no RULER results"
-    lengths = sorted({r["length"] for r in rows} | {s["length"] for s in skipped})
-    tasks = [t for t in TASKS if any(r["task"] == f"ruler/{t}" for r in rows) or any(s["task"] == t for s in skipped)]
-    cell = {(r["task"][len("ruler/"):], r["length"]): r for r in rows}
-    short = {(s["task"], s["length"]) for s in skipped}
-
-    def fmt(task, length, what):
-        if (task, length) in short:
-            return "short"
-        r = cell.get((task, length))
-        if r is None:
-            return ""
-        if what == "ll":
-            return "—" if r["ll_accuracy"] is None else f"{r['ll_accuracy']:.2f} ({r['ll_chance']:.2f})"
-        v = r[what]
-        return "—" if v is None else f"{v:.3f}"
-
-    lines = []
-    first = rows[0] if rows else {}
-    if first:
-        hays: dict = {}
-        for r in rows:
-            if r["haystack"]:
-                hays.setdefault(r["haystack"], []).append(r["task"][len("ruler/"):])
-        hay = ("  haystack " + next(iter(hays)) if len(hays) == 1 else
-               "  haystacks " + ", ".join(f"{h} ({', '.join(dict.fromkeys(ts))})" for h, ts in hays.items()) if hays
-               else "")
-        lines.append(f"RULER  step {first['checkpoint_step']}  {first['samples']} samples  seed {first['seed']}"
-                     + hay + f"  generation: {first['generation']}")
-    width = max(14, *(len(str(L)) for L in lengths))
-    for title, what in (("exact match (greedy)", "exact_match"), ("answer NLL (nats/token)", "answer_nll"),
-                        ("gold beats distractors (chance)", "ll")):
-        lines.append(title)
-        lines.append(f"  {'task':<16}" + "".join(f"{L:>{width}}" for L in lengths))
-        for t in tasks:
-            lines.append(f"  {t:<16}" + "".join(f"{fmt(t, L, what):>{width}}" for L in lengths))
-    if any(r.get("ll_accuracy") is not None for r in rows):
-        lines += textwrap.wrap(LL_LEGEND, 110)
-    for s in skipped:
-        lines.append(f"short: {s['reason']}")
-    return "\n".join(lines)
-
-
 __all__ = ["DEPTHS", "HAYSTACKS", "RULER_HAYSTACK", "RULER_TEMPLATES", "TASKS", "TOKENS_TO_GENERATE", "Haystack",
-           "Item", "TooShort", "answer_scores", "check_request", "continuation", "evaluate_ruler", "family",
-           "format_table", "haystack_for", "load_items", "make_item", "parse_lengths", "postprocess_pred",
-           "stop_ids", "string_match_all", "task_haystack", "vt_example",
-           "summarize"]
+           "Item", "TooShort", "encode", "family", "haystack_for", "load_items", "make_item", "task_haystack",
+           "vt_example"]

@@ -33,19 +33,19 @@ import logging
 import time
 from pathlib import Path
 
-import numpy as np
 from tqdm import tqdm
 
 from hybrid_lm.backends import recorded_backends
 from hybrid_lm.describe import describe_layers
 from hybrid_lm.errors import ConfigError, WorkdirError
-from hybrid_lm.eval import ruler_items as ruler
+from hybrid_lm.eval import ruler
 from hybrid_lm.eval.heads import require_attention
 from hybrid_lm.eval.introspect import PROMPTS
 from hybrid_lm.eval.longppl import (INPUTS, KeyTokenRule, MAX_TOKENS, MIN_TOKENS, check_evaluator_tokenizer,
                                     longppl_of_run)
 from hybrid_lm.eval.probe import check_samples
-from hybrid_lm.eval.ruler_items import check_request, format_table, tokens_seen
+from hybrid_lm.eval.ruler import check_request, tokens_seen
+from hybrid_lm.eval.ruler_report import format_table, plot_ruler
 from hybrid_lm.experiment import run_id
 from hybrid_lm.progress import bar_disabled
 from hybrid_lm.run.directory import checkpoint_steps, load_run_config, read_eval_rows, run_path
@@ -405,7 +405,7 @@ def plot_task(task: str, rows: list[dict], out_dir: Path) -> list[Path]:
     if task in ("probe", "heads", "influence"):
         return list(getattr(_task_module(task), f"plot_{task}")(rows, out_dir))
     if task == "ruler":
-        return _plot_ruler(rows, out_dir)
+        return plot_ruler(rows, out_dir)
     series: dict = {}
     for r in rows:
         v = headline(r)
@@ -451,56 +451,6 @@ def plot_task(task: str, rows: list[dict], out_dir: Path) -> list[Path]:
     ax.grid(alpha=0.3)
     path = out_dir / f"{task}.png"
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return [path]
-
-
-def _plot_ruler(rows: list[dict], out_dir: Path) -> list[Path]:
-    """``ruler.png``: exact match (greedy) and the gold answer's NLL, one line per RULER task: against
-    tokens seen (one line per task and length) over several checkpoints, against the context length
-    for one checkpoint. The legend sits beside the axes (the NLL moves long before exact match leaves 0)."""
-    import matplotlib  # plots only (a slow import)
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # plots only (a slow import)
-
-    one = len({r["tokens_seen"] for r in rows}) == 1
-    series: dict = {}
-    for r in rows:
-        name = r["task"].split("/", 1)[-1]
-        series.setdefault(name if one else f"{name} @ {r['length']}", []).append(r)
-    fig, axes = plt.subplots(1, 2, figsize=(12.5, 4.4))
-    colors = plt.get_cmap("tab10" if one else "tab20").colors * 4
-    for (name, rs), color in zip(sorted(series.items()), colors):
-        rs.sort(key=lambda r: r["length"] if one else r["tokens_seen"])
-        x = [r["length"] if one else r["tokens_seen"] for r in rs]
-        for ax, key in zip(axes, ("exact_match", "answer_nll")):
-            y = [np.nan if r.get(key) is None else r[key] for r in rs]
-            ax.plot(x, y, "o-", ms=4, lw=1.2, color=color, label=name)
-    axes[0].set_ylabel("exact match, greedy (higher is better)")
-    axes[0].set_ylim(-0.05, 1.05)
-    axes[1].set_ylabel("answer NLL, nats/token (lower is better)")
-    lengths = sorted({r["length"] for r in rows})
-    for ax in axes:
-        ax.grid(alpha=0.3)
-        if one:
-            ax.set_xscale("log", base=2)
-            ax.set_xticks(lengths, [f"{n // 1024}K" if n % 1024 == 0 else str(n) for n in lengths])
-            ax.minorticks_off()
-            if len(lengths) == 1:
-                ax.set_xlim(lengths[0] / 1.5, lengths[0] * 1.5)
-            ax.set_xlabel("context length (tokens)")
-        else:
-            ax.set_xscale("log")
-            ax.set_xlabel("tokens seen")
-    handles, labels = axes[1].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="center left", bbox_to_anchor=(0.86, 0.5), fontsize=7, frameon=False,
-               ncol=1 if len(labels) <= 16 else 2)
-    r0 = rows[0]
-    fig.suptitle(f"RULER-offline at step {r0['checkpoint_step']} ({r0['tokens_seen']:,} tokens seen)" if one
-                 else "RULER-offline over training")
-    fig.tight_layout(rect=(0, 0, 0.86 if len(labels) <= 16 else 0.78, 1))
-    path = out_dir / "ruler.png"
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return [path]
