@@ -9,7 +9,7 @@ import pytest
 
 from hybrid_lm.errors import ConfigError
 from hybrid_lm.eval.cli import add_eval_commands, request_from_args
-from hybrid_lm.eval.suite import EvalRequest, options
+from hybrid_lm.eval.suite import TASKS, EvalRequest, config_option, options
 
 
 def _parse(*argv: str):
@@ -55,3 +55,14 @@ def test_a_value_outside_an_options_choices_is_refused_by_its_flag():
         EvalRequest(tasks=("probe",), probe_prompt="loose").check()
     with pytest.raises(SystemExit):  # the command line refuses it first (argparse's choices)
         _parse("--probe-prompt", "loose")
+
+
+def test_every_eval_config_setting_names_the_option_that_sets_it():
+    fixed = {"generator", "definition", "alpha", "beta"}  # set by the suite, or by no option of `hybrid-lm eval`
+    for task in TASKS:
+        conf = EvalRequest(tasks=(task,), swap_prefill_only=True, ruler_generation=False).config(task)
+        for key in conf:
+            opt = config_option(task, key)
+            assert (opt is None) == (key in fixed), (task, key)
+    assert config_option("lm_eval", "tasks").flags == ("--lm-eval-tasks",)
+    assert config_option("influence", "inputs").flags == ("--influence-inputs",)

@@ -92,7 +92,9 @@ class Option:
     flags, help, ``type``, ``choices``, ``metavar`` and ``action`` as argparse takes them. ``parse``
     turns the option's text into the field's value (the option not given, or given empty, leaves the
     field's default); without it the parsed value is the field's. ``without_tasks``: an option of the
-    model, also read by ``hybrid-lm eval`` without ``--tasks``."""
+    model, also read by ``hybrid-lm eval`` without ``--tasks``. ``key``: the field's key in
+    :meth:`EvalRequest.config` where it is not the field's name, ``task`` the task whose config holds it
+    there where two fields share a key."""
 
     flags: tuple[str, ...]
     help: str | None = None
@@ -102,6 +104,8 @@ class Option:
     action: str | None = None
     parse: Callable | None = None
     without_tasks: bool = False
+    key: str | None = None
+    task: str | None = None
 
 
 def _option(default, *flags: str, **kw):
@@ -112,6 +116,12 @@ def _option(default, *flags: str, **kw):
 def options() -> list[tuple[dataclasses.Field, Option]]:
     """``(field, Option)`` of every :class:`EvalRequest` field that ``hybrid-lm eval`` sets, in field order."""
     return [(f, f.metadata["option"]) for f in dataclasses.fields(EvalRequest) if "option" in f.metadata]
+
+
+def config_option(task: str, key: str) -> Option | None:
+    """The option that sets ``key`` of ``task``'s :meth:`EvalRequest.config`, or None where none does."""
+    found = {opt.task: opt for f, opt in options() if (opt.key or f.name) == key}
+    return found.get(task) or found.get(None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,25 +163,26 @@ class EvalRequest:
              "the same for every checkpoint) or 'self' (each checkpoint itself)")
     evaluator_step: int | None = _option(None, "--evaluator-step", type=int)
     longppl_length: int | None = _option(
-        None, "--longppl-length", type=int,
+        None, "--longppl-length", type=int, key="length", task="longppl",
         help="longppl: tokens a document is cut to (default: 32767, at most the run's seq_len + 1)")
     longppl_min_tokens: int | None = _option(
-        None, "--longppl-min-tokens", type=int,
+        None, "--longppl-min-tokens", type=int, key="min_tokens",
         help="longppl: documents shorter than this are left out (default 16384, at most the length)")
     longppl_inputs: str = _option(
-        "documents", "--longppl-inputs", choices=INPUTS,
+        "documents", "--longppl-inputs", choices=INPUTS, key="inputs", task="longppl",
         help="longppl: whole val documents (default) or the run's eval windows, which cross documents")
     longppl_docs: int | None = _option(  # None: 50 documents (inputs documents), 8 windows (inputs windows)
-        None, "--docs", type=int, help="longppl: documents (default 50; 8 windows with --longppl-inputs windows)")
+        None, "--docs", type=int, key="docs",
+        help="longppl: documents (default 50; 8 windows with --longppl-inputs windows)")
     trunc_len: int = _option(4096, "--trunc-len", type=int, help="longppl: K, the short context")
     window: int = _option(1024, "--window", type=int, help="longppl: W, targets per short-context pass")
     alpha: float = 2.0
     beta: float = -2.0
     # ruler
-    ruler_tasks: tuple[str, ...] | None = _option(None, "--ruler-tasks", parse=_ruler_tasks,
+    ruler_tasks: tuple[str, ...] | None = _option(None, "--ruler-tasks", parse=_ruler_tasks, key="tasks", task="ruler",
                                                   help="ruler: tasks (default all seven)")
     ruler_lengths: tuple[int, ...] | None = _option(None, "--ruler-lengths", metavar="L1,L2", parse=_ruler_lengths,
-                                                    help="ruler: lengths")
+                                                    key="lengths", help="ruler: lengths")
     haystack: str | None = _option(  # None: each task's official haystack
         None, "--haystack", choices=HAYSTACKS,
         help="ruler, probe, heads: filler text of the needle prompts (default: each task's official one: RULER's "
@@ -185,28 +196,29 @@ class EvalRequest:
              "answer is scored by the run's own layers over the swapped prompt's cache (the SA paper's "
              "training-free protocol; no generation). docs/EVAL.md")
     ruler_generation: bool = _option(  # False: RULER's log-likelihood scores only (no greedy generation)
-        True, "--ruler-no-generation", action="store_false",
+        True, "--ruler-no-generation", action="store_false", key="generation",
         help="ruler: the log-likelihood scores only (answer NLL, gold against distractors), no greedy generation: "
              "exact_match is null")
     # probe
     probe_prompt: str = _option(
-        "official", "--probe-prompt", choices=PROMPTS,
+        "official", "--probe-prompt", choices=PROMPTS, key="prompt",
         help="probe: the official recipe at the nominal --seq-len (default), or prompts of exactly --seq-len tokens")
     # heads
-    reference_step: int | None = _option(None, "--reference-step", type=int,
-                                         help="heads: the checkpoint d_QK is measured against (default: the run's last)")
+    reference_step: int | None = _option(
+        None, "--reference-step", type=int, help="heads: the checkpoint d_QK is measured against (default: the run's last)")
     # influence
     influence_inputs: str = _option(
-        "documents", "--influence-inputs", choices=("documents", "windows"),
+        "documents", "--influence-inputs", choices=("documents", "windows"), key="inputs", task="influence",
         help="influence: whole val documents after a BOS (default) or the run's eval windows")
     # lm_eval
     lm_eval_tasks: tuple[str, ...] = _option(
-        (), "--lm-eval-tasks", metavar="T1,T2", parse=split_csv,
+        (), "--lm-eval-tasks", metavar="T1,T2", parse=split_csv, key="tasks", task="lm_eval",
         help="lm_eval: lm-evaluation-harness tasks, e.g. hellaswag,arc_easy (datasets must be available)")
-    lm_eval_limit: int | None = _option(None, "--lm-eval-limit", type=int, help="lm_eval: items per task")
-    lm_eval_fewshot: int | None = _option(None, "--num-fewshot", type=int, help="lm_eval: few-shot examples")
+    lm_eval_limit: int | None = _option(None, "--lm-eval-limit", type=int, key="limit", help="lm_eval: items per task")
+    lm_eval_fewshot: int | None = _option(None, "--num-fewshot", type=int, key="num_fewshot",
+                                          help="lm_eval: few-shot examples")
     lm_eval_include: str | None = _option(  # a folder of lm-eval task YAMLs (local tasks)
-        None, "--lm-eval-include", metavar="DIR",
+        None, "--lm-eval-include", metavar="DIR", key="include_path",
         help="lm_eval: a folder of task YAMLs (local tasks), added to lm-eval's own")
     progress: bool = True
 
