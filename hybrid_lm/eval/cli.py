@@ -257,8 +257,8 @@ def _fill_from_registry(parser, describe) -> None:
     parser.format_help = format_help
 
 
-def add_eval_commands(sub) -> None:
-    """Add ``eval``, ``generate`` and ``longppl`` to the ``hybrid-lm`` subparsers."""
+def _add_eval(sub) -> None:
+    """``hybrid-lm eval``: the suite's options generated from :class:`~hybrid_lm.eval.suite.EvalRequest`."""
     p = sub.add_parser(
         "eval", help="evaluate a run's checkpoints: --tasks loss,longppl,ruler,probe,heads,influence,lm_eval",
         description="With --tasks: run each task on each of --steps (latest, all, or S1,S2) of WORKDIR, print a "
@@ -286,6 +286,9 @@ def add_eval_commands(sub) -> None:
     g.add_argument("--no-plots", dest="no_plots", action="store_true", help="do not draw WORKDIR/eval/*.png")
     p.set_defaults(fn=cmd_eval)
 
+
+def _add_eval_report(sub) -> None:
+    """``hybrid-lm eval-report``."""
     p = sub.add_parser(
         "eval-report", help="overlay runs' eval results: one curve per architecture against tokens seen",
         description="Read eval.jsonl of every run under SWEEP_ROOT (or of the RUN_DIRs given) and plot, per task "
@@ -298,6 +301,9 @@ def add_eval_commands(sub) -> None:
     p.add_argument("--out", default=None, help="plot directory (default: <first path>/eval_report)")
     p.set_defaults(fn=cmd_eval_report)
 
+
+def _add_generate(sub) -> None:
+    """``hybrid-lm generate``."""
     p = sub.add_parser(
         "generate", help="continue a prompt with a run's checkpoint (greedy or sampled)",
         description=_GENERATE_HELP)
@@ -319,6 +325,9 @@ def add_eval_commands(sub) -> None:
                    help="print checkpoint step, prompt, continuation, token ids and sampling settings as JSON")
     p.set_defaults(fn=cmd_generate)
 
+
+def _add_longppl(sub) -> None:
+    """``hybrid-lm longppl``."""
     p = sub.add_parser(
         "longppl", help="LongPPL: perplexity on the key tokens that need long context (Fang et al. 2025)",
         description="Mark key tokens of the run's validation documents with an evaluator run (long context "
@@ -347,6 +356,9 @@ def add_eval_commands(sub) -> None:
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_longppl)
 
+
+def _add_ruler(sub) -> None:
+    """``hybrid-lm ruler``."""
     p = sub.add_parser(
         "ruler", help="RULER-offline: needle, variable-tracking and word-extraction tasks at long lengths",
         description="Generate RULER's synthetic tasks (deterministic from the seed, cached under data_cache/ruler/, "
@@ -376,5 +388,14 @@ def add_eval_commands(sub) -> None:
     p.add_argument("--json", action="store_true", help="print the rows (and skipped pairs) as JSON")
     p.set_defaults(fn=cmd_ruler)
 
+
+def add_eval_commands(sub) -> None:
+    """Add ``eval``, ``eval-report``, ``generate``, ``longppl``, ``ruler``, ``export`` and ``lm-eval`` to the
+    ``hybrid-lm`` subparsers."""
+    _add_eval(sub)
+    _add_eval_report(sub)
+    _add_generate(sub)
+    _add_longppl(sub)
+    _add_ruler(sub)
     add_export_command(sub)
     add_lm_eval_command(sub)
