@@ -25,7 +25,7 @@ import pytest
 
 from hybrid_lm.data.tokenizer import load_tokenizer
 from hybrid_lm.eval import introspect as I
-from hybrid_lm.eval import ruler as R
+from hybrid_lm.eval import ruler as R, ruler_items as RI
 
 BYTE = load_tokenizer("byte")
 
@@ -44,7 +44,7 @@ def _tiny(*extra, layers: int = 2, pattern: str = "F"):
 @pytest.fixture(scope="module")
 def bpe(tmp_path_factory):
     from hybrid_lm.data.tokenizer import train_bpe
-    path = train_bpe([text for _, text in R.essay_texts()[:5]], 512, tmp_path_factory.mktemp("bpe"))
+    path = train_bpe([text for _, text in RI.essay_texts()[:5]], 512, tmp_path_factory.mktemp("bpe"))
     return load_tokenizer(str(path))
 
 
@@ -321,7 +321,7 @@ def official_simple_sent_tokenize(text):
 
 @pytest.mark.parametrize("seq_len", [4096, 16000])
 def test_probe_prompts_are_the_official_recipe(seq_len):
-    noise = R.haystack_for("noise", BYTE)
+    noise = RI.haystack_for("noise", BYTE)
     for index in range(3):
         text, key, value, _ = I.probe_text(seq_len, 0, index, noise)
         n = max(100, seq_len // 100)
@@ -329,7 +329,7 @@ def test_probe_prompts_are_the_official_recipe(seq_len):
         (pos,) = [i for i, line in enumerate(lines) if line.startswith("One of")]
         assert len(lines) == n + 1 and n // 4 <= pos <= 3 * n // 4 and value == str(31415920 + index % 8)
         assert text == official_probe_prompt_repeat(key, value, n, pos)
-    essays = R.haystack_for("essays", BYTE)
+    essays = RI.haystack_for("essays", BYTE)
     words = I.haystack_words(essays)
     assert words == re.sub(r"\s+", " ", " ".join(essays.texts)).split(" ")
     for index in range(3):
@@ -467,9 +467,9 @@ def _parse_vt(part: str):
 @pytest.mark.parametrize("tokenizer", ["byte", "bpe"])
 def test_vt_prompt_is_the_official_one(tokenizer, bpe):
     tok = BYTE if tokenizer == "byte" else bpe
-    noise = R.haystack_for("noise", tok)
+    noise = RI.haystack_for("noise", tok)
     for index in range(3):
-        item = R.make_item("vt", 4096, 0, index, tok, noise)
+        item = RI.make_item("vt", 4096, 0, index, tok, noise)
         text = tok.decode(item.ids)
         example, main = text.split(" they are: ", 1)[0] + " they are: ", text.split(" they are: ", 1)[1]
         ex_answer, main = main.split("\n", 1)
@@ -493,16 +493,16 @@ def test_vt_example_is_the_most_noise_within_500_tokens(tokenizer, bpe):
     """variable_tracking.py main(): the example is built for max_seq_length=500 with 0 tokens to
     generate (the binary search over noise lines, at least 5), before the names are randomised."""
     tok = BYTE if tokenizer == "byte" else bpe
-    example = R.vt_example(tok, R.haystack_for("noise", tok), 0)
+    example = RI.vt_example(tok, RI.haystack_for("noise", tok), 0)
     prompt, answer = example.rsplit(" they are: ", 1)
     prompt += " they are: "
     names, value, positions, n = _parse_vt(prompt)
     assert value == "12345" and answer == " " + " ".join(names) + "\n"
     assert prompt == official_vt_input(n, names, value, positions, VT_TEMPLATE)
-    fits = len(tok.encode(prompt)) <= R.VT_ICL_TOKENS
+    fits = len(tok.encode(prompt)) <= RI.VT_ICL_TOKENS
     assert fits or n == 5  # none fits: RULER keeps its increment, 5 lines
     bigger = official_vt_input(n + 1, names, value, positions, VT_TEMPLATE)
-    assert len(tok.encode(bigger)) > R.VT_ICL_TOKENS
+    assert len(tok.encode(bigger)) > RI.VT_ICL_TOKENS
 
 
 def official_prediction(generated_ids: list[int], eos_token_id: int, max_new_tokens: int, decode) -> str:
@@ -527,7 +527,7 @@ def official_string_match_all(preds, refs):
 
 def test_generation_stops_at_eos_and_the_task_budget(bpe):
     """constants.py tokens_to_generate: niah 128, vt 30, cwe 120, fwe 50."""
-    assert R.TOKENS_TO_GENERATE == {"niah": 128, "vt": 30, "cwe": 120, "fwe": 50}
+    assert RI.TOKENS_TO_GENERATE == {"niah": 128, "vt": 30, "cwe": 120, "fwe": 50}
     eos = int(bpe.separator[0])
     rng = np.random.default_rng(6)
     answer = [int(x) for x in bpe.encode(" 3141592")]
@@ -540,7 +540,7 @@ def test_generation_stops_at_eos_and_the_task_budget(bpe):
         if trial % 5 == 0:
             ids[3] = bpe.encode("\x07")[0]
         for task in ("niah_single", "vt", "cwe", "fwe"):
-            want = official_prediction(ids, eos, R.TOKENS_TO_GENERATE[R.family(task)], bpe.decode)
+            want = official_prediction(ids, eos, RI.TOKENS_TO_GENERATE[RI.family(task)], bpe.decode)
             got = R.continuation(bpe, np.asarray(ids), task)
             assert got == want
             assert R.string_match_all(got, ["3141592"]) == official_string_match_all([want], [["3141592"]])
@@ -552,9 +552,9 @@ def test_generation_stops_at_eos_and_the_task_budget(bpe):
 def test_ruler_constants_and_formulas_are_the_official_ones():
     from scipy.special import zeta
 
-    assert R.DEPTHS == tuple(np.round(np.linspace(0, 100, num=40, endpoint=True)).astype(int))
+    assert RI.DEPTHS == tuple(np.round(np.linspace(0, 100, num=40, endpoint=True)).astype(int))
     # niah.py: the singular rewrite of the template when one answer is asked
-    template, type_v = R.niah_template(1)
+    template, type_v = RI.niah_template(1)
     assert type_v == "number" and template.format(type_needle_v=type_v, context="C", query="k") == (
         "A special magic number is hidden within the following text. Make sure to memorize it. I will quiz you "
         "about the number afterwards.\nC\nWhat is the special magic number for k mentioned in the provided text? "
@@ -562,7 +562,7 @@ def test_ruler_constants_and_formulas_are_the_official_ones():
     # freq_words_extraction.py gen_text: int(num_words * k^-alpha / zeta(alpha))
     for num_words, vocab_size in ((1000, 40), (12345, 300)):
         k = np.arange(1, vocab_size + 1)
-        np.testing.assert_array_equal(R.zipf_counts(num_words, vocab_size),
+        np.testing.assert_array_equal(RI.zipf_counts(num_words, vocab_size),
                                       (num_words * (k ** -2.0) / zeta(2.0)).astype(int))
     # evaluate.py postprocess_pred
     assert R.postprocess_pred("  a\tb\x01c \n") == "a\nb\nc"
@@ -571,9 +571,9 @@ def test_ruler_constants_and_formulas_are_the_official_ones():
 @pytest.mark.parametrize("task", ["niah_single", "niah_multikey"])
 def test_essay_needles_go_before_the_official_sentence_index(task):
     """niah.py: needle k goes before sentence ``int(n_sentences * depth / 100)`` of the haystack."""
-    essays = R.haystack_for("essays", BYTE)
+    essays = RI.haystack_for("essays", BYTE)
     for index in range(4):
-        item = R.make_item(task, 4096, 2, index, BYTE, essays)
+        item = RI.make_item(task, 4096, 2, index, BYTE, essays)
         text = BYTE.decode(item.ids)
         context = text.split("\n", 1)[1].rsplit("\nWhat is", 1)[0]
         assert context.startswith(essays.texts[0][:30])  # RULER: the essays from their first word
@@ -588,7 +588,7 @@ def test_essay_needles_go_before_the_official_sentence_index(task):
                 before = before.replace(" " + nd, "").replace(nd + " ", "").replace(nd, "")
             k = round(depth * n_units)
             assert before.strip() == " ".join(essays.texts[:k]).strip()
-            assert any(int(n_units * (d / 100)) == k for d in R.DEPTHS)
+            assert any(int(n_units * (d / 100)) == k for d in RI.DEPTHS)
 
 
 # ----------------------------------------------------------------------------- LongPPL

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from hybrid_lm.eval import ruler as R
+from hybrid_lm.eval import ruler_items as RI
+from hybrid_lm.eval.ruler_report import format_table
 from hybrid_lm.eval import suite
 
 
@@ -52,7 +53,7 @@ def test_longppl_plot_without_key_tokens_is_titled_as_perplexity(figures, tmp_pa
 def _ruler_rows(steps, lengths):
     return [{"task": f"ruler/{t}", "checkpoint_step": s, "tokens_seen": 100_000_000 + s, "length": n,
              "exact_match": 0.0, "answer_nll": 4.0 + i / 10} for s in steps for n in lengths
-            for i, t in enumerate(R.TASKS)]
+            for i, t in enumerate(RI.TASKS)]
 
 
 @pytest.mark.parametrize("lengths", [[4096], [4096, 8192, 16384]])
@@ -70,14 +71,14 @@ def test_ruler_plot_of_one_checkpoint_draws_the_lengths_and_keeps_the_legend_off
     legend = fig.legends[0].get_window_extent()
     for ax in (left, right):  # the legend sits beside both axes, over no point
         assert legend.x0 >= ax.get_window_extent().x1
-    assert sorted(t.get_text() for t in fig.legends[0].get_texts()) == sorted(R.TASKS)
+    assert sorted(t.get_text() for t in fig.legends[0].get_texts()) == sorted(RI.TASKS)
 
 
 def test_ruler_plot_over_checkpoints_draws_tokens_seen(figures, tmp_path):
     suite.plot_task("ruler", _ruler_rows([30, 60], [4096]), tmp_path)
     fig = figures[-1]
     assert fig.axes[1].get_xlabel() == "tokens seen" and fig.axes[1].get_xscale() == "log"
-    assert "over training" in fig._suptitle.get_text() and len(fig.legends[0].get_texts()) == len(R.TASKS)
+    assert "over training" in fig._suptitle.get_text() and len(fig.legends[0].get_texts()) == len(RI.TASKS)
 
 
 def test_ruler_rows_of_each_length_stay_current(tmp_path):
@@ -93,7 +94,7 @@ def test_ruler_table_explains_gold_beats_distractors():
     row = {"task": "ruler/niah_multikey", "checkpoint_step": 5, "samples": 2, "seed": 0, "haystack": "essays",
            "generation": "greedy", "length": 4096, "exact_match": 0.0, "answer_nll": 4.0, "ll_accuracy": 0.5,
            "ll_chance": 0.25}
-    text = R.format_table([row])
+    text = format_table([row])
     assert "gold beats distractors (chance)" in text and "0.50 (0.25)" in text
     flat = " ".join(text.split())  # the explanation is wrapped
     assert "higher log-likelihood than each of the task's wrong answers" in flat and "1 / (1 + wrong answers)" in flat

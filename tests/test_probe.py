@@ -13,7 +13,7 @@ from hybrid_lm.data.tokenizer import load_tokenizer
 from hybrid_lm.errors import ConfigError
 from hybrid_lm.eval import introspect as I
 from hybrid_lm.eval import probe as P
-from hybrid_lm.eval import ruler as R
+from hybrid_lm.eval import ruler_items as RI
 
 BYTE = load_tokenizer("byte")
 
@@ -59,7 +59,7 @@ def test_probe_split_is_seeded_and_checked():
 
 
 def test_items_are_deterministic_balanced_and_hold_the_number():
-    hay = R.haystack_for("essays", BYTE)
+    hay = RI.haystack_for("essays", BYTE)
     items = I.needle_items(BYTE, 512, 16, 7, hay)
     again = I.needle_items(BYTE, 512, 16, 7, hay)
     other = I.needle_items(BYTE, 512, 16, 8, hay)
@@ -78,7 +78,7 @@ def test_items_are_deterministic_balanced_and_hold_the_number():
         assert text.endswith(f"The special magic number for {key} mentioned in the provided text is")
         assert text.count(it.answers[0]) == 1 and 31415920 <= int(it.answers[0]) <= 31415927
     # exact prompts: the needle at 25-75% of the haystack's units (noise lines)
-    noise = R.haystack_for("noise", BYTE)
+    noise = RI.haystack_for("noise", BYTE)
     depths = [it.depths[0] for it in I.needle_items(BYTE, 8192, 16, 0, noise)]
     assert min(depths) > 0.24 and max(depths) < 0.76 and max(depths) - min(depths) > 0.2
     with_answer = I.needle_item(512, 7, 3, BYTE, hay, gen_tokens=9)

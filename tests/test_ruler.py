@@ -13,7 +13,8 @@ import pytest
 
 from hybrid_lm.data.tokenizer import load_tokenizer
 from hybrid_lm.errors import ConfigError
-from hybrid_lm.eval import ruler as R
+from hybrid_lm.eval import ruler as R, ruler_items as RI
+from hybrid_lm.eval.ruler_report import format_table
 
 BYTE = load_tokenizer("byte")
 
@@ -21,7 +22,7 @@ BYTE = load_tokenizer("byte")
 @pytest.fixture(scope="module")
 def bpe(tmp_path_factory):
     from hybrid_lm.data.tokenizer import train_bpe
-    path = train_bpe([text for _, text in R.essay_texts()[:5]], 512, tmp_path_factory.mktemp("bpe"))
+    path = train_bpe([text for _, text in RI.essay_texts()[:5]], 512, tmp_path_factory.mktemp("bpe"))
     return load_tokenizer(str(path))
 
 
@@ -31,7 +32,7 @@ def tok(request, bpe):
 
 
 def _item(task, length, tok, seed=0, index=0, haystack="essays", **kw):
-    return R.make_item(task, length, seed, index, tok, R.haystack_for(haystack, tok), **kw)
+    return RI.make_item(task, length, seed, index, tok, RI.haystack_for(haystack, tok), **kw)
 
 
 # ----------------------------------------------------------------------------- the oracle
@@ -100,18 +101,18 @@ def _parts(task: str, answer: str) -> list[str]:
 # ----------------------------------------------------------------------------- generators
 
 
-@pytest.mark.parametrize("task", R.TASKS)
+@pytest.mark.parametrize("task", RI.TASKS)
 def test_items_are_pure_functions_of_their_key(task, tok):
     a, b = _item(task, 2048, tok), _item(task, 2048, tok)
     assert a.to_json() == b.to_json()
     other_seed, other_index = _item(task, 2048, tok, seed=1), _item(task, 2048, tok, index=1)
     assert not np.array_equal(a.ids, other_seed.ids) and a.answers != other_seed.answers
     assert not np.array_equal(a.ids, other_index.ids)
-    back = R.Item.from_json(json.loads(json.dumps(a.to_json())))
+    back = RI.Item.from_json(json.loads(json.dumps(a.to_json())))
     assert back.to_json() == a.to_json() and np.array_equal(back.ids, a.ids) and back.ids.dtype == np.int32
 
 
-@pytest.mark.parametrize("task", R.TASKS)
+@pytest.mark.parametrize("task", RI.TASKS)
 @pytest.mark.parametrize("length", [2048, 4096])
 def test_length_in_tokens_and_the_regex_oracle(task, length, tok):
     for seed in (0, 3):
@@ -134,7 +135,7 @@ def test_length_in_tokens_and_the_regex_oracle(task, length, tok):
 def test_needles_sit_at_the_requested_depth(haystack, length, tok):
     """A needle at depth d goes before haystack unit ``int(n_units * d)`` (RULER's sentence index;
     tests/test_eval_fidelity.py checks the default depths against RULER's code)."""
-    hay = R.haystack_for(haystack, tok)
+    hay = RI.haystack_for(haystack, tok)
     for depth in (0.0, 0.1, 0.25, 0.5, 0.75, 1.0):
         item = _item("niah_single", length, tok, haystack=haystack, depths=[depth])
         (start, end), = item.needle_spans
@@ -157,14 +158,14 @@ def test_needles_sit_at_the_requested_depth(haystack, length, tok):
 
 
 def test_the_haystack_fills_exactly_from_its_first_unit():
-    hay = R.haystack_for("noise", BYTE)
-    assert [BYTE.decode(u) for u in hay.units] == ["\n" + " ".join(R.NOISE_SENTENCES)]
-    assert [BYTE.decode(u) for u in hay.bare] == [R.NOISE_LINE]
+    hay = RI.haystack_for("noise", BYTE)
+    assert [BYTE.decode(u) for u in hay.units] == ["\n" + " ".join(RI.NOISE_SENTENCES)]
+    assert [BYTE.decode(u) for u in hay.bare] == [RI.NOISE_LINE]
     for n in (1, 7, 91, 92, 93, 500):
         parts = hay.fill(n)
         assert sum(map(len, parts)) == n
-        assert (BYTE.decode(np.concatenate(parts)) + "\n").startswith(R.NOISE_LINE[:n])
-    essays = R.haystack_for("essays", BYTE)
+        assert (BYTE.decode(np.concatenate(parts)) + "\n").startswith(RI.NOISE_LINE[:n])
+    essays = RI.haystack_for("essays", BYTE)
     raw = bytes(np.concatenate(essays.fill(4000)).astype(np.uint8))
     assert len(raw) == 4000 and raw[:2000] == " ".join(essays.texts).encode()[:2000]
 
@@ -180,43 +181,43 @@ def test_corpus_haystack_reads_the_val_documents(tmp_path):
         (docs / f"{i}.txt").write_text(f"Document {i} says hello. It has a second sentence {i}!")
     prepare(SourceSpec("text", paths=(str(docs),)), tmp_path / "store", PrepareSettings(val_every=2), progress=False)
     store = TokenStore(tmp_path / "store")
-    hay = R.corpus_haystack(BYTE, store)
+    hay = RI.corpus_haystack(BYTE, store)
     texts = [BYTE.decode(u) for u in hay.units]
     assert texts and all(t.startswith(" ") for t in texts) and texts == [" " + t for t in hay.texts]
     assert {t for t in texts} <= {f" Document {i} says hello." for i in range(4)} | {
         f" It has a second sentence {i}!" for i in range(4)}
     assert hay.identity == f"corpus:{store.fingerprint[:16]}"
-    item = R.make_item("niah_single", 800, 0, 0, BYTE, hay)
+    item = RI.make_item("niah_single", 800, 0, 0, BYTE, hay)
     assert oracle("niah_single", BYTE.decode(item.ids))["answers"] == list(item.answers)
 
 
 def test_short_lengths_are_refused_with_what_they_need():
-    with pytest.raises(R.TooShort, match="needs at least"):
+    with pytest.raises(RI.TooShort, match="needs at least"):
         _item("niah_multiquery", 512, BYTE)
-    with pytest.raises(R.TooShort, match="fwe at 512 tokens"):
+    with pytest.raises(RI.TooShort, match="fwe at 512 tokens"):
         _item("fwe", 512, BYTE)
     with pytest.raises(ConfigError, match="unknown RULER task"):
         _item("qa", 4096, BYTE)
-    assert R.cwe_setting(BYTE, 32768)[:3] == (10, 30, 3)  # RULER's at long lengths
-    assert R.cwe_setting(BYTE, 3000)[:3] != (10, 30, 3)  # below 4K RULER's short setting at most
+    assert RI.cwe_setting(BYTE, 32768)[:3] == (10, 30, 3)  # RULER's at long lengths
+    assert RI.cwe_setting(BYTE, 3000)[:3] != (10, 30, 3)  # below 4K RULER's short setting at most
 
 
 # ----------------------------------------------------------------------------- cache and scoring
 
 
 def test_cache_reuses_extends_and_repairs(tmp_path):
-    hay = R.haystack_for("noise", BYTE)
-    items, path = R.load_items("niah_multikey", 1024, 5, 2, BYTE, hay, root=tmp_path)
+    hay = RI.haystack_for("noise", BYTE)
+    items, path = RI.load_items("niah_multikey", 1024, 5, 2, BYTE, hay, root=tmp_path)
     assert path.is_file() and len(path.read_text().splitlines()) == 3
-    again, same = R.load_items("niah_multikey", 1024, 5, 2, BYTE, hay, root=tmp_path)
+    again, same = RI.load_items("niah_multikey", 1024, 5, 2, BYTE, hay, root=tmp_path)
     assert same == path and all(np.array_equal(a.ids, b.ids) and a.answers == b.answers for a, b in zip(items, again))
-    more, _ = R.load_items("niah_multikey", 1024, 5, 3, BYTE, hay, root=tmp_path)  # extended, first two kept
+    more, _ = RI.load_items("niah_multikey", 1024, 5, 3, BYTE, hay, root=tmp_path)  # extended, first two kept
     assert len(more) == 3 and np.array_equal(more[1].ids, items[1].ids)
-    assert np.array_equal(more[2].ids, R.make_item("niah_multikey", 1024, 5, 2, BYTE, hay).ids)
+    assert np.array_equal(more[2].ids, RI.make_item("niah_multikey", 1024, 5, 2, BYTE, hay).ids)
     path.write_text(path.read_text()[:500])  # torn: generated again
-    fixed, _ = R.load_items("niah_multikey", 1024, 5, 3, BYTE, hay, root=tmp_path)
+    fixed, _ = RI.load_items("niah_multikey", 1024, 5, 3, BYTE, hay, root=tmp_path)
     assert np.array_equal(fixed[2].ids, more[2].ids)
-    other = R.cache_path(R.cache_key("niah_multikey", 1024, 6, BYTE, hay), tmp_path)
+    other = RI.cache_path(RI.cache_key("niah_multikey", 1024, 6, BYTE, hay), tmp_path)
     assert other != path  # the seed is in the key
 
 
@@ -245,7 +246,7 @@ def test_answer_scores_and_summary():
 def test_request_checks():
     from hybrid_lm.experiment import load_config
     cfg = load_config([], ["DataConfig.seq_len = 8192"])
-    assert R.check_request(cfg) == (list(R.TASKS), [4096, 8192])
+    assert R.check_request(cfg) == (list(RI.TASKS), [4096, 8192])
     assert R.check_request(load_config([], ["DataConfig.seq_len = 512"]))[1] == [512]
     with pytest.raises(ConfigError, match="unknown RULER task"):
         R.check_request(cfg, ["niah_single", "nope"])
@@ -346,8 +347,8 @@ def test_scores_are_computed_on_the_right_tokens(run_dir, monkeypatch):
     from hybrid_lm.run.restore import RestoredRun
 
     run = RestoredRun(run_dir)
-    items, _ = R.load_items("niah_multikey", 768, 0, 3, run.tokenizer, R.haystack_for("noise", run.tokenizer))
-    gold = {items[i].ids.tobytes(): R._encode(run.tokenizer, items[i].gold) for i in range(3)}
+    items, _ = RI.load_items("niah_multikey", 768, 0, 3, run.tokenizer, RI.haystack_for("noise", run.tokenizer))
+    gold = {items[i].ids.tobytes(): RI.encode(run.tokenizer, items[i].gold) for i in range(3)}
 
     def fake_generate(model, prompt, max_new, **kw):
         rows = [np.resize(gold.get(np.asarray(p, np.int32).tobytes(), [0]), max_new) for p in np.asarray(prompt)]
@@ -364,7 +365,7 @@ def test_scores_are_computed_on_the_right_tokens(run_dir, monkeypatch):
     full = _nll_fn(run)  # [B, n-1] NLL of every token given its prefix
     want = []
     for it in items:
-        answer = R._encode(run.tokenizer, it.gold)
+        answer = RI.encode(run.tokenizer, it.gold)
         seq = np.concatenate([it.ids, answer])[None]
         want.append(float(np.mean(np.asarray(full(seq))[0, len(it.ids) - 1:])))
     np.testing.assert_allclose(row["per_item"]["nll"], want, rtol=1e-4, atol=1e-4)
@@ -385,7 +386,7 @@ def test_mixers_without_a_decode_path_get_log_likelihood_scores_only(run_dir):
     assert not skipped and row["exact_match"] is None and row["generation"].startswith("unavailable")
     assert 0 < row["answer_nll"] < 20 and row["ll_accuracy"] in (0.0, 0.5, 1.0)
     assert row["mixers"]["full"]["kind"] == "attention_sink"
-    assert "—" in R.format_table([row])
+    assert "—" in format_table([row])
 
 
 @pytest.mark.integration

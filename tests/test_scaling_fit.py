@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from scipy.optimize import minimize_scalar
 
-from hybrid_lm.scaling import fit as F
+from hybrid_lm.scaling import fit as F, bootstrap as BS, guardrails as GR, fit_table as FT, law
 
 REPO = Path(__file__).resolve().parents[1]
 # Epoch AI's data (no licence upstream, so not in the repository): where to get it, docs/SOURCES.md section 7
@@ -47,7 +47,7 @@ def test_chinchilla_acceptance():
     keep = L < np.sort(L)[-5]  # Epoch cells 14-15: drop the 5 highest-loss runs
     dropped = np.sort(L[~keep])[::-1]
     np.testing.assert_allclose(dropped, [5.006, 4.665, 3.794, 3.766, 3.447], atol=1e-3)
-    e = F.fit_dataset(N[keep], D[keep], L[keep], form="with-E", n_boot=600, seed=42, holdout="N>1e9",
+    e = FT.fit_dataset(N[keep], D[keep], L[keep], form="with-E", n_boot=600, seed=42, holdout="N>1e9",
                       compute_at=[5.88e23])
 
     # point estimate: inside Epoch's 95% CIs, and equal to their grid fit (cell 18)
@@ -93,7 +93,7 @@ TRUE = {"E": 1.7, "A": 400.0, "B": 1500.0, "alpha": 0.33, "beta": 0.30}
 def _synthetic(params, noise=0.0, seed=0, sizes=(2e7, 5e7, 1.2e8, 3e8, 7e8, 1.5e9), ratios=(5, 10, 20, 40, 80)):
     N, D = np.meshgrid(np.array(sizes), np.array(ratios), indexing="ij")
     N, D = N.ravel(), (N * D).ravel()
-    L = F.predict(params, N, D)
+    L = law.predict(params, N, D)
     if noise:
         L = L * np.exp(np.random.default_rng(seed).normal(0, noise, L.shape))
     return N, D, L
@@ -103,7 +103,7 @@ def _synthetic(params, noise=0.0, seed=0, sizes=(2e7, 5e7, 1.2e8, 3e8, 7e8, 1.5e
 def test_noiseless_synthetic_recovers_parameters(form):
     true = dict(TRUE) if form == "with-E" else {**TRUE, "E": None, "A": 30.0, "B": 80.0, "alpha": 0.25, "beta": 0.35}
     N, D, L = _synthetic(true)
-    e = F.fit_dataset(N, D, L, form=form, n_boot=0, holdout="largest")
+    e = FT.fit_dataset(N, D, L, form=form, n_boot=0, holdout="largest")
     for k, v in true.items():
         if v is None:
             assert e["params"][k] is None
@@ -117,7 +117,7 @@ def test_noiseless_synthetic_recovers_parameters(form):
 
 def test_noisy_synthetic_parameters_inside_bootstrap_cis():
     N, D, L = _synthetic(TRUE, noise=0.004, seed=1)
-    e = F.fit_dataset(N, D, L, form="with-E", n_boot=300, seed=3, holdout="none")
+    e = FT.fit_dataset(N, D, L, form="with-E", n_boot=300, seed=3, holdout="none")
     ci = e["ci"]["params"]
     for k, v in TRUE.items():
         assert ci[k]["lo"] <= v <= ci[k]["hi"], (k, v, ci[k])
@@ -131,7 +131,7 @@ def test_holdout_metrics_measure_a_shifted_largest_size():
     N, D, L = _synthetic(TRUE)
     big = N == N.max()
     L = np.where(big, L * 1.02, L)  # the largest model does 2% worse than the law
-    e = F.fit_dataset(N, D, L, form="with-E", n_boot=0, holdout="largest")
+    e = FT.fit_dataset(N, D, L, form="with-E", n_boot=0, holdout="largest")
     m = e["holdout"]["holdout"]
     assert m["n"] == big.sum()
     assert m["bias_log"] == pytest.approx(math.log(1.02), abs=2e-4)  # observed above prediction
@@ -139,14 +139,14 @@ def test_holdout_metrics_measure_a_shifted_largest_size():
     assert m["worst_rel_error"] == pytest.approx(1 / 1.02 - 1, abs=3e-4)  # predicted / observed - 1
     assert m["worst_point"]["N"] == N.max()
     # N>=VALUE rule and a rule that leaves one size: skipped with a reason
-    assert F.fit_dataset(N, D, L, n_boot=0, holdout="N>=3e8")["holdout"]["n_holdout"] == 15
-    assert "fewer than 2" in F.fit_dataset(N, D, L, n_boot=0, holdout="N>2.5e7")["holdout"]["skipped"]
+    assert FT.fit_dataset(N, D, L, n_boot=0, holdout="N>=3e8")["holdout"]["n_holdout"] == 15
+    assert "fewer than 2" in FT.fit_dataset(N, D, L, n_boot=0, holdout="N>2.5e7")["holdout"]["skipped"]
 
 
 def test_bounds_are_honoured_and_reported():
     true = {"E": None, "A": 30.0, "B": 80.0, "alpha": 0.35, "beta": 0.35}
     N, D, L = _synthetic(true)
-    e = F.fit_dataset(N, D, L, form="no-E", bounds={"alpha": (0.2, 0.3), "beta": (0.0, None)}, n_boot=20,
+    e = FT.fit_dataset(N, D, L, form="no-E", bounds={"alpha": (0.2, 0.3), "beta": (0.0, None)}, n_boot=20,
                       holdout="none")
     assert e["params"]["alpha"] == pytest.approx(0.3, abs=1e-9)
     assert e["at_bound"] == ["alpha"] and e["bounds"] == {"alpha": [0.2, 0.3], "beta": [0.0, None]}
@@ -184,7 +184,7 @@ def test_vectorised_multistart_agrees_with_lbfgsb_from_every_start():
 def test_bootstrap_refits_are_true_minima_and_resample_whole_runs():
     N, D, L = _synthetic(TRUE, noise=0.004, seed=2)
     clusters = np.repeat(np.arange(len(N) // 5), 5)  # 5 rows per "run"
-    W = F.cluster_weights(clusters, 50, seed=0)
+    W = BS.cluster_weights(clusters, 50, seed=0)
     for c in np.unique(clusters):
         rows = W[:, clusters == c]
         assert np.all(rows == rows[:, :1])  # a run's rows are drawn together
@@ -193,8 +193,8 @@ def test_bootstrap_refits_are_true_minima_and_resample_whole_runs():
     obj = F.HuberLogObjective(form, N, D, L)
     lo, hi, _ = F.parse_bounds(None, form)
     pt = F.fit_point(obj, lo, hi)
-    bs = F.bootstrap(obj, pt, clusters, lo, hi, n_boot=40, seed=1)
-    Wb = F.cluster_weights(clusters, 40, seed=1)
+    bs = BS.bootstrap(obj, pt, clusters, lo, hi, n_boot=40, seed=1)
+    Wb = BS.cluster_weights(clusters, 40, seed=1)
     at_point = obj.value(np.repeat(pt.theta[None], 40, 0), Wb)
     assert np.all(bs["objective"] <= at_point * (1 + 1e-12))  # each refit beats the point estimate on its data
     assert np.mean(bs["objective"] < at_point * (1 - 1e-6)) > 0.9  # and actually moved
@@ -206,18 +206,18 @@ def test_bootstrap_refits_are_true_minima_and_resample_whole_runs():
 def test_compute_optimal_matches_numerical_minimum():
     k = 6.0
     for C in (1e20, 1e23):
-        co = F.compute_optimal(TRUE, C, k)
-        res = minimize_scalar(lambda x, C=C: F.predict(TRUE, math.exp(x), C / (k * math.exp(x))), bounds=(10, 35),
+        co = law.compute_optimal(TRUE, C, k)
+        res = minimize_scalar(lambda x, C=C: law.predict(TRUE, math.exp(x), C / (k * math.exp(x))), bounds=(10, 35),
                               method="bounded", options={"xatol": 1e-10})
         assert co["N"] == pytest.approx(math.exp(res.x), rel=1e-4)
         assert co["N"] * co["D"] * k == pytest.approx(C, rel=1e-12)
         assert co["L"] == pytest.approx(res.fun, rel=1e-10)
-    assert F.compute_optimal({**TRUE, "beta": -0.1}, 1e20)["valid"] is False
+    assert law.compute_optimal({**TRUE, "beta": -0.1}, 1e20)["valid"] is False
 
 
 @pytest.mark.integration
 def test_no_jax_in_fitting_code():
-    code = ("import sys; import hybrid_lm.scaling.fit, hybrid_lm.scaling.table, hybrid_lm.scaling.report; "
+    code = ("import sys; import hybrid_lm.scaling.fit_table, hybrid_lm.scaling.table, hybrid_lm.scaling.report; "
             "bad = [m for m in sys.modules if m == 'jax' or m.startswith('jax.') or m == 'flax']; "
             "assert not bad, bad")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
@@ -250,7 +250,7 @@ def test_fit_cli_writes_schema_figures_and_report(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     assert "swa128" in r.stdout and "full" in r.stdout
     doc = json.loads((out / "fit.json").read_text())
-    assert doc["schema"] == F.SCHEMA and doc["form"] == "with-E" and doc["metric"] == "loss"
+    assert doc["schema"] == FT.SCHEMA and doc["form"] == "with-E" and doc["metric"] == "loss"
     assert doc["dropped_rows"]["not_final"] == 2 and doc["compute_at"] == [1e21, 1e23]
     assert set(doc["fits"]) == {"full", "swa128"}
     for e in doc["fits"].values():
@@ -294,26 +294,26 @@ def test_design_guardrails_refuse_what_cannot_be_identified_and_say_what_to_do()
     N, D, L = (np.array(c, float) for c in zip(*TINY_ROWS))
     with pytest.raises(F.FitError, match=r"4 distinct \(N, D\) points cannot determine the 5 free parameters of "
                                          r"with-E.*more D/N budgets or scales.*--form no-E.*--bound"):
-        F.fit_dataset(N, D, L, form="with-E", n_boot=0, holdout="none")
+        FT.fit_dataset(N, D, L, form="with-E", n_boot=0, holdout="none")
     with pytest.raises(F.FitError, match="one model size"):
-        F.fit_dataset(np.full(4, 1e8), D, L, form="no-E", n_boot=0, holdout="none")
+        FT.fit_dataset(np.full(4, 1e8), D, L, form="no-E", n_boot=0, holdout="none")
     with pytest.raises(F.FitError, match="one token count"):
-        F.fit_dataset(np.geomspace(1e7, 1e9, 6), np.full(6, 1e10), np.linspace(4, 3, 6), form="no-E", n_boot=0,
+        FT.fit_dataset(np.geomspace(1e7, 1e9, 6), np.full(6, 1e10), np.linspace(4, 3, 6), form="no-E", n_boot=0,
                       holdout="none")
     # a parameter fixed by a bound is not free: 4 free parameters on 4 points are flagged, not refused
-    e = F.fit_dataset(N, D, L, form="with-E", bounds={"E": (1.0, 1.0)}, n_boot=0, holdout="none")
+    e = FT.fit_dataset(N, D, L, form="with-E", bounds={"E": (1.0, 1.0)}, n_boot=0, holdout="none")
     assert e["free_parameters"] == ["a", "b", "alpha", "beta"] and e["at_bound"] == []
     assert e["valid"] is False and "no degree of freedom is left" in e["guardrails"]["reasons"][0]
     # the same duplicated rows (one point listed twice) do not count as new points
     with pytest.raises(F.FitError, match="4 distinct"):
-        F.fit_dataset(np.r_[N, N], np.r_[D, D], np.r_[L, L], form="with-E", n_boot=0, holdout="none")
+        FT.fit_dataset(np.r_[N, N], np.r_[D, D], np.r_[L, L], form="with-E", n_boot=0, holdout="none")
 
 
 def test_guardrails_fire_on_the_tiny_sweeps_exploding_fit():
     """The issue's case: no-E on the tiny sweep's 4 points gave alpha 25.7 and A ~ 1e94 with CIs and
     compute_optimal.valid True. Now every problem is named and nothing downstream may use the fit."""
     N, D, L = (np.array(c, float) for c in zip(*TINY_ROWS))
-    e = F.fit_dataset(N, D, L, form="no-E", n_boot=200, seed=0, holdout="none", clusters=np.arange(4))
+    e = FT.fit_dataset(N, D, L, form="no-E", n_boot=200, seed=0, holdout="none", clusters=np.arange(4))
     assert e["params"]["alpha"] > 10 and e["params"]["A"] > 1e50  # the degenerate optimum itself is unchanged
     reasons = e["guardrails"]["reasons"]
     for pattern in (r"4 distinct \(N, D\) points for 4 free parameters: no degree of freedom is left",
@@ -328,7 +328,7 @@ def test_guardrails_fire_on_the_tiny_sweeps_exploding_fit():
 
 def test_guardrails_stay_quiet_on_a_well_conditioned_fit():
     N, D, L = _synthetic(TRUE, noise=0.004, seed=1)
-    e = F.fit_dataset(N, D, L, form="with-E", n_boot=100, seed=3, holdout="largest")
+    e = FT.fit_dataset(N, D, L, form="with-E", n_boot=100, seed=3, holdout="largest")
     assert e["valid"] is True and e["guardrails"] == {"reasons": [], "warnings": [], "exponent_range": [0.05, 1.5]}
     assert e["compute_optimal"]["valid"] is True and "reasons" not in e["compute_optimal"]
     assert e["ci"]["n_unidentified"] == 0 and e["holdout"]["valid"] is True and e["holdout"]["at_bound"] == []
@@ -340,16 +340,16 @@ def test_guardrails_collapsed_E_exponent_range_and_bounds():
     # pure power-law data fitted with an E: the irreducible term collapses to ~0
     power = {"E": None, "A": 30.0, "B": 80.0, "alpha": 0.25, "beta": 0.35}
     N, D, L = _synthetic(power)
-    e = F.fit_dataset(N, D, L, form="with-E", n_boot=0, holdout="none")
+    e = FT.fit_dataset(N, D, L, form="with-E", n_boot=0, holdout="none")
     assert any("collapsed to ~0" in r for r in e["guardrails"]["reasons"]), (e["params"], e["guardrails"])
     # an exponent outside the range the caller calls plausible
     N, D, L = _synthetic(TRUE)
-    e = F.fit_dataset(N, D, L, n_boot=0, holdout="none", exponent_range=(0.4, 1.5))
+    e = FT.fit_dataset(N, D, L, n_boot=0, holdout="none", exponent_range=(0.4, 1.5))
     assert [r.split(" is ")[0] for r in e["guardrails"]["reasons"]] == ["alpha = 0.33", "beta = 0.3"]
     # a parameter held at a bound is reported everywhere: the fit, its hold-out and leave-one-size-out refits
     true = {"E": None, "A": 30.0, "B": 80.0, "alpha": 0.35, "beta": 0.35}
     N, D, L = _synthetic(true)
-    e = F.fit_dataset(N, D, L, form="no-E", bounds={"alpha": (0.2, 0.3)}, n_boot=0, holdout="largest", loso=True)
+    e = FT.fit_dataset(N, D, L, form="no-E", bounds={"alpha": (0.2, 0.3)}, n_boot=0, holdout="largest", loso=True)
     assert e["at_bound"] == ["alpha"] and e["valid"] is False
     assert any(r.startswith("alpha = 0.3 sits on its bound") for r in e["guardrails"]["reasons"])
     assert e["holdout"]["at_bound"] == ["alpha"] and e["holdout"]["valid"] is False
@@ -366,14 +366,14 @@ def test_degenerate_bootstrap_cis_are_flagged():
         base.update(over)
         return {"n_boot": 100, "n_clusters": 30, "params": base}
 
-    assert F.check_fit(form, params, [], [3.0], lo, hi, ci()) == []
-    wide = F.check_fit(form, params, [], [3.0], lo, hi, ci(B={"lo": 10.0, "hi": 1e5, "se": 1.0, "median": 1500.0}))
+    assert GR.check_fit(form, params, [], [3.0], lo, hi, ci()) == []
+    wide = GR.check_fit(form, params, [], [3.0], lo, hi, ci(B={"lo": 10.0, "hi": 1e5, "se": 1.0, "median": 1500.0}))
     assert wide == ["the 95% CI of B [10, 1e+05] spans 4.0 orders of magnitude"]
-    flat = F.check_fit(form, params, [], [3.0], lo, hi, ci(alpha={"lo": 0.33, "hi": 0.33, "se": 0, "median": 0.33}))
+    flat = GR.check_fit(form, params, [], [3.0], lo, hi, ci(alpha={"lo": 0.33, "hi": 0.33, "se": 0, "median": 0.33}))
     assert flat == ["the bootstrap CI of alpha has zero width: the resamples never moved the fit"]
-    assert "wider than 1" in F.check_fit(form, params, [], [3.0], lo, hi,
+    assert "wider than 1" in GR.check_fit(form, params, [], [3.0], lo, hi,
                                          ci(beta={"lo": 0.01, "hi": 1.4, "se": 0.3, "median": 0.3}))[0]
-    assert "not meaningful" in F.check_fit(form, params, [], [3.0], lo, hi, ci(), n_unidentified=40)[0]
+    assert "not meaningful" in GR.check_fit(form, params, [], [3.0], lo, hi, ci(), n_unidentified=40)[0]
 
 
 def test_report_ranks_valid_fits_only_and_labels_extrapolation():

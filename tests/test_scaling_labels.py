@@ -37,7 +37,7 @@ def test_the_design_verdict_is_what_fit_says_of_the_design():
     import numpy as np
     import pytest
 
-    from hybrid_lm.scaling import fit as F
+    from hybrid_lm.scaling import fit as F, guardrails as GR, fit_table as FT
 
     N = np.array([1e6, 1e6, 4e6, 4e6, 16e6, 16e6])  # 3 sizes x 2 budgets, one run each
     D = np.array([2e7, 4e7, 8e7, 16e7, 32e7, 64e7])
@@ -45,16 +45,16 @@ def test_the_design_verdict_is_what_fit_says_of_the_design():
     L = L * (1 + 0.003 * np.random.default_rng(0).standard_normal(6))
     runs = np.array([f"r{i}" for i in range(6)])
     for form in ("with-E", "no-E"):
-        said = F.design_verdict(N, D, runs, form)
-        fitted = F.fit_dataset(N, D, L, form=form, clusters=runs, holdout="none")["guardrails"]["reasons"]
+        said = GR.design_verdict(N, D, runs, form)
+        fitted = FT.fit_dataset(N, D, L, form=form, clusters=runs, holdout="none")["guardrails"]["reasons"]
         assert said and fitted[:len(said)] == said and "bootstrap resamples" in said[0]
-        assert F.design_verdict(N, D, runs, form, n_boot=0) == []
-    assert F.design_verdict(N[:4], D[:4], runs[:4], "with-E") is None  # 4 points, 5 parameters: refused
+        assert GR.design_verdict(N, D, runs, form, n_boot=0) == []
+    assert GR.design_verdict(N[:4], D[:4], runs[:4], "with-E") is None  # 4 points, 5 parameters: refused
     with pytest.raises(F.FitError):
-        F.fit_dataset(N[:4], D[:4], L[:4], form="with-E", n_boot=0, holdout="none")
-    assert F.design_verdict(N[:4], D[:4], runs[:4], "no-E", n_boot=0)[0].startswith("4 distinct (N, D) points for 4")
+        FT.fit_dataset(N[:4], D[:4], L[:4], form="with-E", n_boot=0, holdout="none")
+    assert GR.design_verdict(N[:4], D[:4], runs[:4], "no-E", n_boot=0)[0].startswith("4 distinct (N, D) points for 4")
     for form, n in (("with-E", 9), ("no-E", 7)):  # the fewest runs whose bootstrap fit does not flag
-        assert F.runs_for_bootstrap(form) == n
+        assert GR.runs_for_bootstrap(form) == n
         sizes = np.repeat([1e6, 4e6, 16e6], 4)[:n]
-        assert F.design_verdict(sizes, np.arange(1, n + 1) * 1e7, np.arange(n), form) == []
-        assert F.design_verdict(sizes[:-1], np.arange(1, n) * 1e7, np.arange(n - 1), form) != []
+        assert GR.design_verdict(sizes, np.arange(1, n + 1) * 1e7, np.arange(n), form) == []
+        assert GR.design_verdict(sizes[:-1], np.arange(1, n) * 1e7, np.arange(n - 1), form) != []

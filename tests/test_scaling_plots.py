@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from matplotlib.colors import to_rgba
 
-from hybrid_lm.scaling import fit as F
+from hybrid_lm.scaling import fit_table as FT, law
 from hybrid_lm.scaling import plots as P
 
 TRUE = {"E": 1.7, "A": 400.0, "B": 1500.0, "alpha": 0.33, "beta": 0.30}
@@ -23,7 +23,7 @@ def _rows(archs=(("full", 1.0), ("swa128", 1.015)), sizes=SIZES, ratios=(5, 10, 
     rows = []
     for arch, shift in archs:
         for n, r in itertools.product(sizes, ratios):
-            loss = F.predict(TRUE, n, n * r) * shift * math.exp(rng.normal(0, noise))
+            loss = law.predict(TRUE, n, n * r) * shift * math.exp(rng.normal(0, noise))
             rows.append({"run_id": f"{arch}-{n:.0e}-{r}", "arch": arch, "N": n, "D": n * r, "final": 1,
                          "loss": loss, "C": 6.2 * n * n * r})
     return rows
@@ -32,12 +32,12 @@ def _rows(archs=(("full", 1.0), ("swa128", 1.015)), sizes=SIZES, ratios=(5, 10, 
 @pytest.fixture(scope="module")
 def fitted():
     rows = _rows()
-    doc = F.fit_table(rows, grid=GRID, n_boot=60, seed=0, plots=False, progress=False)
+    doc = FT.fit_table(rows, grid=GRID, n_boot=60, seed=0, plots=False, progress=False)
     groups = {a: [r for r in rows if r["arch"] == a] for a in doc["fits"]}
     data = {a: P._group_arrays(rs, "loss") for a, rs in groups.items()}
     samples = {}
     for a, rs in groups.items():  # the bootstrap samples the bands are drawn from
-        e = F.fit_dataset([r["N"] for r in rs], [r["D"] for r in rs], [r["loss"] for r in rs], grid=GRID,
+        e = FT.fit_dataset([r["N"] for r in rs], [r["D"] for r in rs], [r["loss"] for r in rs], grid=GRID,
                           clusters=[r["run_id"] for r in rs], n_boot=60, holdout="none", keep_samples=True)
         samples[a] = e["_samples"]
     return doc, data, samples
@@ -107,7 +107,7 @@ def test_frontier_figure_limits_and_line_styles(fitted):
     styles = {h.get_linestyle() for h in right.legend_handles if h.get_label().startswith("C = ")}
     assert len(styles) == 3  # solid, dashed, dotted: each compute level's style is named
     C = np.concatenate([6.2 * d["N"] * d["D"] for d in data.values()])
-    assert ax1.get_xlim()[1] <= C.max() * F.EXTRAPOLATION_LIMIT * 2  # no further than the limit (+ a margin)
+    assert ax1.get_xlim()[1] <= C.max() * law.EXTRAPOLATION_LIMIT * 2  # no further than the limit (+ a margin)
     for ax in (ax1, ax2):
         assert not _overlaps(_tick_boxes(fig, ax.xaxis)) and not _overlaps(_tick_boxes(fig, ax.yaxis))
     P._plt().close(fig)
@@ -115,7 +115,7 @@ def test_frontier_figure_limits_and_line_styles(fitted):
 
 def test_invalid_fits_are_marked_and_get_no_frontier():
     rows = _rows(archs=(("tiny", 1.0),), sizes=(2e7, 5e7), ratios=(5, 10))  # 4 points for 4 parameters
-    doc = F.fit_table(rows, form="no-E", n_boot=0, holdout="none", plots=False, progress=False)
+    doc = FT.fit_table(rows, form="no-E", n_boot=0, holdout="none", plots=False, progress=False)
     assert doc["fits"]["tiny"]["valid"] is False
     data = {"tiny": P._group_arrays(rows, "loss")}
     fig = P.fit_figure(doc, data)
@@ -129,7 +129,7 @@ def test_invalid_fits_are_marked_and_get_no_frontier():
 
 def test_fit_table_writes_both_figures(tmp_path):
     rows = _rows(archs=(("full", 1.0),))
-    doc = F.fit_table(rows, grid=GRID, n_boot=20, out_dir=tmp_path, progress=False)
+    doc = FT.fit_table(rows, grid=GRID, n_boot=20, out_dir=tmp_path, progress=False)
     assert doc["figures"] == {"fit": "fit.png", "frontier": "frontier.png"}
     assert (tmp_path / "fit.png").stat().st_size > 20_000 and (tmp_path / "frontier.png").stat().st_size > 20_000
 

@@ -32,7 +32,9 @@ from hybrid_lm.eval.generate import generate
 from hybrid_lm.eval.lm_eval_model import add_lm_eval_command
 from hybrid_lm.eval.longppl import KeyTokenRule, evaluate_longppl
 from hybrid_lm.eval.report import eval_report
-from hybrid_lm.eval.ruler import HAYSTACKS, TASKS as RULER_TASKS, parse_lengths
+from hybrid_lm.eval.ruler import parse_lengths
+from hybrid_lm.eval.ruler_items import HAYSTACKS, TASKS as RULER_TASKS
+from hybrid_lm.eval.ruler_report import format_table
 from hybrid_lm.model.registry import registered_mixers
 from hybrid_lm.run.directory import load_run_config
 from hybrid_lm.run.export import add_export_command
@@ -124,10 +126,6 @@ def _generate(args) -> int:
     return 0
 
 
-def _csv(text: str | None) -> tuple[str, ...]:
-    return tuple(t.strip() for t in (text or "").split(",") if t.strip())
-
-
 def _suite(args) -> int:
     """``hybrid-lm eval RUN --tasks ... --steps ...``: ``hybrid_lm/eval/suite.py``."""
     if args.step is not None and args.steps is not None:
@@ -135,21 +133,7 @@ def _suite(args) -> int:
     if args.baseline:
         raise ConfigError("--baseline applies without --tasks (the loss of the swapped and unswapped model); "
                           "with --tasks, run the suite once without --swap for the baseline")
-    lengths = None
-    if args.ruler_lengths:
-        lengths = tuple(parse_lengths(args.ruler_lengths, "--ruler-lengths"))
-    req = suite.EvalRequest(
-        tasks=_csv(args.tasks or "loss"), swaps=tuple(args.swap), horizon=args.horizon, sinks=args.sinks,
-        seq_len=args.seq_len, eval_windows=args.eval_windows, attention_impl=args.attention_impl, data=args.data,
-        samples=args.samples, seed=args.seed, batch_size=args.batch_size, evaluator=args.evaluator,
-        evaluator_step=args.evaluator_step, longppl_length=args.longppl_length, longppl_docs=args.docs,
-        longppl_inputs=args.longppl_inputs, longppl_min_tokens=args.longppl_min_tokens,
-        probe_prompt=args.probe_prompt, influence_inputs=args.influence_inputs,
-        trunc_len=args.trunc_len, window=args.window, ruler_tasks=_csv(args.ruler_tasks) or None,
-        ruler_lengths=lengths, haystack=args.haystack, allow_longer=args.allow_longer,
-        swap_prefill_only=args.swap_prefill_only, ruler_generation=not args.ruler_no_generation,
-        reference_step=args.reference_step, lm_eval_tasks=_csv(args.lm_eval_tasks), lm_eval_limit=args.lm_eval_limit,
-        lm_eval_fewshot=args.num_fewshot, lm_eval_include=args.lm_eval_include, progress=not args.json)
+    req = request_from_args(args)
     steps = str(args.step) if args.step is not None else args.steps
     printer = (lambda *_: None) if args.json else print
     rows = suite.evaluate_run(args.workdir, req, steps, record=not args.no_record, plots=not args.no_plots,
@@ -159,8 +143,36 @@ def _suite(args) -> int:
     return 0
 
 
+def request_from_args(args) -> suite.EvalRequest:
+    """The :class:`~hybrid_lm.eval.suite.EvalRequest` of ``hybrid-lm eval``'s parsed ``args``: each field
+    from its generated option (:func:`add_request_options`), the progress bars off with ``--json``."""
+    values = {}
+    for f, opt in suite.options():
+        raw = getattr(args, f.name)
+        if opt.parse is None:
+            values[f.name] = raw
+        elif raw not in (None, "", []):
+            values[f.name] = opt.parse(raw)
+    return suite.EvalRequest(**values, progress=not args.json)
+
+
+def add_request_options(parser, keep) -> None:
+    """``parser``'s options generated from the fields of :class:`~hybrid_lm.eval.suite.EvalRequest` that
+    ``keep(field, option)`` selects, in field order. Each option's value is its field's (``dest``),
+    defaulting to the field's default; an option with a ``parse`` keeps its text (None when not given)
+    for :func:`request_from_args`."""
+    for f, opt in suite.options():
+        if not keep(f, opt):
+            continue
+        kw = {k: v for k, v in (("type", opt.type), ("choices", opt.choices), ("action", opt.action)) if v is not None}
+        if opt.metavar or not (opt.choices or opt.action in ("store_true", "store_false")):
+            kw["metavar"] = opt.metavar or opt.flags[0].lstrip("-").replace("-", "_").upper()  # as argparse names it
+        kw["default"] = [] if opt.action == "append" else None if opt.parse else f.default
+        parser.add_argument(*opt.flags, dest=f.name, help=opt.help, **kw)
+
+
 def cmd_eval_report(args) -> int:
-    eval_report(args.runs, out_dir=args.out, tasks=_csv(args.tasks) or None)
+    eval_report(args.runs, out_dir=args.out, tasks=suite.split_csv(args.tasks) or None)
     return 0
 
 
@@ -168,12 +180,12 @@ def _run(args) -> int:
     check_data_choice(args.workdir, None)  # a folder with its own tokenizer: --data, before restoring anything
     overrides = dict(seq_len=args.seq_len, eval_windows=args.eval_windows, attention_impl=args.attention_impl)
     # check the settings before restoring anything: a bad swap fails in a second, not after a restore
-    swapped_config(load_run_config(args.workdir), args.swap, args.horizon, args.sinks, **overrides)
+    swapped_config(load_run_config(args.workdir), args.swaps, args.horizon, args.sinks, **overrides)
     ev = RestoredRun(args.workdir, step=args.step)
     rows = []
     if args.baseline:
         rows.append(ev.evaluate((), None, 0, **overrides, record=False))
-    rows.append(ev.evaluate(args.swap, args.horizon, args.sinks, **overrides, record=False))
+    rows.append(ev.evaluate(args.swaps, args.horizon, args.sinks, **overrides, record=False))
     if args.json:
         print(json.dumps(rows if args.baseline else rows[0], indent=2))
     else:
@@ -191,7 +203,7 @@ def _run(args) -> int:
 def cmd_ruler(args) -> int:
     """``hybrid-lm ruler``: RULER-offline on a checkpoint; the table is printed before the rows are recorded."""
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()] if args.tasks else None
-    lengths = ruler.parse_lengths(args.lengths) if args.lengths else None
+    lengths = parse_lengths(args.lengths) if args.lengths else None
     try:
         cfg = load_run_config(args.workdir)
     except FileNotFoundError as e:
@@ -208,7 +220,7 @@ def cmd_ruler(args) -> int:
     if args.json:
         print(json.dumps({"rows": rows, "skipped": skipped}, indent=2))
     else:
-        print(ruler.format_table(rows, skipped))
+        print(format_table(rows, skipped))
     if not rows:
         raise ConfigError(f"every requested (task, length) is too short for its task ({skipped[0]['reason']}): "
                           "use longer --lengths (with --allow-longer beyond the run's seq_len)")
@@ -247,8 +259,8 @@ def _fill_from_registry(parser, describe) -> None:
     parser.format_help = format_help
 
 
-def add_eval_commands(sub) -> None:
-    """Add ``eval``, ``generate`` and ``longppl`` to the ``hybrid-lm`` subparsers."""
+def _add_eval(sub) -> None:
+    """``hybrid-lm eval``: the suite's options generated from :class:`~hybrid_lm.eval.suite.EvalRequest`."""
     p = sub.add_parser(
         "eval", help="evaluate a run's checkpoints: --tasks loss,longppl,ruler,probe,heads,influence,lm_eval",
         description="With --tasks: run each task on each of --steps (latest, all, or S1,S2) of WORKDIR, print a "
@@ -263,81 +275,22 @@ def add_eval_commands(sub) -> None:
                "examples: --swap full=swa:128   --swap efficient=sa:128,eval_draws=4   "
                "--swap full=moba:256,block_size=32,gate=moba   --horizon 2048 --sinks 4")
     p.add_argument("workdir", help="run directory (config.json + checkpoints/)")
-    p.add_argument("--swap", action="append", default=[], metavar="SLOT=KIND[:W]",
-                   help="switch a slot's mixer (repeatable, one per slot)")
-    p.add_argument("--horizon", type=int, default=None, metavar="H",
-                   help="limit the full-attention layers to the last H tokens (the query included)")
-    p.add_argument("--sinks", type=int, default=0, metavar="S",
-                   help="with --horizon: the first S positions stay visible to every query (default 0)")
-    p.add_argument("--seq-len", "--seq_len", dest="seq_len", type=int, default=None, metavar="T",
-                   help="evaluate at T tokens: the loss windows, the probe's nominal length, the heads prompts and "
-                        "G(d)'s documents (default: the run's seq_len; heads and G(d): 8192 at most)")
-    p.add_argument("--eval-windows", dest="eval_windows", type=int, default=None,
-                   help="number of fixed validation windows (default: the run's DataConfig.eval_windows)")
+    add_request_options(p, lambda f, opt: opt.without_tasks)
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest that restores)")
-    p.add_argument("--attention-impl", dest="attention_impl", default=None, choices=("auto", "xla", "cudnn", "pallas", "jla"))
     p.add_argument("--baseline", action="store_true", help="also evaluate the unswapped model and print the difference")
     p.add_argument("--no-record", dest="no_record", action="store_true", help="do not append to eval.jsonl")
     p.add_argument("--json", action="store_true", help="print the row(s) as JSON")
     g = p.add_argument_group("evaluation suite (hybrid_lm/eval/suite.py, docs/EVAL.md)")
-    g.add_argument("--tasks", default=None, metavar="T1,T2",
-                   help="loss,longppl,ruler,probe,heads,influence,lm_eval (without --tasks: the loss of the "
-                        "swapped model, as before)")
+    add_request_options(g, lambda f, opt: f.name == "tasks")
     g.add_argument("--steps", default=None, metavar="latest|all|S1,S2",
                    help="checkpoints to evaluate (default latest); plots over them go to WORKDIR/eval/")
-    g.add_argument("--data", default=None, metavar="STORE",
-                   help="a prepared token store (hybrid-lm data prepare, the run's tokenizer): loss and bits/byte "
-                        "on its val split, LongPPL and G(d) on its val documents (default: the run's own store)")
-    g.add_argument("--samples", type=int, default=None,
-                   help="items per task, one number for every task of --tasks (default: each task's own, the "
-                        "papers': ruler 8, probe 10000 (at least 40), heads 500, influence 1000)")
-    g.add_argument("--seed", type=int, default=0, help="item seed (default 0)")
-    g.add_argument("--batch-size", dest="batch_size", type=int, default=None, help="rows per forward pass")
+    add_request_options(g, lambda f, opt: not opt.without_tasks and f.name != "tasks")
     g.add_argument("--no-plots", dest="no_plots", action="store_true", help="do not draw WORKDIR/eval/*.png")
-    g.add_argument("--evaluator", default=None,
-                   help="longppl: who marks the key tokens: a run directory, 'newest' (default: the run's newest "
-                        "checkpoint, the same for every checkpoint) or 'self' (each checkpoint itself)")
-    g.add_argument("--evaluator-step", dest="evaluator_step", type=int, default=None)
-    g.add_argument("--longppl-length", dest="longppl_length", type=int, default=None,
-                   help="longppl: tokens a document is cut to (default: 32767, at most the run's seq_len + 1)")
-    g.add_argument("--longppl-min-tokens", dest="longppl_min_tokens", type=int, default=None,
-                   help="longppl: documents shorter than this are left out (default 16384, at most the length)")
-    g.add_argument("--longppl-inputs", dest="longppl_inputs", default="documents", choices=("documents", "windows"),
-                   help="longppl: whole val documents (default) or the run's eval windows, which cross documents")
-    g.add_argument("--docs", type=int, default=None,
-                   help="longppl: documents (default 50; 8 windows with --longppl-inputs windows)")
-    g.add_argument("--trunc-len", dest="trunc_len", type=int, default=4096, help="longppl: K, the short context")
-    g.add_argument("--window", type=int, default=1024, help="longppl: W, targets per short-context pass")
-    g.add_argument("--ruler-tasks", dest="ruler_tasks", default=None, help="ruler: tasks (default all seven)")
-    g.add_argument("--ruler-lengths", dest="ruler_lengths", default=None, metavar="L1,L2", help="ruler: lengths")
-    g.add_argument("--haystack", default=None, choices=HAYSTACKS,
-                   help="ruler, probe, heads: filler text of the needle prompts (default: each task's official one: "
-                        "RULER's per task (essays for niah, noise for vt), noise for the probe, essays for heads)")
-    g.add_argument("--probe-prompt", dest="probe_prompt", default="official", choices=("official", "exact"),
-                   help="probe: the official recipe at the nominal --seq-len (default), or prompts of exactly "
-                        "--seq-len tokens")
-    g.add_argument("--influence-inputs", dest="influence_inputs", default="documents",
-                   choices=("documents", "windows"),
-                   help="influence: whole val documents after a BOS (default) or the run's eval windows")
-    g.add_argument("--allow-longer", dest="allow_longer", action="store_true",
-                   help="ruler: lengths beyond the run's seq_len")
-    g.add_argument("--ruler-no-generation", dest="ruler_no_generation", action="store_true",
-                   help="ruler: the log-likelihood scores only (answer NLL, gold against distractors), no greedy "
-                        "generation: exact_match is null")
-    g.add_argument("--swap-prefill-only", dest="swap_prefill_only", action="store_true",
-                   help="ruler, lm_eval: the --swap applies to the prompt (lm-eval: each log-likelihood's context) "
-                        "only; the answer is scored by the run's own layers over the swapped prompt's cache (the SA "
-                        "paper's training-free protocol; no generation). docs/EVAL.md")
-    g.add_argument("--reference-step", dest="reference_step", type=int, default=None,
-                   help="heads: the checkpoint d_QK is measured against (default: the run's last)")
-    g.add_argument("--lm-eval-tasks", dest="lm_eval_tasks", default=None, metavar="T1,T2",
-                   help="lm_eval: lm-evaluation-harness tasks, e.g. hellaswag,arc_easy (datasets must be available)")
-    g.add_argument("--lm-eval-limit", dest="lm_eval_limit", type=int, default=None, help="lm_eval: items per task")
-    g.add_argument("--num-fewshot", dest="num_fewshot", type=int, default=None, help="lm_eval: few-shot examples")
-    g.add_argument("--lm-eval-include", dest="lm_eval_include", default=None, metavar="DIR",
-                   help="lm_eval: a folder of task YAMLs (local tasks), added to lm-eval's own")
     p.set_defaults(fn=cmd_eval)
 
+
+def _add_eval_report(sub) -> None:
+    """``hybrid-lm eval-report``."""
     p = sub.add_parser(
         "eval-report", help="overlay runs' eval results: one curve per architecture against tokens seen",
         description="Read eval.jsonl of every run under SWEEP_ROOT (or of the RUN_DIRs given) and plot, per task "
@@ -350,6 +303,9 @@ def add_eval_commands(sub) -> None:
     p.add_argument("--out", default=None, help="plot directory (default: <first path>/eval_report)")
     p.set_defaults(fn=cmd_eval_report)
 
+
+def _add_generate(sub) -> None:
+    """``hybrid-lm generate``."""
     p = sub.add_parser(
         "generate", help="continue a prompt with a run's checkpoint (greedy or sampled)",
         description=_GENERATE_HELP)
@@ -371,6 +327,9 @@ def add_eval_commands(sub) -> None:
                    help="print checkpoint step, prompt, continuation, token ids and sampling settings as JSON")
     p.set_defaults(fn=cmd_generate)
 
+
+def _add_longppl(sub) -> None:
+    """``hybrid-lm longppl``."""
     p = sub.add_parser(
         "longppl", help="LongPPL: perplexity on the key tokens that need long context (Fang et al. 2025)",
         description="Mark key tokens of the run's validation documents with an evaluator run (long context "
@@ -399,6 +358,9 @@ def add_eval_commands(sub) -> None:
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_longppl)
 
+
+def _add_ruler(sub) -> None:
+    """``hybrid-lm ruler``."""
     p = sub.add_parser(
         "ruler", help="RULER-offline: needle, variable-tracking and word-extraction tasks at long lengths",
         description="Generate RULER's synthetic tasks (deterministic from the seed, cached under data_cache/ruler/, "
@@ -428,5 +390,14 @@ def add_eval_commands(sub) -> None:
     p.add_argument("--json", action="store_true", help="print the rows (and skipped pairs) as JSON")
     p.set_defaults(fn=cmd_ruler)
 
+
+def add_eval_commands(sub) -> None:
+    """Add ``eval``, ``eval-report``, ``generate``, ``longppl``, ``ruler``, ``export`` and ``lm-eval`` to the
+    ``hybrid-lm`` subparsers."""
+    _add_eval(sub)
+    _add_eval_report(sub)
+    _add_generate(sub)
+    _add_longppl(sub)
+    _add_ruler(sub)
     add_export_command(sub)
     add_lm_eval_command(sub)

@@ -44,6 +44,7 @@ from tqdm import tqdm
 
 from hybrid_lm.errors import ConfigError
 from hybrid_lm.eval import introspect as I, ruler as R
+from hybrid_lm.eval.ruler_items import haystack_for
 from hybrid_lm.experiment import run_id
 from hybrid_lm.progress import bar_disabled
 from hybrid_lm.run.directory import checkpoint_steps
@@ -150,7 +151,7 @@ def evaluate_heads(run, cfg=None, *, samples: int = SAMPLES, seq_len: int | None
     require_attention(cfg)
     layers = I.attention_layers(run.model(cfg))
     tok = run.tokenizer
-    hay = R.haystack_for(haystack or "essays", tok, run)
+    hay = haystack_for(haystack or "essays", tok, run)
     items = I.needle_items(tok, seq_len, samples, seed, hay, what="heads")
     seqs, lengths, needle = _sequences(tok, items, seq_len)
     found = needle.any(1)

@@ -43,8 +43,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from hybrid_lm.errors import ConfigError
-from hybrid_lm.eval import ruler as R
-from hybrid_lm.eval.ruler import TooShort
+from hybrid_lm.eval import ruler_items as R
+from hybrid_lm.eval.ruler_items import TooShort
 from hybrid_lm.model.registry import MixerContext
 from hybrid_lm.ops.attention import default_positions
 from hybrid_lm.step import ModelFns
@@ -126,7 +126,7 @@ def probe_text(seq_len: int, seed: int, index: int, haystack) -> tuple[str, str,
 
 
 def probe_item(seq_len: int, seed: int, index: int, tok, haystack):
-    """Item ``index`` (a :class:`~hybrid_lm.eval.ruler.Item`) of the official recipe
+    """Item ``index`` (a :class:`~hybrid_lm.eval.ruler_items.Item`) of the official recipe
     (:func:`probe_text`) in ``tok``'s ids: its length follows from ``seq_len`` (nominal)."""
     text, key, value, depth = probe_text(seq_len, seed, index, haystack)
     ids = np.asarray(tok.encode(text), np.int32)
@@ -135,10 +135,10 @@ def probe_item(seq_len: int, seed: int, index: int, tok, haystack):
 
 
 def needle_item(length: int, seed: int, index: int, tok, haystack, gen_tokens: int = 0):
-    """Item ``index`` (a :class:`~hybrid_lm.eval.ruler.Item`) at exactly ``length - gen_tokens`` ids:
+    """Item ``index`` (a :class:`~hybrid_lm.eval.ruler_items.Item`) at exactly ``length - gen_tokens`` ids:
     :data:`TEMPLATE` with ``MAGIC_BASE + index % 8`` (``answers[0]``; ``gold`` is `` {value}``) in the
     haystack at ``needle_spans[0]``, before unit ``int(n_units * depth)``, the depth drawn from
-    :data:`DEPTH_RANGE`. Raises :class:`~hybrid_lm.eval.ruler.TooShort` when the template leaves no
+    :data:`DEPTH_RANGE`. Raises :class:`~hybrid_lm.eval.ruler_items.TooShort` when the template leaves no
     room for a haystack."""
     rng = R.item_rng(ITEM_TASK, length, seed, index)
     key, value = _key_value(rng, index)

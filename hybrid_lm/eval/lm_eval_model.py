@@ -30,14 +30,15 @@ What the three request types do, as lm-eval's HF model does them:
   that has no decode path (``Block.check_decode``; e.g. attention_sink) cannot generate: such tasks are
   refused in one line.
 
-Batching: requests sorted longest first (lm-eval's ``Collator``), rows right-padded to a few bucket
-lengths (:func:`length_buckets`), a fixed number of rows per bucket: the model compiles once per
+Batching (the model calls are ``eval/lm_eval_calls.py``'s ``ModelCalls``): requests sorted longest first
+(lm-eval's ``Collator``), rows right-padded to a few bucket lengths (``length_buckets``), a fixed number
+of rows per bucket: the model compiles once per
 bucket used. Right padding is exact for causal mixers (a token never sees a later one); ``sa`` draws
 its permutation over the padded length, so its scores depend on the bucket (it is stochastic by
 construction). Generation runs prompts of different lengths in one batch without padding them: the
 batch is prefilled up to a bucket length at most its shortest prompt, then decoded one token at a
 time, each row fed its own prompt tokens until they run out (teacher forcing), then its greedy
-picks; host-side stop checks every :data:`DECODE_CHUNK` steps end the batch early.
+picks; host-side stop checks every ``DECODE_CHUNK`` steps end the batch early.
 
 Tokens: the run's tokenizer (``RestoredRun.tokenizer``). The token before a document (empty
 contexts, the first rolling window) is the last token of the tokenizer's separator, i.e. what
@@ -63,63 +64,30 @@ import argparse
 import logging
 import sys
 import time
-import zlib
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
 from hybrid_lm.errors import ConfigError, DataError, WorkdirError
-from hybrid_lm.eval.prefill_swap import split_answer_nll_fn
-from hybrid_lm.eval.ruler import decode_unavailable
+from hybrid_lm.eval.lm_eval_calls import ModelCalls, bucket_up
 from hybrid_lm.experiment import run_id
-from hybrid_lm.model.registry import MixerContext
-from hybrid_lm.ops.attention import default_positions
 from hybrid_lm.optional import optional_import
 from hybrid_lm.progress import bar_disabled
 from hybrid_lm.run.directory import load_run_config
 from hybrid_lm.run.restore import RestoredRun
 from hybrid_lm.run.swap import swapped_config
-from hybrid_lm.sharding import put_batch
-from hybrid_lm.step import ModelFns
 
 log = logging.getLogger(__name__)
 
 NAME = "hybrid_lm"  # lm-eval's --model
 DEFAULT_MAX_GEN_TOKS = 256  # lm-eval's HF default
-DECODE_CHUNK = 16  # decode steps per call between the host-side stop checks
 _IGNORED_ARGS = ("device", "max_batch_size", "trust_remote_code")  # passed by lm-eval to every model
 _KNOWN_ARGS = ("run", "step", "batch_size", "max_length", "max_gen_toks", "swap", "swap_prefill_only",
                "attention_impl", "progress")
 
 
-# ----------------------------------------------------------------------------- buckets and arguments
-
-def length_buckets(max_length: int, smallest: int = 16) -> list[int]:
-    """Padded lengths: ``smallest`` and every power of two and 1.5 x power of two above it below
-    ``max_length``, then ``max_length`` itself."""
-    out, k = set(), 1
-    while k < max_length:
-        out.update(b for b in (k, 3 * k // 2) if smallest <= b < max_length)
-        k *= 2
-    return sorted(out | {max_length})
-
-
-def prefill_buckets(max_length: int) -> list[int]:
-    """Prefill lengths of a generation batch (at most its shortest prompt): 1, 2, 4, 8, then the
-    :func:`length_buckets`."""
-    return sorted({1, 2, 4, 8} | set(length_buckets(max_length)))
-
-
-def bucket_up(n: int, buckets: list[int]) -> int:
-    return next(b for b in buckets if b >= n)
-
-
-def bucket_down(n: int, buckets: list[int]) -> int:
-    return max(b for b in buckets if b <= n)
-
+# ----------------------------------------------------------------------------- arguments
 
 def parse_swaps(swap) -> list[str]:
     """``swap`` as lm-eval passes it: None, one spec, several separated by ';', or a list."""
@@ -158,12 +126,6 @@ def _flag(name: str, value) -> bool:
     if text in ("0", "false", "no"):
         return False
     raise ConfigError(f"hybrid_lm model_args: {name}={value!r} must be true or false")
-
-
-def request_id(tokens) -> int:
-    """A request's example id for per-example randomness (SA permutations): a hash of its tokens, so
-    its score does not depend on the other requests of the batch."""
-    return zlib.crc32(np.asarray(tokens, np.int64).tobytes()) & 0x7FFFFFFF
 
 
 # ----------------------------------------------------------------------------- the model
@@ -220,20 +182,16 @@ class _HybridLMEvalImpl:
             except FileNotFoundError as e:
                 raise WorkdirError(f"{e}: train the run first, or give a step that was saved") from None
             self.cfg = self.run.task_config(self.swaps, seq_len=seq_len, attention_impl=attention_impl)
-        self.fns = self.run.fns if self.cfg.model == self.run.cfg.model else ModelFns(self.cfg)
         self.prefill_only = _flag("swap_prefill_only", swap_prefill_only)
-        self.answer_cfg = self.answer_fns = None
         if self.prefill_only:
             if self.cfg.model == self.run.cfg.model:
                 raise ConfigError("hybrid_lm model_args: swap_prefill_only needs swap=...: the swap the contexts "
                                   "are prefilled with")
-            self.answer_cfg = answer_cfg or self.run.task_config((), seq_len=seq_len, attention_impl=attention_impl)
-            self.answer_fns = self.run.fns if self.answer_cfg.model == self.run.cfg.model else ModelFns(self.answer_cfg)
+            answer_cfg = answer_cfg or self.run.task_config((), seq_len=seq_len, attention_impl=attention_impl)
         self.tokenizer = self.run.tokenizer
-        self.no_decode = decode_unavailable(self.fns.model(self.run.params))
-        self.buckets = length_buckets(self.max_length)
-        self.compiled: set[tuple] = set()  # (function, shape) pairs traced so far: the compile count
-        self._jitted = {}
+        self.calls = ModelCalls(self.run, self.cfg, vocab=self.tokenizer.vocab_size, max_length=self.max_length,
+                                batch_size=self.batch_size, max_batch_size=self.max_batch_size,
+                                answer_cfg=answer_cfg if self.prefill_only else None)
 
     @classmethod
     def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None):
@@ -281,81 +239,10 @@ class _HybridLMEvalImpl:
                 "hybrid_lm_max_length": self.max_length, "hybrid_lm_attention_impl": self.cfg.model.attention_impl,
                 "hybrid_lm_tokenizer": self.tokenizer.describe()}
 
-    # -- batching
-
-    def _rows(self, length: int, n_requests: int) -> int:
-        """Rows per call at ``length``, a multiple of the batch shards: batch_size, else the trainer's
-        tokens per step at this length, at most max_batch_size and no more than the requests there
-        are (rounded up to a power of two: few shapes)."""
-        per = self.batch_size
-        if per is None:
-            per = max(1, self.run.cfg.train.global_batch * self.run.cfg.data.seq_len // length)
-            per = min(per, self.max_batch_size or per, 1 << max(0, n_requests - 1).bit_length())
-        shards = self.run.n_batch_shards
-        return -(-per // shards) * shards
-
-    def _fn(self, kind: str, shape: tuple, build):
-        self.compiled.add((kind, shape))
-        if kind not in self._jitted:
-            self._jitted[kind] = build()
-        return self._jitted[kind]
-
-    def _put(self, a: np.ndarray):
-        return put_batch(np.ascontiguousarray(a), self.run.batch_shard)
-
-    # -- scoring
-
-    def _build_score(self):
-
-        fns, cfg, vocab = self.fns, self.cfg, self.tokenizer.vocab_size
-
-        def score(params, tokens, targets, example_ids):
-            B, L = tokens.shape
-            ctx = MixerContext(positions=default_positions(B, L), attention_impl=cfg.model.attention_impl,
-                               seed=cfg.train.seed, example_ids=example_ids[:, 0], train=False)
-            logits = fns.model(params)(tokens, ctx)  # fp32 [B, L, V]
-            logp = jnp.take_along_axis(logits, targets[..., None], -1)[..., 0] - jax.nn.logsumexp(logits, -1)
-            greedy = jnp.argmax(logits[..., :vocab], -1) == targets  # ids the tokenizer cannot decode never win
-            return logp, greedy
-        return jax.jit(score)
-
     def _refuse_under_prefill_only(self, requests, kind: str) -> None:
         if self.prefill_only and requests:
             raise ConfigError(f"swap_prefill_only scores log-likelihoods of a continuation after a context; this "
                               f"task asks for {kind}: run it without swap_prefill_only")
-
-    def _build_split_score(self, span: int):
-        return split_answer_nll_fn(self.answer_fns, self.fns, self.answer_cfg, self.cfg, span,
-                                   vocab=self.tokenizer.vocab_size)
-
-    def _prefill_only_loglikelihoods(self, rows: list, bar) -> list:
-        """``swap_prefill_only``: rows ``(tokens, n_cont)`` grouped by their exact context length (the
-        swapped prefill sees the context alone: SA's permutation is drawn over exactly it), continuations
-        right-padded to a bucket (exact: the answer is causal). One compile per (context, bucket)."""
-        res: list = [None] * len(rows)
-        groups: dict = {}
-        for i, (full, n_cont) in enumerate(rows):
-            groups.setdefault((len(full) - n_cont, bucket_up(n_cont, self.buckets)), []).append(i)
-        with jax.set_mesh(self.run.mesh):
-            for (P, span), idx in sorted(groups.items()):
-                if P < 1:
-                    raise ConfigError("swap_prefill_only: a request without context (nothing to prefill)")
-                R = self._rows(P + span, len(idx))
-                for k in range(0, len(idx), R):
-                    part = idx[k:k + R]
-                    tokens = np.zeros((R, P + span), np.int32)
-                    ids = np.zeros((R, 1), np.int32)
-                    for r, i in enumerate(part):
-                        tokens[r, :len(rows[i][0])] = rows[i][0]
-                        ids[r, 0] = request_id(rows[i][0][:P])  # the choices of one context: one SA permutation
-                    fn = self._fn(f"split{span}", (R, P + span), lambda: self._build_split_score(span))
-                    nll, greedy = fn(self.run.params, self._put(tokens), self._put(ids)[:, 0])
-                    nll, greedy = np.asarray(nll, np.float64), np.asarray(greedy)
-                    for r, i in enumerate(part):
-                        n = rows[i][1]
-                        res[i] = (-float(nll[r, :n].sum()), bool(greedy[r, :n].all()))
-                    bar.update(len(part))
-        return res
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs):
         """``[(logprob, is_greedy)]`` of ``[(request strings or None, context ids, continuation ids)]``."""
@@ -381,33 +268,10 @@ class _HybridLMEvalImpl:
                                   "what is prefilled: use shorter contexts or raise max_length")
             full = (ctx + cont)[-(self.max_length + 1):]
             rows.append((np.asarray(full, np.int32), len(cont)))
-        res = []
         bar = tqdm(total=len(ordered), desc="hybrid_lm loglikelihood",
                    disable=bar_disabled(self.progress and not disable_tqdm))
-        i = 0
-        if self.prefill_only:
-            res = self._prefill_only_loglikelihoods(rows, bar)
-            i = len(rows)
-        with jax.set_mesh(self.run.mesh):
-            while i < len(rows):
-                L = bucket_up(len(rows[i][0]) - 1, self.buckets)
-                R = self._rows(L, len(rows))
-                part = rows[i:i + R]
-                tokens = np.zeros((R, L), np.int32)
-                targets = np.zeros((R, L), np.int32)
-                ids = np.zeros((R, 1), np.int32)
-                for r, (full, _) in enumerate(part):
-                    tokens[r, :len(full) - 1] = full[:-1]
-                    targets[r, :len(full) - 1] = full[1:]
-                    ids[r, 0] = request_id(full)
-                fn = self._fn("score", (R, L), self._build_score)
-                logp, greedy = fn(self.run.params, self._put(tokens), self._put(targets), self._put(ids))
-                logp, greedy = np.asarray(logp, np.float64), np.asarray(greedy)
-                for r, (full, n_cont) in enumerate(part):
-                    end = len(full) - 1
-                    res.append((float(logp[r, end - n_cont:end].sum()), bool(greedy[r, end - n_cont:end].all())))
-                bar.update(len(part))
-                i += len(part)
+        score = self.calls.prefill_only_loglikelihoods if self.prefill_only else self.calls.loglikelihoods
+        res = score(rows, bar)
         bar.close()
         for (req_str, _, _), answer in zip(ordered, res):
             if req_str is not None:  # rolling windows are cached per document by loglikelihood_rolling
@@ -438,34 +302,6 @@ class _HybridLMEvalImpl:
 
     # -- generation
 
-    def _build_prefill(self):
-        fns, impl, vocab = self.fns, self.cfg.model.attention_impl, self.tokenizer.vocab_size
-
-        def prefill(params, head, *, max_len):
-            logits, cache = fns.model(params).prefill(head, max_len, impl)
-            return jnp.argmax(logits[:, -1, :vocab], -1).astype(jnp.int32), cache
-        return jax.jit(prefill, static_argnames="max_len")
-
-    def _build_chunk(self):
-        fns, vocab = self.fns, self.tokenizer.vocab_size
-
-        def chunk(params, cache, buf, lengths, pick, p):
-            """DECODE_CHUNK steps from position ``p``: each row's token at p is its prompt's while p is
-            inside the prompt, else the greedy pick; it is written to ``buf`` and decoded."""
-            model = fns.model(params)
-
-            def body(carry, _):
-                buf, cache, pick, p = carry
-                prompt_tok = jax.lax.dynamic_slice_in_dim(buf, p, 1, axis=1)[:, 0]
-                tok = jnp.where(p >= lengths[:, 0], pick, prompt_tok)
-                buf = jax.lax.dynamic_update_slice_in_dim(buf, tok[:, None], p, axis=1)
-                logits, cache = model.decode_step(tok, cache)
-                return (buf, cache, jnp.argmax(logits[:, :vocab], -1).astype(jnp.int32), p + 1), None
-
-            (buf, cache, pick, p), _ = jax.lax.scan(body, (buf, cache, pick, p), None, length=DECODE_CHUNK)
-            return buf, cache, pick, p
-        return jax.jit(chunk)
-
     def _stopped(self, gen: np.ndarray, until: list[str], budget: int) -> bool:
         eos = self.tokenizer.eos_id
         if len(gen) >= budget or (eos is not None and (gen == eos).any()):
@@ -481,39 +317,15 @@ class _HybridLMEvalImpl:
             gen = gen[:int(np.argmax(gen == eos))]
         return postprocess_generated_text(self.tok_decode(gen), until, None)
 
-    def _generate_batch(self, prompts: list[list[int]], budget: int, until: list[str], rows: int) -> list[str]:
-        """Greedy continuations of ``prompts`` (one batch of ``rows``; the spare rows repeat the first)."""
-        n = len(prompts)
-        prompts = prompts + [prompts[0]] * (rows - n)
-        lengths = np.array([len(p) for p in prompts], np.int32)
-        total = bucket_up(int(lengths.max()) + budget, self.buckets) + DECODE_CHUNK
-        head = bucket_down(int(lengths.min()), prefill_buckets(self.max_length))
-        buf = np.zeros((rows, total), np.int32)
-        for r, p in enumerate(prompts):
-            buf[r, :len(p)] = p
-        prefill = self._fn("prefill", (rows, head, total), self._build_prefill)
-        chunk = self._fn("decode", (rows, total), self._build_chunk)
-        pick, cache = prefill(self.run.params, self._put(buf[:, :head]), max_len=total)
-        buf_dev, lengths_dev, p_dev = self._put(buf), self._put(lengths[:, None]), jnp.int32(head)
-        p, done, host = head, np.zeros(n, bool), buf
-        while not done.all():
-            buf_dev, cache, pick, p_dev = chunk(self.run.params, cache, buf_dev, lengths_dev, pick, p_dev)
-            p += DECODE_CHUNK
-            host = np.asarray(buf_dev)
-            for r in np.flatnonzero(~done):
-                L = lengths[r]
-                done[r] = p > L and self._stopped(host[r, L:min(p, L + budget)], until, budget)
-        return [self._finish(host[r, lengths[r]:min(p, lengths[r] + budget)], until) for r in range(n)]
-
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """Greedy continuations, stopped at the request's ``until`` strings or ``max_gen_toks``."""
         from lm_eval.models.utils import Collator, handle_stop_sequences, normalize_gen_kwargs  # the [lm_eval] extra
 
 
         self._refuse_under_prefill_only(requests, "generate_until")
-        if self.no_decode and requests:
-            raise ConfigError(f"generate_until needs token-by-token decoding, which this model lacks ({self.no_decode}); "
-                              "run its log-likelihood tasks only")
+        if self.calls.no_decode and requests:
+            raise ConfigError(f"generate_until needs token-by-token decoding, which this model lacks "
+                              f"({self.calls.no_decode}); run its log-likelihood tasks only")
 
         def longest_first(req):
             return -len(self.tok_encode(req[0])), req[0]
@@ -523,28 +335,29 @@ class _HybridLMEvalImpl:
         res = []
         bar = tqdm(total=len(requests), desc="hybrid_lm generate_until",
                    disable=bar_disabled(self.progress and not disable_tqdm))
-        with jax.set_mesh(self.run.mesh):
-            for chunk in groups.get_batched(n=0):  # one chunk per distinct gen_kwargs
-                contexts, all_kwargs = zip(*chunk)
-                kwargs = normalize_gen_kwargs(all_kwargs[0], self.max_gen_toks)
-                if kwargs.get("do_sample") or float(kwargs.get("temperature") or 0) > 0:
-                    raise ConfigError(f"hybrid_lm generates greedily only; the task asks for sampling ({all_kwargs[0]})")
-                until = handle_stop_sequences(kwargs.pop("until", None), eos=None)  # EOS: stopped at its id
-                budget = int(kwargs.pop("max_gen_toks"))
-                max_ctx = self.max_length - budget
-                if max_ctx < 1:
-                    raise ConfigError(f"max_gen_toks={budget} leaves no room for a context in max_length="
-                                      f"{self.max_length}; raise max_length in --model_args")
-                prompts = [self.tok_encode(c)[-max_ctx:] or [self.prefix_token_id] for c in contexts]
-                i = 0
-                while i < len(prompts):
-                    R = self._rows(bucket_up(len(prompts[i]) + budget, self.buckets), len(prompts))
-                    part = prompts[i:i + R]
-                    for context, text in zip(contexts[i:i + R], self._generate_batch(part, budget, until, R)):
-                        res.append(text)
-                        self.cache_hook.add_partial("generate_until", (context, all_kwargs[0]), text)
-                    bar.update(len(part))
-                    i += len(part)
+        for chunk in groups.get_batched(n=0):  # one chunk per distinct gen_kwargs
+            contexts, all_kwargs = zip(*chunk)
+            kwargs = normalize_gen_kwargs(all_kwargs[0], self.max_gen_toks)
+            if kwargs.get("do_sample") or float(kwargs.get("temperature") or 0) > 0:
+                raise ConfigError(f"hybrid_lm generates greedily only; the task asks for sampling ({all_kwargs[0]})")
+            until = handle_stop_sequences(kwargs.pop("until", None), eos=None)  # EOS: stopped at its id
+            budget = int(kwargs.pop("max_gen_toks"))
+            max_ctx = self.max_length - budget
+            if max_ctx < 1:
+                raise ConfigError(f"max_gen_toks={budget} leaves no room for a context in max_length="
+                                  f"{self.max_length}; raise max_length in --model_args")
+            prompts = [self.tok_encode(c)[-max_ctx:] or [self.prefix_token_id] for c in contexts]
+            i = 0
+            while i < len(prompts):
+                R = self.calls.rows(bucket_up(len(prompts[i]) + budget, self.calls.buckets), len(prompts))
+                part = prompts[i:i + R]
+                gens = self.calls.generate(part, budget, R, lambda gen: self._stopped(gen, until, budget))
+                for context, gen in zip(contexts[i:i + R], gens):
+                    text = self._finish(gen, until)
+                    res.append(text)
+                    self.cache_hook.add_partial("generate_until", (context, all_kwargs[0]), text)
+                bar.update(len(part))
+                i += len(part)
         bar.close()
         return groups.get_original(res)
 
@@ -690,8 +503,7 @@ def main(argv=None) -> int:
         return 2
 
 
-__all__ = ["DECODE_CHUNK", "NAME", "add_lm_eval_command", "length_buckets", "lm_eval_argv", "main", "model_class",
-           "parse_swaps", "run_lm_eval_cli"]
+__all__ = ["NAME", "add_lm_eval_command", "lm_eval_argv", "main", "model_class", "parse_swaps", "run_lm_eval_cli"]
 
 
 if __name__ == "__main__":  # through the package module: one class, registered once, whichever way it is imported

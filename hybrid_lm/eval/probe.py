@@ -35,6 +35,7 @@ from tqdm import tqdm
 
 from hybrid_lm.errors import ConfigError
 from hybrid_lm.eval import introspect as I, ruler as R
+from hybrid_lm.eval.ruler_items import haystack_for
 from hybrid_lm.experiment import run_id
 from hybrid_lm.optional import optional_import
 from hybrid_lm.progress import bar_disabled
@@ -143,7 +144,7 @@ def evaluate_probe(run, cfg=None, *, samples: int = SAMPLES, seq_len: int | None
         raise ConfigError(f"probe: prompt={prompt!r}; choose one of {', '.join(I.PROMPTS)}")
     seq_len = I.check_length(cfg, seq_len, "probe") if prompt == "exact" else int(seq_len or cfg.data.seq_len)
     tok = run.tokenizer
-    hay = R.haystack_for(haystack or "noise", tok, run)
+    hay = haystack_for(haystack or "noise", tok, run)
     items = I.needle_items(tok, seq_len, samples, seed, hay, what="probe", prompt=prompt)
     lengths = np.array([len(it.ids) for it in items])
     if lengths.max() > run.cfg.data.seq_len:

@@ -23,24 +23,13 @@ from pathlib import Path
 from typing import NamedTuple
 
 from hybrid_lm.errors import WorkdirError
-from hybrid_lm.eval.suite import EvalRequest, HEADLINES, _task_module, check_tasks, current_rows, headline, task_of
+from hybrid_lm.eval.suite import (EvalRequest, HEADLINES, _task_module, check_tasks, config_option, current_rows,
+                                 headline, task_of)
 from hybrid_lm.run.directory import eval_rows_path, find_run_dirs, load_run_config, metrics_path, run_architecture
 from hybrid_lm.run.metrics import metric_label, read_metrics
 
 log = logging.getLogger(__name__)
 
-# eval_config keys as `hybrid-lm eval` spells them (per task where two tasks share a key)
-FLAGS = {"swaps": "--swap", "horizon": "--horizon", "sinks": "--sinks", "seq_len": "--seq-len",
-         "attention_impl": "--attention-impl", "data": "--data", "eval_windows": "--eval-windows",
-         "samples": "--samples", "seed": "--seed", "haystack": "--haystack", "evaluator": "--evaluator",
-         "evaluator_step": "--evaluator-step", "docs": "--docs", "min_tokens": "--longppl-min-tokens",
-         "trunc_len": "--trunc-len", "window": "--window", "lengths": "--ruler-lengths",
-         "swap_prefill_only": "--swap-prefill-only", "prompt": "--probe-prompt",
-         "reference_step": "--reference-step", "limit": "--lm-eval-limit", "num_fewshot": "--num-fewshot",
-         "include_path": "--lm-eval-include",
-         ("longppl", "length"): "--longppl-length", ("longppl", "inputs"): "--longppl-inputs",
-         ("influence", "inputs"): "--influence-inputs", ("ruler", "tasks"): "--ruler-tasks",
-         ("lm_eval", "tasks"): "--lm-eval-tasks"}
 # written only when set, so rows written before them keep their eval key
 ABSENT_DEFAULTS = {"swap_prefill_only": False, "generation": True}
 NLL_LABEL = "answer NLL (nats, lower is better)"
@@ -95,13 +84,12 @@ def eval_settings(row: dict) -> tuple[str, ...]:
             continue
         if k in ("generator", "definition") or (fam == "ruler" and k == "lengths") or (k == "sinks" and not v):
             continue  # fixed by the suite; one length per RULER figure; no sinks
-        if k == "generation" and v is False:
-            out.append("--ruler-no-generation")
-            continue
-        flag = FLAGS.get((fam, k)) or FLAGS.get(k) or k
+        opt = config_option(fam, k)
+        flag = opt.flags[0] if opt else k
+        given = opt is None or opt.action != "store_false"  # the value a bare flag sets
         if k == "swaps":
             out += [f"{flag} {x}" for x in v]
-        elif v is True:
+        elif v is given:
             out.append(flag)
         elif k in ("evaluator", "data", "include_path") and isinstance(v, str):
             out.append(f"{flag} {Path(v).name or v}")  # the run or store's name, not its whole path

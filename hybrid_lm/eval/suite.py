@@ -32,11 +32,12 @@ import json
 import logging
 import time
 from pathlib import Path
+from typing import Callable, get_args
 
-import numpy as np
 from tqdm import tqdm
 
 from hybrid_lm.backends import recorded_backends
+from hybrid_lm.config import AttentionImpl
 from hybrid_lm.describe import describe_layers
 from hybrid_lm.errors import ConfigError, WorkdirError
 from hybrid_lm.eval import ruler
@@ -45,7 +46,9 @@ from hybrid_lm.eval.introspect import PROMPTS
 from hybrid_lm.eval.longppl import (INPUTS, KeyTokenRule, MAX_TOKENS, MIN_TOKENS, check_evaluator_tokenizer,
                                     longppl_of_run)
 from hybrid_lm.eval.probe import check_samples
-from hybrid_lm.eval.ruler import check_request, format_table, tokens_seen
+from hybrid_lm.eval.ruler import check_request, parse_lengths, tokens_seen
+from hybrid_lm.eval.ruler_items import HAYSTACKS
+from hybrid_lm.eval.ruler_report import format_table, plot_ruler
 from hybrid_lm.experiment import run_id
 from hybrid_lm.progress import bar_disabled
 from hybrid_lm.run.directory import checkpoint_steps, load_run_config, read_eval_rows, run_path
@@ -70,62 +73,163 @@ def check_tasks(tasks: tuple[str, ...]) -> None:
                           f"choose from {','.join(TASKS)}")
 
 
+def split_csv(text: str | None) -> tuple[str, ...]:
+    """``"a, b,"`` -> ``("a", "b")``."""
+    return tuple(t.strip() for t in (text or "").split(",") if t.strip())
+
+
+def _ruler_tasks(text: str) -> tuple[str, ...] | None:
+    return split_csv(text) or None  # none named: all seven
+
+
+def _ruler_lengths(text: str) -> tuple[int, ...]:
+    return tuple(parse_lengths(text, "--ruler-lengths"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+    """The ``hybrid-lm eval`` option of an :class:`EvalRequest` field (its metadata ``option``): the
+    flags, help, ``type``, ``choices``, ``metavar`` and ``action`` as argparse takes them. ``parse``
+    turns the option's text into the field's value (the option not given, or given empty, leaves the
+    field's default); without it the parsed value is the field's. ``without_tasks``: an option of the
+    model, also read by ``hybrid-lm eval`` without ``--tasks``. ``key``: the field's key in
+    :meth:`EvalRequest.config` where it is not the field's name, ``task`` the task whose config holds it
+    there where two fields share a key."""
+
+    flags: tuple[str, ...]
+    help: str | None = None
+    type: Callable | None = None
+    choices: tuple | None = None
+    metavar: str | None = None
+    action: str | None = None
+    parse: Callable | None = None
+    without_tasks: bool = False
+    key: str | None = None
+    task: str | None = None
+
+
+def _option(default, *flags: str, **kw):
+    """A field of :class:`EvalRequest` with ``default`` and its command-line :class:`Option`."""
+    return dataclasses.field(default=default, metadata={"option": Option(flags, **kw)})
+
+
+def options() -> list[tuple[dataclasses.Field, Option]]:
+    """``(field, Option)`` of every :class:`EvalRequest` field that ``hybrid-lm eval`` sets, in field order."""
+    return [(f, f.metadata["option"]) for f in dataclasses.fields(EvalRequest) if "option" in f.metadata]
+
+
+def config_option(task: str, key: str) -> Option | None:
+    """The option that sets ``key`` of ``task``'s :meth:`EvalRequest.config`, or None where none does."""
+    found = {opt.task: opt for f, opt in options() if (opt.key or f.name) == key}
+    return found.get(task) or found.get(None)
+
+
 @dataclasses.dataclass(frozen=True)
 class EvalRequest:
-    """What ``hybrid-lm eval`` was asked for; every field that changes a result is in :meth:`config`."""
+    """What ``hybrid-lm eval`` was asked for; every field that changes a result is in :meth:`config`.
+    A field's ``option`` metadata is its command-line option (``eval/cli.py`` generates them)."""
 
-    tasks: tuple[str, ...] = ("loss",)
-    swaps: tuple[str, ...] = ()
-    horizon: int | None = None
-    sinks: int = 0
-    seq_len: int | None = None
-    eval_windows: int | None = None
-    attention_impl: str | None = None
-    data: str | None = None  # a prepared token store for loss / longppl / influence (its val split)
-    samples: int | None = None  # items per task; None: each task's own default (probe 10000, heads 500, ...)
-    seed: int = 0
-    batch_size: int | None = None
+    tasks: tuple[str, ...] = _option(
+        ("loss",), "--tasks", metavar="T1,T2", parse=split_csv,
+        help=f"{','.join(TASKS)} (without --tasks: the loss of the swapped model, as before)")
+    swaps: tuple[str, ...] = _option((), "--swap", action="append", metavar="SLOT=KIND[:W]", parse=tuple,
+                                     without_tasks=True, help="switch a slot's mixer (repeatable, one per slot)")
+    horizon: int | None = _option(None, "--horizon", type=int, metavar="H", without_tasks=True,
+                                  help="limit the full-attention layers to the last H tokens (the query included)")
+    sinks: int = _option(0, "--sinks", type=int, metavar="S", without_tasks=True,
+                         help="with --horizon: the first S positions stay visible to every query (default 0)")
+    seq_len: int | None = _option(
+        None, "--seq-len", "--seq_len", type=int, metavar="T", without_tasks=True,
+        help="evaluate at T tokens: the loss windows, the probe's nominal length, the heads prompts and G(d)'s "
+             "documents (default: the run's seq_len; heads and G(d): 8192 at most)")
+    eval_windows: int | None = _option(
+        None, "--eval-windows", type=int, without_tasks=True,
+        help="number of fixed validation windows (default: the run's DataConfig.eval_windows)")
+    attention_impl: str | None = _option(None, "--attention-impl", choices=get_args(AttentionImpl), without_tasks=True)
+    data: str | None = _option(  # a prepared token store for loss / longppl / influence (its val split)
+        None, "--data", metavar="STORE",
+        help="a prepared token store (hybrid-lm data prepare, the run's tokenizer): loss and bits/byte on its val "
+             "split, LongPPL and G(d) on its val documents (default: the run's own store)")
+    samples: int | None = _option(  # items per task; None: each task's own default (probe 10000, heads 500, ...)
+        None, "--samples", type=int,
+        help="items per task, one number for every task of --tasks (default: each task's own, the papers': ruler "
+             "8, probe 10000 (at least 40), heads 500, influence 1000)")
+    seed: int = _option(0, "--seed", type=int, help="item seed (default 0)")
+    batch_size: int | None = _option(None, "--batch-size", type=int, help="rows per forward pass")
     # longppl
-    evaluator: str | None = None
-    evaluator_step: int | None = None
-    longppl_length: int | None = None
-    longppl_docs: int | None = None  # None: 50 documents (inputs documents), 8 windows (inputs windows)
-    longppl_inputs: str = "documents"
-    longppl_min_tokens: int | None = None
-    trunc_len: int = 4096
-    window: int = 1024
+    evaluator: str | None = _option(
+        None, "--evaluator",
+        help="longppl: who marks the key tokens: a run directory, 'newest' (default: the run's newest checkpoint, "
+             "the same for every checkpoint) or 'self' (each checkpoint itself)")
+    evaluator_step: int | None = _option(None, "--evaluator-step", type=int)
+    longppl_length: int | None = _option(
+        None, "--longppl-length", type=int, key="length", task="longppl",
+        help="longppl: tokens a document is cut to (default: 32767, at most the run's seq_len + 1)")
+    longppl_min_tokens: int | None = _option(
+        None, "--longppl-min-tokens", type=int, key="min_tokens",
+        help="longppl: documents shorter than this are left out (default 16384, at most the length)")
+    longppl_inputs: str = _option(
+        "documents", "--longppl-inputs", choices=INPUTS, key="inputs", task="longppl",
+        help="longppl: whole val documents (default) or the run's eval windows, which cross documents")
+    longppl_docs: int | None = _option(  # None: 50 documents (inputs documents), 8 windows (inputs windows)
+        None, "--docs", type=int, key="docs",
+        help="longppl: documents (default 50; 8 windows with --longppl-inputs windows)")
+    trunc_len: int = _option(4096, "--trunc-len", type=int, help="longppl: K, the short context")
+    window: int = _option(1024, "--window", type=int, help="longppl: W, targets per short-context pass")
     alpha: float = 2.0
     beta: float = -2.0
     # ruler
-    ruler_tasks: tuple[str, ...] | None = None
-    ruler_lengths: tuple[int, ...] | None = None
-    haystack: str | None = None  # None: each task's official haystack (ruler: RULER's per task; probe noise; heads essays)
-    allow_longer: bool = False
+    ruler_tasks: tuple[str, ...] | None = _option(None, "--ruler-tasks", parse=_ruler_tasks, key="tasks", task="ruler",
+                                                  help="ruler: tasks (default all seven)")
+    ruler_lengths: tuple[int, ...] | None = _option(None, "--ruler-lengths", metavar="L1,L2", parse=_ruler_lengths,
+                                                    key="lengths", help="ruler: lengths")
+    haystack: str | None = _option(  # None: each task's official haystack
+        None, "--haystack", choices=HAYSTACKS,
+        help="ruler, probe, heads: filler text of the needle prompts (default: each task's official one: RULER's "
+             "per task (essays for niah, noise for vt), noise for the probe, essays for heads)")
+    allow_longer: bool = _option(False, "--allow-longer", action="store_true",
+                                 help="ruler: lengths beyond the run's seq_len")
     # the swaps prefill the prompt only; the answer is scored by the run's own layers (eval/prefill_swap.py)
-    swap_prefill_only: bool = False
-    ruler_generation: bool = True  # False: RULER's log-likelihood scores only (no greedy generation)
+    swap_prefill_only: bool = _option(
+        False, "--swap-prefill-only", action="store_true",
+        help="ruler, lm_eval: the --swap applies to the prompt (lm-eval: each log-likelihood's context) only; the "
+             "answer is scored by the run's own layers over the swapped prompt's cache (the SA paper's "
+             "training-free protocol; no generation). docs/EVAL.md")
+    ruler_generation: bool = _option(  # False: RULER's log-likelihood scores only (no greedy generation)
+        True, "--ruler-no-generation", action="store_false", key="generation",
+        help="ruler: the log-likelihood scores only (answer NLL, gold against distractors), no greedy generation: "
+             "exact_match is null")
     # probe
-    probe_prompt: str = "official"
+    probe_prompt: str = _option(
+        "official", "--probe-prompt", choices=PROMPTS, key="prompt",
+        help="probe: the official recipe at the nominal --seq-len (default), or prompts of exactly --seq-len tokens")
     # heads
-    reference_step: int | None = None
+    reference_step: int | None = _option(
+        None, "--reference-step", type=int, help="heads: the checkpoint d_QK is measured against (default: the run's last)")
     # influence
-    influence_inputs: str = "documents"
+    influence_inputs: str = _option(
+        "documents", "--influence-inputs", choices=("documents", "windows"), key="inputs", task="influence",
+        help="influence: whole val documents after a BOS (default) or the run's eval windows")
     # lm_eval
-    lm_eval_tasks: tuple[str, ...] = ()
-    lm_eval_limit: int | None = None
-    lm_eval_fewshot: int | None = None
-    lm_eval_include: str | None = None  # a folder of lm-eval task YAMLs (local tasks)
+    lm_eval_tasks: tuple[str, ...] = _option(
+        (), "--lm-eval-tasks", metavar="T1,T2", parse=split_csv, key="tasks", task="lm_eval",
+        help="lm_eval: lm-evaluation-harness tasks, e.g. hellaswag,arc_easy (datasets must be available)")
+    lm_eval_limit: int | None = _option(None, "--lm-eval-limit", type=int, key="limit", help="lm_eval: items per task")
+    lm_eval_fewshot: int | None = _option(None, "--num-fewshot", type=int, key="num_fewshot",
+                                          help="lm_eval: few-shot examples")
+    lm_eval_include: str | None = _option(  # a folder of lm-eval task YAMLs (local tasks)
+        None, "--lm-eval-include", metavar="DIR", key="include_path",
+        help="lm_eval: a folder of task YAMLs (local tasks), added to lm-eval's own")
     progress: bool = True
 
     def check(self) -> None:
         check_tasks(self.tasks)
         if self.data is not None and not {"loss", "longppl", "influence"} & set(self.tasks):
             raise ConfigError("--data applies to the loss, longppl and influence tasks: add one of them to --tasks")
-        for flag, value, allowed in (("--longppl-inputs", self.longppl_inputs, INPUTS),
-                                     ("--influence-inputs", self.influence_inputs, ("documents", "windows")),
-                                     ("--probe-prompt", self.probe_prompt, PROMPTS)):
-            if value not in allowed:
-                raise ConfigError(f"{flag} {value}: choose one of {', '.join(allowed)}")
+        for f, opt in options():
+            value = getattr(self, f.name)
+            if opt.choices and value is not None and value not in opt.choices:
+                raise ConfigError(f"{opt.flags[0]} {value}: choose one of {', '.join(opt.choices)}")
         if "lm_eval" in self.tasks and not self.lm_eval_tasks:
             raise ConfigError("--tasks lm_eval needs --lm-eval-tasks, e.g. --lm-eval-tasks hellaswag,arc_easy")
         if self.samples is not None and self.samples < 1:
@@ -405,7 +509,7 @@ def plot_task(task: str, rows: list[dict], out_dir: Path) -> list[Path]:
     if task in ("probe", "heads", "influence"):
         return list(getattr(_task_module(task), f"plot_{task}")(rows, out_dir))
     if task == "ruler":
-        return _plot_ruler(rows, out_dir)
+        return plot_ruler(rows, out_dir)
     series: dict = {}
     for r in rows:
         v = headline(r)
@@ -451,56 +555,6 @@ def plot_task(task: str, rows: list[dict], out_dir: Path) -> list[Path]:
     ax.grid(alpha=0.3)
     path = out_dir / f"{task}.png"
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return [path]
-
-
-def _plot_ruler(rows: list[dict], out_dir: Path) -> list[Path]:
-    """``ruler.png``: exact match (greedy) and the gold answer's NLL, one line per RULER task: against
-    tokens seen (one line per task and length) over several checkpoints, against the context length
-    for one checkpoint. The legend sits beside the axes (the NLL moves long before exact match leaves 0)."""
-    import matplotlib  # plots only (a slow import)
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # plots only (a slow import)
-
-    one = len({r["tokens_seen"] for r in rows}) == 1
-    series: dict = {}
-    for r in rows:
-        name = r["task"].split("/", 1)[-1]
-        series.setdefault(name if one else f"{name} @ {r['length']}", []).append(r)
-    fig, axes = plt.subplots(1, 2, figsize=(12.5, 4.4))
-    colors = plt.get_cmap("tab10" if one else "tab20").colors * 4
-    for (name, rs), color in zip(sorted(series.items()), colors):
-        rs.sort(key=lambda r: r["length"] if one else r["tokens_seen"])
-        x = [r["length"] if one else r["tokens_seen"] for r in rs]
-        for ax, key in zip(axes, ("exact_match", "answer_nll")):
-            y = [np.nan if r.get(key) is None else r[key] for r in rs]
-            ax.plot(x, y, "o-", ms=4, lw=1.2, color=color, label=name)
-    axes[0].set_ylabel("exact match, greedy (higher is better)")
-    axes[0].set_ylim(-0.05, 1.05)
-    axes[1].set_ylabel("answer NLL, nats/token (lower is better)")
-    lengths = sorted({r["length"] for r in rows})
-    for ax in axes:
-        ax.grid(alpha=0.3)
-        if one:
-            ax.set_xscale("log", base=2)
-            ax.set_xticks(lengths, [f"{n // 1024}K" if n % 1024 == 0 else str(n) for n in lengths])
-            ax.minorticks_off()
-            if len(lengths) == 1:
-                ax.set_xlim(lengths[0] / 1.5, lengths[0] * 1.5)
-            ax.set_xlabel("context length (tokens)")
-        else:
-            ax.set_xscale("log")
-            ax.set_xlabel("tokens seen")
-    handles, labels = axes[1].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="center left", bbox_to_anchor=(0.86, 0.5), fontsize=7, frameon=False,
-               ncol=1 if len(labels) <= 16 else 2)
-    r0 = rows[0]
-    fig.suptitle(f"RULER-offline at step {r0['checkpoint_step']} ({r0['tokens_seen']:,} tokens seen)" if one
-                 else "RULER-offline over training")
-    fig.tight_layout(rect=(0, 0, 0.86 if len(labels) <= 16 else 0.78, 1))
-    path = out_dir / "ruler.png"
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return [path]

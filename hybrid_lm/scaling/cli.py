@@ -11,7 +11,8 @@ from pathlib import Path
 from hybrid_lm.run.directory import find_run_dirs
 from hybrid_lm.scaling import launch as L
 from hybrid_lm.scaling.collect import collect
-from hybrid_lm.scaling.fit import FitError, describe_dropped, fit_table, get_form, parse_bound_args, parse_range
+from hybrid_lm.scaling.fit import FitError, get_form, parse_bound_args, parse_range
+from hybrid_lm.scaling.fit_table import describe_dropped, fit_table
 from hybrid_lm.scaling.report import write_report
 from hybrid_lm.scaling.sweep import (SweepError, expand, format_passes, format_plan, load_spec, next_steps,
                                      passes_warning, summarize)

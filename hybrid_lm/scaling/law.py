@@ -1,5 +1,5 @@
 """The fitted law L(N, D) = E + A N^-alpha + B D^-beta evaluated: predictions and the compute-optimal
-allocation (used by the fit, its reports and its figures; the fitting itself is ``fit.py``)."""
+allocation (used by the fit, its reports and its figures; the fitting itself is ``fit.py``, fit.json ``fit_table.py``)."""
 
 from __future__ import annotations
 

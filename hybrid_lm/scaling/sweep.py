@@ -44,7 +44,8 @@ from hybrid_lm.files import atomic_write_json
 from hybrid_lm.experiment import load_config, run_id
 from hybrid_lm.model.accounting import count_params, flops_per_token
 from hybrid_lm.progress import bar_disabled
-from hybrid_lm.scaling.fit import FORMS, design_verdict, runs_for_bootstrap
+from hybrid_lm.scaling.fit import FORMS
+from hybrid_lm.scaling.guardrails import design_verdict, runs_for_bootstrap
 
 SCHEMA = "hybrid_lm.sweep/1"
 MFU_H200_MEASURED = 0.385  # measured on one H200: 375M GPT, T=16K, bf16, 38.3% / 39.0% MFU (docs/SOURCES.md)
@@ -623,7 +624,7 @@ def format_passes(jobs: list) -> list[str]:
 def next_steps(plan: Plan, jobs: list | None = None) -> list[str]:
     """The commands that turn the finished ``jobs`` (default: the plan's) into a table, fits and a
     report, with a fit form the design can identify, judged as ``fit`` will judge it before seeing a loss
-    (:func:`hybrid_lm.scaling.fit.design_verdict`): with-E (5 parameters) where the design leaves it a
+    (:func:`hybrid_lm.scaling.guardrails.design_verdict`): with-E (5 parameters) where the design leaves it a
     degree of freedom and a run bootstrap that determines it (about 9 runs at distinct (N, D)), else no-E
     (4; about 7 runs), else no-E without the bootstrap (``--bootstrap 0``: too few runs to resample, no
     CIs); with exactly 4 points no-E is fitted but marked not valid. Returns shell lines; a line starting

@@ -67,7 +67,7 @@ def _forward(lm):
 
     def forward(params, x):
         ctx = MixerContext(positions=default_positions(*x.shape), seed=lm.cfg.train.seed, train=False)
-        logits = lm.fns.model(params)(x, ctx)[0]
+        logits = lm.calls.fns.model(params)(x, ctx)[0]
         return jax.nn.log_softmax(logits, -1), jnp.argmax(logits[:, :lm.tokenizer.vocab_size], -1)
     return jax.jit(forward)
 
@@ -92,7 +92,8 @@ def direct_ll(lm, context: str, continuation: str) -> float:
 
 
 def test_buckets_and_arguments():
-    from hybrid_lm.eval.lm_eval_model import bucket_down, bucket_up, length_buckets, lm_eval_argv, parse_swaps
+    from hybrid_lm.eval.lm_eval_calls import bucket_down, bucket_up, length_buckets
+    from hybrid_lm.eval.lm_eval_model import lm_eval_argv, parse_swaps
 
     assert length_buckets(100) == [16, 24, 32, 48, 64, 96, 100]
     assert length_buckets(32) == [16, 24, 32] and length_buckets(8) == [8]
@@ -149,9 +150,9 @@ def test_loglikelihood_matches_direct_in_one_padded_batch(lm):
     long_ctx = "The quick brown fox jumps over the lazy dog. " * 2 + "And"  # > max_length: cut from the left
     pairs = [("The cat", " sat"), ("Once upon a time there", " was a"), ("", "hello"), ("ab ", "cd"),
              ("x", " y"), (long_ctx, " end")]
-    before = set(lm.compiled)
+    before = set(lm.calls.compiled)
     got = lm.loglikelihood([_req(LL, c, x) for c, x in pairs])
-    assert len(set(lm.compiled) - before) <= 1  # one padded shape for the whole batch
+    assert len(set(lm.calls.compiled) - before) <= 1  # one padded shape for the whole batch
     assert lm.max_length == 32
     for (c, x), (ll, greedy) in zip(pairs, got):
         # trailing whitespace moves into the continuation, as lm-eval's HF model does
@@ -230,7 +231,8 @@ def test_swap_prefill_only_scores_continuations_over_the_swapped_context(lm, run
     sequence (SA's permutation is drawn over exactly the context, so requests are grouped by context
     length and only the continuation is padded); plain swapped scoring differs."""
     from hybrid_lm.errors import ConfigError
-    from hybrid_lm.eval.lm_eval_model import model_class, request_id
+    from hybrid_lm.eval.lm_eval_calls import request_id
+    from hybrid_lm.eval.lm_eval_model import model_class
     from hybrid_lm.eval.prefill_swap import split_answer_nll_fn
 
     with pytest.raises(ConfigError, match="swap_prefill_only needs swap="):
@@ -242,7 +244,8 @@ def test_swap_prefill_only_scores_continuations_over_the_swapped_context(lm, run
     assert got[4] == got[0]  # a context's SA permutation follows its tokens, not its row in the batch
     for (context, continuation), (ll, greedy) in zip(pairs, got):
         ctx, cont = m.tok_encode(context), m.tok_encode(continuation)
-        nll, best = split_answer_nll_fn(m.answer_fns, m.fns, m.answer_cfg, m.cfg, len(cont), vocab=m.tokenizer.vocab_size)(
+        c = m.calls
+        nll, best = split_answer_nll_fn(c.answer_fns, c.fns, c.answer_cfg, c.cfg, len(cont), vocab=c.vocab)(
             m.run.params, np.asarray([ctx + cont], np.int32), np.asarray([request_id(ctx)], np.int32))
         assert ll == pytest.approx(-float(np.asarray(nll).sum()), rel=5e-5)  # batched and padded: float32 order
         assert greedy == bool(np.asarray(best).all())
@@ -276,7 +279,7 @@ def test_generate_until_matches_generate(lm, random_params):
     budget = 8
     max_ctx = lm.max_length - budget
     prompts = ["Once upon a time there", "The", "A prompt longer than the room left for it is cut from the left"]
-    model = lm.fns.model(random_params)
+    model = lm.calls.fns.model(random_params)
     full = []
     for p in prompts:
         ids = lm.tok_encode(p)[-max_ctx:]
@@ -284,9 +287,9 @@ def test_generate_until_matches_generate(lm, random_params):
         full.append(lm.tok_decode(np.asarray(out[0])))
     assert len(set(full)) == len(full), full  # the prompts matter
     never = {"until": ["\x00never"], "max_gen_toks": budget, "do_sample": False}
-    before = set(lm.compiled)
+    before = set(lm.calls.compiled)
     assert lm.generate_until([_req("generate_until", p, never) for p in prompts]) == full
-    assert {k for k, _ in set(lm.compiled) - before} <= {"prefill", "decode"} and len(set(lm.compiled) - before) <= 2
+    assert {k for k, _ in set(lm.calls.compiled) - before} <= {"prefill", "decode"} and len(set(lm.calls.compiled) - before) <= 2
     # stop strings: the first ASCII character that is not the first one of a continuation
     text = next(t for t in full if any(ch.isascii() and t.index(ch) > 0 for ch in t))
     stop = next(ch for ch in text if ch.isascii() and text.index(ch) > 0)

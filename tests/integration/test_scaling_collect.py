@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hybrid_lm.scaling import fit as F
+from hybrid_lm.scaling import fit as F, fit_table as FT, law
 from hybrid_lm.model.architecture import arch_label, arch_spec
 from hybrid_lm.scaling.collect import collect, eval_column_names, eval_settings, parse_label_overrides
 from hybrid_lm.scaling.table import read_table
@@ -163,12 +163,12 @@ def test_fit_log_longppl_from_collected_eval_rows_recovers_the_law(tmp_path):
     for n in (1e4, 3e4, 1e5):
         for r in (5, 10, 20, 40):
             steps = int(n * r / 100)
-            value = math.exp(F.predict(LAW, n, steps * 100))
+            value = math.exp(law.predict(LAW, n, steps * 100))
             _fake_run(tmp_path / "runs", f"n{n:.0e}-r{r}", N=int(n), steps=steps, eval_every=steps,
                       eval_rows=[_longppl_row(steps, value)])
     _, stats = collect([tmp_path / "runs"], tmp_path / "table.csv", progress=False)
     assert stats["finished"] == 12
-    doc = F.fit_table(read_table(tmp_path / "table.csv"), metric="log_longppl", form="no-E", n_boot=0,
+    doc = FT.fit_table(read_table(tmp_path / "table.csv"), metric="log_longppl", form="no-E", n_boot=0,
                       holdout="none", plots=False, progress=False)
     e = doc["fits"]["swa8"]
     for k in ("A", "B", "alpha", "beta"):
@@ -176,7 +176,7 @@ def test_fit_log_longppl_from_collected_eval_rows_recovers_the_law(tmp_path):
     assert e["valid"] and e["compute_optimal"]["valid"]
     with pytest.raises(F.FitError, match=r"'log_ruler' is not in the table; its metric columns are: "
                                          r"loss, bpb, loss_train.*log_longppl"):
-        F.fit_table(read_table(tmp_path / "table.csv"), metric="log_ruler", plots=False, progress=False)
+        FT.fit_table(read_table(tmp_path / "table.csv"), metric="log_ruler", plots=False, progress=False)
 
 
 # ----------------------------------------------------------------------------- WSD rows
@@ -199,27 +199,27 @@ def test_rows_all_uses_converged_rows_and_never_double_counts_a_stable_row(tmp_p
     assert by[("b13", 10)]["converged"] == 0 and by[("stable", 15)]["final"] == 0
     assert all(r["converged"] == 0 for r in rows if r["run_id"] == "stable")
     # all: the end of each decay only (the last row of b13 is its step-10 eval: not at its end, step 13)
-    used, dropped = F.select_rows(rows, "loss", "all")
+    used, dropped = FT.select_rows(rows, "loss", "all")
     assert [(r["run_id"], r["step"]) for r in used] == [("b20", 20)]
     assert dropped["not_converged"] == len(rows) - 1
     # intermediate: every row, but each stable row once (trained once by the stable run, listed by 3 runs)
-    used, dropped = F.select_rows(rows, "loss", "intermediate")
+    used, dropped = FT.select_rows(rows, "loss", "intermediate")
     keys = [(r["source_run"], r["step"]) for r in used]
     assert len(keys) == len(set(keys)) and ("stable", 5) in keys
     assert dropped["duplicate"] == sum(1 for r in rows if r["source_run"] == "stable") - 3  # steps 5, 10, 15
     # a table from before the converged column: its stable-phase rows are still left out by --rows all
     old = [{k: v for k, v in r.items() if k != "converged"} for r in rows]
-    assert all(r["phase"] != "stable" for r in F.select_rows(old, "loss", "all")[0])
+    assert all(r["phase"] != "stable" for r in FT.select_rows(old, "loss", "all")[0])
 
 
 def test_fit_table_clusters_stable_rows_by_the_run_that_trained_them(tmp_path):
     """--rows intermediate: the stable rows are resampled with the stable run that trained them."""
     for g, n in (("g1", 1000), ("g2", 3000)):
         _fake_run(tmp_path, f"{g}-b20", N=n, steps=20, branch={"run": f"{g}-stable", "step": 15}, copied_until=15,
-                  losses=lambda s, n=n: math.exp(F.predict(LAW, n, max(s, 1) * 100)))
+                  losses=lambda s, n=n: math.exp(law.predict(LAW, n, max(s, 1) * 100)))
     rows, _ = collect([tmp_path], None, intermediate=True, progress=False)
     assert {r["source_run"] for r in rows} == {"g1-stable", "g1-b20", "g2-stable", "g2-b20"}
-    doc = F.fit_table(rows, form="no-E", which="intermediate", bounds={"alpha": (0.25, 0.25)}, n_boot=20,
+    doc = FT.fit_table(rows, form="no-E", which="intermediate", bounds={"alpha": (0.25, 0.25)}, n_boot=20,
                       holdout="none", plots=False, progress=False)
     e = doc["fits"]["swa8"]
     assert doc["undecayed_rows_used"] == 6 and e["n_points"] == 8
@@ -294,7 +294,7 @@ def test_collect_labels_runs_outside_a_sweep_from_their_config(tmp_path):
     rows, _ = collect([tmp_path], None, labels=["moba_.*=moba"], progress=False)
     assert sorted(r["arch"] for r in rows) == ["moba", "moba", "ssa16x16"]
     with pytest.raises(F.FitError, match="arch 'moba' holds runs of 2 different architectures.*--label"):
-        F.fit_table(rows, form="no-E", plots=False, progress=False)
+        FT.fit_table(rows, form="no-E", plots=False, progress=False)
     with pytest.raises(Exception, match="REGEX=LABEL"):
         parse_label_overrides(["no-equals-sign"])
 
