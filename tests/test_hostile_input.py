@@ -1,7 +1,7 @@
 """Hostile input under a memory bound: an absurd document for ``data prepare``, a safetensors header whose
 shapes disagree with config.json, and a global batch far beyond the device's memory. Each ends in one
 line (or a warning and a store without the document) and the process's peak RSS stays bounded; each runs
-in a child process that reports its own peak (``resource.getrusage``)."""
+in a child process that reports its own peak (``VmHWM`` of ``/proc/self/status``)."""
 
 import json
 import os
@@ -14,9 +14,12 @@ import numpy as np
 from hybrid_lm.config import CONFIGS_DIR
 
 GiB = 1 << 30
-# runs the hybrid-lm command line in this process, then prints the process's peak RSS in KiB
-PEAK = ("import resource, sys\nfrom hybrid_lm.cli import main\nrc = main(sys.argv[1:])\n"
-        "print('PEAK_KIB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)\nsys.exit(rc)\n")
+# runs the hybrid-lm command line in this process, then prints the process's peak RSS in KiB: VmHWM, the peak of
+# this program's own memory (getrusage's ru_maxrss would also count the pytest worker's RSS at the fork, which
+# Linux carries across exec)
+PEAK = ("import sys\nfrom hybrid_lm.cli import main\nrc = main(sys.argv[1:])\n"
+        "hwm = next(l for l in open('/proc/self/status') if l.startswith('VmHWM:')).split()[1]\n"
+        "print('PEAK_KIB', hwm, file=sys.stderr)\nsys.exit(rc)\n")
 
 
 def _cli_peak(*args, cwd=None):

@@ -237,12 +237,12 @@ def test_rule_fits_the_entry_to_a_smaller_device(tmp_path, monkeypatch):
 
     monkeypatch.setattr(mb, "TABLE", table)
     assert launch.microbatch_plan(cfg)[0].train.microbatches == 4  # the CPU: no limit, as measured
-    monkeypatch.setattr(mb, "device_memory_limit", lambda device=None: int(75.2 * GIB))
+    monkeypatch.setattr(launch, "device_memory_limit", lambda device=None: int(75.2 * GIB))  # the name launch binds
     planned, why = launch.microbatch_plan(cfg)
     assert planned.train.microbatches == 8 and "scaled from 16 to 11" in why
     # devices of different limits: the smallest decides, and one that reports none is skipped
     limits = iter([int(132.8 * GIB), None, int(75.2 * GIB)])
-    monkeypatch.setattr(mb, "device_memory_limit", lambda device=None: next(limits))
+    monkeypatch.setattr(launch, "device_memory_limit", lambda device=None: next(limits))
     from types import SimpleNamespace
 
     from hybrid_lm import sharding as shd

@@ -4,6 +4,7 @@ import io
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from hybrid_lm.experiment import load_config
@@ -55,14 +56,21 @@ def test_a_tty_gets_the_bar_and_no_plain_lines(tiny_params, tmp_path):
     assert "train" in out.getvalue()  # tqdm's bar
 
 
+def _result(loss: float, bpb: float) -> dict:
+    """An eval result as ``run/loss.py::evaluate`` returns it, for 8 windows."""
+    windows = np.full(8, loss)
+    return {"loss": loss, "loss_se": 0.01, "bpb": bpb, "bpb_se": 0.01, "eval_windows": 8, "window_losses": windows,
+            "eval_s": 0.1}
+
+
 def test_loss_curve_is_refreshed_at_every_eval(tiny_params, tmp_path):
     cfg = load_config([], tiny_params)
     logger = _logger(cfg, tmp_path, io.StringIO())
     png = tmp_path / "loss_curve.png"
-    logger.eval_row(0, {"loss": 5.0, "bpb": 7.0, "eval_windows": 8})
+    logger.eval_row(0, _result(5.0, 7.0))
     first = png.read_bytes()
     logger.train_row(5, STATS)
-    logger.eval_row(5, {"loss": 3.0, "bpb": 4.0, "eval_windows": 8})
+    logger.eval_row(5, _result(3.0, 4.0))
     assert png.read_bytes() != first  # redrawn with the new points
     logger.close()
 
@@ -83,7 +91,7 @@ def test_wandb_sink_offline(tiny_params, tmp_path, monkeypatch):
     cfg = load_config([], tiny_params + ["TrainConfig.wandb = True"])
     logger = _logger(cfg, tmp_path, io.StringIO())
     logger.train_row(5, STATS)
-    logger.eval_row(5, {"loss": 3.0, "bpb": 4.0, "eval_windows": 8})
+    logger.eval_row(5, _result(3.0, 4.0))
     logger.close()
     run_id = (tmp_path / "wandb_id").read_text().strip()
     assert list((tmp_path / "wandb").glob(f"offline-run-*-{run_id}"))  # written locally, nothing sent
