@@ -205,14 +205,20 @@ class Stress:
         row["expected"] = row.get("expected", True) and at not in row["checkpoints_at_kill"]  # not committed
         self.resume_equal(d, row)
 
-    def corrupt_newest(self, d, row, rng):
-        # killed while committing step 3 * EVERY: the saves of EVERY and 2 * EVERY had finished (each save
-        # waits for the one before), so two checkpoints are there
+    def _killed_with_two_checkpoints(self, d, row):
+        """The run killed while committing step 3 * EVERY: the saves of EVERY and 2 * EVERY had finished (each
+        save waits for the one before), so two checkpoints are there; their steps, or None (the row says so)."""
         self._kill(d, row, 3 * EVERY, signal.SIGKILL, where="commit")
         steps = ckpt_steps(d)
         if len(steps) < 2:
             row["note"] = "fewer than 2 checkpoints at the kill"
             row["expected"] = False
+            return None
+        return steps
+
+    def corrupt_newest(self, d, row, rng):
+        steps = self._killed_with_two_checkpoints(d, row)
+        if steps is None:
             return
         corrupt(d / "checkpoints" / str(steps[-1]))
         row["corrupted"] = steps[-1]
@@ -222,11 +228,8 @@ class Stress:
         row["expected"] = bool(moved) and row["resumed_rc"] == 0 and "refused_nothing_restores" not in row
 
     def byte_flip(self, d, row, rng):
-        self._kill(d, row, 3 * EVERY, signal.SIGKILL, where="commit")
-        steps = ckpt_steps(d)
-        if len(steps) < 2:
-            row["note"] = "fewer than 2 checkpoints at the kill"
-            row["expected"] = False
+        steps = self._killed_with_two_checkpoints(d, row)
+        if steps is None:
             return
         row["flipped"] = {"step": steps[-1], **flip_bytes(d / "checkpoints" / str(steps[-1]), rng)}
         self.resume_equal(d, row)

@@ -129,6 +129,7 @@ def test_length_in_tokens_and_the_regex_oracle(task, length, tok):
             assert set(parts) <= want["wrong"] and parts != list(item.answers)
         assert max(len(tok.encode(x)) for x in (item.gold, *item.distractors)) <= item.gen_tokens
         assert len(item.distractors) == {"niah_multikey": 3, "cwe": 3, "fwe": 3}.get(task, 0)
+        assert bool(item.distractors) == (task in RI.LL_TASKS)  # what a study's RULER metric may use
 
 
 @pytest.mark.parametrize("haystack,length", [("noise", 2048), ("essays", 8192)])

@@ -224,7 +224,8 @@ def test_verdict_rule():
     assert V.combine([V.REPRODUCED, V.REPRODUCED]) == V.REPRODUCED
     assert V.combine([V.REPRODUCED, V.INCONCLUSIVE]) == V.INCONCLUSIVE
     assert V.combine([V.REPRODUCED, V.NOT_REPRODUCED, V.INCONCLUSIVE]) == V.NOT_REPRODUCED
-    assert V.combine([V.NOT_EVALUATED, V.REPRODUCED]) == V.REPRODUCED and V.combine([V.NOT_EVALUATED]) == V.NOT_EVALUATED
+    assert V.combine([V.NOT_EVALUATED, V.REPRODUCED]) == V.INCONCLUSIVE and V.combine([V.NOT_EVALUATED]) == V.NOT_EVALUATED
+    assert V.combine([V.NOT_EVALUATED, V.NOT_REPRODUCED]) == V.NOT_REPRODUCED
 
 
 def _values(rng, arms: dict, n_windows: int = 400):
@@ -286,6 +287,9 @@ def test_judge_pools_the_seed_variance_and_pairs_the_windows():
     (lambda t: t.replace('eval = {task = "loss", seq_len = 8192}', 'eval = {task = "loss", seq_len = 0}'),
      "eval.seq_len = 0: must be an integer >= 1"),
     (lambda t: t.replace('eval = {task = "loss", seq_len = 8192}', 'eval = {task = "probe"}'), "task must be one of"),
+    (lambda t: t.replace('tasks = ["niah_multikey"]', 'tasks = ["niah_single"]'),
+     "niah_single's items have no distractors"),
+    (lambda t: t.replace('tasks = ["niah_multikey"]', 'tasks = ["haystack"]'), "unknown RULER task 'haystack'"),
     (lambda t: t.replace('untested = ', 'report = "loss"\nuntested = '), "give exactly one of parts, untested, report"),
     (lambda t: t + "\n[extra]\n", "unknown key 'extra'"),
     (lambda t: t + "\n[[", "not TOML"),

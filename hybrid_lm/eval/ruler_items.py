@@ -76,6 +76,10 @@ RULER_HAYSTACK = {"niah_single": "essays", "niah_multikey": "essays", "niah_mult
 NIAH = {"niah_single": (1, 1, 1), "niah_multikey": (4, 1, 1), "niah_multivalue": (1, 4, 1),
         "niah_multiquery": (4, 1, 4)}
 VT_CHAINS, VT_HOPS = 1, 4  # synthetic.yaml vt: num_chains 1, num_hops 4
+# the tasks whose items carry distractors, so that the gold answer can be ranked against them by log-likelihood
+# (NIAH: the keys not asked; vt: the other chains; cwe, fwe: other words of the context)
+LL_TASKS = frozenset({t for t, (keys, _, asked) in NIAH.items() if keys > asked}
+                     | ({"vt"} if VT_CHAINS > 1 else set()) | {"cwe", "fwe"})
 VT_ICL_TOKENS = 500  # variable_tracking.py main(): the one-shot example is built for max_seq_length=500
 FWE_ALPHA, FWE_WORD_LEN, FWE_ANSWERS = 2.0, 6, 3
 CWE_MAX_WORD = 10

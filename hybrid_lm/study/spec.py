@@ -156,6 +156,14 @@ def _metric(name: str, d: dict, where: str) -> Metric:
     for key in ("seq_len", "items", "context", "trunc_len", "window", "docs", "samples", "length"):
         if key in ev and (isinstance(ev[key], bool) or not isinstance(ev[key], int) or ev[key] < 1):
             raise ConfigError(f"{where}.eval.{key} = {ev[key]!r}: must be an integer >= 1")
+    if ev["task"] == "ruler":
+        from hybrid_lm.eval.ruler_items import LL_TASKS, TASKS as RULER_TASKS  # scipy, numpy: only a RULER metric needs them
+        for t in ev.get("tasks", ["niah_single"]):
+            if t not in RULER_TASKS:
+                raise ConfigError(f"{where}.eval.tasks: unknown RULER task {t!r} (one of {', '.join(RULER_TASKS)})")
+            if t not in LL_TASKS:
+                raise ConfigError(f"{where}.eval.tasks: {t}'s items have no distractors, so the metric (the gold "
+                                  f"answer above every distractor) has no value; use one of {', '.join(sorted(LL_TASKS))}")
     if ev["task"] == "longppl":
         parse_member(ev.get("evaluator", "full"), f"{where}.eval.evaluator")
     if ev.get("prefill_only") and not swaps:

@@ -38,12 +38,14 @@ def verdict(d: float, se: float, predict: str, k: float, margin: float) -> str:
 
 
 def combine(verdicts: list[str]) -> str:
+    """A claim's verdict from its parts': not reproduced if any part is not; reproduced only when every
+    part is judged and reproduced (a part still to be trained leaves the claim inconclusive)."""
     v = [x for x in verdicts if x != NOT_EVALUATED]
     if not v:
         return NOT_EVALUATED
     if NOT_REPRODUCED in v:
         return NOT_REPRODUCED
-    return REPRODUCED if all(x == REPRODUCED for x in v) else INCONCLUSIVE
+    return REPRODUCED if all(x == REPRODUCED for x in verdicts) else INCONCLUSIVE
 
 
 @dataclass

@@ -43,7 +43,7 @@ def test_study_claims_file_matches_the_sweep():
                        {a: d["seeds"] or sweep.seeds for a, d in sweep.archs.items()})
     assert spec.sweep.resolve() == (REPO / "configs" / "sweeps" / "study.toml").resolve()
     assert spec.budget == 12 and all(spec.budget in (sweep.archs[a]["budgets"] or sweep.budgets) for a in sweep.archs)
-    assert spec.parts[0] == (("full", (0, 1, 2)),) and set(spec.claims) == {"C1", "C2", "C3", "C4", "C5", "C6", "retrieval"}
+    assert spec.parts[0] == (("full", (0, 1, 2)),) and set(spec.claims) == {"C1", "C2", "C3", "C4", "C5", "C6", "C7", "retrieval"}
     # every metric a claim part reads is recorded on some run of each arm it names
     for c in spec.claims.values():
         for p in c.parts:
