@@ -158,7 +158,7 @@ def _metric(name: str, d: dict, where: str) -> Metric:
             raise ConfigError(f"{where}.eval.{key} = {ev[key]!r}: must be an integer >= 1")
     if ev["task"] == "ruler":
         from hybrid_lm.eval.ruler_items import LL_TASKS, TASKS as RULER_TASKS  # scipy, numpy: only a RULER metric needs them
-        for t in ev.get("tasks", ["niah_single"]):
+        for t in ev.get("tasks", ()):  # none named: every task runs, and those with distractors are scored
             if t not in RULER_TASKS:
                 raise ConfigError(f"{where}.eval.tasks: unknown RULER task {t!r} (one of {', '.join(RULER_TASKS)})")
             if t not in LL_TASKS:
