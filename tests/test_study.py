@@ -130,6 +130,27 @@ def test_per_arch_seeds_and_equal_tokens():
     assert len({j.D for j in eq.jobs}) == 1
 
 
+def test_per_scale_seeds_yield_to_an_archs_own():
+    """A scale's seeds repeat that scale's cells (the L(N, D) sweep's replicated size); an arch that sets its
+    own seeds keeps them; the other scales keep the top-level list; the dry run says the cells differ."""
+    import tomllib
+
+    from hybrid_lm.scaling.sweep import expand, format_plan, spec_from_dict
+
+    raw = _tiny_spec()
+    raw["scales"] = tomllib.loads((REPO / "configs" / "sweeps" / "tiny_cpu.toml").read_text())["scales"]
+    first, second = list(raw["scales"])
+    raw["scales"][first]["seeds"] = [0, 1, 2]
+    plan = expand(spec_from_dict(raw), root="/tmp/s4")
+    seeds = {}
+    for j in plan.jobs:
+        seeds.setdefault((j.scale, j.arch), []).append(j.seed)
+    assert seeds[(first, "gated")] == [0, 1, 2] and seeds[(first, "full_rerun")] == [0, 1, 2]
+    assert seeds[(first, "full")] == [0, 1] and seeds[(second, "full")] == [0, 1]  # the arch's own
+    assert seeds[(second, "gated")] == [0]  # the top-level list
+    assert "x 3 seed(s) (some cells 1)" in format_plan(plan).splitlines()[0]
+
+
 def test_per_arch_budgets_with_wsd_branching():
     from hybrid_lm.scaling.sweep import expand, spec_from_dict
 
@@ -147,6 +168,8 @@ def test_per_arch_budgets_with_wsd_branching():
     ({"archs": {"a": {"budgets": [4, -1]}}}, "archs.a.budgets"),
     ({"archs": {"a": {"seeds": []}}}, "archs.a.seeds must be a non-empty list of integers"),
     ({"archs": {"a": {"seeds": [0, True]}}}, "archs.a.seeds must be a non-empty list of integers"),
+    ({"scales": {"t1": {"seeds": []}}}, "scales.t1.seeds must be a non-empty list of integers"),
+    ({"scales": {"t1": {"seeds": ["0"]}}}, "scales.t1.seeds must be a non-empty list of integers"),
     ({"equal_tokens": True, "archs": {"a": {}}}, "equal_tokens needs the reference arch"),
 ])
 def test_bad_spec_keys_are_one_line(change, match):

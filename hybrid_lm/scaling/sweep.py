@@ -57,7 +57,7 @@ PASSES_WARN = 4
 
 _TOP_KEYS = {"name", "description", "root", "gin", "params", "seeds", "budgets", "n_definition", "mfu",
              "peak_flops", "wsd", "param_match", "scales", "archs", "slurm", "equal_tokens"}
-_SCALE_KEYS = {"gin", "params", "budgets", "description"}
+_SCALE_KEYS = {"gin", "params", "budgets", "seeds", "description"}
 _ARCH_KEYS = {"gin", "params", "mfu", "param_match", "description", "seeds", "budgets"}
 _WSD_KEYS = {"branch", "decay_fraction"}
 _PM_KEYS = {"enabled", "reference", "d_ff_multiple"}
@@ -149,6 +149,12 @@ def load_spec(path: str | Path) -> Spec:
     return spec_from_dict(raw, str(p))
 
 
+def run_seeds(spec: Spec, scale: str, arch: str) -> list:
+    """The seeds of one (scale, arch) cell: the arch's own, else the scale's, else the top-level list (the
+    precedence of budgets)."""
+    return spec.archs[arch].get("seeds") or spec.scales[scale].get("seeds") or spec.seeds
+
+
 def spec_from_dict(raw: dict, path: str | None = None) -> Spec:
     where = path or "spec"
     _check_keys(raw, _TOP_KEYS, where)
@@ -162,9 +168,12 @@ def spec_from_dict(raw: dict, path: str | None = None) -> Spec:
     scales = {}
     for s, d in scales_raw.items():
         _check_keys(d, _SCALE_KEYS, f"{where}: scales.{s}")
+        if "seeds" in d and not _int_list(d["seeds"]):
+            raise SweepError(f"{where}: scales.{s}.seeds must be a non-empty list of integers")
         scales[s] = {"gin": _str_list(d.get("gin"), f"scales.{s}.gin"),
                      "params": _str_list(d.get("params"), f"scales.{s}.params"),
-                     "budgets": _num_list(d["budgets"], f"scales.{s}.budgets") if "budgets" in d else None}
+                     "budgets": _num_list(d["budgets"], f"scales.{s}.budgets") if "budgets" in d else None,
+                     "seeds": list(d["seeds"]) if "seeds" in d else None}
     wsd = raw.get("wsd", {})
     _check_keys(wsd, _WSD_KEYS, f"{where}: wsd")
     pm = raw.get("param_match", {})
@@ -395,7 +404,7 @@ def expand(spec: Spec, root: str | Path | None = None, extra_params: list[str] |
         def hours(flops, mfu=mfu):
             return flops / (mfu * spec.peak_flops) / 3600.0
 
-        for seed in spec.archs[a].get("seeds") or spec.seeds:
+        for seed in run_seeds(spec, s, a):
             base_params = r["params"] + [f"TrainConfig.seed = {seed}"]
             cfg_id = None
             group: list[Job] = []
@@ -528,9 +537,10 @@ def format_plan(plan: Plan) -> str:
     """The ``--dry-run`` table."""
     lines = []
     sp = plan.spec
-    seeds = sorted({x for a in sp.archs.values() for x in (a.get("seeds") or sp.seeds)})
+    per_cell = {len(run_seeds(sp, s, a)) for s in sp.scales for a in sp.archs}
+    seeds = sorted({x for s in sp.scales for a in sp.archs for x in run_seeds(sp, s, a)})
     lines.append(f"sweep {sp.name}: {len(sp.scales)} scales x {len(sp.archs)} archs x {len(seeds)} seed(s)"
-                 + (" (some archs fewer)" if any(a.get("seeds") for a in sp.archs.values()) else "")
+                 + (f" (some cells {min(per_cell)})" if len(per_cell) > 1 else "")
                  + f"; root {plan.root}")
     if sp.equal_tokens:
         lines.append(f"equal tokens: every arch trains the D of {sp.reference_arch!r} at each budget (D/N is the "

@@ -181,3 +181,27 @@ def test_tiny_study_in_parts(tmp_path, capsys):
     assert again["claims"]["C2"]["parts"][0]["d"] == doc["claims"]["C2"]["parts"][0]["d"]
     assert main(["claims", str(copy), "--claims-file", str(claims_file), "--next-part"]) == 0
     assert capsys.readouterr().out.strip().endswith("0")
+
+
+def test_lnd_spec_dry_run(capsys):
+    """configs/sweeps/lnd.toml, the L(N, D) sweep: three sizes by the presets' rule (S1's and two below it),
+    each size x arch one stable run with a branch per budget, three seeds at the smallest size only."""
+    rc = main(["sweep", str(REPO / "configs" / "sweeps" / "lnd.toml"), "--dry-run", "--json", *EMBEDDED])
+    assert rc == 0
+    plan = json.loads(capsys.readouterr().out)
+    full = {j["scale"]: j["N"] for j in plan["jobs"] if j["arch"] == "full"}
+    assert full == {"S1h": 4_132_096, "S1s": 8_999_808, "S1": 14_999_424}  # 9.5 d^2 + 258 d per layer, + d
+    cells = {}
+    for j in plan["jobs"]:
+        if j["kind"] == "branch":
+            cells.setdefault((j["scale"], j["arch"]), set()).add((j["seed"], j["budget"]))
+    assert set(cells) == {(s, a) for s in ("S1h", "S1s", "S1") for a in ("full", "swa128", "gdn")}
+    for (s, a), got in cells.items():
+        seeds = (0, 1, 2) if s == "S1h" else (0,)
+        budgets = (10, 20, 30) if s == "S1" else (10, 20, 40)
+        assert got == {(x, b) for x in seeds for b in budgets}, (s, a)
+    stable = [j for j in plan["jobs"] if j["kind"] == "stable"]
+    assert len(stable) == 15 and all(j["seed"] == 0 for j in stable if j["scale"] != "S1h")
+    for j in plan["jobs"]:
+        if j["kind"] == "branch":  # the smallest budget's run still takes 600+ steps
+            assert j["steps"] >= 600 and j["branch_from"]["step"] == round(0.8 * j["steps"]), j["name"]
